@@ -1,0 +1,70 @@
+//===- LoomDialect.cpp - The loom dialect ---------------------------------===//
+
+#include "dialects/loom/IR/LoomDialect.h"
+#include "dialects/loom/IR/LoomOps.h"
+#include "mlir/IR/BuiltinOps.h"
+#include "mlir/Transforms/InliningUtils.h"
+
+using namespace mlir;
+using namespace mlir::loom;
+
+#include "dialects/loom/IR/LoomDialect.cpp.inc"
+
+namespace {
+/// Every loom op is a pure function of its operands and reads parameters by
+/// symbol, so any of them may be inlined (for example when `@loss` calls
+/// `@forward`).
+struct LoomInlinerInterface : public DialectInlinerInterface {
+  using DialectInlinerInterface::DialectInlinerInterface;
+  bool isLegalToInline(Operation *, Operation *, bool) const final { return true; }
+  bool isLegalToInline(Region *, Region *, bool, IRMapping &) const final { return true; }
+  bool isLegalToInline(Operation *, Region *, bool, IRMapping &) const final { return true; }
+};
+} // namespace
+
+void LoomDialect::initialize() {
+  addOperations<
+#define GET_OP_LIST
+#include "dialects/loom/IR/LoomOps.cpp.inc"
+      >();
+  registerAttributes();
+  addInterfaces<LoomInlinerInterface>();
+}
+
+LogicalResult LoomDialect::verifyOperationAttribute(Operation *op, NamedAttribute attr) {
+  StringRef name = attr.getName().getValue();
+  if (name == "loom.mesh") {
+    if (!isa<MeshAttr>(attr.getValue()))
+      return op->emitError() << "'loom.mesh' must be a #loom.mesh attribute, got "
+                             << attr.getValue();
+    if (!isa<ModuleOp>(op))
+      return op->emitError() << "'loom.mesh' belongs on the module";
+    return success();
+  }
+  if (name == "loom.family") {
+    if (!isa<StringAttr>(attr.getValue()) || !isa<ModuleOp>(op))
+      return op->emitError() << "'loom.family' must be a string on the module";
+    return success();
+  }
+  if (name == "loom.sharding") {
+    auto sharding = dyn_cast<ShardingAttr>(attr.getValue());
+    if (!sharding)
+      return op->emitError() << "'loom.sharding' must be a #loom.sharding attribute, got "
+                             << attr.getValue();
+    RankedTensorType type;
+    if (auto param = dyn_cast<ParamOp>(op))
+      type = param.getTensorType();
+    else if (op->getNumResults() == 1)
+      type = dyn_cast<RankedTensorType>(op->getResult(0).getType());
+    if (!type)
+      return op->emitError()
+             << "'loom.sharding' needs an op with one ranked tensor result or a loom.param";
+    auto module = op->getParentOfType<ModuleOp>();
+    MeshAttr mesh = module ? module->getAttrOfType<MeshAttr>("loom.mesh") : MeshAttr();
+    if (!mesh)
+      return op->emitError()
+             << "'loom.sharding' needs a 'loom.mesh' attribute on the enclosing module";
+    return sharding.verifyFor(mesh, type, [&] { return op->emitError(); });
+  }
+  return op->emitError() << "unknown loom attribute '" << name << "'";
+}

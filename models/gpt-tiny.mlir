@@ -1,0 +1,74 @@
+// GPT-2 style decoder: 2 layers, hidden 64, 4 heads, sequence 32, vocabulary 256, tied embeddings.
+// Written by: loomc models gpt --layers 2 --hidden 64 --heads 4 --seq 32 --vocab 256 --ffn 256 --dtype f32
+module attributes {loom.family = "gpt"} {
+  loom.param @wte : tensor<256x64xf32> init <normal(0.02)>
+  loom.param @wpe : tensor<32x64xf32> init <normal(0.01)>
+  loom.param @ln_f.g : tensor<64xf32> init <ones>
+  loom.param @ln_f.b : tensor<64xf32> init <zeros>
+
+  // One pre-LayerNorm transformer layer; loom.repeat applies it per layer.
+  loom.block @layer(%x: tensor<?x32x64xf32>) -> tensor<?x32x64xf32> {
+    loom.param @ln1.g : tensor<64xf32> init <ones>
+    loom.param @ln1.b : tensor<64xf32> init <zeros>
+    loom.param @attn.qkv.w : tensor<64x192xf32> init <normal(0.02)>
+    loom.param @attn.qkv.b : tensor<192xf32> init <zeros>
+    loom.param @attn.proj.w : tensor<64x64xf32> init <normal(0.01)>
+    loom.param @attn.proj.b : tensor<64xf32> init <zeros>
+    loom.param @ln2.g : tensor<64xf32> init <ones>
+    loom.param @ln2.b : tensor<64xf32> init <zeros>
+    loom.param @mlp.fc.w : tensor<64x256xf32> init <normal(0.02)>
+    loom.param @mlp.fc.b : tensor<256xf32> init <zeros>
+    loom.param @mlp.proj.w : tensor<256x64xf32> init <normal(0.01)>
+    loom.param @mlp.proj.b : tensor<64xf32> init <zeros>
+
+    %ln1_g = loom.get @ln1.g : tensor<64xf32>
+    %ln1_b = loom.get @ln1.b : tensor<64xf32>
+    %h1 = loom.layernorm %x, %ln1_g, %ln1_b : tensor<?x32x64xf32>, tensor<64xf32>, tensor<64xf32>
+    %qkv_w = loom.get @attn.qkv.w : tensor<64x192xf32>
+    %qkv_b = loom.get @attn.qkv.b : tensor<192xf32>
+    %qkv0 = loom.matmul %h1, %qkv_w : tensor<?x32x64xf32>, tensor<64x192xf32>
+    %qkv = loom.add %qkv0, %qkv_b : tensor<?x32x192xf32>, tensor<192xf32>
+    %q = loom.slice %qkv {axis = 2, start = 0, size = 64} : tensor<?x32x192xf32>
+    %k = loom.slice %qkv {axis = 2, start = 64, size = 64} : tensor<?x32x192xf32>
+    %v = loom.slice %qkv {axis = 2, start = 128, size = 64} : tensor<?x32x192xf32>
+    %a = loom.attention %q, %k, %v {causal, num_heads = 4} : tensor<?x32x64xf32>, tensor<?x32x64xf32>, tensor<?x32x64xf32>
+    %proj_w = loom.get @attn.proj.w : tensor<64x64xf32>
+    %proj_b = loom.get @attn.proj.b : tensor<64xf32>
+    %o0 = loom.matmul %a, %proj_w : tensor<?x32x64xf32>, tensor<64x64xf32>
+    %o = loom.add %o0, %proj_b : tensor<?x32x64xf32>, tensor<64xf32>
+    %r1 = loom.add %x, %o : tensor<?x32x64xf32>, tensor<?x32x64xf32>
+    %ln2_g = loom.get @ln2.g : tensor<64xf32>
+    %ln2_b = loom.get @ln2.b : tensor<64xf32>
+    %h2 = loom.layernorm %r1, %ln2_g, %ln2_b : tensor<?x32x64xf32>, tensor<64xf32>, tensor<64xf32>
+    %fc_w = loom.get @mlp.fc.w : tensor<64x256xf32>
+    %fc_b = loom.get @mlp.fc.b : tensor<256xf32>
+    %u0 = loom.matmul %h2, %fc_w : tensor<?x32x64xf32>, tensor<64x256xf32>
+    %u1 = loom.add %u0, %fc_b : tensor<?x32x256xf32>, tensor<256xf32>
+    %u = loom.gelu %u1 {approximate} : tensor<?x32x256xf32>
+    %mproj_w = loom.get @mlp.proj.w : tensor<256x64xf32>
+    %mproj_b = loom.get @mlp.proj.b : tensor<64xf32>
+    %d0 = loom.matmul %u, %mproj_w : tensor<?x32x256xf32>, tensor<256x64xf32>
+    %d = loom.add %d0, %mproj_b : tensor<?x32x64xf32>, tensor<64xf32>
+    %y = loom.add %r1, %d : tensor<?x32x64xf32>, tensor<?x32x64xf32>
+    loom.yield %y : tensor<?x32x64xf32>
+  }
+
+  func.func @forward(%tokens: tensor<?x32xi32>) -> tensor<?x32x256xf32> {
+    %wte = loom.get @wte : tensor<256x64xf32>
+    %wpe = loom.get @wpe : tensor<32x64xf32>
+    %tok = loom.embedding %wte, %tokens : tensor<256x64xf32>, tensor<?x32xi32>
+    %x0 = loom.add %tok, %wpe : tensor<?x32x64xf32>, tensor<32x64xf32>
+    %x = loom.repeat 2 @layer(%x0) : (tensor<?x32x64xf32>) -> tensor<?x32x64xf32>
+    %lnf_g = loom.get @ln_f.g : tensor<64xf32>
+    %lnf_b = loom.get @ln_f.b : tensor<64xf32>
+    %xf = loom.layernorm %x, %lnf_g, %lnf_b : tensor<?x32x64xf32>, tensor<64xf32>, tensor<64xf32>
+    %logits = loom.matmul %xf, %wte {transpose_b} : tensor<?x32x64xf32>, tensor<256x64xf32>
+    return %logits : tensor<?x32x256xf32>
+  }
+
+  func.func @loss(%tokens: tensor<?x32xi32>, %targets: tensor<?x32xi32>) -> tensor<f32> {
+    %logits = call @forward(%tokens) : (tensor<?x32xi32>) -> tensor<?x32x256xf32>
+    %loss = loom.cross_entropy %logits, %targets : tensor<?x32x256xf32>, tensor<?x32xi32>
+    return %loss : tensor<f32>
+  }
+}

@@ -1,0 +1,27 @@
+//===- Passes.h - Loom passes -----------------------------------*- C++ -*-===//
+#ifndef LOOM_PASSES_PASSES_H
+#define LOOM_PASSES_PASSES_H
+
+#include "mlir/IR/BuiltinOps.h"
+#include "mlir/Pass/Pass.h"
+
+namespace mlir::loom {
+
+#define GEN_PASS_DECL
+#include "passes/Passes.h.inc"
+
+/// Re-infers the result types of the ops in `region`, in order, after the
+/// types of its arguments changed. Ops with an explicit result type
+/// (reshape, broadcast, cast) get their dynamic dimensions resolved from
+/// their input; calls and repeats take the callee's signature.
+LogicalResult refreshResultTypes(Region &region);
+
+/// Specialises the dynamic batch of every entry point and block to `batch`.
+LogicalResult specializeBatch(ModuleOp module, int64_t batch);
+
+#define GEN_PASS_REGISTRATION
+#include "passes/Passes.h.inc"
+
+} // namespace mlir::loom
+
+#endif

@@ -1,0 +1,20 @@
+//===- Passes.td - Loom passes ----------------------------*- tablegen -*-===//
+#ifndef LOOM_PASSES_TD
+#define LOOM_PASSES_TD
+
+include "mlir/Pass/PassBase.td"
+
+def SpecializeBatch : Pass<"loom-specialize-batch", "::mlir::ModuleOp"> {
+  let summary = "Gives the dynamic batch dimension a concrete size";
+  let description = [{
+    Models leave the batch dimension dynamic (`tensor<?x1024xi32>`). This
+    pass replaces every dynamic dimension in the signatures of `func.func`
+    and `loom.block` operations with `batch`, then re-infers the type of
+    every value so the whole module has static shapes.
+  }];
+  let options = [
+    Option<"batch", "batch", "int64_t", /*default=*/"1", "Batch size (>= 1)">
+  ];
+}
+
+#endif // LOOM_PASSES_TD

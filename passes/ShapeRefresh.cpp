@@ -1,0 +1,75 @@
+//===- ShapeRefresh.cpp - Re-infer types after a signature changes --------===//
+
+#include "dialects/loom/IR/LoomOps.h"
+#include "mlir/Dialect/Func/IR/FuncOps.h"
+#include "passes/Passes.h"
+
+using namespace mlir;
+using namespace mlir::loom;
+
+/// Fills the dynamic dimensions of an explicitly typed result from the
+/// operand, for ops whose result has the operand's element count (reshape)
+/// or whose shape follows the operand (cast, broadcast).
+static FailureOr<RankedTensorType> resolveExplicitResult(Operation *op) {
+  auto in = cast<RankedTensorType>(op->getOperand(0).getType());
+  auto out = cast<RankedTensorType>(op->getResult(0).getType());
+  if (out.hasStaticShape() || !in.hasStaticShape())
+    return out;
+  SmallVector<int64_t> shape(out.getShape());
+  if (isa<ReshapeOp>(op)) {
+    int64_t known = 1;
+    for (int64_t d : shape)
+      if (!ShapedType::isDynamic(d))
+        known *= d;
+    if (known == 0 || in.getNumElements() % known != 0)
+      return op->emitOpError() << "cannot resolve the dynamic dimension of " << out
+                               << " from " << in;
+    for (int64_t &d : shape)
+      if (ShapedType::isDynamic(d))
+        d = in.getNumElements() / known;
+  } else {
+    // Cast keeps the shape; broadcast keeps the operand's trailing extents.
+    int64_t offset = out.getRank() - in.getRank();
+    for (int64_t i = 0; i < out.getRank(); ++i)
+      if (ShapedType::isDynamic(shape[i]))
+        shape[i] = i >= offset ? in.getDimSize(i - offset) : 1;
+  }
+  return RankedTensorType::get(shape, out.getElementType());
+}
+
+LogicalResult mlir::loom::refreshResultTypes(Region &region) {
+  auto module = region.getParentOp()->getParentOfType<ModuleOp>();
+  WalkResult result = region.walk([&](Operation *op) -> WalkResult {
+    SmallVector<Type> types;
+    if (auto infer = dyn_cast<InferTypeOpInterface>(op)) {
+      if (failed(infer.inferReturnTypes(op->getContext(), op->getLoc(), op->getOperands(),
+                                        op->getRawDictionaryAttrs(),
+                                        op->getPropertiesStorage(), op->getRegions(), types)))
+        return WalkResult::interrupt();
+    } else if (isa<ReshapeOp, CastOp, BroadcastOp>(op)) {
+      auto type = resolveExplicitResult(op);
+      if (failed(type))
+        return WalkResult::interrupt();
+      types.push_back(*type);
+    } else if (isa<GeluOp, ReluOp, SiluOp, ExpOp, TanhOp, RsqrtOp, NegOp, ScaleOp, SoftmaxOp,
+                   LayerNormOp, RMSNormOp, BatchNormOp, RotaryOp>(op)) {
+      types.push_back(op->getOperand(0).getType());
+    } else if (auto repeat = dyn_cast<RepeatOp>(op)) {
+      BlockOp block = repeat.lookupBlock();
+      if (!block)
+        return WalkResult(repeat.emitOpError() << "refers to a missing block");
+      llvm::append_range(types, block.getResultTypes());
+    } else if (auto call = dyn_cast<func::CallOp>(op)) {
+      auto callee = module ? module.lookupSymbol<func::FuncOp>(call.getCallee()) : nullptr;
+      if (!callee)
+        return WalkResult(call.emitOpError() << "refers to a missing function");
+      llvm::append_range(types, callee.getResultTypes());
+    } else {
+      return WalkResult::advance();
+    }
+    for (auto [value, type] : llvm::zip(op->getResults(), types))
+      value.setType(type);
+    return WalkResult::advance();
+  });
+  return failure(result.wasInterrupted());
+}
