@@ -14,6 +14,8 @@
 #include "llvm/ADT/TypeSwitch.h"
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 
 using namespace mlir;
 using namespace mlir::loom;
@@ -31,9 +33,16 @@ void LoomDialect::registerAttributes() {
 
 /// Prints a double in its shortest exact decimal form (0.02, not 2.000000e-02).
 static void printShortestDouble(AsmPrinter &printer, double value) {
-  SmallString<32> text;
-  APFloat(value).toString(text);
-  printer << text;
+  char text[32];
+  for (int precision = 1; precision <= 17; ++precision) {
+    snprintf(text, sizeof(text), "%.*g", precision, value);
+    if (strtod(text, nullptr) == value)
+      break;
+  }
+  StringRef str(text);
+  printer << str;
+  if (str.find_first_of(".eEn") == StringRef::npos)
+    printer << ".0";
 }
 
 //===----------------------------------------------------------------------===//

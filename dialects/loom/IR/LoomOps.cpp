@@ -391,9 +391,9 @@ static LogicalResult verifyFeatureParam(Operation *op, StringRef what, Type para
                                         RankedTensorType input, int64_t features) {
   auto type = cast<RankedTensorType>(paramType);
   if (type.getRank() != 1 || !compatible(type.getDimSize(0), features))
-    return op->emitOpError() << what << " must be tensor<" << features << "x"
-                             << input.getElementType() << "> to match input " << input
-                             << ", got " << type;
+    return op->emitOpError() << what << " must be "
+                             << RankedTensorType::get({features}, input.getElementType())
+                             << " to match input " << input << ", got " << type;
   if (type.getElementType() != input.getElementType())
     return op->emitOpError() << what << " has element type " << type.getElementType()
                              << " but input " << input << " has "

@@ -11,7 +11,6 @@ include "mlir/Interfaces/SideEffectInterfaces.td"
 include "mlir/Interfaces/FunctionInterfaces.td"
 include "mlir/Interfaces/CallInterfaces.td"
 include "mlir/Interfaces/ControlFlowInterfaces.td"
-include "mlir/IR/OpAsmInterface.td"
 
 //===----------------------------------------------------------------------===//
 // Structure: parameters, blocks, repetition
@@ -59,7 +58,7 @@ def Loom_GetOp : Loom_Op<"get", [Pure, DeclareOpInterfaceMethods<SymbolUserOpInt
 
 def Loom_BlockOp : Loom_Op<"block", [
     Symbol, SymbolTable, IsolatedFromAbove, FunctionOpInterface,
-    HasParent<"::mlir::ModuleOp">, OpAsmOpInterface]> {
+    HasParent<"::mlir::ModuleOp">]> {
   let summary = "A repeated block (for example a transformer layer)";
   let description = [{
     A function-like block written once and applied per layer by
@@ -85,7 +84,6 @@ def Loom_BlockOp : Loom_Op<"block", [
     ::llvm::ArrayRef<::mlir::Type> getArgumentTypes() { return getFunctionType().getInputs(); }
     ::llvm::ArrayRef<::mlir::Type> getResultTypes() { return getFunctionType().getResults(); }
     ::mlir::Region *getCallableRegion() { return &getBody(); }
-    static ::llvm::StringRef getDefaultDialect() { return "loom"; }
   }];
 }
 

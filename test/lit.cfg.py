@@ -1,0 +1,17 @@
+# lit configuration for Loom: loom-opt and loomc checked with FileCheck.
+import os
+import lit.formats
+
+config.name = "Loom"
+config.test_format = lit.formats.ShTest(execute_external=True)
+config.suffixes = [".mlir", ".test"]
+config.excludes = ["unit", "Inputs", "lit.cfg.py", "lit.site.cfg.py.in", "CMakeLists.txt"]
+config.test_source_root = os.path.dirname(__file__)
+config.test_exec_root = os.path.join(config.loom_obj_root, "test")
+config.environment["PATH"] = os.pathsep.join(
+    [config.loom_tools_dir, config.llvm_tools_dir, os.environ.get("PATH", "")])
+import sys
+config.substitutions.append(("%python", sys.executable))
+config.substitutions.append(("%models", os.path.join(config.loom_src_root, "models")))
+config.substitutions.append(("%loom_obj", config.loom_obj_root))
+config.substitutions.append(("%loom_src", config.loom_src_root))
