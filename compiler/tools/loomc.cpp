@@ -7,6 +7,8 @@
 
 #include "compiler/ModelSummary.h"
 #include "compiler/ModelZoo.h"
+#include "compiler/bundle/BundleWriter.h"
+#include "compiler/planner/Cluster.h"
 #include "dialects/loom/IR/LoomDialect.h"
 #include "mlir/Dialect/Func/IR/FuncOps.h"
 #include "mlir/IR/Diagnostics.h"
@@ -14,6 +16,8 @@
 #include "mlir/Parser/Parser.h"
 #include "mlir/Support/FileUtilities.h"
 #include "llvm/Support/CommandLine.h"
+#include "llvm/Support/Format.h"
+#include "llvm/Support/Path.h"
 #include "llvm/Support/InitLLVM.h"
 #include "llvm/Support/SourceMgr.h"
 #include "llvm/Support/ToolOutputFile.h"
@@ -61,13 +65,36 @@ cl::opt<std::string> dtype("dtype", cl::desc("Element type of parameters and act
 cl::opt<std::string> modelOutput("o", cl::desc("Output file (default: standard output)"),
                                  cl::value_desc("file"), cl::init("-"), cl::sub(modelsCmd));
 
+cl::SubCommand compileCmd("compile", "Compile a model into a bundle that loom-run and the "
+                                     "C API execute");
+cl::opt<std::string> compileInput(cl::Positional, cl::desc("<model.mlir>"), cl::Required,
+                                  cl::sub(compileCmd));
+cl::opt<std::string> compileOutput("o", cl::desc("Bundle directory to write (OUT.loom)"),
+                                   cl::value_desc("dir"), cl::Required, cl::sub(compileCmd));
+cl::opt<std::string> compileCluster("cluster", cl::desc("Cluster preset or JSON file (cpu:1)"),
+                                    cl::init("cpu:1"), cl::sub(compileCmd));
+cl::opt<std::string> compileTarget("target", cl::desc("Code generation target: cpu (cuda: issue #8)"),
+                                   cl::init("cpu"), cl::sub(compileCmd));
+cl::opt<bool> compileInfer("infer", cl::desc("Compile the forward pass (the default)"),
+                           cl::sub(compileCmd));
+cl::opt<bool> compileTrain("train", cl::desc("Compile a training step (issue #4)"),
+                           cl::sub(compileCmd));
+cl::opt<int64_t> compileBatch("batch", cl::desc("Batch size the dynamic batch dimension takes"),
+                              cl::init(1), cl::sub(compileCmd));
+cl::opt<uint64_t> compileSeed("seed", cl::desc("Seed for initialising parameters"), cl::init(0),
+                              cl::sub(compileCmd));
+cl::opt<std::string> compileWeights("weights",
+                                    cl::desc("Load parameters from a safetensors file instead "
+                                             "of initialising them"),
+                                    cl::value_desc("file"), cl::sub(compileCmd));
+
 int fail(const llvm::Twine &message) {
   llvm::WithColor::error(llvm::errs(), "loomc") << message << "\n";
   return 1;
 }
 
 void loadDialects(MLIRContext &context) {
-  context.loadDialect<loom::LoomDialect, func::FuncDialect>();
+  context.loadDialect<mlir::loom::LoomDialect, func::FuncDialect>();
 }
 
 int runVerify() {
@@ -83,7 +110,7 @@ int runVerify() {
   OwningOpRef<ModuleOp> module = parseSourceFile<ModuleOp>(sourceMgr, &context);
   if (!module)
     return 1;
-  FailureOr<loom::ModelSummary> summary = loom::summarizeModel(*module);
+  FailureOr<mlir::loom::ModelSummary> summary = mlir::loom::summarizeModel(*module);
   if (failed(summary))
     return 1;
   llvm::outs() << verifyInput << ": ok\n";
@@ -91,15 +118,68 @@ int runVerify() {
   return 0;
 }
 
+int runCompile() {
+  if (compileTrain)
+    return fail("--train is not available yet: training steps (autodiff and optimizers) are "
+                "issue #4; compile the forward pass with --infer");
+  if (compileTarget != "cpu")
+    return fail("--target " + compileTarget + " is not available yet (the CUDA backend is "
+                "issue #8); use --target cpu");
+  ::loom::planner::Cluster cluster;
+  std::string error;
+  if (!::loom::planner::parseCluster(compileCluster, cluster, error))
+    return fail(error);
+  if (cluster.numDevices() != 1)
+    return fail("--cluster " + compileCluster + " has " + std::to_string(cluster.numDevices()) +
+                " devices; multi-device bundles need the partitioner (issue #6): use cpu:1");
+  if (compileBatch < 1)
+    return fail("--batch must be at least 1");
+
+  std::string message;
+  auto file = openInputFile(compileInput, &message);
+  if (!file)
+    return fail("cannot read '" + compileInput + "': " + message);
+  llvm::SourceMgr sourceMgr;
+  sourceMgr.AddNewSourceBuffer(std::move(file), llvm::SMLoc());
+  MLIRContext context;
+  loadDialects(context);
+  SourceMgrDiagnosticHandler diagnostics(sourceMgr, &context);
+  OwningOpRef<ModuleOp> module = parseSourceFile<ModuleOp>(sourceMgr, &context);
+  if (!module)
+    return 1;
+
+  mlir::loom::BundleOptions options;
+  options.batch = compileBatch;
+  options.seed = compileSeed;
+  options.weightsFile = compileWeights;
+  llvm::StringRef stem = llvm::sys::path::stem(compileInput);
+  options.modelName = stem.str();
+  ::loom::rt::Manifest manifest;
+  if (failed(mlir::loom::writeBundle(*module, options, compileOutput, &manifest)))
+    return 1;
+  const auto &rank = manifest.ranks.front();
+  size_t instructions = rank.programs.at("forward").size();
+  int64_t paramBytes = 0;
+  for (const auto &p : rank.params)
+    paramBytes += rank.buffers[p.buffer].bytes;
+  llvm::outs() << "wrote " << compileOutput << ": " << instructions << " instructions, "
+               << rank.params.size() << " parameter tensors ("
+               << llvm::format("%.1f", paramBytes / 1048576.0) << " MiB), peak activation memory "
+               << llvm::format("%.1f", rank.peakActivationBytes / 1048576.0)
+               << " MiB, arena " << llvm::format("%.1f", rank.arenaBytes / 1048576.0)
+               << " MiB (batch " << compileBatch << ")\n";
+  return 0;
+}
+
 int runModels() {
-  loom::ModelConfig config;
+  mlir::loom::ModelConfig config;
   config.family = family;
   config.layers = layers, config.hidden = hidden, config.heads = heads;
   config.kvHeads = kvHeads, config.ffn = ffn, config.vocab = vocab, config.seq = seq;
   config.inputs = inputs, config.classes = classes, config.image = image;
   config.dtype = dtype;
-  std::string error = loom::applyDefaults(config), text;
-  if (!error.empty() || !loom::writeModel(config, text, error))
+  std::string error = mlir::loom::applyDefaults(config), text;
+  if (!error.empty() || !mlir::loom::writeModel(config, text, error))
     return fail(error);
 
   // Never write a file that does not verify.
@@ -133,12 +213,15 @@ int main(int argc, char **argv) {
       argc, argv,
       "Loom: compile neural networks written in the loom dialect and plan them over GPUs.\n\n"
       "  loomc verify MODEL.mlir\n"
+      "  loomc compile MODEL.mlir [--batch N] [--seed S] [--weights F] -o OUT.loom\n"
       "  loomc models gpt|llama|bert|mlp|resnet [--layers L --hidden H ...] [-o MODEL.mlir]\n\n"
       "Run 'loomc SUBCOMMAND --help' for the options of each.\n");
   if (verifyCmd)
     return runVerify();
   if (modelsCmd)
     return runModels();
+  if (compileCmd)
+    return runCompile();
   cl::PrintHelpMessage(false, true);
   return 1;
 }

@@ -1,0 +1,50 @@
+//===- BundleWriter.h - Lower a model to a runnable bundle ------*- C++ -*-===//
+//
+// Turns the forward pass of a verified model into the runtime's instruction
+// stream: one typed instruction per loom op (reshapes become views), every
+// loom.repeat unrolled with per-layer parameter names ("layer.3.ln1.g"),
+// buffers packed into one arena by lifetime, and parameters initialised from
+// their initializer attributes with a seed (or loaded from a file). Inputs
+// and outputs take their names from the model's source ("%tokens").
+//
+//===----------------------------------------------------------------------===//
+#ifndef LOOM_COMPILER_BUNDLE_BUNDLEWRITER_H
+#define LOOM_COMPILER_BUNDLE_BUNDLEWRITER_H
+
+#include "runtime/src/Bundle.h"
+#include "mlir/IR/BuiltinOps.h"
+
+#include <functional>
+#include <string>
+
+namespace mlir::loom {
+
+struct BundleOptions {
+  int64_t batch = 1;
+  uint64_t seed = 0;
+  std::string modelName = "model";
+  std::string weightsFile; // load instead of initialising, when set
+};
+
+/// Lowers @forward of `module` (left untouched) for one CPU rank. Emits
+/// diagnostics and fails on what it cannot lower.
+FailureOr<::loom::rt::Manifest> lowerForward(ModuleOp module, const BundleOptions &options);
+
+/// Packs the activation buffers of a rank into the arena by lifetime and
+/// fills offsets, arena size and peak; persistent buffers (parameters,
+/// inputs, outputs) come first. Exposed for tests.
+void planMemory(::loom::rt::RankProgram &rank, const std::string &program);
+
+/// Deterministic initial values for a parameter (f32), from its initializer,
+/// the seed and its name.
+std::vector<float> initialValues(const ::loom::rt::ParamInit &init, int64_t count, uint64_t seed,
+                                 const std::string &name);
+
+/// Lowers, initialises or loads the weights, and writes DIR/manifest.json and
+/// DIR/weights.safetensors. Errors go to the module's diagnostics.
+LogicalResult writeBundle(ModuleOp module, const BundleOptions &options, const std::string &dir,
+                          ::loom::rt::Manifest *out = nullptr);
+
+} // namespace mlir::loom
+
+#endif

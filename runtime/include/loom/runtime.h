@@ -1,0 +1,106 @@
+/*===- runtime.h - Loom runtime C API -------------------------------------===*
+ *
+ * Load a bundle written by `loomc compile`, bind inputs, run, read outputs,
+ * save and load weights. Every call that can fail returns a loom_status_t*:
+ * NULL on success, otherwise a status the caller frees with
+ * loom_status_free() after reading loom_status_message().
+ *
+ *===----------------------------------------------------------------------===*/
+#ifndef LOOM_RUNTIME_H
+#define LOOM_RUNTIME_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*--- Status ---------------------------------------------------------------*/
+
+typedef enum loom_status_code_e {
+  LOOM_OK = 0,
+  LOOM_INVALID_ARGUMENT = 1, /* a caller's mistake: wrong name, size, option */
+  LOOM_INVALID_BUNDLE = 2,   /* the bundle is corrupt, truncated or foreign */
+  LOOM_UNSUPPORTED = 3,      /* valid, but this runtime or backend cannot run it */
+  LOOM_IO_ERROR = 4,         /* a file could not be read or written */
+  LOOM_INTERNAL = 5,         /* a bug in Loom: please report it */
+} loom_status_code_t;
+
+typedef struct loom_status_t loom_status_t;
+
+loom_status_code_t loom_status_code(const loom_status_t *status);
+/* The message; "ok" for NULL. Valid until the status is freed. */
+const char *loom_status_message(const loom_status_t *status);
+void loom_status_free(loom_status_t *status);
+
+/*--- Tensors --------------------------------------------------------------*/
+
+typedef enum loom_dtype_e {
+  LOOM_F32 = 0,
+  LOOM_F64 = 1,
+  LOOM_BF16 = 2,
+  LOOM_F16 = 3,
+  LOOM_I32 = 4,
+  LOOM_I64 = 5,
+} loom_dtype_t;
+
+#define LOOM_MAX_RANK 8
+
+typedef struct loom_tensor_info_t {
+  const char *name; /* valid while the session lives */
+  loom_dtype_t dtype;
+  int32_t rank;
+  int64_t shape[LOOM_MAX_RANK];
+  size_t bytes;
+} loom_tensor_info_t;
+
+/*--- Sessions -------------------------------------------------------------*/
+
+typedef struct loom_session_t loom_session_t;
+
+typedef struct loom_session_options_t {
+  /* "cpu" (default) or "cuda" when the runtime was built with CUDA. */
+  const char *backend;
+  /* Threads for the CPU backend; 0 = all hardware threads. */
+  int32_t num_threads;
+} loom_session_options_t;
+
+void loom_session_options_init(loom_session_options_t *options);
+
+/* Opens the bundle directory at `bundle_path`, validates it and loads its
+ * weights. `options` may be NULL for the defaults. */
+loom_status_t *loom_session_create(const char *bundle_path,
+                                   const loom_session_options_t *options,
+                                   loom_session_t **out_session);
+void loom_session_destroy(loom_session_t *session);
+
+int32_t loom_session_num_inputs(const loom_session_t *session);
+int32_t loom_session_num_outputs(const loom_session_t *session);
+loom_status_t *loom_session_input_info(const loom_session_t *session, int32_t index,
+                                       loom_tensor_info_t *out_info);
+loom_status_t *loom_session_output_info(const loom_session_t *session, int32_t index,
+                                        loom_tensor_info_t *out_info);
+
+/* Copies `bytes` bytes of host data into the named input. The size must be
+ * exactly the input's. Integer inputs (token ids) are range-checked when
+ * they index an embedding. */
+loom_status_t *loom_session_bind_input(loom_session_t *session, const char *name,
+                                       const void *data, size_t bytes);
+
+/* Runs the forward pass on the bound inputs. */
+loom_status_t *loom_session_run_forward(loom_session_t *session);
+
+/* Copies the named output (exactly its size) to host memory. */
+loom_status_t *loom_session_read_output(loom_session_t *session, const char *name,
+                                        void *data, size_t bytes);
+
+/* Weights as safetensors; saving writes a temporary file and renames it. */
+loom_status_t *loom_session_save_weights(loom_session_t *session, const char *path);
+loom_status_t *loom_session_load_weights(loom_session_t *session, const char *path);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* LOOM_RUNTIME_H */

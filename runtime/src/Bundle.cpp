@@ -1,0 +1,318 @@
+//===- Bundle.cpp - The bundle: the compiler's only output ----------------===//
+
+#include "runtime/src/Bundle.h"
+#include "runtime/src/Error.h"
+#include "runtime/src/Safetensors.h"
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <sys/stat.h>
+
+namespace loom::rt {
+
+using json = nlohmann::json;
+
+const char *roleName(BufferRole role) {
+  switch (role) {
+  case BufferRole::Input:
+    return "input";
+  case BufferRole::Output:
+    return "output";
+  case BufferRole::Param:
+    return "param";
+  case BufferRole::Activation:
+    return "activation";
+  }
+  return "?";
+}
+
+namespace {
+
+/// Typed access to a JSON object that reports "<file>: <path>: <problem>".
+class Field {
+public:
+  Field(const json &value, std::string path, const std::string &file)
+      : value(value), path(std::move(path)), file(file) {}
+
+  [[noreturn]] void bad(const std::string &what) const {
+    fail(LOOM_INVALID_BUNDLE, file, ": field '", path, "' ", what);
+  }
+  Field at(const char *key) const {
+    if (!value.is_object())
+      bad("must be an object");
+    auto it = value.find(key);
+    if (it == value.end())
+      Field(value, path.empty() ? key : path + "." + key, file).bad("is missing");
+    return Field(*it, path.empty() ? key : path + "." + key, file);
+  }
+  bool has(const char *key) const { return value.is_object() && value.contains(key); }
+  Field operator[](size_t i) const {
+    return Field(value[i], path + "[" + std::to_string(i) + "]", file);
+  }
+  size_t size() const {
+    if (!value.is_array())
+      bad("must be a list");
+    return value.size();
+  }
+  int64_t integer(int64_t min = INT64_MIN) const {
+    if (!value.is_number_integer())
+      bad("must be an integer");
+    int64_t v = value.get<int64_t>();
+    if (v < min)
+      bad("must be at least " + std::to_string(min) + ", got " + std::to_string(v));
+    return v;
+  }
+  double number() const {
+    if (!value.is_number())
+      bad("must be a number");
+    return value.get<double>();
+  }
+  std::string string() const {
+    if (!value.is_string())
+      bad("must be a string");
+    return value.get<std::string>();
+  }
+  std::vector<int64_t> integers(int64_t min = INT64_MIN) const {
+    std::vector<int64_t> out;
+    for (size_t i = 0; i < size(); ++i)
+      out.push_back((*this)[i].integer(min));
+    return out;
+  }
+  const json &raw() const { return value; }
+
+private:
+  const json &value;
+  std::string path;
+  const std::string &file;
+};
+
+Buffer parseBuffer(const Field &f) {
+  Buffer b;
+  b.id = f.at("id").integer(0);
+  b.name = f.at("name").string();
+  std::string dt = f.at("dtype").string();
+  std::optional<loom_dtype_t> dtype = parseDtype(dt);
+  if (!dtype)
+    f.at("dtype").bad("names an unknown dtype '" + dt + "'");
+  b.dtype = *dtype;
+  b.shape = f.at("shape").integers(0);
+  if (b.shape.size() > LOOM_MAX_RANK)
+    f.at("shape").bad("has rank above " + std::to_string(LOOM_MAX_RANK));
+  b.offset = f.at("offset").integer(0);
+  b.bytes = f.at("bytes").integer(0);
+  std::string role = f.at("role").string();
+  if (role == "input")
+    b.role = BufferRole::Input;
+  else if (role == "output")
+    b.role = BufferRole::Output;
+  else if (role == "param")
+    b.role = BufferRole::Param;
+  else if (role == "activation")
+    b.role = BufferRole::Activation;
+  else
+    f.at("role").bad("must be input, output, param or activation, got '" + role + "'");
+  if (f.has("view_of"))
+    b.viewOf = f.at("view_of").integer(0);
+  std::optional<int64_t> count = numElements(b.shape);
+  if (!count || *count * int64_t(dtypeSize(b.dtype)) != b.bytes)
+    f.at("bytes").bad("is " + std::to_string(b.bytes) + " but " + dt + shapeStr(b.shape) +
+                      " needs " + (count ? std::to_string(*count * dtypeSize(b.dtype)) : "too many"));
+  return b;
+}
+
+RankProgram parseRank(const Field &f, size_t index) {
+  RankProgram r;
+  r.rank = f.at("rank").integer(0);
+  if (r.rank != static_cast<int64_t>(index))
+    f.at("rank").bad("must be " + std::to_string(index) + " (ranks are listed in order)");
+  r.device = f.at("device").string();
+  r.arenaBytes = f.at("arena_bytes").integer(0);
+  r.peakActivationBytes = f.at("peak_activation_bytes").integer(0);
+
+  Field buffers = f.at("buffers");
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    Buffer b = parseBuffer(buffers[i]);
+    if (b.id != static_cast<int64_t>(i))
+      buffers[i].at("id").bad("must be " + std::to_string(i) + " (buffers are listed by id)");
+    if (b.offset + b.bytes > r.arenaBytes)
+      buffers[i].at("offset").bad("places " + std::to_string(b.bytes) + " bytes at " +
+                                  std::to_string(b.offset) + ", past the arena of " +
+                                  std::to_string(r.arenaBytes) + " bytes");
+    if (b.viewOf >= 0) {
+      if (b.viewOf >= static_cast<int64_t>(i))
+        buffers[i].at("view_of").bad("must name an earlier buffer");
+      const Buffer &root = r.buffers[b.viewOf];
+      if (root.bytes != b.bytes || root.offset != b.offset)
+        buffers[i].at("view_of").bad("must share the viewed buffer's storage and size");
+    }
+    r.buffers.push_back(b);
+  }
+  auto bufferRef = [&](const Field &fld) {
+    int64_t id = fld.integer(0);
+    if (id >= static_cast<int64_t>(r.buffers.size()))
+      fld.bad("names buffer " + std::to_string(id) + " but there are " +
+              std::to_string(r.buffers.size()));
+    return id;
+  };
+  auto named = [&](const char *key, std::vector<NamedBuffer> &out) {
+    Field list = f.at(key);
+    std::set<std::string> seen;
+    for (size_t i = 0; i < list.size(); ++i) {
+      NamedBuffer nb{list[i].at("name").string(), bufferRef(list[i].at("buffer"))};
+      if (list[i].has("limit"))
+        nb.limit = list[i].at("limit").integer(0);
+      if (!seen.insert(nb.name).second)
+        list[i].at("name").bad("repeats '" + nb.name + "'");
+      out.push_back(nb);
+    }
+  };
+  named("inputs", r.inputs);
+  named("outputs", r.outputs);
+
+  Field params = f.at("parameters");
+  std::set<std::string> seen;
+  for (size_t i = 0; i < params.size(); ++i) {
+    Parameter p;
+    p.name = params[i].at("name").string();
+    p.buffer = bufferRef(params[i].at("buffer"));
+    if (r.buffers[p.buffer].role != BufferRole::Param)
+      params[i].at("buffer").bad("must name a buffer with role 'param'");
+    p.init.kind = params[i].at("init").at("kind").string();
+    p.init.scale = params[i].at("init").at("scale").number();
+    if (!seen.insert(p.name).second)
+      params[i].at("name").bad("repeats '" + p.name + "'");
+    r.params.push_back(p);
+  }
+
+  Field programs = f.at("programs");
+  if (!programs.raw().is_object())
+    programs.bad("must be an object of instruction lists");
+  for (auto &[name, _] : programs.raw().items()) {
+    Field list = programs.at(name.c_str());
+    std::vector<Instruction> &out = r.programs[name];
+    for (size_t i = 0; i < list.size(); ++i) {
+      Instruction ins;
+      ins.op = list[i].at("op").string();
+      for (size_t k = 0; k < list[i].at("in").size(); ++k)
+        ins.in.push_back(bufferRef(list[i].at("in")[k]));
+      for (size_t k = 0; k < list[i].at("out").size(); ++k)
+        ins.out.push_back(bufferRef(list[i].at("out")[k]));
+      if (list[i].has("attrs")) {
+        if (!list[i].at("attrs").raw().is_object())
+          list[i].at("attrs").bad("must be an object");
+        ins.attrs = list[i].at("attrs").raw();
+      }
+      out.push_back(std::move(ins));
+    }
+  }
+  return r;
+}
+
+} // namespace
+
+Manifest parseManifest(const json &doc, const std::string &where) {
+  Field root(doc, "", where);
+  if (!doc.is_object())
+    root.bad("must be a JSON object");
+  std::string format = root.at("format").string();
+  if (format != kBundleFormat)
+    root.at("format").bad("is '" + format + "', not '" + kBundleFormat +
+                          "': this is not a Loom bundle");
+  Manifest m;
+  m.version = static_cast<int>(root.at("version").integer(1));
+  if (m.version > kBundleVersion)
+    fail(LOOM_UNSUPPORTED, where, ": bundle format version ", m.version,
+         " is newer than this runtime understands (", kBundleVersion,
+         "); rebuild the runtime from the same Loom as the compiler");
+  m.model = root.at("model").string();
+  m.mode = root.at("mode").string();
+  m.batch = root.at("batch").integer(1);
+  m.weights = root.at("weights").string();
+  if (m.weights.find('/') != std::string::npos || m.weights.find("..") != std::string::npos)
+    root.at("weights").bad("must be a file name inside the bundle");
+  Field ranks = root.at("ranks");
+  if (ranks.size() == 0)
+    ranks.bad("must list at least one rank");
+  for (size_t i = 0; i < ranks.size(); ++i)
+    m.ranks.push_back(parseRank(ranks[i], i));
+  return m;
+}
+
+Manifest readManifest(const std::string &bundleDir) {
+  std::string path = bundleDir + "/manifest.json";
+  std::ifstream in(path);
+  if (!in) {
+    struct stat st;
+    if (::stat(bundleDir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+      fail(LOOM_IO_ERROR, "'", bundleDir, "' is not a bundle directory (write one with loomc compile)");
+    fail(LOOM_INVALID_BUNDLE, "cannot open '", path, "': ", std::strerror(errno));
+  }
+  json doc = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded())
+    fail(LOOM_INVALID_BUNDLE, path, ": not valid JSON (truncated or corrupt manifest)");
+  return parseManifest(doc, path);
+}
+
+json toJson(const Manifest &m) {
+  json ranks = json::array();
+  for (const RankProgram &r : m.ranks) {
+    json buffers = json::array();
+    for (const Buffer &b : r.buffers) {
+      json jb = {{"id", b.id},         {"name", b.name},     {"dtype", dtypeName(b.dtype)},
+                 {"shape", b.shape},   {"offset", b.offset}, {"bytes", b.bytes},
+                 {"role", roleName(b.role)}};
+      if (b.viewOf >= 0)
+        jb["view_of"] = b.viewOf;
+      buffers.push_back(jb);
+    }
+    auto named = [](const std::vector<NamedBuffer> &list) {
+      json out = json::array();
+      for (const NamedBuffer &nb : list) {
+        json j = {{"name", nb.name}, {"buffer", nb.buffer}};
+        if (nb.limit > 0)
+          j["limit"] = nb.limit;
+        out.push_back(j);
+      }
+      return out;
+    };
+    json params = json::array();
+    for (const Parameter &p : r.params)
+      params.push_back({{"name", p.name},
+                        {"buffer", p.buffer},
+                        {"init", {{"kind", p.init.kind}, {"scale", p.init.scale}}}});
+    json programs = json::object();
+    for (const auto &[name, instrs] : r.programs) {
+      json list = json::array();
+      for (const Instruction &ins : instrs) {
+        json ji = {{"op", ins.op}, {"in", ins.in}, {"out", ins.out}};
+        if (!ins.attrs.empty())
+          ji["attrs"] = ins.attrs;
+        list.push_back(ji);
+      }
+      programs[name] = list;
+    }
+    ranks.push_back({{"rank", r.rank},
+                     {"device", r.device},
+                     {"arena_bytes", r.arenaBytes},
+                     {"peak_activation_bytes", r.peakActivationBytes},
+                     {"buffers", buffers},
+                     {"inputs", named(r.inputs)},
+                     {"outputs", named(r.outputs)},
+                     {"parameters", params},
+                     {"programs", programs}});
+  }
+  return {{"format", kBundleFormat}, {"version", m.version}, {"model", m.model},
+          {"mode", m.mode},          {"batch", m.batch},     {"weights", m.weights},
+          {"ranks", ranks}};
+}
+
+void writeManifest(const Manifest &m, const std::string &bundleDir) {
+  if (::mkdir(bundleDir.c_str(), 0755) != 0 && errno != EEXIST)
+    fail(LOOM_IO_ERROR, "cannot create bundle directory '", bundleDir, "': ", std::strerror(errno));
+  std::string text = toJson(m).dump(1);
+  writeFileAtomically(bundleDir + "/manifest.json", text.data(), text.size());
+}
+
+} // namespace loom::rt

@@ -1,0 +1,95 @@
+//===- Bundle.h - The bundle: the compiler's only output --------*- C++ -*-===//
+//
+// A bundle is a directory: manifest.json (format, version, per-rank buffers
+// and instruction streams) and weights.safetensors. docs/bundle-format.md
+// documents every field. The reader validates all of it and names the file
+// and field at fault; the writer is used by loomc.
+//
+//===----------------------------------------------------------------------===//
+#ifndef LOOM_RUNTIME_BUNDLE_H
+#define LOOM_RUNTIME_BUNDLE_H
+
+#include "runtime/src/Tensor.h"
+
+#include <nlohmann/json.hpp>
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace loom::rt {
+
+constexpr int kBundleVersion = 1;
+constexpr const char *kBundleFormat = "loom-bundle";
+
+enum class BufferRole { Input, Output, Param, Activation };
+const char *roleName(BufferRole role);
+
+struct Buffer {
+  int64_t id = 0;
+  std::string name;
+  loom_dtype_t dtype = LOOM_F32;
+  Shape shape;
+  int64_t offset = 0; // into the rank's arena
+  int64_t bytes = 0;
+  BufferRole role = BufferRole::Activation;
+  int64_t viewOf = -1; // a reshape: same storage as that buffer
+};
+
+struct Instruction {
+  std::string op;
+  std::vector<int64_t> in, out;
+  nlohmann::json attrs = nlohmann::json::object();
+};
+
+struct NamedBuffer {
+  std::string name;
+  int64_t buffer = 0;
+  /// For integer inputs that index something (token ids, class labels): the
+  /// exclusive upper bound of valid values; 0 when unbounded.
+  int64_t limit = 0;
+};
+
+struct ParamInit {
+  std::string kind; // zeros, ones, normal, uniform, constant
+  double scale = 0;
+};
+
+struct Parameter {
+  std::string name;
+  int64_t buffer = 0;
+  ParamInit init;
+};
+
+struct RankProgram {
+  int64_t rank = 0;
+  std::string device = "cpu";
+  int64_t arenaBytes = 0;
+  int64_t peakActivationBytes = 0;
+  std::vector<Buffer> buffers; // indexed by id
+  std::vector<NamedBuffer> inputs, outputs;
+  std::vector<Parameter> params;
+  std::map<std::string, std::vector<Instruction>> programs; // "forward", ...
+};
+
+struct Manifest {
+  int version = kBundleVersion;
+  std::string model;
+  std::string mode = "infer";
+  int64_t batch = 1;
+  std::string weights = "weights.safetensors";
+  std::vector<RankProgram> ranks;
+};
+
+/// Reads DIR/manifest.json and validates it: every buffer in its arena, every
+/// instruction's buffers defined, names unique. Throws Error naming the field.
+Manifest readManifest(const std::string &bundleDir);
+Manifest parseManifest(const nlohmann::json &doc, const std::string &where);
+
+nlohmann::json toJson(const Manifest &manifest);
+/// Writes DIR/manifest.json atomically (creating DIR if needed).
+void writeManifest(const Manifest &manifest, const std::string &bundleDir);
+
+} // namespace loom::rt
+
+#endif

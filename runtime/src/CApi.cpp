@@ -1,0 +1,161 @@
+//===- CApi.cpp - The C API over Session ----------------------------------===//
+
+#include "loom/runtime.h"
+#include "runtime/src/Error.h"
+#include "runtime/src/Session.h"
+
+#include <new>
+#include <string>
+
+struct loom_status_t {
+  loom_status_code_t code;
+  std::string message;
+};
+
+struct loom_session_t {
+  std::unique_ptr<loom::rt::Session> session;
+};
+
+namespace {
+loom_status_t *makeStatus(loom_status_code_t code, std::string message) {
+  return new (std::nothrow) loom_status_t{code, std::move(message)};
+}
+
+/// Runs `body`, turning every exception into a status.
+template <typename F> loom_status_t *guarded(F body) {
+  try {
+    body();
+    return nullptr;
+  } catch (const loom::rt::Error &e) {
+    return makeStatus(e.code, e.what());
+  } catch (const std::bad_alloc &) {
+    return makeStatus(LOOM_INVALID_ARGUMENT, "out of host memory");
+  } catch (const std::exception &e) {
+    return makeStatus(LOOM_INTERNAL, std::string("internal error: ") + e.what());
+  }
+}
+
+loom_status_t *nullArgument(const char *what) {
+  return makeStatus(LOOM_INVALID_ARGUMENT, std::string(what) + " must not be NULL");
+}
+
+loom_tensor_info_t infoOf(const loom::rt::NamedBuffer &nb, const loom::rt::Buffer &b) {
+  loom_tensor_info_t info{};
+  info.name = nb.name.c_str();
+  info.dtype = b.dtype;
+  info.rank = static_cast<int32_t>(b.shape.size());
+  for (size_t i = 0; i < b.shape.size() && i < LOOM_MAX_RANK; ++i)
+    info.shape[i] = b.shape[i];
+  info.bytes = static_cast<size_t>(b.bytes);
+  return info;
+}
+} // namespace
+
+extern "C" {
+
+loom_status_code_t loom_status_code(const loom_status_t *status) {
+  return status ? status->code : LOOM_OK;
+}
+
+const char *loom_status_message(const loom_status_t *status) {
+  return status ? status->message.c_str() : "ok";
+}
+
+void loom_status_free(loom_status_t *status) { delete status; }
+
+void loom_session_options_init(loom_session_options_t *options) {
+  if (options) {
+    options->backend = "cpu";
+    options->num_threads = 0;
+  }
+}
+
+loom_status_t *loom_session_create(const char *bundle_path, const loom_session_options_t *options,
+                                   loom_session_t **out_session) {
+  if (!bundle_path)
+    return nullArgument("bundle_path");
+  if (!out_session)
+    return nullArgument("out_session");
+  *out_session = nullptr;
+  return guarded([&] {
+    loom::rt::SessionOptions opts;
+    if (options) {
+      if (options->backend)
+        opts.backend = options->backend;
+      opts.threads = options->num_threads;
+    }
+    auto s = std::make_unique<loom_session_t>();
+    s->session = std::make_unique<loom::rt::Session>(bundle_path, opts);
+    *out_session = s.release();
+  });
+}
+
+void loom_session_destroy(loom_session_t *session) { delete session; }
+
+int32_t loom_session_num_inputs(const loom_session_t *session) {
+  return session ? static_cast<int32_t>(session->session->rank().inputs.size()) : 0;
+}
+
+int32_t loom_session_num_outputs(const loom_session_t *session) {
+  return session ? static_cast<int32_t>(session->session->rank().outputs.size()) : 0;
+}
+
+static loom_status_t *tensorInfo(const loom_session_t *session, int32_t index, bool input,
+                                 loom_tensor_info_t *out) {
+  if (!session)
+    return nullArgument("session");
+  if (!out)
+    return nullArgument("out_info");
+  const auto &rank = session->session->rank();
+  const auto &list = input ? rank.inputs : rank.outputs;
+  if (index < 0 || index >= static_cast<int32_t>(list.size()))
+    return makeStatus(LOOM_INVALID_ARGUMENT, "index " + std::to_string(index) +
+                                                 " is outside the " + std::to_string(list.size()) +
+                                                 (input ? " inputs" : " outputs"));
+  *out = infoOf(list[index], rank.buffers[list[index].buffer]);
+  return nullptr;
+}
+
+loom_status_t *loom_session_input_info(const loom_session_t *session, int32_t index,
+                                       loom_tensor_info_t *out_info) {
+  return tensorInfo(session, index, true, out_info);
+}
+
+loom_status_t *loom_session_output_info(const loom_session_t *session, int32_t index,
+                                        loom_tensor_info_t *out_info) {
+  return tensorInfo(session, index, false, out_info);
+}
+
+loom_status_t *loom_session_bind_input(loom_session_t *session, const char *name,
+                                       const void *data, size_t bytes) {
+  if (!session || !name || !data)
+    return nullArgument("session, name and data");
+  return guarded([&] { session->session->bindInput(name, data, bytes); });
+}
+
+loom_status_t *loom_session_run_forward(loom_session_t *session) {
+  if (!session)
+    return nullArgument("session");
+  return guarded([&] { session->session->runForward(); });
+}
+
+loom_status_t *loom_session_read_output(loom_session_t *session, const char *name, void *data,
+                                        size_t bytes) {
+  if (!session || !name || !data)
+    return nullArgument("session, name and data");
+  return guarded([&] { session->session->readOutput(name, data, bytes); });
+}
+
+loom_status_t *loom_session_save_weights(loom_session_t *session, const char *path) {
+  if (!session || !path)
+    return nullArgument("session and path");
+  return guarded([&] { session->session->saveWeights(path); });
+}
+
+loom_status_t *loom_session_load_weights(loom_session_t *session, const char *path) {
+  if (!session || !path)
+    return nullArgument("session and path");
+  return guarded([&] { session->session->loadWeights(path); });
+}
+
+} // extern "C"

@@ -1,0 +1,64 @@
+//===- Safetensors.h - Read and write safetensors files ---------*- C++ -*-===//
+//
+// The format: an 8-byte little-endian header length, a JSON header mapping
+// each tensor name to {dtype, shape, data_offsets}, then the raw data.
+// Reading validates every field against the file's size; writing goes to a
+// temporary file that is renamed into place, so a crash never leaves a
+// half-written file under the final name.
+//
+//===----------------------------------------------------------------------===//
+#ifndef LOOM_RUNTIME_SAFETENSORS_H
+#define LOOM_RUNTIME_SAFETENSORS_H
+
+#include "runtime/src/Tensor.h"
+
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace loom::rt {
+
+struct SafetensorsEntry {
+  loom_dtype_t dtype;
+  Shape shape;
+  size_t offset = 0; // into SafetensorsFile::data
+  size_t bytes = 0;
+};
+
+struct SafetensorsFile {
+  std::map<std::string, SafetensorsEntry> tensors;
+  std::map<std::string, std::string> metadata;
+  std::vector<char> data;
+
+  const char *bytesOf(const std::string &name) const {
+    return data.data() + tensors.at(name).offset;
+  }
+};
+
+/// Reads and validates a whole file; throws Error naming the file and field.
+SafetensorsFile readSafetensors(const std::string &path);
+
+struct SafetensorsTensorRef {
+  std::string name;
+  loom_dtype_t dtype;
+  Shape shape;
+  const void *data;
+  size_t bytes;
+};
+
+/// Writes atomically (PATH.tmp-PID then rename).
+void writeSafetensors(const std::string &path, const std::vector<SafetensorsTensorRef> &tensors,
+                      const std::map<std::string, std::string> &metadata = {});
+
+/// Writes `bytes` to `path` through a temporary file and a rename.
+void writeFileAtomically(const std::string &path, const void *data, size_t bytes);
+
+/// Calls `write` on a temporary file beside `path`, syncs it and renames it
+/// into place; removes it and throws if `write` returns false.
+void writeAtomically(const std::string &path, const std::function<bool(FILE *)> &write);
+
+} // namespace loom::rt
+
+#endif

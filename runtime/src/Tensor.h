@@ -1,0 +1,60 @@
+//===- Tensor.h - Element types and shapes ----------------------*- C++ -*-===//
+#ifndef LOOM_RUNTIME_TENSOR_H
+#define LOOM_RUNTIME_TENSOR_H
+
+#include "loom/runtime.h"
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace loom::rt {
+
+using Shape = std::vector<int64_t>;
+
+inline size_t dtypeSize(loom_dtype_t t) {
+  switch (t) {
+  case LOOM_F64:
+  case LOOM_I64:
+    return 8;
+  case LOOM_F32:
+  case LOOM_I32:
+    return 4;
+  case LOOM_BF16:
+  case LOOM_F16:
+    return 2;
+  }
+  return 0;
+}
+
+/// Names as the bundle and safetensors spell them ("f32", "F32").
+const char *dtypeName(loom_dtype_t t);
+std::optional<loom_dtype_t> parseDtype(const std::string &name);
+const char *safetensorsDtype(loom_dtype_t t);
+std::optional<loom_dtype_t> parseSafetensorsDtype(const std::string &name);
+
+/// Element count; nullopt on a negative extent or overflow past 2^48.
+std::optional<int64_t> numElements(const Shape &shape);
+std::string shapeStr(const Shape &shape);
+
+/// bf16 <-> f32 (round to nearest even).
+inline float bf16ToFloat(uint16_t v) {
+  uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline uint16_t floatToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffff) > 0x7f800000)
+    return 0x7fc0; // NaN
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return uint16_t(bits >> 16);
+}
+
+} // namespace loom::rt
+
+#endif

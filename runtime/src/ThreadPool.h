@@ -1,0 +1,46 @@
+//===- ThreadPool.h - Parallel loops for the CPU backend --------*- C++ -*-===//
+#ifndef LOOM_RUNTIME_THREADPOOL_H
+#define LOOM_RUNTIME_THREADPOOL_H
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace loom::rt {
+
+/// A fixed set of workers that split [0, n) into contiguous chunks. The
+/// calling thread takes a chunk too; small loops run inline.
+class ThreadPool {
+public:
+  explicit ThreadPool(int threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool &) = delete;
+  ThreadPool &operator=(const ThreadPool &) = delete;
+
+  int size() const { return static_cast<int>(workers.size()) + 1; }
+
+  /// Calls body(begin, end) over [0, n). `cost` is the rough work per index
+  /// (in multiply-adds) used to decide whether threads pay off.
+  void parallelFor(int64_t n, double cost, const std::function<void(int64_t, int64_t)> &body);
+
+private:
+  void workerLoop(int index);
+
+  std::vector<std::thread> workers;
+  std::mutex mutex;
+  std::condition_variable wake, done;
+  const std::function<void(int64_t, int64_t)> *task = nullptr;
+  int64_t taskSize = 0;
+  int chunks = 0;
+  int nextChunk = 0;
+  int pending = 0;
+  uint64_t generation = 0;
+  bool stopping = false;
+};
+
+} // namespace loom::rt
+
+#endif

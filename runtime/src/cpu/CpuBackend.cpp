@@ -1,0 +1,865 @@
+//===- CpuBackend.cpp - Plain C++ execution of instruction streams --------===//
+
+#include "runtime/src/cpu/CpuBackend.h"
+#include "runtime/src/Error.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <numeric>
+
+namespace loom::rt {
+
+using json = nlohmann::json;
+
+namespace {
+
+/// What a kernel builder sees: the instruction, its buffers and the arena.
+struct Ctx {
+  const Instruction &ins;
+  const RankProgram &rank;
+  char *arena;
+  ThreadPool &pool;
+  std::string where;
+
+  const Buffer &in(size_t i) const { return rank.buffers[ins.in[i]]; }
+  const Buffer &out(size_t i = 0) const { return rank.buffers[ins.out[i]]; }
+  float *f32(const Buffer &b) const { return reinterpret_cast<float *>(arena + b.offset); }
+  template <typename T> T *ptr(const Buffer &b) const {
+    return reinterpret_cast<T *>(arena + b.offset);
+  }
+
+  [[noreturn]] void bad(const std::string &msg) const {
+    fail(LOOM_INVALID_BUNDLE, where, ": ", msg);
+  }
+  void arity(size_t nin, size_t nout) const {
+    if (ins.in.size() != nin || ins.out.size() != nout)
+      bad(cat("expects ", nin, " inputs and ", nout, " outputs, got ", ins.in.size(), " and ",
+              ins.out.size()));
+  }
+  void needF32(const Buffer &b) const {
+    if (b.dtype != LOOM_F32)
+      fail(LOOM_UNSUPPORTED, where, ": the CPU backend computes in f32; buffer '", b.name,
+           "' is ", dtypeName(b.dtype));
+  }
+  void needInt(const Buffer &b) const {
+    if (b.dtype != LOOM_I32 && b.dtype != LOOM_I64)
+      bad(cat("buffer '", b.name, "' must hold i32 or i64 indices, got ", dtypeName(b.dtype)));
+  }
+  void sameShape(const Buffer &a, const Buffer &b) const {
+    if (a.shape != b.shape)
+      bad(cat("buffers '", a.name, "' ", shapeStr(a.shape), " and '", b.name, "' ",
+              shapeStr(b.shape), " must have the same shape"));
+  }
+  int64_t attrInt(const char *name, std::optional<int64_t> dflt = std::nullopt) const {
+    auto it = ins.attrs.find(name);
+    if (it == ins.attrs.end()) {
+      if (dflt)
+        return *dflt;
+      bad(cat("attribute '", name, "' is missing"));
+    }
+    if (!it->is_number_integer())
+      bad(cat("attribute '", name, "' must be an integer"));
+    return it->get<int64_t>();
+  }
+  double attrFloat(const char *name, std::optional<double> dflt = std::nullopt) const {
+    auto it = ins.attrs.find(name);
+    if (it == ins.attrs.end()) {
+      if (dflt)
+        return *dflt;
+      bad(cat("attribute '", name, "' is missing"));
+    }
+    if (!it->is_number())
+      bad(cat("attribute '", name, "' must be a number"));
+    return it->get<double>();
+  }
+  bool attrFlag(const char *name) const {
+    auto it = ins.attrs.find(name);
+    return it != ins.attrs.end() && it->is_boolean() && it->get<bool>();
+  }
+  std::vector<int64_t> attrInts(const char *name) const {
+    auto it = ins.attrs.find(name);
+    if (it == ins.attrs.end() || !it->is_array())
+      bad(cat("attribute '", name, "' must be a list of integers"));
+    std::vector<int64_t> out;
+    for (auto &v : *it) {
+      if (!v.is_number_integer())
+        bad(cat("attribute '", name, "' must be a list of integers"));
+      out.push_back(v.get<int64_t>());
+    }
+    return out;
+  }
+  int64_t axis(int64_t a, size_t rank) const {
+    int64_t r = static_cast<int64_t>(rank);
+    int64_t n = a < 0 ? a + r : a;
+    if (n < 0 || n >= r)
+      bad(cat("axis ", a, " is out of range for rank ", rank));
+    return n;
+  }
+};
+
+using Kernel = std::function<void()>;
+using Builder = Kernel (*)(const Ctx &);
+
+int64_t count(const Shape &s) { return numElements(s).value_or(0); }
+
+std::vector<int64_t> stridesOf(const Shape &s) {
+  std::vector<int64_t> st(s.size(), 1);
+  for (int i = static_cast<int>(s.size()) - 2; i >= 0; --i)
+    st[i] = st[i + 1] * s[i + 1];
+  return st;
+}
+
+/// Strides that read `in` broadcast to `out` (0 along broadcast dimensions);
+/// empty when `in` does not broadcast to `out`.
+std::optional<std::vector<int64_t>> broadcastStrides(const Shape &in, const Shape &out) {
+  if (in.size() > out.size())
+    return std::nullopt;
+  std::vector<int64_t> inStrides = stridesOf(in), st(out.size(), 0);
+  size_t off = out.size() - in.size();
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (in[i] == out[off + i])
+      st[off + i] = in[i] == 1 ? 0 : inStrides[i];
+    else if (in[i] != 1)
+      return std::nullopt;
+  }
+  return st;
+}
+
+/// Calls f(outIndex, offsetA, offsetB) over every element of `shape`.
+template <typename F>
+void forEachBroadcast(const Shape &shape, const std::vector<int64_t> &sa,
+                      const std::vector<int64_t> &sb, F f) {
+  int64_t n = count(shape);
+  size_t rank = shape.size();
+  if (rank == 0) {
+    f(0, 0, 0);
+    return;
+  }
+  std::vector<int64_t> idx(rank, 0);
+  int64_t oa = 0, ob = 0;
+  int64_t inner = shape[rank - 1], ia = sa[rank - 1], ib = sb[rank - 1];
+  for (int64_t o = 0; o < n; o += inner) {
+    for (int64_t j = 0; j < inner; ++j)
+      f(o + j, oa + j * ia, ob + j * ib);
+    for (int d = static_cast<int>(rank) - 2; d >= 0; --d) {
+      ++idx[d];
+      oa += sa[d];
+      ob += sb[d];
+      if (idx[d] < shape[d])
+        break;
+      oa -= sa[d] * shape[d];
+      ob -= sb[d] * shape[d];
+      idx[d] = 0;
+    }
+  }
+}
+
+//===--------------------------------------------------------------------===//
+// Elementwise
+//===--------------------------------------------------------------------===//
+
+template <typename Op> Kernel binary(const Ctx &c, Op op) {
+  c.arity(2, 1);
+  const Buffer &a = c.in(0), &b = c.in(1), &o = c.out();
+  c.needF32(a), c.needF32(b), c.needF32(o);
+  auto sa = broadcastStrides(a.shape, o.shape), sb = broadcastStrides(b.shape, o.shape);
+  if (!sa || !sb)
+    c.bad(cat("cannot broadcast ", shapeStr(a.shape), " and ", shapeStr(b.shape), " to ",
+              shapeStr(o.shape)));
+  float *pa = c.f32(a), *pb = c.f32(b), *po = c.f32(o);
+  Shape shape = o.shape;
+  std::vector<int64_t> stA = *sa, stB = *sb;
+  if (a.shape == o.shape && b.shape == o.shape) {
+    int64_t n = count(shape);
+    return [=] {
+      for (int64_t i = 0; i < n; ++i)
+        po[i] = op(pa[i], pb[i]);
+    };
+  }
+  return [=] { forEachBroadcast(shape, stA, stB, [&](int64_t i, int64_t ia, int64_t ib) { po[i] = op(pa[ia], pb[ib]); }); };
+}
+
+template <typename Op> Kernel unary(const Ctx &c, Op op) {
+  c.arity(1, 1);
+  c.needF32(c.in(0)), c.needF32(c.out());
+  c.sameShape(c.in(0), c.out());
+  float *x = c.f32(c.in(0)), *y = c.f32(c.out());
+  int64_t n = count(c.out().shape);
+  return [=] {
+    for (int64_t i = 0; i < n; ++i)
+      y[i] = op(x[i]);
+  };
+}
+
+float geluErf(float x) { return 0.5f * x * (1.0f + std::erf(x * 0.70710678118654752f)); }
+float geluTanh(float x) {
+  return 0.5f * x * (1.0f + std::tanh(0.79788456080286536f * (x + 0.044715f * x * x * x)));
+}
+
+Kernel buildAdd(const Ctx &c) { return binary(c, [](float a, float b) { return a + b; }); }
+Kernel buildSub(const Ctx &c) { return binary(c, [](float a, float b) { return a - b; }); }
+Kernel buildMul(const Ctx &c) { return binary(c, [](float a, float b) { return a * b; }); }
+Kernel buildDiv(const Ctx &c) { return binary(c, [](float a, float b) { return a / b; }); }
+Kernel buildGelu(const Ctx &c) {
+  return c.attrFlag("approximate") ? unary(c, geluTanh) : unary(c, geluErf);
+}
+Kernel buildRelu(const Ctx &c) { return unary(c, [](float x) { return x > 0 ? x : 0.0f; }); }
+Kernel buildSilu(const Ctx &c) { return unary(c, [](float x) { return x / (1.0f + std::exp(-x)); }); }
+Kernel buildExp(const Ctx &c) { return unary(c, [](float x) { return std::exp(x); }); }
+Kernel buildTanh(const Ctx &c) { return unary(c, [](float x) { return std::tanh(x); }); }
+Kernel buildRsqrt(const Ctx &c) { return unary(c, [](float x) { return 1.0f / std::sqrt(x); }); }
+Kernel buildNeg(const Ctx &c) { return unary(c, [](float x) { return -x; }); }
+Kernel buildScale(const Ctx &c) {
+  float f = static_cast<float>(c.attrFloat("factor"));
+  return unary(c, [f](float x) { return x * f; });
+}
+
+//===--------------------------------------------------------------------===//
+// Matmul
+//===--------------------------------------------------------------------===//
+
+Kernel buildMatmul(const Ctx &c) {
+  c.arity(2, 1);
+  const Buffer &a = c.in(0), &b = c.in(1), &o = c.out();
+  c.needF32(a), c.needF32(b), c.needF32(o);
+  if (a.shape.size() < 2 || b.shape.size() < 2 || o.shape.size() < 2)
+    c.bad("operands and result need rank >= 2");
+  bool ta = c.attrFlag("transpose_a"), tb = c.attrFlag("transpose_b");
+  size_t ra = a.shape.size(), rb = b.shape.size(), ro = o.shape.size();
+  int64_t m = ta ? a.shape[ra - 1] : a.shape[ra - 2], k = ta ? a.shape[ra - 2] : a.shape[ra - 1];
+  int64_t kb = tb ? b.shape[rb - 1] : b.shape[rb - 2], n = tb ? b.shape[rb - 2] : b.shape[rb - 1];
+  if (k != kb || o.shape[ro - 2] != m || o.shape[ro - 1] != n)
+    c.bad(cat("shapes ", shapeStr(a.shape), " x ", shapeStr(b.shape), " -> ", shapeStr(o.shape),
+              " do not form a matrix product"));
+  Shape batch(o.shape.begin(), o.shape.end() - 2);
+  Shape batchA(a.shape.begin(), a.shape.end() - 2), batchB(b.shape.begin(), b.shape.end() - 2);
+  auto sa = broadcastStrides(batchA, batch), sb = broadcastStrides(batchB, batch);
+  if (!sa || !sb)
+    c.bad("batch dimensions do not broadcast to the result");
+  // Element offsets of each batch's A and B matrices.
+  std::vector<int64_t> offA, offB;
+  forEachBroadcast(batch, *sa, *sb, [&](int64_t, int64_t ia, int64_t ib) {
+    offA.push_back(ia * m * k);
+    offB.push_back(ib * k * n);
+  });
+  float *pa = c.f32(a), *pb = c.f32(b), *po = c.f32(o);
+  ThreadPool *pool = &c.pool;
+  int64_t batches = static_cast<int64_t>(offA.size());
+  return [=] {
+    // One task per (batch, row); each row of C is independent.
+    pool->parallelFor(batches * m, double(n * k), [&](int64_t begin, int64_t end) {
+      std::vector<float> arow(k);
+      for (int64_t t = begin; t < end; ++t) {
+        int64_t bi = t / m, i = t % m;
+        const float *A = pa + offA[bi], *B = pb + offB[bi];
+        float *C = po + (bi * m + i) * n;
+        for (int64_t kk = 0; kk < k; ++kk)
+          arow[kk] = ta ? A[kk * m + i] : A[i * k + kk];
+        if (tb) {
+          for (int64_t j = 0; j < n; ++j) {
+            const float *brow = B + j * k;
+            float acc = 0;
+            for (int64_t kk = 0; kk < k; ++kk)
+              acc += arow[kk] * brow[kk];
+            C[j] = acc;
+          }
+        } else {
+          std::fill(C, C + n, 0.0f);
+          for (int64_t kk = 0; kk < k; ++kk) {
+            float av = arow[kk];
+            const float *brow = B + kk * n;
+            for (int64_t j = 0; j < n; ++j)
+              C[j] += av * brow[j];
+          }
+        }
+      }
+    });
+  };
+}
+
+//===--------------------------------------------------------------------===//
+// Reductions and normalisation
+//===--------------------------------------------------------------------===//
+
+enum class Reduce { Sum, Max, Mean };
+
+template <Reduce R> Kernel buildReduce(const Ctx &c) {
+  c.arity(1, 1);
+  const Buffer &x = c.in(0), &o = c.out();
+  c.needF32(x), c.needF32(o);
+  std::vector<bool> reduced(x.shape.size(), false);
+  for (int64_t a : c.attrInts("axes"))
+    reduced[c.axis(a, x.shape.size())] = true;
+  // Output strides seen from the input's index space (0 on reduced axes).
+  Shape kept;
+  for (size_t d = 0; d < x.shape.size(); ++d)
+    if (!reduced[d])
+      kept.push_back(x.shape[d]);
+  if (count(kept) != count(o.shape))
+    c.bad(cat("result ", shapeStr(o.shape), " does not match reducing ", shapeStr(x.shape)));
+  std::vector<int64_t> keptStrides = stridesOf(kept), st(x.shape.size(), 0);
+  for (size_t d = 0, kd = 0; d < x.shape.size(); ++d)
+    if (!reduced[d])
+      st[d] = keptStrides[kd++];
+  std::vector<int64_t> unit = stridesOf(x.shape);
+  float *px = c.f32(x), *po = c.f32(o);
+  int64_t nOut = count(o.shape), nIn = count(x.shape);
+  Shape shape = x.shape;
+  double per = nOut ? double(nIn) / double(nOut) : 1;
+  return [=] {
+    std::fill(po, po + nOut, R == Reduce::Max ? -INFINITY : 0.0f);
+    forEachBroadcast(shape, unit, st, [&](int64_t, int64_t ix, int64_t io) {
+      if (R == Reduce::Max)
+        po[io] = std::max(po[io], px[ix]);
+      else
+        po[io] += px[ix];
+    });
+    if (R == Reduce::Mean)
+      for (int64_t i = 0; i < nOut; ++i)
+        po[i] = static_cast<float>(po[i] / per);
+  };
+}
+
+/// Splits a shape at `axis` into (outer, axis extent, inner).
+void splitAt(const Shape &s, int64_t axis, int64_t &outer, int64_t &len, int64_t &inner) {
+  outer = 1, inner = 1, len = s[axis];
+  for (int64_t d = 0; d < axis; ++d)
+    outer *= s[d];
+  for (size_t d = axis + 1; d < s.size(); ++d)
+    inner *= s[d];
+}
+
+Kernel buildSoftmax(const Ctx &c) {
+  c.arity(1, 1);
+  c.needF32(c.in(0)), c.needF32(c.out());
+  c.sameShape(c.in(0), c.out());
+  int64_t axis = c.axis(c.attrInt("axis", -1), c.in(0).shape.size());
+  int64_t outer, len, inner;
+  splitAt(c.in(0).shape, axis, outer, len, inner);
+  float *x = c.f32(c.in(0)), *y = c.f32(c.out());
+  return [=] {
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t i = 0; i < inner; ++i) {
+        const float *xs = x + o * len * inner + i;
+        float *ys = y + o * len * inner + i;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < len; ++j)
+          mx = std::max(mx, xs[j * inner]);
+        double sum = 0;
+        for (int64_t j = 0; j < len; ++j)
+          sum += std::exp(xs[j * inner] - mx);
+        for (int64_t j = 0; j < len; ++j)
+          ys[j * inner] = static_cast<float>(std::exp(xs[j * inner] - mx) / sum);
+      }
+  };
+}
+
+Kernel buildNorm(const Ctx &c, bool rms) {
+  c.arity(rms ? 2 : 3, 1);
+  const Buffer &x = c.in(0);
+  for (size_t i = 0; i < c.ins.in.size(); ++i)
+    c.needF32(c.in(i));
+  c.needF32(c.out());
+  c.sameShape(x, c.out());
+  if (x.shape.empty())
+    c.bad("input must have rank >= 1");
+  int64_t h = x.shape.back(), rows = count(x.shape) / std::max<int64_t>(h, 1);
+  for (size_t i = 1; i < c.ins.in.size(); ++i)
+    if (c.in(i).shape != Shape{h})
+      c.bad(cat("parameter '", c.in(i).name, "' must be [", h, "]"));
+  float eps = static_cast<float>(c.attrFloat("eps"));
+  float *px = c.f32(x), *g = c.f32(c.in(1)), *b = rms ? nullptr : c.f32(c.in(2)), *py = c.f32(c.out());
+  return [=] {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float *xr = px + r * h;
+      float *yr = py + r * h;
+      double mean = 0, var = 0;
+      if (!rms) {
+        for (int64_t j = 0; j < h; ++j)
+          mean += xr[j];
+        mean /= h;
+      }
+      for (int64_t j = 0; j < h; ++j)
+        var += (xr[j] - mean) * (xr[j] - mean);
+      var /= h;
+      float inv = static_cast<float>(1.0 / std::sqrt(var + eps));
+      for (int64_t j = 0; j < h; ++j)
+        yr[j] = (xr[j] - static_cast<float>(mean)) * inv * g[j] + (b ? b[j] : 0.0f);
+    }
+  };
+}
+Kernel buildLayerNorm(const Ctx &c) { return buildNorm(c, false); }
+Kernel buildRMSNorm(const Ctx &c) { return buildNorm(c, true); }
+
+Kernel buildBatchNorm(const Ctx &c) {
+  c.arity(3, 1);
+  const Buffer &x = c.in(0);
+  for (size_t i = 0; i < 3; ++i)
+    c.needF32(c.in(i));
+  c.needF32(c.out());
+  c.sameShape(x, c.out());
+  if (x.shape.size() < 2)
+    c.bad("input must be [N, C, ...]");
+  int64_t n = x.shape[0], ch = x.shape[1], inner = count(x.shape) / std::max<int64_t>(n * ch, 1);
+  if (c.in(1).shape != Shape{ch} || c.in(2).shape != Shape{ch})
+    c.bad(cat("gamma and beta must be [", ch, "]"));
+  float eps = static_cast<float>(c.attrFloat("eps"));
+  float *px = c.f32(x), *g = c.f32(c.in(1)), *b = c.f32(c.in(2)), *py = c.f32(c.out());
+  ThreadPool *pool = &c.pool;
+  return [=] {
+    pool->parallelFor(ch, double(n * inner), [&](int64_t c0, int64_t c1) {
+      for (int64_t cc = c0; cc < c1; ++cc) {
+        double mean = 0, var = 0;
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < inner; ++j)
+            mean += px[(i * ch + cc) * inner + j];
+        mean /= double(n * inner);
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < inner; ++j) {
+            double d = px[(i * ch + cc) * inner + j] - mean;
+            var += d * d;
+          }
+        var /= double(n * inner);
+        float inv = static_cast<float>(1.0 / std::sqrt(var + eps)), m = static_cast<float>(mean);
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < inner; ++j) {
+            int64_t at = (i * ch + cc) * inner + j;
+            py[at] = (px[at] - m) * inv * g[cc] + b[cc];
+          }
+      }
+    });
+  };
+}
+
+//===--------------------------------------------------------------------===//
+// Transformer pieces
+//===--------------------------------------------------------------------===//
+
+/// Reads index i of an i32 or i64 buffer.
+struct IndexReader {
+  const char *base;
+  bool wide;
+  int64_t operator()(int64_t i) const {
+    return wide ? reinterpret_cast<const int64_t *>(base)[i]
+                : reinterpret_cast<const int32_t *>(base)[i];
+  }
+};
+
+void checkIndices(const std::string &where, const std::string &what, IndexReader ids, int64_t n,
+                  int64_t limit) {
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t v = ids(i);
+    if (v < 0 || v >= limit)
+      fail(LOOM_INVALID_ARGUMENT, where, ": ", what, " ", v, " at position ", i,
+           " is outside [0, ", limit, ")");
+  }
+}
+
+Kernel buildEmbedding(const Ctx &c) {
+  c.arity(2, 1);
+  const Buffer &table = c.in(0), &ids = c.in(1), &o = c.out();
+  c.needF32(table), c.needInt(ids), c.needF32(o);
+  if (table.shape.size() != 2)
+    c.bad("table must be [vocab, hidden]");
+  Shape want = ids.shape;
+  want.push_back(table.shape[1]);
+  if (o.shape != want)
+    c.bad(cat("result must be ", shapeStr(want)));
+  int64_t vocab = table.shape[0], h = table.shape[1], n = count(ids.shape);
+  IndexReader read{c.arena + ids.offset, ids.dtype == LOOM_I64};
+  float *pt = c.f32(table), *po = c.f32(o);
+  std::string where = c.where, name = ids.name;
+  return [=] {
+    checkIndices(where, "token id in '" + name + "'", read, n, vocab);
+    for (int64_t i = 0; i < n; ++i)
+      std::copy(pt + read(i) * h, pt + (read(i) + 1) * h, po + i * h);
+  };
+}
+
+Kernel buildRotary(const Ctx &c) {
+  c.arity(1, 1);
+  const Buffer &x = c.in(0);
+  c.needF32(x), c.needF32(c.out());
+  c.sameShape(x, c.out());
+  int64_t heads = c.attrInt("num_heads");
+  if (x.shape.size() != 3 || heads < 1 || x.shape[2] % heads != 0 || (x.shape[2] / heads) % 2)
+    c.bad("input must be [B, S, heads * even head_dim]");
+  int64_t b = x.shape[0], s = x.shape[1], w = x.shape[2], d = w / heads;
+  double theta = c.attrFloat("theta", 10000.0);
+  float *px = c.f32(x), *py = c.f32(c.out());
+  return [=] {
+    for (int64_t bi = 0; bi < b; ++bi)
+      for (int64_t si = 0; si < s; ++si)
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t i = 0; i < d / 2; ++i) {
+            double angle = si * std::pow(theta, -2.0 * i / d);
+            float cs = static_cast<float>(std::cos(angle)), sn = static_cast<float>(std::sin(angle));
+            int64_t at = (bi * s + si) * w + h * d + 2 * i;
+            float x0 = px[at], x1 = px[at + 1];
+            py[at] = x0 * cs - x1 * sn;
+            py[at + 1] = x0 * sn + x1 * cs;
+          }
+  };
+}
+
+Kernel buildAttention(const Ctx &c) {
+  c.arity(3, 1);
+  const Buffer &q = c.in(0), &k = c.in(1), &v = c.in(2), &o = c.out();
+  for (const Buffer *buf : {&q, &k, &v, &o})
+    c.needF32(*buf);
+  int64_t heads = c.attrInt("num_heads"), kvHeads = c.attrInt("num_kv_heads", heads);
+  if (q.shape.size() != 3 || k.shape.size() != 3 || k.shape != v.shape || o.shape != q.shape ||
+      heads < 1 || kvHeads < 1 || heads % kvHeads || q.shape[2] % heads ||
+      k.shape[2] != q.shape[2] / heads * kvHeads || k.shape[0] != q.shape[0])
+    c.bad(cat("inconsistent attention shapes q ", shapeStr(q.shape), ", k ", shapeStr(k.shape),
+              ", v ", shapeStr(v.shape), " with ", heads, " heads and ", kvHeads, " kv heads"));
+  int64_t B = q.shape[0], S = q.shape[1], T = k.shape[1], D = q.shape[2] / heads;
+  int64_t group = heads / kvHeads;
+  bool causal = c.attrFlag("causal");
+  float scale = static_cast<float>(c.attrFloat("scale", 1.0 / std::sqrt(double(D))));
+  float *pq = c.f32(q), *pk = c.f32(k), *pv = c.f32(v), *po = c.f32(o);
+  ThreadPool *pool = &c.pool;
+  return [=] {
+    pool->parallelFor(B * heads * S, double(2 * T * D), [&](int64_t begin, int64_t end) {
+      std::vector<float> p(T);
+      for (int64_t t = begin; t < end; ++t) {
+        int64_t bi = t / (heads * S), h = (t / S) % heads, si = t % S, kh = h / group;
+        const float *qrow = pq + (bi * S + si) * heads * D + h * D;
+        int64_t last = causal ? std::min(T, si + 1 + (T - S)) : T;
+        float mx = -INFINITY;
+        for (int64_t ti = 0; ti < last; ++ti) {
+          const float *krow = pk + (bi * T + ti) * kvHeads * D + kh * D;
+          float acc = 0;
+          for (int64_t dd = 0; dd < D; ++dd)
+            acc += qrow[dd] * krow[dd];
+          p[ti] = acc * scale;
+          mx = std::max(mx, p[ti]);
+        }
+        double sum = 0;
+        for (int64_t ti = 0; ti < last; ++ti)
+          sum += (p[ti] = std::exp(p[ti] - mx));
+        float *orow = po + (bi * S + si) * heads * D + h * D;
+        std::fill(orow, orow + D, 0.0f);
+        for (int64_t ti = 0; ti < last; ++ti) {
+          float w = static_cast<float>(p[ti] / sum);
+          const float *vrow = pv + (bi * T + ti) * kvHeads * D + kh * D;
+          for (int64_t dd = 0; dd < D; ++dd)
+            orow[dd] += w * vrow[dd];
+        }
+      }
+    });
+  };
+}
+
+Kernel buildCrossEntropy(const Ctx &c) {
+  c.arity(2, 1);
+  const Buffer &logits = c.in(0), &targets = c.in(1), &o = c.out();
+  c.needF32(logits), c.needInt(targets), c.needF32(o);
+  if (logits.shape.empty() || Shape(logits.shape.begin(), logits.shape.end() - 1) != targets.shape ||
+      count(o.shape) != 1)
+    c.bad("expects logits [..., V], targets [...] and a scalar result");
+  int64_t V = logits.shape.back(), rows = count(targets.shape);
+  IndexReader read{c.arena + targets.offset, targets.dtype == LOOM_I64};
+  float *pl = c.f32(logits), *po = c.f32(o);
+  std::string where = c.where, name = targets.name;
+  return [=] {
+    checkIndices(where, "target class in '" + name + "'", read, rows, V);
+    double total = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float *row = pl + r * V;
+      float mx = *std::max_element(row, row + V);
+      double sum = 0;
+      for (int64_t j = 0; j < V; ++j)
+        sum += std::exp(double(row[j]) - mx);
+      total += std::log(sum) + mx - row[read(r)];
+    }
+    *po = static_cast<float>(total / std::max<int64_t>(rows, 1));
+  };
+}
+
+//===--------------------------------------------------------------------===//
+// Shape manipulation
+//===--------------------------------------------------------------------===//
+
+/// Copies `in` (bytes per element `es`) read through strides `st` into `out`
+/// laid out densely in `shape`.
+Kernel stridedCopy(const Ctx &c, const Buffer &in, const Buffer &out, Shape shape,
+                   std::vector<int64_t> st, int64_t base) {
+  size_t es = dtypeSize(in.dtype);
+  if (in.dtype != out.dtype)
+    c.bad("input and result must have the same dtype");
+  char *pi = c.arena + in.offset, *po = c.arena + out.offset;
+  std::vector<int64_t> zero(shape.size(), 0);
+  return [=] {
+    forEachBroadcast(shape, st, zero, [&](int64_t o, int64_t i, int64_t) {
+      std::memcpy(po + o * es, pi + (base + i) * es, es);
+    });
+  };
+}
+
+Kernel buildTranspose(const Ctx &c) {
+  c.arity(1, 1);
+  const Buffer &x = c.in(0), &o = c.out();
+  std::vector<int64_t> perm = c.attrInts("permutation");
+  if (perm.size() != x.shape.size())
+    c.bad("permutation length must equal the input rank");
+  std::vector<int64_t> in = stridesOf(x.shape), st;
+  Shape shape;
+  std::vector<bool> seen(perm.size(), false);
+  for (int64_t p : perm) {
+    if (p < 0 || p >= static_cast<int64_t>(perm.size()) || seen[p])
+      c.bad("permutation must list each dimension once");
+    seen[p] = true;
+    shape.push_back(x.shape[p]);
+    st.push_back(in[p]);
+  }
+  if (shape != o.shape)
+    c.bad(cat("result must be ", shapeStr(shape)));
+  return stridedCopy(c, x, o, shape, st, 0);
+}
+
+Kernel buildSlice(const Ctx &c) {
+  c.arity(1, 1);
+  const Buffer &x = c.in(0), &o = c.out();
+  int64_t axis = c.axis(c.attrInt("axis"), x.shape.size());
+  int64_t start = c.attrInt("start"), size = c.attrInt("size");
+  if (start < 0 || size < 1 || start + size > x.shape[axis])
+    c.bad(cat("slice [", start, ", ", start + size, ") is outside dimension ", axis, " of ",
+              shapeStr(x.shape)));
+  Shape shape = x.shape;
+  shape[axis] = size;
+  if (shape != o.shape)
+    c.bad(cat("result must be ", shapeStr(shape)));
+  std::vector<int64_t> st = stridesOf(x.shape);
+  return stridedCopy(c, x, o, shape, st, start * st[axis]);
+}
+
+Kernel buildConcat(const Ctx &c) {
+  if (c.ins.in.empty() || c.ins.out.size() != 1)
+    c.bad("expects at least one input and one result");
+  const Buffer &o = c.out();
+  int64_t axis = c.axis(c.attrInt("axis"), o.shape.size());
+  std::vector<Kernel> parts;
+  int64_t offset = 0;
+  std::vector<int64_t> ost = stridesOf(o.shape);
+  for (size_t i = 0; i < c.ins.in.size(); ++i) {
+    const Buffer &x = c.in(i);
+    if (x.shape.size() != o.shape.size() || x.dtype != o.dtype)
+      c.bad("inputs must match the result's rank and dtype");
+    Shape expect = o.shape;
+    expect[axis] = x.shape[axis];
+    if (x.shape != expect || offset + x.shape[axis] > o.shape[axis])
+      c.bad(cat("input ", i, " ", shapeStr(x.shape), " does not fit the result ", shapeStr(o.shape)));
+    size_t es = dtypeSize(x.dtype);
+    char *px = c.arena + x.offset, *po = c.arena + o.offset;
+    Shape shape = x.shape;
+    int64_t base = offset * ost[axis];
+    std::vector<int64_t> zero(shape.size(), 0);
+    parts.push_back([=] {
+      forEachBroadcast(shape, ost, zero, [&](int64_t xi, int64_t oi, int64_t) {
+        std::memcpy(po + (base + oi) * es, px + xi * es, es);
+      });
+    });
+    offset += x.shape[axis];
+  }
+  if (offset != o.shape[axis])
+    c.bad("inputs do not fill the result along the axis");
+  return [parts] {
+    for (const Kernel &k : parts)
+      k();
+  };
+}
+
+Kernel buildBroadcast(const Ctx &c) {
+  c.arity(1, 1);
+  auto st = broadcastStrides(c.in(0).shape, c.out().shape);
+  if (!st)
+    c.bad(cat("cannot broadcast ", shapeStr(c.in(0).shape), " to ", shapeStr(c.out().shape)));
+  return stridedCopy(c, c.in(0), c.out(), c.out().shape, *st, 0);
+}
+
+Kernel buildCast(const Ctx &c) {
+  c.arity(1, 1);
+  const Buffer &x = c.in(0), &o = c.out();
+  c.sameShape(x, o);
+  int64_t n = count(x.shape);
+  char *pi = c.arena + x.offset, *po = c.arena + o.offset;
+  auto load = [](loom_dtype_t t, const char *p, int64_t i) -> double {
+    switch (t) {
+    case LOOM_F32: return reinterpret_cast<const float *>(p)[i];
+    case LOOM_F64: return reinterpret_cast<const double *>(p)[i];
+    case LOOM_BF16: return bf16ToFloat(reinterpret_cast<const uint16_t *>(p)[i]);
+    case LOOM_I32: return reinterpret_cast<const int32_t *>(p)[i];
+    case LOOM_I64: return static_cast<double>(reinterpret_cast<const int64_t *>(p)[i]);
+    default: return 0;
+    }
+  };
+  if (x.dtype == LOOM_F16 || o.dtype == LOOM_F16)
+    fail(LOOM_UNSUPPORTED, c.where, ": the CPU backend does not convert f16 yet");
+  loom_dtype_t ti = x.dtype, to = o.dtype;
+  return [=] {
+    for (int64_t i = 0; i < n; ++i) {
+      double v = load(ti, pi, i);
+      switch (to) {
+      case LOOM_F32: reinterpret_cast<float *>(po)[i] = static_cast<float>(v); break;
+      case LOOM_F64: reinterpret_cast<double *>(po)[i] = v; break;
+      case LOOM_BF16: reinterpret_cast<uint16_t *>(po)[i] = floatToBf16(static_cast<float>(v)); break;
+      case LOOM_I32: reinterpret_cast<int32_t *>(po)[i] = static_cast<int32_t>(v); break;
+      case LOOM_I64: reinterpret_cast<int64_t *>(po)[i] = static_cast<int64_t>(v); break;
+      default: break;
+      }
+    }
+  };
+}
+
+//===--------------------------------------------------------------------===//
+// Convolutional networks
+//===--------------------------------------------------------------------===//
+
+Kernel buildConv2D(const Ctx &c) {
+  c.arity(2, 1);
+  const Buffer &x = c.in(0), &w = c.in(1), &o = c.out();
+  c.needF32(x), c.needF32(w), c.needF32(o);
+  int64_t stride = c.attrInt("stride", 1), pad = c.attrInt("padding", 0), groups = c.attrInt("groups", 1);
+  if (x.shape.size() != 4 || w.shape.size() != 4 || o.shape.size() != 4 || stride < 1 ||
+      pad < 0 || groups < 1 || x.shape[1] != w.shape[1] * groups || w.shape[0] % groups)
+    c.bad("inconsistent conv2d shapes or attributes");
+  int64_t N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3];
+  int64_t O = w.shape[0], Cg = w.shape[1], KH = w.shape[2], KW = w.shape[3];
+  int64_t Ho = (H + 2 * pad - KH) / stride + 1, Wo = (W + 2 * pad - KW) / stride + 1;
+  if (o.shape != Shape{N, O, Ho, Wo})
+    c.bad(cat("result must be ", shapeStr({N, O, Ho, Wo})));
+  float *px = c.f32(x), *pw = c.f32(w), *po = c.f32(o);
+  int64_t Og = O / groups;
+  ThreadPool *pool = &c.pool;
+  return [=] {
+    pool->parallelFor(N * O, double(Ho * Wo * Cg * KH * KW), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        int64_t n = t / O, oc = t % O, g = oc / Og;
+        float *outF = po + (n * O + oc) * Ho * Wo;
+        std::vector<double> acc(Ho * Wo, 0.0);
+        double *out = acc.data();
+        for (int64_t ci = 0; ci < Cg; ++ci) {
+          const float *in = px + (n * C + g * Cg + ci) * H * W;
+          const float *ker = pw + (oc * Cg + ci) * KH * KW;
+          for (int64_t kh = 0; kh < KH; ++kh)
+            for (int64_t kw = 0; kw < KW; ++kw) {
+              float wv = ker[kh * KW + kw];
+              for (int64_t oh = 0; oh < Ho; ++oh) {
+                int64_t ih = oh * stride - pad + kh;
+                if (ih < 0 || ih >= H)
+                  continue;
+                for (int64_t ow = 0; ow < Wo; ++ow) {
+                  int64_t iw = ow * stride - pad + kw;
+                  if (iw >= 0 && iw < W)
+                    out[oh * Wo + ow] += double(wv) * in[ih * W + iw];
+                }
+              }
+            }
+        }
+        for (int64_t i = 0; i < Ho * Wo; ++i)
+          outF[i] = static_cast<float>(acc[i]);
+      }
+    });
+  };
+}
+
+template <bool Max> Kernel buildPool(const Ctx &c) {
+  c.arity(1, 1);
+  const Buffer &x = c.in(0), &o = c.out();
+  c.needF32(x), c.needF32(o);
+  int64_t k = c.attrInt("kernel"), stride = c.attrInt("stride", 1), pad = c.attrInt("padding", 0);
+  if (x.shape.size() != 4 || k < 1 || stride < 1 || pad < 0)
+    c.bad("inconsistent pooling shapes or attributes");
+  int64_t N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3];
+  int64_t Ho = (H + 2 * pad - k) / stride + 1, Wo = (W + 2 * pad - k) / stride + 1;
+  if (o.shape != Shape{N, C, Ho, Wo})
+    c.bad(cat("result must be ", shapeStr({N, C, Ho, Wo})));
+  float *px = c.f32(x), *po = c.f32(o);
+  return [=] {
+    for (int64_t nc = 0; nc < N * C; ++nc)
+      for (int64_t oh = 0; oh < Ho; ++oh)
+        for (int64_t ow = 0; ow < Wo; ++ow) {
+          float acc = Max ? -INFINITY : 0.0f;
+          for (int64_t kh = 0; kh < k; ++kh)
+            for (int64_t kw = 0; kw < k; ++kw) {
+              int64_t ih = oh * stride - pad + kh, iw = ow * stride - pad + kw;
+              if (ih < 0 || ih >= H || iw < 0 || iw >= W)
+                continue;
+              float v = px[nc * H * W + ih * W + iw];
+              acc = Max ? std::max(acc, v) : acc + v;
+            }
+          // Average pooling counts the padding, as PyTorch does by default.
+          po[(nc * Ho + oh) * Wo + ow] = Max ? acc : acc / float(k * k);
+        }
+  };
+}
+
+const std::map<std::string, Builder> &builders() {
+  static const std::map<std::string, Builder> table = {
+      {"add", buildAdd},
+      {"sub", buildSub},
+      {"mul", buildMul},
+      {"div", buildDiv},
+      {"gelu", buildGelu},
+      {"relu", buildRelu},
+      {"silu", buildSilu},
+      {"exp", buildExp},
+      {"tanh", buildTanh},
+      {"rsqrt", buildRsqrt},
+      {"neg", buildNeg},
+      {"scale", buildScale},
+      {"matmul", buildMatmul},
+      {"reduce_sum", buildReduce<Reduce::Sum>},
+      {"reduce_max", buildReduce<Reduce::Max>},
+      {"reduce_mean", buildReduce<Reduce::Mean>},
+      {"softmax", buildSoftmax},
+      {"layernorm", buildLayerNorm},
+      {"rmsnorm", buildRMSNorm},
+      {"batchnorm", buildBatchNorm},
+      {"embedding", buildEmbedding},
+      {"rotary", buildRotary},
+      {"attention", buildAttention},
+      {"cross_entropy", buildCrossEntropy},
+      {"transpose", buildTranspose},
+      {"slice", buildSlice},
+      {"concat", buildConcat},
+      {"broadcast", buildBroadcast},
+      {"cast", buildCast},
+      {"conv2d", buildConv2D},
+      {"max_pool2d", buildPool<true>},
+      {"avg_pool2d", buildPool<false>},
+  };
+  return table;
+}
+
+} // namespace
+
+std::vector<std::string> cpuSupportedOps() {
+  std::vector<std::string> ops;
+  for (auto &[name, _] : builders())
+    ops.push_back(name);
+  return ops;
+}
+
+CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &instrs,
+                       char *arena, ThreadPool &pool, const std::string &programName) {
+  for (size_t i = 0; i < instrs.size(); ++i) {
+    const Instruction &ins = instrs[i];
+    std::string where = cat("instruction ", programName, "[", i, "] '", ins.op, "'");
+    auto it = builders().find(ins.op);
+    if (it == builders().end())
+      fail(LOOM_UNSUPPORTED, where, ": the CPU backend has no kernel for this op");
+    Ctx ctx{ins, rank, arena, pool, where};
+    steps.push_back(Step{where, it->second(ctx)});
+  }
+}
+
+void CpuProgram::run() {
+  for (Step &step : steps)
+    step.kernel();
+}
+
+} // namespace loom::rt

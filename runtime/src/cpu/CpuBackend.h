@@ -1,0 +1,45 @@
+//===- CpuBackend.h - Plain C++ execution of instruction streams -*- C++ -*-===//
+//
+// The reference backend: every instruction of a rank's program as a plain,
+// correct C++ kernel over the rank's arena (threads where it pays: GEMM,
+// attention, convolution). Instructions are checked once when the program is
+// prepared, so a corrupt bundle is refused before anything runs.
+//
+//===----------------------------------------------------------------------===//
+#ifndef LOOM_RUNTIME_CPU_CPUBACKEND_H
+#define LOOM_RUNTIME_CPU_CPUBACKEND_H
+
+#include "runtime/src/Bundle.h"
+#include "runtime/src/ThreadPool.h"
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace loom::rt {
+
+class CpuProgram {
+public:
+  /// Validates `instrs` against `rank`'s buffers and builds the kernels.
+  /// `arena` must hold rank.arenaBytes bytes and outlive the program.
+  CpuProgram(const RankProgram &rank, const std::vector<Instruction> &instrs, char *arena,
+             ThreadPool &pool, const std::string &programName);
+  /// Runs every instruction in order; throws Error naming the instruction
+  /// when a run-time check fails (a token id outside the vocabulary, say).
+  void run();
+
+private:
+  struct Step {
+    std::string what; // "forward[12] attention" for error messages
+    std::function<void()> kernel;
+  };
+  std::vector<Step> steps;
+};
+
+/// Names of the instructions the CPU backend runs (for docs and errors).
+std::vector<std::string> cpuSupportedOps();
+
+} // namespace loom::rt
+
+#endif
