@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on its embedded default: installs what is missing, builds, then
 # writes a small GPT with `loomc models`, verifies it and prints its summary,
-# and lists the GPUs the runtime can use (if any).
+# compiles it and runs its forward pass on the CPU backend, and lists the GPUs
+# the runtime can use (if any).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
@@ -13,6 +14,9 @@ model="$B/quickstart/gpt-small.mlir"
 echo "== wrote $model"
 "$B/compiler/loomc" verify "$model"
 for m in models/*.mlir; do "$B/compiler/loomc" verify "$m" | head -3; done
+echo "== compile and run the forward pass on the CPU backend"
+"$B/compiler/loomc" compile "$model" --batch 4 -o "$B/quickstart/gpt-small.loom"
+"$B/runtime/loom-run" "$B/quickstart/gpt-small.loom" --steps 5
 if [ -x "$B/runtime/loom-devices" ]; then
   "$B/runtime/loom-devices" || echo "(no GPU here: the CPU backend is the reference)"
 fi

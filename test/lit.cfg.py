@@ -9,7 +9,7 @@ config.excludes = ["unit", "Inputs", "lit.cfg.py", "lit.site.cfg.py.in", "CMakeL
 config.test_source_root = os.path.dirname(__file__)
 config.test_exec_root = os.path.join(config.loom_obj_root, "test")
 config.environment["PATH"] = os.pathsep.join(
-    [config.loom_tools_dir, config.llvm_tools_dir, os.environ.get("PATH", "")])
+    [config.loom_tools_dir, config.loom_runtime_dir, config.llvm_tools_dir, os.environ.get("PATH", "")])
 import sys
 config.substitutions.append(("%python", sys.executable))
 config.substitutions.append(("%models", os.path.join(config.loom_src_root, "models")))

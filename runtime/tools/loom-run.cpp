@@ -112,7 +112,7 @@ int run(int argc, char **argv) {
   options.threads = threads;
   Session s(bundle, options);
   const RankProgram &r = s.rank();
-  std::printf("%s: model %s, batch %lld, %zu parameters tensors, arena %.1f MiB (activations %.1f MiB)\n",
+  std::printf("%s: model %s, batch %lld, %zu parameter tensors, arena %.1f MiB (activations %.1f MiB)\n",
               bundle.c_str(), s.manifest().model.c_str(), (long long)s.manifest().batch, r.params.size(),
               r.arenaBytes / 1048576.0, r.peakActivationBytes / 1048576.0);
 

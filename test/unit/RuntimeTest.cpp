@@ -1,0 +1,131 @@
+//===- RuntimeTest.cpp - Runtime pieces that need no compiler -------------===//
+//
+// Built with -DLOOM_BUILD_COMPILER=OFF too (the GPU machine): safetensors,
+// the thread pool, and the CPU backend on a hand-written program.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/src/Bundle.h"
+#include "runtime/src/Error.h"
+#include "runtime/src/Safetensors.h"
+#include "runtime/src/ThreadPool.h"
+#include "runtime/src/cpu/CpuBackend.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+
+using namespace loom::rt;
+
+TEST(Safetensors, RoundTrip) {
+  std::string path = ::testing::TempDir() + "/rt-roundtrip.safetensors";
+  std::vector<float> a = {1, 2, 3, 4, 5, 6};
+  std::vector<int32_t> b = {7, 8};
+  writeSafetensors(path, {{"a", LOOM_F32, {2, 3}, a.data(), 24}, {"b", LOOM_I32, {2}, b.data(), 8}},
+                   {{"note", "x"}});
+  SafetensorsFile f = readSafetensors(path);
+  ASSERT_EQ(f.tensors.size(), 2u);
+  EXPECT_EQ(f.tensors["a"].shape, (Shape{2, 3}));
+  EXPECT_EQ(f.tensors["b"].dtype, LOOM_I32);
+  EXPECT_EQ(0, std::memcmp(f.bytesOf("a"), a.data(), 24));
+  EXPECT_EQ(0, std::memcmp(f.bytesOf("b"), b.data(), 8));
+  EXPECT_EQ(f.metadata["note"], "x");
+  std::remove(path.c_str());
+}
+
+TEST(Safetensors, RejectsLies) {
+  std::string path = ::testing::TempDir() + "/rt-bad.safetensors";
+  auto writeRaw = [&](const std::string &header, size_t dataBytes) {
+    std::ofstream out(path, std::ios::binary);
+    uint64_t n = header.size();
+    out.write(reinterpret_cast<const char *>(&n), 8);
+    out << header << std::string(dataBytes, '\0');
+  };
+  auto message = [&]() -> std::string {
+    try {
+      readSafetensors(path);
+    } catch (const Error &e) {
+      return e.what();
+    }
+    return "accepted";
+  };
+  writeRaw(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 8);
+  EXPECT_NE(message().find("lies outside the data"), std::string::npos) << message();
+  writeRaw(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,12]}})", 16);
+  EXPECT_NE(message().find("covers 12 bytes but f32[4] needs 16"), std::string::npos) << message();
+  writeRaw(R"({"a":{"dtype":"Q4","shape":[4],"data_offsets":[0,16]}})", 16);
+  EXPECT_NE(message().find("unsupported dtype 'Q4'"), std::string::npos) << message();
+  writeRaw("{not json", 0);
+  EXPECT_NE(message().find("header is not a JSON object"), std::string::npos) << message();
+  {
+    std::ofstream out(path, std::ios::binary);
+    uint64_t n = 1u << 30;
+    out.write(reinterpret_cast<const char *>(&n), 8);
+  }
+  EXPECT_NE(message().find("exceeds the file size"), std::string::npos) << message();
+  std::remove(path.c_str());
+}
+
+TEST(ThreadPool, CoversEveryIndexOnce) {
+  ThreadPool pool(4);
+  std::vector<std::atomic<int>> hits(100000);
+  pool.parallelFor(hits.size(), 1e3, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      hits[i]++;
+  });
+  for (auto &h : hits)
+    ASSERT_EQ(h.load(), 1);
+  // Reusable, and fine with tiny loops that run inline.
+  int sum = 0;
+  pool.parallelFor(3, 1.0, [&](int64_t b, int64_t e) { sum += int(e - b); });
+  EXPECT_EQ(sum, 3);
+}
+
+/// out = gelu(x @ w + b), written by hand as the compiler would.
+TEST(CpuBackend, HandWrittenProgram) {
+  RankProgram r;
+  auto buffer = [&](const char *name, Shape shape, int64_t offset) {
+    Buffer b;
+    b.id = static_cast<int64_t>(r.buffers.size());
+    b.name = name;
+    b.shape = shape;
+    b.bytes = numElements(shape).value() * 4;
+    b.offset = offset;
+    r.buffers.push_back(b);
+    return b.id;
+  };
+  int64_t x = buffer("x", {2, 3}, 0), w = buffer("w", {3, 2}, 32), bias = buffer("b", {2}, 64),
+          y = buffer("y", {2, 2}, 96), z = buffer("z", {2, 2}, 128), o = buffer("o", {2, 2}, 160);
+  r.arenaBytes = 192;
+  std::vector<Instruction> prog = {{"matmul", {x, w}, {y}, {}},
+                                   {"add", {y, bias}, {z}, {}},
+                                   {"gelu", {z}, {o}, {{"approximate", true}}}};
+  alignas(64) char arena[192] = {};
+  float *f = reinterpret_cast<float *>(arena);
+  float xs[] = {1, 2, 3, -1, 0, 1}, ws[] = {0.5, -1, 0.25, 0, 1, 0.5}, bs[] = {0.1f, -0.2f};
+  std::memcpy(f + 0, xs, 24);
+  std::memcpy(f + 8, ws, 24);
+  std::memcpy(f + 16, bs, 8);
+  ThreadPool pool(2);
+  CpuProgram program(r, prog, arena, pool, "forward");
+  program.run();
+  float *out = f + 40;
+  // x @ w = [[4, 0.5], [0.5, 1.5]]; + b = [[4.1, 0.3], [0.6, 1.3]]
+  auto gelu = [](double v) { return 0.5 * v * (1 + std::tanh(0.7978845608 * (v + 0.044715 * v * v * v))); };
+  EXPECT_NEAR(out[0], gelu(4.1), 1e-6);
+  EXPECT_NEAR(out[1], gelu(0.3), 1e-6);
+  EXPECT_NEAR(out[2], gelu(0.6), 1e-6);
+  EXPECT_NEAR(out[3], gelu(1.3), 1e-6);
+
+  // The same program with a mismatched shape is refused before it runs.
+  prog[0].in = {x, x};
+  try {
+    CpuProgram bad(r, prog, arena, pool, "forward");
+    FAIL() << "accepted a matmul of [2, 3] x [2, 3]";
+  } catch (const Error &e) {
+    EXPECT_NE(std::string(e.what()).find("instruction forward[0] 'matmul'"), std::string::npos)
+        << e.what();
+  }
+}
