@@ -7,6 +7,7 @@
 
 #include "compiler/ModelSummary.h"
 #include "compiler/ModelZoo.h"
+#include "compiler/PlannerModel.h"
 #include "compiler/bundle/BundleWriter.h"
 #include "compiler/planner/Cluster.h"
 #include "dialects/loom/IR/LoomDialect.h"
@@ -14,6 +15,7 @@
 #include "mlir/IR/Diagnostics.h"
 #include "mlir/IR/MLIRContext.h"
 #include "mlir/Parser/Parser.h"
+#include "runtime/src/Safetensors.h"
 #include "mlir/Support/FileUtilities.h"
 #include "llvm/Support/CommandLine.h"
 #include "llvm/Support/Format.h"
@@ -87,6 +89,30 @@ cl::opt<std::string> compileWeights("weights",
                                     cl::desc("Load parameters from a safetensors file instead "
                                              "of initialising them"),
                                     cl::value_desc("file"), cl::sub(compileCmd));
+
+cl::SubCommand planCmd("plan", "Choose how to parallelise a model on a cluster, predict its step "
+                               "time and memory, and explain the choice");
+cl::opt<std::string> planInput(cl::Positional, cl::desc("<model.mlir>"), cl::Required,
+                               cl::sub(planCmd));
+cl::opt<std::string> planCluster("cluster", cl::desc("Cluster preset (h100:8, h100:8x4, "
+                                                     "a100-80g:8x16, cpu:4) or JSON file"),
+                                 cl::Required, cl::sub(planCmd));
+cl::opt<int64_t> planBatch("batch", cl::desc("Global batch in examples (sequences) per step"),
+                           cl::init(0), cl::sub(planCmd));
+cl::opt<std::string> planForce("force", cl::desc("Fix parts of the plan: dp=,tp=,pp=,vpp=,mb=,"
+                                                 "mbs=,schedule=gpipe|1f1b|interleaved,"
+                                                 "recompute=none|selective|full,zero=0|1"),
+                               cl::init(""), cl::sub(planCmd));
+cl::opt<std::string> planJson("json", cl::desc("Write the plan as JSON (for loomc inspect and "
+                                               "loomc compile --plan)"),
+                              cl::value_desc("file"), cl::init(""), cl::sub(planCmd));
+cl::opt<std::string> planProfile("profile", cl::desc("Calibration profile written by loom-run "
+                                                     "--profile"),
+                                 cl::value_desc("file"), cl::init(""), cl::sub(planCmd));
+cl::opt<bool> planMaterialized("materialized-attention",
+                               cl::desc("Model attention that writes its scores to memory (no "
+                                        "flash attention), as Megatron-LM did in 2021"),
+                               cl::sub(planCmd));
 
 int fail(const llvm::Twine &message) {
   llvm::WithColor::error(llvm::errs(), "loomc") << message << "\n";
@@ -171,6 +197,60 @@ int runCompile() {
   return 0;
 }
 
+int runPlan() {
+  ::loom::planner::Cluster cluster;
+  std::string error;
+  if (!::loom::planner::parseCluster(planCluster, cluster, error))
+    return fail(error);
+  ::loom::planner::Constraints constraints;
+  if (!::loom::planner::parseConstraints(planForce, constraints, error))
+    return fail(error);
+  ::loom::planner::CostOptions costs;
+  costs.materializedAttention = planMaterialized;
+  if (!planProfile.empty() && !::loom::planner::loadProfile(planProfile, costs, error))
+    return fail(error);
+
+  std::string message;
+  auto file = openInputFile(planInput, &message);
+  if (!file)
+    return fail("cannot read '" + planInput + "': " + message);
+  llvm::SourceMgr sourceMgr;
+  sourceMgr.AddNewSourceBuffer(std::move(file), llvm::SMLoc());
+  MLIRContext context;
+  loadDialects(context);
+  SourceMgrDiagnosticHandler diagnostics(sourceMgr, &context);
+  OwningOpRef<ModuleOp> module = parseSourceFile<ModuleOp>(sourceMgr, &context);
+  if (!module)
+    return 1;
+  auto spec = mlir::loom::buildModelSpec(*module, llvm::sys::path::stem(planInput));
+  if (failed(spec))
+    return 1;
+  int64_t batch = planBatch > 0 ? planBatch : 8 * cluster.numDevices();
+  ::loom::planner::Planner planner(*spec, cluster, costs);
+  ::loom::planner::PlanResult result = planner.search(batch, constraints);
+  if (!result.found)
+    return fail(result.error);
+  llvm::outs() << ::loom::planner::explainPlan(result, *spec, cluster, batch);
+  if (!planJson.empty()) {
+    nlohmann::json doc = ::loom::planner::planToJson(result.best, *spec, cluster, batch);
+    nlohmann::json alternatives = nlohmann::json::array();
+    for (const auto &alt : result.alternatives)
+      alternatives.push_back({{"plan", alt.shortName()},
+                              {"feasible", alt.feasible},
+                              {"reason", alt.reason},
+                              {"step_ms", alt.stepTime * 1e3}});
+    doc["rejected"] = alternatives;
+    std::string text = doc.dump(1);
+    try {
+      ::loom::rt::writeFileAtomically(planJson, text.data(), text.size());
+    } catch (const std::exception &e) {
+      return fail(e.what());
+    }
+    llvm::outs() << "wrote " << planJson << "\n";
+  }
+  return 0;
+}
+
 int runModels() {
   mlir::loom::ModelConfig config;
   config.family = family;
@@ -213,6 +293,7 @@ int main(int argc, char **argv) {
       argc, argv,
       "Loom: compile neural networks written in the loom dialect and plan them over GPUs.\n\n"
       "  loomc verify MODEL.mlir\n"
+      "  loomc plan MODEL.mlir --cluster C [--batch B] [--force dp=2,tp=2,...] [--json F]\n"
       "  loomc compile MODEL.mlir [--batch N] [--seed S] [--weights F] -o OUT.loom\n"
       "  loomc models gpt|llama|bert|mlp|resnet [--layers L --hidden H ...] [-o MODEL.mlir]\n\n"
       "Run 'loomc SUBCOMMAND --help' for the options of each.\n");
@@ -222,6 +303,8 @@ int main(int argc, char **argv) {
     return runModels();
   if (compileCmd)
     return runCompile();
+  if (planCmd)
+    return runPlan();
   cl::PrintHelpMessage(false, true);
   return 1;
 }

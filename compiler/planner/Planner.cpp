@@ -1,0 +1,616 @@
+//===- Planner.cpp - Choose and explain a parallel plan -------------------===//
+
+#include "compiler/planner/Planner.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+namespace loom::planner {
+
+using json = nlohmann::json;
+
+namespace {
+constexpr double kGiB = double(1ull << 30);
+
+std::vector<int64_t> divisors(int64_t n) {
+  std::vector<int64_t> out;
+  for (int64_t d = 1; d * d <= n; ++d)
+    if (n % d == 0) {
+      out.push_back(d);
+      if (d * d != n)
+        out.push_back(n / d);
+    }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string gib(double bytes) {
+  std::ostringstream os;
+  os.precision(1);
+  os << std::fixed << bytes / kGiB << " GiB";
+  return os.str();
+}
+
+std::string ms(double seconds) {
+  std::ostringstream os;
+  os.precision(seconds < 0.01 ? 2 : 1);
+  os << std::fixed << seconds * 1e3 << " ms";
+  return os.str();
+}
+
+/// Costs of one layer for one microbatch, given tp, microbatch size and recomputation.
+struct LayerTimes {
+  double forward = 0, backward = 0, recompute = 0, tpComm = 0;
+  double compute = 0; // the compute part of forward + backward + recompute
+  double total() const { return forward + backward + recompute + tpComm; }
+};
+} // namespace
+
+std::string StagePlan::layerRanges() const {
+  std::string out;
+  for (auto [first, count] : chunks)
+    out += (out.empty() ? "" : ", ") + std::to_string(first) +
+           (count > 1 ? "-" + std::to_string(first + count - 1) : "");
+  return out;
+}
+
+std::string Plan::shortName() const {
+  std::ostringstream os;
+  os << "dp" << dp << " tp" << tp << " pp" << pp;
+  if (schedule == Schedule::Interleaved)
+    os << " vpp" << vpp;
+  os << " mbs" << microbatchSize << " mb" << microbatches << " " << scheduleName(schedule)
+     << " recompute=" << recomputeName(recompute) << " zero" << zero;
+  return os.str();
+}
+
+bool parseConstraints(const std::string &text, Constraints &out, std::string &error) {
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item.empty())
+      continue;
+    size_t eq = item.find('=');
+    if (eq == std::string::npos) {
+      error = "--force item '" + item + "' is not key=value";
+      return false;
+    }
+    std::string key = item.substr(0, eq), value = item.substr(eq + 1);
+    auto number = [&](std::optional<int64_t> &field) {
+      if (value.empty() || value.size() > 9 ||
+          value.find_first_not_of("0123456789") != std::string::npos || std::stoll(value) < 1) {
+        error = "--force " + key + " needs a positive integer, got '" + value + "'";
+        return false;
+      }
+      field = std::stoll(value);
+      return true;
+    };
+    if (key == "dp" || key == "tp" || key == "pp" || key == "vpp" || key == "mb" ||
+        key == "mbs") {
+      std::optional<int64_t> &field = key == "dp"    ? out.dp
+                                      : key == "tp"  ? out.tp
+                                      : key == "pp"  ? out.pp
+                                      : key == "vpp" ? out.vpp
+                                      : key == "mb"  ? out.microbatches
+                                                     : out.microbatchSize;
+      if (!number(field))
+        return false;
+    } else if (key == "schedule") {
+      Schedule s;
+      if (!parseSchedule(value, s)) {
+        error = "--force schedule must be gpipe, 1f1b or interleaved, got '" + value + "'";
+        return false;
+      }
+      out.schedule = s;
+    } else if (key == "recompute") {
+      Recompute r;
+      if (!parseRecompute(value, r)) {
+        error = "--force recompute must be none, selective or full, got '" + value + "'";
+        return false;
+      }
+      out.recompute = r;
+    } else if (key == "zero") {
+      if (value != "0" && value != "1") {
+        error = "--force zero must be 0 or 1, got '" + value + "'";
+        return false;
+      }
+      out.zero = value == "1" ? 1 : 0;
+    } else {
+      error = "--force has no key '" + key +
+              "'; use dp, tp, pp, vpp, mb, mbs, schedule, recompute or zero";
+      return false;
+    }
+  }
+  if (out.vpp && *out.vpp > 1 && !out.schedule)
+    out.schedule = Schedule::Interleaved;
+  return true;
+}
+
+std::string describeConstraints(const Constraints &c) {
+  std::ostringstream os;
+  auto put = [&](const char *k, const auto &v) {
+    if (v)
+      os << (os.tellp() ? "," : "") << k << "=" << *v;
+  };
+  put("dp", c.dp), put("tp", c.tp), put("pp", c.pp), put("vpp", c.vpp);
+  put("mb", c.microbatches), put("mbs", c.microbatchSize);
+  if (c.schedule)
+    os << (os.tellp() ? "," : "") << "schedule=" << scheduleName(*c.schedule);
+  if (c.recompute)
+    os << (os.tellp() ? "," : "") << "recompute=" << recomputeName(*c.recompute);
+  put("zero", c.zero);
+  return os.str();
+}
+
+Planner::Planner(ModelSpec model, Cluster cluster, CostOptions opts)
+    : spec(std::move(model)), machines(std::move(cluster)), options(std::move(opts)) {}
+
+Plan Planner::evaluate(int64_t batch, Plan plan) const {
+  auto reject = [&](const std::string &why) {
+    plan.feasible = false;
+    plan.reason = why;
+    return plan;
+  };
+  const DeviceSpec &dev = machines.device;
+  int64_t n = machines.numDevices();
+  int64_t t = plan.tp, p = plan.pp, d = plan.dp, b = plan.microbatchSize;
+  int64_t v = plan.schedule == Schedule::Interleaved ? plan.vpp : 1;
+  if (t < 1 || p < 1 || d < 1 || b < 1 || v < 1)
+    return reject("degrees and microbatch size must be positive");
+  if (d * t * p != n)
+    return reject("dp x tp x pp = " + std::to_string(d * t * p) + " but the cluster has " +
+                  std::to_string(n) + " devices");
+  if (t > machines.devicesPerNode && !options.tpAcrossNodes)
+    return reject("tp=" + std::to_string(t) + " spans nodes of " +
+                  std::to_string(machines.devicesPerNode) + " devices");
+  if (batch % d != 0)
+    return reject("batch " + std::to_string(batch) + " is not divisible by dp=" + std::to_string(d));
+  if ((batch / d) % b != 0)
+    return reject("per-replica batch " + std::to_string(batch / d) +
+                  " is not divisible by microbatch size " + std::to_string(b));
+  int64_t m = batch / d / b;
+  plan.microbatches = m;
+  int64_t numLayers = static_cast<int64_t>(spec.layers.size());
+  if (p * v > numLayers)
+    return reject("pp x vpp = " + std::to_string(p * v) + " exceeds the model's " +
+                  std::to_string(numLayers) + " layers");
+  if (plan.schedule == Schedule::Interleaved && (v < 2 || m % p != 0))
+    return reject("interleaved 1F1B needs vpp >= 2 and microbatches divisible by pp");
+
+  Link intra{dev.intraNodeBandwidth * options.linkEfficiency, dev.intraNodeLatency};
+  Link inter{dev.interNodeBandwidth * options.linkEfficiency, dev.interNodeLatency};
+  const Link &tpLink = t <= machines.devicesPerNode ? intra : inter;
+  const Link &dpLink = t * d <= machines.devicesPerNode ? intra : inter;
+  const Link &ppLink = t * d * p <= machines.devicesPerNode ? intra : inter;
+  double flopRate = machines.peakFlops("bf16") * options.matmulEfficiency;
+  double memRate = dev.memoryBandwidth * options.memoryEfficiency;
+
+  // Per-layer costs for one microbatch.
+  std::vector<LayerTimes> times(numLayers);
+  std::vector<double> weightBytes(numLayers), actBytes(numLayers);
+  double perParam = bytesPerParameter(plan.zero, d);
+  for (int64_t i = 0; i < numLayers; ++i) {
+    const LayerSpec &l = spec.layers[i];
+    int64_t lt = (t > 1 && l.tpDivisor % t == 0) ? t : 1; // no rule: replicate
+    double flops = b * (l.shardedFlops / lt + (l.flops - l.shardedFlops));
+    double traffic = b * l.memoryTraffic / lt;
+    double scores = 0;
+    if (options.materializedAttention && l.isTransformer)
+      scores = b * 4.0 * 2.0 * l.heads * l.seq * l.seq / lt; // write, read, write, read (16-bit)
+    LayerTimes &lt_ = times[i];
+    double fwdCompute = flops / flopRate, fwdMemory = (traffic + scores) / memRate;
+    lt_.forward = fwdCompute + fwdMemory;
+    lt_.backward = 2 * fwdCompute + 2 * fwdMemory;
+    lt_.compute = 3 * fwdCompute;
+    if (plan.recompute == Recompute::Full) {
+      lt_.recompute = lt_.forward;
+      lt_.compute += fwdCompute;
+    } else if (plan.recompute == Recompute::Selective) {
+      double attn = b * l.attentionFlops / lt / flopRate;
+      lt_.recompute = attn + scores / memRate;
+      lt_.compute += attn;
+    }
+    if (lt > 1) {
+      int reductions = l.tpAllReduces * (plan.recompute == Recompute::Full ? 3 : 2);
+      lt_.tpComm = reductions * allReduceTime(b * l.boundaryBytes, lt, tpLink);
+    }
+    weightBytes[i] = (l.shardedParams / lt + (l.params - l.shardedParams)) * perParam;
+    if (l.isTransformer)
+      actBytes[i] = b * transformerActivationBytes(l.seq, l.hidden, l.heads, lt, plan.recompute);
+    else
+      actBytes[i] = b * l.activationBytes[static_cast<int>(plan.recompute)] / lt;
+    actBytes[i] += b * 2 * l.lossBytes / lt; // logits and their gradient, fp32
+  }
+
+  // Stages: contiguous chunks (p x v of them, dealt round-robin to stages for
+  // interleaving) minimising the slowest stage under the memory cap; found by
+  // binary search on the bottleneck time with greedy packing, which is exact
+  // for contiguous min-max partitions.
+  int64_t chunks = p * v;
+  std::vector<double> prefixTime(numLayers + 1, 0);
+  for (int64_t i = 0; i < numLayers; ++i)
+    prefixTime[i + 1] = prefixTime[i] + times[i].total();
+  double cap = dev.memoryBytes - options.reservedBytes;
+  auto chunkMemory = [&](int64_t first, int64_t count, int64_t chunk) {
+    int64_t stage = chunk % p;
+    double inFlight = microbatchesInFlight(plan.schedule, p, m, v, stage);
+    double mem = 0;
+    for (int64_t i = first; i < first + count; ++i)
+      mem += weightBytes[i] + actBytes[i] * inFlight;
+    return mem;
+  };
+  auto pack = [&](double limit, std::vector<int64_t> &bounds) {
+    bounds.assign(1, 0);
+    int64_t at = 0;
+    for (int64_t c = 0; c < chunks; ++c) {
+      int64_t left = chunks - c - 1; // every later chunk needs a layer
+      int64_t end = at + 1;
+      if (end > numLayers - left)
+        return false;
+      while (end < numLayers - left && prefixTime[end + 1] - prefixTime[at] <= limit)
+        ++end;
+      if (c == chunks - 1)
+        end = numLayers;
+      if (prefixTime[end] - prefixTime[at] > limit * (1 + 1e-12))
+        return false;
+      at = end;
+      bounds.push_back(at);
+    }
+    return at == numLayers;
+  };
+  double lo = 0, hi = prefixTime[numLayers];
+  for (int64_t i = 0; i < numLayers; ++i)
+    lo = std::max(lo, times[i].total());
+  std::vector<int64_t> bounds;
+  if (!pack(hi, bounds))
+    return reject("cannot split " + std::to_string(numLayers) + " layers into " +
+                  std::to_string(chunks) + " chunks");
+  for (int iter = 0; iter < 40 && hi - lo > 1e-9 * hi; ++iter) {
+    double mid = 0.5 * (lo + hi);
+    std::vector<int64_t> trial;
+    if (pack(mid, trial))
+      hi = mid;
+    else
+      lo = mid;
+  }
+  pack(hi, bounds);
+
+  plan.stages.assign(p, StagePlan());
+  for (int64_t c = 0; c < chunks; ++c) {
+    StagePlan &s = plan.stages[c % p];
+    int64_t first = bounds[c], count = bounds[c + 1] - bounds[c];
+    if (c < p)
+      s.firstLayer = first;
+    s.numLayers += count;
+    s.chunks.push_back({first, count});
+    for (int64_t i = first; i < first + count; ++i) {
+      s.forwardTime += times[i].forward + times[i].tpComm / 2;
+      s.backwardTime += times[i].backward + times[i].recompute + times[i].tpComm / 2;
+      s.weightBytes += weightBytes[i];
+    }
+    s.memoryBytes += chunkMemory(first, count, c);
+  }
+  double slowest = 0, slowestCompute = 0, slowestTp = 0;
+  for (int64_t st = 0; st < p; ++st) {
+    StagePlan &s = plan.stages[st];
+    s.activationBytes = s.memoryBytes - s.weightBytes;
+    s.memoryBytes += options.reservedBytes;
+    double stageTime = s.forwardTime + s.backwardTime;
+    if (stageTime > slowest) {
+      slowest = stageTime;
+      slowestCompute = 0, slowestTp = 0;
+      for (int64_t c = st; c < chunks; c += p)
+        for (int64_t i = bounds[c]; i < bounds[c + 1]; ++i)
+          slowestCompute += times[i].compute, slowestTp += times[i].tpComm;
+    }
+    plan.peakMemoryBytes = std::max(plan.peakMemoryBytes, s.memoryBytes);
+  }
+
+  // Pipeline transfers: each microbatch's activation forward and its gradient
+  // back, split over tp (Megatron's scatter/gather), once per chunk boundary.
+  double boundary = 0;
+  for (const LayerSpec &l : spec.layers)
+    boundary = std::max(boundary, l.boundaryBytes);
+  double p2p = p > 1 ? 2 * v * p2pTime(b * boundary / t, ppLink) : 0;
+  double perMicrobatch = slowest + p2p;
+  double steady = m * perMicrobatch;
+  double bubble = bubbleFraction(plan.schedule, p, m, v) * steady;
+
+  // Gradients: fp32 all-reduce over dp (ZeRO-1: reduce-scatter, then all-gather bf16 weights).
+  double stageParams = 0;
+  for (const StagePlan &s : plan.stages)
+    stageParams = std::max(stageParams, s.weightBytes / perParam);
+  double dpComm = 0;
+  if (d > 1)
+    dpComm = plan.zero ? reduceScatterTime(4 * stageParams, d, dpLink) +
+                             allGatherTime(2 * stageParams, d, dpLink)
+                       : allReduceTime(4 * stageParams, d, dpLink);
+  if (options.overlapGradientReduce) {
+    // Buckets go out while the last microbatch's backward runs; the last
+    // bucket (about 1/16 of the gradients) is always exposed.
+    double window = 0;
+    for (const StagePlan &s : plan.stages)
+      window = std::max(window, s.backwardTime);
+    dpComm = std::max(dpComm / 16, dpComm - window);
+  }
+  // Adam reads and writes ~30 bytes per parameter (fp32 master, m, v, grad; bf16 weight).
+  double optimizer = 30.0 * stageParams / (plan.zero ? d : 1) / memRate;
+
+  plan.stepTime = steady + bubble + dpComm + optimizer;
+  plan.computeTime = m * (slowest - slowestTp); // dense and memory-bound work
+  (void)slowestCompute;
+  plan.tpCommTime = m * slowestTp;
+  plan.ppCommTime = m * p2p;
+  plan.dpCommTime = dpComm;
+  plan.optimizerTime = optimizer;
+  plan.communicationTime = plan.tpCommTime + plan.ppCommTime + plan.dpCommTime;
+  plan.bubbleTime = bubble;
+  double tokens = double(batch) * spec.tokensPerExample;
+  plan.tokensPerSecond = tokens / plan.stepTime;
+  double modelFlops = spec.trainingFlopsPerExample * batch;
+  plan.tflopsPerDevice = modelFlops / plan.stepTime / n / 1e12;
+  plan.mfu = modelFlops / plan.stepTime / n / machines.peakFlops("bf16");
+  if (plan.peakMemoryBytes > dev.memoryBytes) {
+    int64_t worst = 0;
+    for (int64_t st = 0; st < p; ++st)
+      if (plan.stages[st].memoryBytes > plan.stages[worst].memoryBytes)
+        worst = st;
+    return reject("stage " + std::to_string(worst) + " needs " + gib(plan.peakMemoryBytes) +
+                  " but a " + dev.name + " has " + gib(dev.memoryBytes) + " (over by " +
+                  gib(plan.peakMemoryBytes - dev.memoryBytes) + ")");
+  }
+  plan.feasible = true;
+  return plan;
+}
+
+PlanResult Planner::search(int64_t batch, const Constraints &c) const {
+  auto start = std::chrono::steady_clock::now();
+  PlanResult result;
+  int64_t n = machines.numDevices();
+  if (n < 1) {
+    result.error = "the cluster has no devices";
+    return result;
+  }
+  if (batch < 1) {
+    result.error = "the batch must be at least 1, got " + std::to_string(batch);
+    return result;
+  }
+  int64_t mainDivisor = 0;
+  for (const LayerSpec &l : spec.layers)
+    if (l.isTransformer)
+      mainDivisor = std::gcd(mainDivisor, l.tpDivisor);
+  std::vector<Plan> feasible, infeasible;
+  auto consider = [&](Plan plan) {
+    ++result.evaluated;
+    Plan done = evaluate(batch, plan);
+    (done.feasible ? feasible : infeasible).push_back(std::move(done));
+  };
+  for (int64_t t : divisors(n)) {
+    if (c.tp && *c.tp != t)
+      continue;
+    if (!c.tp && ((t > machines.devicesPerNode && !options.tpAcrossNodes) ||
+                  (t > 1 && mainDivisor > 0 && mainDivisor % t != 0)))
+      continue;
+    for (int64_t p : divisors(n / t)) {
+      if ((c.pp && *c.pp != p) || p > static_cast<int64_t>(spec.layers.size()))
+        continue;
+      int64_t d = n / t / p;
+      if ((c.dp && *c.dp != d) || batch % d != 0)
+        continue;
+      for (int64_t b : divisors(batch / d)) {
+        if ((c.microbatchSize && *c.microbatchSize != b) || (!c.microbatchSize && b > 64))
+          continue;
+        int64_t m = batch / d / b;
+        if (c.microbatches && *c.microbatches != m)
+          continue;
+        std::vector<std::pair<Schedule, int64_t>> schedules;
+        if (p == 1) {
+          schedules.push_back({Schedule::OneFOneB, 1});
+        } else {
+          schedules.push_back({Schedule::GPipe, 1});
+          schedules.push_back({Schedule::OneFOneB, 1});
+          for (int64_t v = 2; v <= 8; ++v)
+            if (p * v <= static_cast<int64_t>(spec.layers.size()) && m % p == 0)
+              schedules.push_back({Schedule::Interleaved, v});
+        }
+        for (auto [s, v] : schedules) {
+          if (c.schedule && *c.schedule != s)
+            continue;
+          if (c.vpp && s == Schedule::Interleaved && *c.vpp != v)
+            continue;
+          for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+            if (c.recompute && *c.recompute != r)
+              continue;
+            for (int z : {0, 1}) {
+              if ((c.zero && *c.zero != z) || (z == 1 && d == 1 && !c.zero))
+                continue;
+              Plan plan;
+              plan.dp = d, plan.tp = t, plan.pp = p, plan.vpp = v;
+              plan.microbatchSize = b, plan.schedule = s, plan.recompute = r, plan.zero = z;
+              consider(plan);
+            }
+          }
+        }
+      }
+    }
+  }
+  // A fully forced plan that the loops skipped (e.g. tp not dividing the devices).
+  if (result.evaluated == 0 && c.tp && c.pp && c.dp) {
+    Plan plan;
+    plan.dp = *c.dp, plan.tp = *c.tp, plan.pp = *c.pp, plan.vpp = c.vpp.value_or(1);
+    plan.microbatchSize = c.microbatchSize.value_or(1);
+    plan.schedule = c.schedule.value_or(Schedule::OneFOneB);
+    plan.recompute = c.recompute.value_or(Recompute::None);
+    plan.zero = c.zero.value_or(0);
+    consider(plan);
+  }
+  auto faster = [](const Plan &a, const Plan &b) {
+    if (a.stepTime != b.stepTime)
+      return a.stepTime < b.stepTime;
+    return a.peakMemoryBytes < b.peakMemoryBytes;
+  };
+  std::sort(feasible.begin(), feasible.end(), faster);
+  std::sort(infeasible.begin(), infeasible.end(), [](const Plan &a, const Plan &b) {
+    return a.peakMemoryBytes < b.peakMemoryBytes;
+  });
+  if (!feasible.empty()) {
+    result.found = true;
+    result.best = feasible.front();
+    // Runners-up of other shapes first: they explain the choice best.
+    for (size_t i = 1; i < feasible.size() && result.alternatives.size() < 3; ++i) {
+      Plan alt = feasible[i];
+      bool sameShape = false;
+      for (const Plan &a : result.alternatives)
+        sameShape |= a.dp == alt.dp && a.tp == alt.tp && a.pp == alt.pp;
+      sameShape |= alt.dp == result.best.dp && alt.tp == result.best.tp && alt.pp == result.best.pp;
+      if (sameShape)
+        continue;
+      double slower = alt.stepTime / result.best.stepTime - 1;
+      std::ostringstream why;
+      why.precision(1);
+      why << std::fixed << slower * 100 << "% slower (step " << ms(alt.stepTime) << ")";
+      alt.reason = why.str();
+      result.alternatives.push_back(alt);
+    }
+    for (size_t i = 0; i < infeasible.size() && i < 2; ++i)
+      if (infeasible[i].reason.find("needs") != std::string::npos)
+        result.alternatives.push_back(infeasible[i]);
+  } else if (!infeasible.empty()) {
+    result.error = "no plan fits" +
+                   (describeConstraints(c).empty() ? std::string()
+                                                   : " with --force " + describeConstraints(c)) +
+                   ": the closest, " + infeasible.front().shortName() + ", fails because " +
+                   infeasible.front().reason;
+  } else {
+    result.error = "no plan satisfies --force " + describeConstraints(c) + " on " +
+                   machines.describe() + " with batch " + std::to_string(batch) +
+                   " (the degrees must multiply to the device count and divide the batch)";
+  }
+  result.searchSeconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
+json planToJson(const Plan &plan, const ModelSpec &model, const Cluster &cluster, int64_t batch) {
+  json stages = json::array();
+  for (size_t i = 0; i < plan.stages.size(); ++i) {
+    const StagePlan &s = plan.stages[i];
+    stages.push_back({{"stage", i},
+                      {"first_layer", s.firstLayer},
+                      {"num_layers", s.numLayers},
+                      {"layer_chunks", s.chunks},
+                      {"forward_ms", s.forwardTime * 1e3},
+                      {"backward_ms", s.backwardTime * 1e3},
+                      {"memory_gib", s.memoryBytes / kGiB},
+                      {"weight_gib", s.weightBytes / kGiB},
+                      {"activation_gib", s.activationBytes / kGiB}});
+  }
+  return {{"format", "loom-plan"},
+          {"version", 1},
+          {"model", model.name},
+          {"cluster", cluster.describe()},
+          {"devices", cluster.numDevices()},
+          {"devices_per_node", cluster.devicesPerNode},
+          {"batch", batch},
+          {"dp", plan.dp},
+          {"tp", plan.tp},
+          {"pp", plan.pp},
+          {"vpp", plan.vpp},
+          {"microbatch_size", plan.microbatchSize},
+          {"microbatches", plan.microbatches},
+          {"schedule", scheduleName(plan.schedule)},
+          {"recompute", recomputeName(plan.recompute)},
+          {"zero", plan.zero},
+          {"stages", stages},
+          {"predicted",
+           {{"step_ms", plan.stepTime * 1e3},
+            {"compute_ms", plan.computeTime * 1e3},
+            {"communication_ms", plan.communicationTime * 1e3},
+            {"tp_comm_ms", plan.tpCommTime * 1e3},
+            {"pp_comm_ms", plan.ppCommTime * 1e3},
+            {"dp_comm_ms", plan.dpCommTime * 1e3},
+            {"bubble_ms", plan.bubbleTime * 1e3},
+            {"optimizer_ms", plan.optimizerTime * 1e3},
+            {"tokens_per_s", plan.tokensPerSecond},
+            {"tflops_per_device", plan.tflopsPerDevice},
+            {"mfu", plan.mfu},
+            {"peak_memory_gib", plan.peakMemoryBytes / kGiB}}}};
+}
+
+std::string explainPlan(const PlanResult &r, const ModelSpec &model, const Cluster &cluster,
+                        int64_t batch) {
+  std::ostringstream os;
+  os.precision(1);
+  os << std::fixed;
+  const Plan &p = r.best;
+  os << "plan for " << model.name << " on " << cluster.describe() << ", batch " << batch
+     << " (" << r.evaluated << " plans evaluated in " << r.searchSeconds * 1e3 << " ms)\n\n";
+  os << "  data parallel    " << p.dp << (p.zero ? " (ZeRO-1: optimizer state sharded)" : "")
+     << "\n  tensor parallel  " << p.tp << "\n  pipeline         " << p.pp << " stages";
+  if (p.schedule == Schedule::Interleaved)
+    os << " x " << p.vpp << " virtual";
+  os << ", " << scheduleName(p.schedule) << ", " << p.microbatches << " microbatches of "
+     << p.microbatchSize << "\n  recomputation    " << recomputeName(p.recompute) << "\n\n";
+  os << "  stage  layers of " << model.layers.size()
+     << "        forward    backward   memory (weights + activations)\n";
+  for (size_t i = 0; i < p.stages.size(); ++i) {
+    const StagePlan &s = p.stages[i];
+    std::string ranges = s.layerRanges();
+    os << "  " << i << std::string(i < 10 ? 6 : 5, ' ') << ranges
+       << std::string(std::max<int>(1, 20 - int(ranges.size())), ' ') << ms(s.forwardTime)
+       << "   " << ms(s.backwardTime) << "   " << gib(s.memoryBytes) << " ("
+       << gib(s.weightBytes) << " + " << gib(s.activationBytes) << ")\n";
+    if (p.stages.size() > 12 && i == 5) {
+      os << "  ...\n";
+      i = p.stages.size() - 4;
+    }
+  }
+  os << "\n  predicted step   " << ms(p.stepTime) << " = compute " << ms(p.computeTime)
+     << " + communication " << ms(p.communicationTime) << " (tp " << ms(p.tpCommTime) << ", pp "
+     << ms(p.ppCommTime) << ", dp " << ms(p.dpCommTime) << ") + bubble " << ms(p.bubbleTime)
+     << " + optimizer " << ms(p.optimizerTime) << "\n";
+  os.precision(0);
+  os << "  throughput       " << p.tokensPerSecond << " tokens/s, ";
+  os.precision(1);
+  os << p.tflopsPerDevice << " TFLOP/s per device, MFU " << p.mfu * 100 << "%\n";
+  os << "  peak memory      " << gib(p.peakMemoryBytes) << " of " << gib(cluster.device.memoryBytes)
+     << "\n";
+  if (!r.alternatives.empty()) {
+    os << "\n  rejected:\n";
+    for (const Plan &a : r.alternatives)
+      os << "    " << a.shortName() << ": " << (a.feasible ? a.reason : "infeasible, " + a.reason)
+         << "\n";
+  }
+  return os.str();
+}
+
+bool loadProfile(const std::string &path, CostOptions &options, std::string &error) {
+  std::ifstream in(path);
+  if (!in) {
+    error = "cannot read profile '" + path + "'";
+    return false;
+  }
+  json doc = json::parse(in, nullptr, false);
+  if (doc.is_discarded() || !doc.is_object()) {
+    error = path + ": not a JSON object";
+    return false;
+  }
+  for (auto [key, field] : {std::pair{"matmul_efficiency", &options.matmulEfficiency},
+                            {"memory_efficiency", &options.memoryEfficiency},
+                            {"link_efficiency", &options.linkEfficiency}}) {
+    if (!doc.contains(key))
+      continue;
+    if (!doc[key].is_number() || doc[key].get<double>() <= 0 || doc[key].get<double>() > 1) {
+      error = path + ": '" + key + "' must be a number in (0, 1]";
+      return false;
+    }
+    *field = doc[key].get<double>();
+  }
+  options.profile = path;
+  return true;
+}
+
+} // namespace loom::planner

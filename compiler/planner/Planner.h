@@ -1,0 +1,150 @@
+//===- Planner.h - Choose and explain a parallel plan -----------*- C++ -*-===//
+//
+// Plain C++ over a summary of the model (ModelSpec), so the whole search is
+// unit-testable without IR. The search enumerates dp x tp x pp (x virtual
+// stages), microbatch size and count, schedule, recomputation and ZeRO-1;
+// balances layers into stages; predicts step time (compute, communication,
+// bubble) and memory per device; and keeps the best rejected alternatives
+// with the reason each lost.
+//
+//===----------------------------------------------------------------------===//
+#ifndef LOOM_COMPILER_PLANNER_PLANNER_H
+#define LOOM_COMPILER_PLANNER_PLANNER_H
+
+#include "compiler/planner/Cluster.h"
+#include "compiler/planner/CostModel.h"
+
+#include <nlohmann/json.hpp>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace loom::planner {
+
+/// One layer as the planner sees it, per example (one sequence), forward.
+struct LayerSpec {
+  std::string name;
+  double params = 0;          // all parameters
+  double shardedParams = 0;   // the part tensor parallelism splits
+  double flops = 0;           // dense FLOPs
+  double shardedFlops = 0;    // the part tensor parallelism splits
+  double memoryTraffic = 0;   // bytes moved by non-matmul ops (memory-bound work)
+  double attentionFlops = 0;  // score and value FLOPs (what selective recompute redoes)
+  double boundaryBytes = 0;   // the activation passed to the next layer (16-bit)
+  int tpAllReduces = 0;       // all-reduces of boundaryBytes per forward with tp > 1
+  int64_t tpDivisor = 1;      // tp must divide this for the layer to shard (heads, ...)
+  /// Activation bytes kept for backward at tp = 1 by recomputation mode; for
+  /// transformer layers the planner uses the exact Megatron formula instead.
+  double activationBytes[3] = {0, 0, 0};
+  bool isTransformer = false;
+  double seq = 0, hidden = 0, heads = 0;
+  /// Bytes of an output kept in fp32 for the loss (logits), split by tp.
+  double lossBytes = 0;
+};
+
+struct ModelSpec {
+  std::string name;
+  std::vector<LayerSpec> layers; // in order; the repeated block appears count times
+  double tokensPerExample = 1;
+  double totalParams = 0;
+  /// FLOPs of a training step per example without recomputation (3 x forward).
+  double trainingFlopsPerExample = 0;
+};
+
+/// Knobs of the cost model. Defaults describe Loom's own runtime (fused
+/// flash attention); the Megatron comparison sets materializedAttention.
+struct CostOptions {
+  double matmulEfficiency = 0.72;   // fraction of peak a large bf16 GEMM reaches
+  double memoryEfficiency = 0.80;   // fraction of HBM bandwidth memory-bound kernels reach
+  double linkEfficiency = 0.80;     // fraction of link bandwidth NCCL collectives reach
+  bool materializedAttention = false; // scores written to HBM (no flash attention)
+  /// Gradient all-reduce in buckets during the last microbatch's backward
+  /// (Loom's runtime); false: after it, fully exposed (Megatron-LM 2021).
+  bool overlapGradientReduce = true;
+  double reservedBytes = 3.0 * (1ull << 30); // CUDA context, NCCL and cuBLAS workspaces
+  bool tpAcrossNodes = false;
+  /// Optional calibration profile (loom-run --profile), overriding the above.
+  std::string profile;
+};
+
+/// What --force fixes; unset fields are searched.
+struct Constraints {
+  std::optional<int64_t> dp, tp, pp, vpp, microbatches, microbatchSize;
+  std::optional<Schedule> schedule;
+  std::optional<Recompute> recompute;
+  std::optional<int> zero;
+};
+
+/// "dp=2,tp=2,pp=2,mb=8,schedule=1f1b": false with a message on bad input.
+bool parseConstraints(const std::string &text, Constraints &out, std::string &error);
+std::string describeConstraints(const Constraints &c);
+
+struct StagePlan {
+  int64_t firstLayer = 0, numLayers = 0; // into ModelSpec::layers
+  std::vector<std::pair<int64_t, int64_t>> chunks; // [first, count] per virtual stage
+  std::string layerRanges() const;                 // "0-6, 14-20"
+  double forwardTime = 0, backwardTime = 0; // per microbatch, seconds
+  double memoryBytes = 0;
+  double weightBytes = 0, activationBytes = 0;
+};
+
+struct Plan {
+  int64_t dp = 1, tp = 1, pp = 1, vpp = 1;
+  int64_t microbatchSize = 1, microbatches = 1;
+  Schedule schedule = Schedule::OneFOneB;
+  Recompute recompute = Recompute::None;
+  int zero = 0;
+  std::vector<StagePlan> stages;
+  // Predicted step time, split.
+  double stepTime = 0, computeTime = 0, communicationTime = 0, bubbleTime = 0;
+  double tpCommTime = 0, ppCommTime = 0, dpCommTime = 0, optimizerTime = 0;
+  double peakMemoryBytes = 0;
+  double tokensPerSecond = 0, mfu = 0, tflopsPerDevice = 0;
+  bool feasible = true;
+  std::string reason; // why infeasible, or why rejected
+
+  std::string shortName() const;
+};
+
+struct PlanResult {
+  Plan best;
+  std::vector<Plan> alternatives; // best feasible runners-up, then infeasible ones
+  int64_t evaluated = 0;
+  double searchSeconds = 0;
+  bool found = false;
+  std::string error; // why nothing is feasible, with the limit and by how much
+};
+
+class Planner {
+public:
+  Planner(ModelSpec model, Cluster cluster, CostOptions options = {});
+
+  /// Searches every plan allowed by `constraints` for global batch `batch`
+  /// (examples per step).
+  PlanResult search(int64_t batch, const Constraints &constraints = {}) const;
+  /// Evaluates one fully specified plan (fields of `plan` set by the caller).
+  Plan evaluate(int64_t batch, Plan plan) const;
+
+  const ModelSpec &model() const { return spec; }
+  const Cluster &cluster() const { return machines; }
+
+private:
+  ModelSpec spec;
+  Cluster machines;
+  CostOptions options;
+};
+
+nlohmann::json planToJson(const Plan &plan, const ModelSpec &model, const Cluster &cluster,
+                          int64_t batch);
+/// Human-readable plan: degrees, stage table, time split, alternatives.
+std::string explainPlan(const PlanResult &result, const ModelSpec &model, const Cluster &cluster,
+                        int64_t batch);
+
+/// Applies a calibration profile (JSON written by `loom-run --profile`):
+/// {"matmul_efficiency": x, "memory_efficiency": y, "link_efficiency": z}.
+bool loadProfile(const std::string &path, CostOptions &options, std::string &error);
+
+} // namespace loom::planner
+
+#endif
