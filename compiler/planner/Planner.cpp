@@ -276,7 +276,38 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     else
       lo = mid;
   }
-  pack(hi, bounds);
+  // The bottleneck is now fixed; spread the rest evenly so that no stage is
+  // needlessly idle: each boundary goes as close to its share of the total
+  // time as the bottleneck allows (this matters most when interleaving deals
+  // chunks round-robin, where a greedy packing would load the first stages).
+  {
+    double total = prefixTime[numLayers];
+    bounds.assign(1, 0);
+    int64_t at = 0;
+    for (int64_t c = 0; c < chunks; ++c) {
+      int64_t left = chunks - c - 1;
+      if (left == 0) {
+        bounds.push_back(numLayers);
+        break;
+      }
+      double target = total * double(c + 1) / double(chunks);
+      int64_t best = at + 1;
+      for (int64_t end = at + 1; end <= numLayers - left; ++end) {
+        if (prefixTime[end] - prefixTime[at] > hi * (1 + 1e-12))
+          break;
+        if (std::abs(prefixTime[end] - target) < std::abs(prefixTime[best] - target))
+          best = end;
+      }
+      at = best;
+      bounds.push_back(at);
+    }
+    // Falling back to the packing if the balanced split broke the bottleneck.
+    double worst = 0;
+    for (int64_t c = 0; c < chunks; ++c)
+      worst = std::max(worst, prefixTime[bounds[c + 1]] - prefixTime[bounds[c]]);
+    if (worst > hi * (1 + 1e-9))
+      pack(hi, bounds);
+  }
 
   plan.stages.assign(p, StagePlan());
   for (int64_t c = 0; c < chunks; ++c) {
@@ -514,6 +545,7 @@ json planToJson(const Plan &plan, const ModelSpec &model, const Cluster &cluster
           {"cluster", cluster.describe()},
           {"devices", cluster.numDevices()},
           {"devices_per_node", cluster.devicesPerNode},
+          {"device_memory_gib", cluster.device.memoryBytes / kGiB},
           {"batch", batch},
           {"dp", plan.dp},
           {"tp", plan.tp},

@@ -8,6 +8,8 @@
 #include "compiler/ModelSummary.h"
 #include "compiler/ModelZoo.h"
 #include "compiler/PlannerModel.h"
+#include "compiler/planner/PipelineSchedule.h"
+#include "runtime/src/Bundle.h"
 #include "compiler/bundle/BundleWriter.h"
 #include "compiler/planner/Cluster.h"
 #include "dialects/loom/IR/LoomDialect.h"
@@ -19,7 +21,11 @@
 #include "mlir/Support/FileUtilities.h"
 #include "llvm/Support/CommandLine.h"
 #include "llvm/Support/Format.h"
+#include "llvm/Support/FileSystem.h"
 #include "llvm/Support/Path.h"
+
+#include <fstream>
+#include <map>
 #include "llvm/Support/InitLLVM.h"
 #include "llvm/Support/SourceMgr.h"
 #include "llvm/Support/ToolOutputFile.h"
@@ -113,6 +119,14 @@ cl::opt<bool> planMaterialized("materialized-attention",
                                cl::desc("Model attention that writes its scores to memory (no "
                                         "flash attention), as Megatron-LM did in 2021"),
                                cl::sub(planCmd));
+
+cl::SubCommand inspectCmd("inspect", "Show a plan (PLAN.json from loomc plan --json) or a "
+                                     "bundle (OUT.loom); draw a plan's pipeline schedule as SVG");
+cl::opt<std::string> inspectInput(cl::Positional, cl::desc("<plan.json | out.loom>"), cl::Required,
+                                  cl::sub(inspectCmd));
+cl::opt<std::string> inspectSvg("svg", cl::desc("Write the pipeline schedule and memory per "
+                                                "device as an SVG picture"),
+                                cl::value_desc("file"), cl::init(""), cl::sub(inspectCmd));
 
 int fail(const llvm::Twine &message) {
   llvm::WithColor::error(llvm::errs(), "loomc") << message << "\n";
@@ -251,6 +265,114 @@ int runPlan() {
   return 0;
 }
 
+int inspectBundle() {
+  ::loom::rt::Manifest m;
+  try {
+    m = ::loom::rt::readManifest(inspectInput);
+  } catch (const std::exception &e) {
+    return fail(e.what());
+  }
+  llvm::outs() << inspectInput << ": bundle version " << m.version << ", model " << m.model
+               << ", " << m.mode << ", batch " << m.batch << ", " << m.ranks.size() << " rank(s)\n";
+  for (const auto &r : m.ranks) {
+    int64_t params = 0;
+    for (const auto &p : r.params)
+      params += r.buffers[p.buffer].bytes;
+    llvm::outs() << "  rank " << r.rank << " (" << r.device << "): arena "
+                 << llvm::format("%.1f", r.arenaBytes / 1048576.0) << " MiB, parameters "
+                 << llvm::format("%.1f", params / 1048576.0) << " MiB in " << r.params.size()
+                 << " tensors, activations peak "
+                 << llvm::format("%.1f", r.peakActivationBytes / 1048576.0) << " MiB\n";
+    for (const auto &in : r.inputs)
+      llvm::outs() << "    input  " << in.name << ": "
+                   << ::loom::rt::dtypeName(r.buffers[in.buffer].dtype)
+                   << ::loom::rt::shapeStr(r.buffers[in.buffer].shape) << "\n";
+    for (const auto &out : r.outputs)
+      llvm::outs() << "    output " << out.name << ": "
+                   << ::loom::rt::dtypeName(r.buffers[out.buffer].dtype)
+                   << ::loom::rt::shapeStr(r.buffers[out.buffer].shape) << "\n";
+    for (const auto &[name, instrs] : r.programs) {
+      std::map<std::string, int> ops;
+      for (const auto &ins : instrs)
+        ops[ins.op]++;
+      llvm::outs() << "    program " << name << ": " << instrs.size() << " instructions (";
+      bool first = true;
+      for (const auto &[op, n] : ops) {
+        llvm::outs() << (first ? "" : ", ") << op << " " << n;
+        first = false;
+      }
+      llvm::outs() << ")\n";
+    }
+  }
+  return 0;
+}
+
+int inspectPlan() {
+  std::ifstream in(inspectInput);
+  nlohmann::json plan = nlohmann::json::parse(in, nullptr, false);
+  if (plan.is_discarded() || !plan.is_object() || plan.value("format", "") != "loom-plan")
+    return fail("'" + inspectInput + "' is neither a bundle directory nor a plan written by "
+                "loomc plan --json");
+  try {
+    using namespace ::loom::planner;
+    Schedule schedule;
+    if (!parseSchedule(plan.at("schedule").get<std::string>(), schedule))
+      return fail(inspectInput + ": unknown schedule");
+    int64_t p = plan.at("pp"), m = plan.at("microbatches"), v = plan.at("vpp");
+    const auto &pred = plan.at("predicted");
+    llvm::outs() << inspectInput << ": " << plan.at("model").get<std::string>() << " on "
+                 << plan.at("cluster").get<std::string>() << ", batch " << plan.at("batch").get<int64_t>()
+                 << "\n  dp " << plan.at("dp").get<int64_t>() << " x tp " << plan.at("tp").get<int64_t>()
+                 << " x pp " << p << (schedule == Schedule::Interleaved ? " x vpp " + std::to_string(v) : "")
+                 << ", " << scheduleName(schedule) << ", " << m << " microbatches of "
+                 << plan.at("microbatch_size").get<int64_t>() << ", recompute "
+                 << plan.at("recompute").get<std::string>() << ", ZeRO-" << plan.at("zero").get<int>()
+                 << "\n  predicted step " << llvm::format("%.2f", pred.at("step_ms").get<double>())
+                 << " ms, " << llvm::format("%.0f", pred.at("tokens_per_s").get<double>())
+                 << " tokens/s, MFU " << llvm::format("%.1f", 100 * pred.at("mfu").get<double>())
+                 << "%, peak memory " << llvm::format("%.1f", pred.at("peak_memory_gib").get<double>())
+                 << " GiB\n";
+    std::vector<double> fwd, bwd;
+    SvgExtras extras;
+    for (const auto &st : plan.at("stages")) {
+      fwd.push_back(st.at("forward_ms").get<double>() / 1e3);
+      bwd.push_back(st.at("backward_ms").get<double>() / 1e3);
+      extras.weightBytes.push_back(st.at("weight_gib").get<double>() * double(1ull << 30));
+      extras.activationBytes.push_back(st.at("activation_gib").get<double>() * double(1ull << 30));
+    }
+    if (static_cast<int64_t>(fwd.size()) != p)
+      return fail(inspectInput + ": 'stages' lists " + std::to_string(fwd.size()) +
+                  " stages but pp is " + std::to_string(p));
+    double transfer = m > 0 && p > 1 ? pred.at("pp_comm_ms").get<double>() / 1e3 / m / (2 * v) : 0;
+    PipelineTimeline tl = simulatePipeline(schedule, p, m, v, fwd, bwd, transfer);
+    if (tl.deadlocked)
+      return fail("the schedule deadlocks: " + tl.deadlock);
+    llvm::outs() << "  simulated pipeline " << llvm::format("%.2f", tl.makespan * 1e3)
+                 << " ms, idle " << llvm::format("%.1f", tl.idleFraction() * 100) << "%\n";
+    if (!inspectSvg.empty()) {
+      extras.title = plan.at("model").get<std::string>() + ": dp" + std::to_string(plan.at("dp").get<int64_t>()) +
+                     " tp" + std::to_string(plan.at("tp").get<int64_t>()) + " pp" + std::to_string(p) +
+                     ", " + scheduleName(schedule) + ", " + std::to_string(m) + " microbatches on " +
+                     plan.at("cluster").get<std::string>();
+      extras.dpCommSeconds = pred.at("dp_comm_ms").get<double>() / 1e3;
+      extras.optimizerSeconds = pred.at("optimizer_ms").get<double>() / 1e3;
+      extras.deviceMemoryBytes = plan.value("device_memory_gib", 80.0) * double(1ull << 30);
+      std::string svg = timelineSvg(tl, extras);
+      ::loom::rt::writeFileAtomically(inspectSvg, svg.data(), svg.size());
+      llvm::outs() << "wrote " << inspectSvg << "\n";
+    }
+  } catch (const std::exception &e) {
+    return fail(inspectInput + ": malformed plan (" + e.what() + ")");
+  }
+  return 0;
+}
+
+int runInspect() {
+  if (llvm::sys::fs::is_directory(inspectInput))
+    return inspectBundle();
+  return inspectPlan();
+}
+
 int runModels() {
   mlir::loom::ModelConfig config;
   config.family = family;
@@ -294,6 +416,7 @@ int main(int argc, char **argv) {
       "Loom: compile neural networks written in the loom dialect and plan them over GPUs.\n\n"
       "  loomc verify MODEL.mlir\n"
       "  loomc plan MODEL.mlir --cluster C [--batch B] [--force dp=2,tp=2,...] [--json F]\n"
+      "  loomc inspect PLAN.json|OUT.loom [--svg F]\n"
       "  loomc compile MODEL.mlir [--batch N] [--seed S] [--weights F] -o OUT.loom\n"
       "  loomc models gpt|llama|bert|mlp|resnet [--layers L --hidden H ...] [-o MODEL.mlir]\n\n"
       "Run 'loomc SUBCOMMAND --help' for the options of each.\n");
@@ -305,6 +428,8 @@ int main(int argc, char **argv) {
     return runCompile();
   if (planCmd)
     return runPlan();
+  if (inspectCmd)
+    return runInspect();
   cl::PrintHelpMessage(false, true);
   return 1;
 }

@@ -1,0 +1,246 @@
+//===- PipelineSchedule.cpp - Per-stage task orders and their timing ------===//
+
+#include "compiler/planner/PipelineSchedule.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <sstream>
+
+namespace loom::planner {
+
+std::vector<PipelineTask> stageOrder(Schedule s, int64_t p, int64_t m, int64_t v, int64_t stage) {
+  std::vector<PipelineTask> order;
+  if (s == Schedule::GPipe) {
+    for (int64_t mb = 0; mb < m; ++mb)
+      order.push_back({true, mb, 0});
+    for (int64_t mb = 0; mb < m; ++mb)
+      order.push_back({false, mb, 0});
+    return order;
+  }
+  if (s == Schedule::OneFOneB)
+    v = 1;
+  // Interleaved (and, with v = 1, plain) 1F1B: microbatches go through the
+  // chunks in groups of p; warm-up forwards, then one forward one backward.
+  int64_t total = m * v;
+  auto forwardTask = [&](int64_t k) {
+    int64_t group = v == 1 ? 0 : (k / p) % v;
+    int64_t mb = v == 1 ? k : (k / (p * v)) * p + k % p;
+    return PipelineTask{true, mb, group};
+  };
+  auto backwardTask = [&](int64_t k) {
+    PipelineTask t = forwardTask(k);
+    t.forward = false;
+    t.chunk = v - 1 - t.chunk;
+    return t;
+  };
+  int64_t warmup = v == 1 ? std::min(p - stage - 1, m)
+                          : std::min((p - stage - 1) * 2 + (v - 1) * p, total);
+  int64_t f = 0, b = 0;
+  for (; f < warmup; ++f)
+    order.push_back(forwardTask(f));
+  while (f < total) {
+    order.push_back(forwardTask(f++));
+    order.push_back(backwardTask(b++));
+  }
+  while (b < total)
+    order.push_back(backwardTask(b++));
+  return order;
+}
+
+double PipelineTimeline::idleFraction() const {
+  if (makespan <= 0 || stages.empty())
+    return 0;
+  double busy = 0;
+  for (const auto &tasks : stages)
+    for (const TimedTask &t : tasks)
+      busy += t.end - t.start;
+  return 1 - busy / (makespan * stages.size());
+}
+
+PipelineTimeline simulatePipeline(Schedule s, int64_t p, int64_t m, int64_t v,
+                                  const std::vector<double> &forward,
+                                  const std::vector<double> &backward, double transfer) {
+  if (s != Schedule::Interleaved)
+    v = 1;
+  PipelineTimeline tl;
+  tl.stages.resize(p);
+  std::vector<std::vector<PipelineTask>> orders(p);
+  for (int64_t st = 0; st < p; ++st)
+    orders[st] = stageOrder(s, p, m, v, st);
+  // Finish time of each task: key (forward, microbatch, chunk, stage).
+  std::map<std::tuple<bool, int64_t, int64_t, int64_t>, double> done;
+  std::vector<size_t> next(p, 0);
+  std::vector<double> free(p, 0);
+  auto dependency = [&](const PipelineTask &t, int64_t st, double &ready) -> bool {
+    ready = 0;
+    auto need = [&](bool fwd, int64_t chunk, int64_t stage, double extra) {
+      auto it = done.find({fwd, t.microbatch, chunk, stage});
+      if (it == done.end())
+        return false;
+      ready = std::max(ready, it->second + extra);
+      return true;
+    };
+    if (t.forward) {
+      if (st > 0)
+        return need(true, t.chunk, st - 1, transfer);
+      if (t.chunk > 0)
+        return need(true, t.chunk - 1, p - 1, transfer);
+      return true;
+    }
+    if (!need(true, t.chunk, st, 0))
+      return false;
+    if (st < p - 1)
+      return need(false, t.chunk, st + 1, transfer);
+    if (t.chunk < v - 1)
+      return need(false, t.chunk + 1, 0, transfer);
+    return true;
+  };
+  size_t remaining = 0;
+  for (auto &o : orders)
+    remaining += o.size();
+  while (remaining > 0) {
+    int64_t pick = -1;
+    double pickStart = 0;
+    for (int64_t st = 0; st < p; ++st) {
+      if (next[st] >= orders[st].size())
+        continue;
+      double ready;
+      if (!dependency(orders[st][next[st]], st, ready))
+        continue;
+      double start = std::max(ready, free[st]);
+      if (pick < 0 || start < pickStart)
+        pick = st, pickStart = start;
+    }
+    if (pick < 0) {
+      tl.deadlocked = true;
+      std::ostringstream os;
+      for (int64_t st = 0; st < p; ++st)
+        if (next[st] < orders[st].size()) {
+          const PipelineTask &t = orders[st][next[st]];
+          os << "stage " << st << " waits to run " << (t.forward ? "F" : "B") << t.microbatch
+             << "." << t.chunk << "; ";
+        }
+      tl.deadlock = os.str();
+      return tl;
+    }
+    const PipelineTask &t = orders[pick][next[pick]];
+    double duration = (t.forward ? forward : backward)[pick] / double(v);
+    TimedTask timed{t, pickStart, pickStart + duration};
+    tl.stages[pick].push_back(timed);
+    done[{t.forward, t.microbatch, t.chunk, pick}] = timed.end;
+    free[pick] = timed.end;
+    tl.makespan = std::max(tl.makespan, timed.end);
+    ++next[pick];
+    --remaining;
+  }
+  return tl;
+}
+
+namespace {
+std::string escape(const std::string &text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '<')
+      out += "&lt;";
+    else if (c == '>')
+      out += "&gt;";
+    else if (c == '&')
+      out += "&amp;";
+    else
+      out += c;
+  }
+  return out;
+}
+} // namespace
+
+std::string timelineSvg(const PipelineTimeline &tl, const SvgExtras &x) {
+  const double left = 90, rowH = 34, gap = 8, top = 60, chartW = 900, memW = 160;
+  int64_t p = static_cast<int64_t>(tl.stages.size());
+  double total = tl.makespan + x.dpCommSeconds + x.optimizerSeconds;
+  if (total <= 0)
+    total = 1;
+  double scale = chartW / total;
+  double height = top + p * (rowH + gap) + 70;
+  double width = left + chartW + 40 + memW + 70;
+  std::ostringstream os;
+  os.precision(2);
+  os << std::fixed;
+  os << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << height
+     << "\" font-family=\"Helvetica, Arial, sans-serif\" font-size=\"12\">\n";
+  os << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  os << "<text x=\"" << left << "\" y=\"24\" font-size=\"16\" font-weight=\"bold\">"
+     << escape(x.title) << "</text>\n";
+  os << "<text x=\"" << left << "\" y=\"44\" fill=\"#555\">step " << total * 1e3
+     << " ms; idle (bubble) " << tl.idleFraction() * 100
+     << "% of pipeline time; F = forward, B = backward, number = microbatch</text>\n";
+  for (int64_t st = 0; st < p; ++st) {
+    double y = top + st * (rowH + gap);
+    os << "<text x=\"10\" y=\"" << y + rowH * 0.65 << "\">device " << st << "</text>\n";
+    os << "<rect x=\"" << left << "\" y=\"" << y << "\" width=\"" << tl.makespan * scale
+       << "\" height=\"" << rowH << "\" fill=\"#eeeeee\"/>\n"; // idle background
+    for (const TimedTask &t : tl.stages[st]) {
+      double bx = left + t.start * scale, bw = std::max(0.5, (t.end - t.start) * scale);
+      int shade = static_cast<int>(t.task.chunk % 4);
+      const char *fwd[] = {"#4e79a7", "#6b93c4", "#2f5d8a", "#8fb0d9"};
+      const char *bwd[] = {"#59a14f", "#7bbf6f", "#3d7a35", "#9fd393"};
+      os << "<rect x=\"" << bx << "\" y=\"" << y << "\" width=\"" << bw << "\" height=\"" << rowH
+         << "\" fill=\"" << (t.task.forward ? fwd[shade] : bwd[shade])
+         << "\" stroke=\"white\" stroke-width=\"0.5\"><title>" << (t.task.forward ? "forward" : "backward")
+         << " microbatch " << t.task.microbatch << ", chunk " << t.task.chunk << ": "
+         << t.start * 1e3 << "-" << t.end * 1e3 << " ms</title></rect>\n";
+      if (bw > 22)
+        os << "<text x=\"" << bx + bw / 2 << "\" y=\"" << y + rowH * 0.65
+           << "\" fill=\"white\" text-anchor=\"middle\" font-size=\"10\">"
+           << (t.task.forward ? "F" : "B") << t.task.microbatch << "</text>\n";
+    }
+    double cx = left + tl.makespan * scale;
+    if (x.dpCommSeconds > 0)
+      os << "<rect x=\"" << cx << "\" y=\"" << y << "\" width=\"" << x.dpCommSeconds * scale
+         << "\" height=\"" << rowH << "\" fill=\"#f28e2b\"><title>gradient all-reduce "
+         << x.dpCommSeconds * 1e3 << " ms</title></rect>\n";
+    cx += x.dpCommSeconds * scale;
+    if (x.optimizerSeconds > 0)
+      os << "<rect x=\"" << cx << "\" y=\"" << y << "\" width=\""
+         << std::max(0.5, x.optimizerSeconds * scale) << "\" height=\"" << rowH
+         << "\" fill=\"#9c755f\"><title>optimizer step " << x.optimizerSeconds * 1e3
+         << " ms</title></rect>\n";
+    // Memory bar.
+    if (x.deviceMemoryBytes > 0 && st < static_cast<int64_t>(x.weightBytes.size())) {
+      double mx = left + chartW + 40, mw = memW / x.deviceMemoryBytes;
+      double w = x.weightBytes[st] * mw, a = x.activationBytes[st] * mw;
+      os << "<rect x=\"" << mx << "\" y=\"" << y + 6 << "\" width=\"" << memW << "\" height=\""
+         << rowH - 12 << "\" fill=\"none\" stroke=\"#999\"/>\n";
+      os << "<rect x=\"" << mx << "\" y=\"" << y + 6 << "\" width=\"" << std::min(w, double(memW))
+         << "\" height=\"" << rowH - 12 << "\" fill=\"#76b7b2\"/>\n";
+      os << "<rect x=\"" << mx + std::min(w, double(memW)) << "\" y=\"" << y + 6 << "\" width=\""
+         << std::max(0.0, std::min(a, memW - std::min(w, double(memW)))) << "\" height=\""
+         << rowH - 12 << "\" fill=\"#edc948\"/>\n";
+      os << "<text x=\"" << mx + memW + 4 << "\" y=\"" << y + rowH * 0.65 << "\" font-size=\"10\">"
+         << (x.weightBytes[st] + x.activationBytes[st]) / double(1ull << 30) << " GiB</text>\n";
+    }
+  }
+  double ly = top + p * (rowH + gap) + 20;
+  os << "<g font-size=\"11\">";
+  double lx = left;
+  for (auto [color, label] : {std::pair{"#4e79a7", "forward"}, {"#59a14f", "backward"},
+                              {"#eeeeee", "idle (bubble)"}, {"#f28e2b", "gradient all-reduce"},
+                              {"#9c755f", "optimizer"}, {"#76b7b2", "memory: weights + optimizer"},
+                              {"#edc948", "memory: activations"}}) {
+    os << "<rect x=\"" << lx << "\" y=\"" << ly << "\" width=\"12\" height=\"12\" fill=\"" << color
+       << "\" stroke=\"#999\" stroke-width=\"0.5\"/><text x=\"" << lx + 16 << "\" y=\"" << ly + 10
+       << "\">" << label << "</text>";
+    lx += 16 + 7.0 * std::string(label).size() + 14;
+  }
+  os << "</g>\n";
+  os << "<text x=\"" << left << "\" y=\"" << ly + 34 << "\" fill=\"#555\">time → (0 to "
+     << total * 1e3 << " ms)</text>\n";
+  if (x.deviceMemoryBytes > 0)
+    os << "<text x=\"" << left + chartW + 40 << "\" y=\"" << top - 8
+       << "\" fill=\"#555\">memory of " << x.deviceMemoryBytes / double(1ull << 30)
+       << " GiB</text>\n";
+  os << "</svg>\n";
+  return os.str();
+}
+
+} // namespace loom::planner
