@@ -1,6 +1,7 @@
 //===- BundleWriter.cpp - Lower a model to a runnable bundle --------------===//
 
 #include "compiler/bundle/BundleWriter.h"
+#include "dialects/loom/IR/GradientBuilder.h"
 #include "dialects/loom/IR/LoomOps.h"
 #include "mlir/Dialect/Func/IR/FuncOps.h"
 #include "passes/Passes.h"
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
 
 using namespace mlir;
 using namespace mlir::loom;
@@ -114,7 +116,7 @@ class Lowerer {
 public:
   Lowerer(ModuleOp module, const BundleOptions &options) : module(module), options(options) {}
 
-  FailureOr<rt::RankProgram> run(func::FuncOp forward) {
+  FailureOr<rt::RankProgram> run(func::FuncOp forward, bool keepProgram = false) {
     rank.device = "cpu";
     DenseMap<Value, int64_t> values;
     for (auto [i, arg] : llvm::enumerate(forward.getArguments())) {
@@ -144,8 +146,11 @@ public:
     for (rt::NamedBuffer &in : rank.inputs)
       if (auto it = indexLimits.find(in.buffer); it != indexLimits.end())
         in.limit = it->second;
-    rank.programs["forward"] = std::move(program);
-    return std::move(rank);
+    if (!keepProgram) {
+      rank.programs["forward"] = std::move(program);
+      return std::move(rank);
+    }
+    return rank;
   }
 
 private:
@@ -251,6 +256,22 @@ private:
     return success();
   }
 
+public:
+  /// One lowered op instance (a block's ops once per layer), for autodiff.
+  struct OpRecord {
+    Operation *op;
+    std::vector<int64_t> in, out;
+  };
+  std::vector<OpRecord> records;
+  rt::RankProgram &rankProgram() { return rank; }
+  std::vector<rt::Instruction> &forwardProgram() { return program; }
+  int64_t root(int64_t id) const { return rootOf(id); }
+  FailureOr<int64_t> makeBuffer(Type type, const std::string &name, rt::BufferRole role,
+                                Location loc) {
+    return newBuffer(type, name, role, loc);
+  }
+
+private:
   LogicalResult lowerOp(Operation &op, DenseMap<Value, int64_t> &values,
                         const std::string &prefix) {
     std::string opName = op.getName().stripDialect().str();
@@ -263,6 +284,7 @@ private:
         return failure();
       rank.buffers[*id].viewOf = rootOf(in);
       values[op.getResult(0)] = *id;
+      records.push_back({&op, {in}, {*id}});
       return success();
     }
     rt::Instruction ins;
@@ -291,6 +313,7 @@ private:
     if (auto ce = dyn_cast<CrossEntropyOp>(op))
       indexLimits[rootOf(ins.in[1])] =
           cast<RankedTensorType>(ce.getLogits().getType()).getShape().back();
+    records.push_back({&op, ins.in, ins.out});
     program.push_back(std::move(ins));
     return success();
   }
@@ -305,6 +328,223 @@ private:
   int64_t counter = 0;
 };
 
+
+/// Reverse mode over the lowered forward ops: each op's gradient rule
+/// (DifferentiableOpInterface) builds its operands' gradients as backward
+/// instructions over buffers.
+class Autodiff : public GradientBuilder {
+public:
+  Autodiff(Lowerer &lowerer, MLIRContext *ctx) : lowerer(lowerer), rank(lowerer.rankProgram()), ctx(ctx) {}
+
+  LogicalResult run(int64_t loss) {
+    // What needs a gradient: parameters and everything computed from them.
+    for (const rt::Parameter &p : rank.params)
+      needs.insert(p.buffer);
+    for (const auto &rec : lowerer.records) {
+      bool any = false;
+      for (int64_t id : rec.in)
+        any |= needs.count(id) > 0;
+      if (any)
+        for (int64_t id : rec.out)
+          if (isFloat(id))
+            needs.insert(id);
+    }
+    if (!needs.count(loss))
+      return emitError(UnknownLoc::get(ctx)) << "the loss does not depend on any parameter";
+    grads[loss] = emitRaw("fill", {}, {like(loss, "grad.loss")}, {{"value", 1.0}}).front();
+    for (auto it = lowerer.records.rbegin(); it != lowerer.records.rend(); ++it) {
+      current = &*it;
+      bool hasGrad = false;
+      for (int64_t id : current->out)
+        hasGrad |= grads.count(id) > 0;
+      if (!hasGrad)
+        continue;
+      auto rule = dyn_cast<DifferentiableOpInterface>(current->op);
+      if (!rule)
+        return current->op->emitError() << "has no gradient rule, so the loss cannot be "
+                                           "differentiated through it";
+      if (failed(rule.buildGradient(*this)) || failed(status))
+        return failure();
+    }
+    for (rt::Parameter &p : rank.params)
+      if (auto g = grads.find(p.buffer); g != grads.end())
+        p.grad = g->second;
+    return success();
+  }
+
+  std::vector<rt::Instruction> backward;
+
+  // GradientBuilder.
+  Handle operand(unsigned i) override { return current->in.at(i); }
+  Handle result(unsigned i) override { return current->out.at(i); }
+  Handle resultGrad(unsigned i) override {
+    auto it = grads.find(current->out.at(i));
+    return it == grads.end() ? -1 : it->second;
+  }
+  bool needsGrad(unsigned i) override { return i < current->in.size() && needs.count(current->in[i]); }
+  void addGrad(unsigned i, Handle g) override {
+    int64_t target = current->in.at(i);
+    g = reduceTo(g, rank.buffers[target].shape);
+    auto it = grads.find(target);
+    if (it == grads.end())
+      grads[target] = g;
+    else
+      it->second = emitRaw("add", {it->second, g}, {like(it->second, "grad.sum")}, {}).front();
+  }
+  SmallVector<int64_t> shapeOf(Handle h) override {
+    return SmallVector<int64_t>(rank.buffers[h].shape.begin(), rank.buffers[h].shape.end());
+  }
+  Type elementTypeOf(Handle h) override {
+    switch (rank.buffers[h].dtype) {
+    case LOOM_F64: return Float64Type::get(ctx);
+    case LOOM_BF16: return BFloat16Type::get(ctx);
+    case LOOM_F16: return Float16Type::get(ctx);
+    case LOOM_I32: return IntegerType::get(ctx, 32);
+    case LOOM_I64: return IntegerType::get(ctx, 64);
+    default: return Float32Type::get(ctx);
+    }
+  }
+  SmallVector<Handle> emit(StringRef op, ArrayRef<Handle> inputs, ArrayRef<Handle> likes,
+                           ArrayRef<NamedAttribute> attrs) override {
+    std::vector<int64_t> outs;
+    for (Handle l : likes)
+      outs.push_back(like(l, "grad." + op.str()));
+    std::vector<int64_t> made = emitRaw(op, inputs, outs, toJson(attrs));
+    return SmallVector<Handle>(made.begin(), made.end());
+  }
+  Handle emitShaped(StringRef op, ArrayRef<Handle> inputs, ArrayRef<int64_t> shape,
+                    ArrayRef<NamedAttribute> attrs) override {
+    int64_t out = raw(rank.buffers[inputs.front()].dtype, {shape.begin(), shape.end()}, "grad." + op.str());
+    return emitRaw(op, inputs, {out}, toJson(attrs)).front();
+  }
+  Handle view(Handle h, ArrayRef<int64_t> shape) override {
+    const rt::Buffer src = rank.buffers[h];
+    int64_t id = raw(src.dtype, {shape.begin(), shape.end()}, src.name + ".view");
+    if (rank.buffers[id].bytes != src.bytes) {
+      status = emitError(UnknownLoc::get(ctx)) << "internal error: a gradient view changes the size";
+      return h;
+    }
+    rank.buffers[id].viewOf = lowerer.root(h);
+    return id;
+  }
+  MLIRContext *getContext() override { return ctx; }
+
+private:
+  bool isFloat(int64_t id) const {
+    loom_dtype_t t = rank.buffers[id].dtype;
+    return t == LOOM_F32 || t == LOOM_F64 || t == LOOM_BF16 || t == LOOM_F16;
+  }
+  int64_t raw(loom_dtype_t dtype, std::vector<int64_t> shape, const std::string &name) {
+    rt::Buffer b;
+    b.id = static_cast<int64_t>(rank.buffers.size());
+    b.name = name;
+    b.dtype = dtype;
+    b.shape = std::move(shape);
+    b.bytes = rt::numElements(b.shape).value_or(0) * int64_t(rt::dtypeSize(dtype));
+    rank.buffers.push_back(b);
+    return b.id;
+  }
+  int64_t like(int64_t h, const std::string &name) {
+    return raw(rank.buffers[h].dtype, rank.buffers[h].shape, name);
+  }
+  json toJson(ArrayRef<NamedAttribute> attrs) {
+    json out = json::object();
+    for (NamedAttribute a : attrs) {
+      FailureOr<json> v = attrToJson(current ? current->op : nullptr, a);
+      if (failed(v)) {
+        status = failure();
+        continue;
+      }
+      out[a.getName().getValue().str()] = *v;
+    }
+    return out;
+  }
+  std::vector<int64_t> emitRaw(StringRef op, ArrayRef<Handle> inputs, std::vector<int64_t> outs,
+                               json attrs) {
+    rt::Instruction ins;
+    ins.op = op.str();
+    ins.in.assign(inputs.begin(), inputs.end());
+    ins.out = outs;
+    ins.attrs = std::move(attrs);
+    backward.push_back(std::move(ins));
+    return outs;
+  }
+  /// Sums a gradient over the dimensions its operand was broadcast along.
+  Handle reduceTo(Handle g, const std::vector<int64_t> &target) {
+    const std::vector<int64_t> &shape = rank.buffers[g].shape;
+    if (shape == target)
+      return g;
+    size_t lead = shape.size() - target.size();
+    std::vector<int64_t> axes, kept(shape);
+    for (size_t d = 0; d < shape.size(); ++d)
+      if (d < lead || (target[d - lead] == 1 && shape[d] != 1)) {
+        axes.push_back(static_cast<int64_t>(d));
+        kept[d] = 1;
+      }
+    int64_t summed = raw(rank.buffers[g].dtype, kept, "grad.reduce");
+    emitRaw("reduce_sum", {g}, {summed}, {{"axes", axes}, {"keepdim", true}});
+    return view(summed, SmallVector<int64_t>(target.begin(), target.end()));
+  }
+
+  Lowerer &lowerer;
+  rt::RankProgram &rank;
+  MLIRContext *ctx;
+  const Lowerer::OpRecord *current = nullptr;
+  std::map<int64_t, int64_t> grads;
+  std::set<int64_t> needs;
+  LogicalResult status = success();
+};
+
+/// The update program: step counter, global gradient norm, and one in-place
+/// optimizer instruction per parameter with its state buffers.
+void buildUpdate(rt::RankProgram &rank, const TrainOptions &t) {
+  auto state = [&](const std::string &name, const std::vector<int64_t> &shape) {
+    rt::Buffer b;
+    b.id = static_cast<int64_t>(rank.buffers.size());
+    b.name = name;
+    b.shape = shape;
+    b.bytes = rt::numElements(shape).value_or(0) * 4;
+    b.role = rt::BufferRole::State;
+    rank.buffers.push_back(b);
+    rank.state.push_back({name, b.id, 0});
+    return b.id;
+  };
+  std::vector<rt::Instruction> update;
+  int64_t step = state("step", {});
+  update.push_back({"step_increment", {step}, {step}, json::object()});
+  std::vector<int64_t> allGrads;
+  for (const rt::Parameter &p : rank.params)
+    if (p.grad >= 0)
+      allGrads.push_back(p.grad);
+  rt::Buffer norm;
+  norm.id = static_cast<int64_t>(rank.buffers.size());
+  norm.name = "grad_norm";
+  norm.bytes = 4;
+  rank.buffers.push_back(norm);
+  update.push_back({"global_norm", allGrads, {norm.id}, json::object()});
+  for (const rt::Parameter &p : rank.params) {
+    if (p.grad < 0)
+      continue;
+    const std::vector<int64_t> &shape = rank.buffers[p.buffer].shape;
+    json attrs = {{"lr", t.lr},        {"min_lr", t.minLr},   {"clip", t.clip},
+                  {"warmup", double(t.warmup)}, {"total_steps", double(t.totalSteps)},
+                  {"weight_decay", shape.size() >= 2 ? t.weightDecay : 0.0}};
+    if (t.optimizer == "adamw") {
+      int64_t m = state(p.name + ".adam_m", shape), v = state(p.name + ".adam_v", shape);
+      attrs["beta1"] = t.beta1, attrs["beta2"] = t.beta2, attrs["eps"] = t.eps;
+      update.push_back({"adamw", {p.buffer, p.grad, m, v, step, norm.id}, {p.buffer, m, v}, attrs});
+    } else {
+      int64_t m = state(p.name + ".momentum", shape);
+      attrs["momentum"] = t.momentum;
+      update.push_back({"sgd", {p.buffer, p.grad, m, step, norm.id}, {p.buffer, m}, attrs});
+    }
+  }
+  rank.programs["update"] = std::move(update);
+}
+
+} // namespace
+
+namespace {
 constexpr int64_t kAlignment = 64;
 int64_t alignUp(int64_t v) { return (v + kAlignment - 1) / kAlignment * kAlignment; }
 
@@ -346,8 +586,11 @@ std::vector<float> mlir::loom::initialValues(const rt::ParamInit &init, int64_t 
   return out;
 }
 
-void mlir::loom::planMemory(rt::RankProgram &rank, const std::string &programName) {
-  const std::vector<rt::Instruction> &program = rank.programs[programName];
+void mlir::loom::planMemory(rt::RankProgram &rank, const std::vector<std::string> &programNames) {
+  std::vector<rt::Instruction> program; // all programs in execution order
+  for (const std::string &name : programNames)
+    if (auto it = rank.programs.find(name); it != rank.programs.end())
+      program.insert(program.end(), it->second.begin(), it->second.end());
   auto root = [&](int64_t id) {
     while (rank.buffers[id].viewOf >= 0)
       id = rank.buffers[id].viewOf;
@@ -367,6 +610,14 @@ void mlir::loom::planMemory(rt::RankProgram &rank, const std::string &programNam
       last[r] = std::max<int64_t>(last[r], i);
     }
   }
+  // Parameter gradients stay readable after the step (the C API and the
+  // optimizer read them), so they live to the end.
+  for (const rt::Parameter &p : rank.params)
+    if (p.grad >= 0) {
+      int64_t r = root(p.grad);
+      last[r] = static_cast<int64_t>(program.size());
+      first[r] = std::min<int64_t>(first[r], last[r]);
+    }
   // Persistent buffers first, in id order.
   int64_t offset = 0;
   std::vector<int64_t> activations;
@@ -419,17 +670,33 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
   OwningOpRef<ModuleOp> module(original.clone());
   if (failed(specializeBatch(*module, options.batch)))
     return failure();
-  auto forward = module->lookupSymbol<func::FuncOp>("forward");
-  if (!forward || forward.isExternal())
-    return original.emitError() << "model has no @forward function to compile";
+  const char *entryName = options.train ? "loss" : "forward";
+  auto entry = module->lookupSymbol<func::FuncOp>(entryName);
+  if (!entry || entry.isExternal())
+    return original.emitError() << "model has no @" << entryName << " function to compile"
+                                << (options.train ? " (training differentiates @loss, which "
+                                                    "returns a scalar loss)"
+                                                  : "");
   Lowerer lowerer(*module, options);
-  FailureOr<rt::RankProgram> rank = lowerer.run(forward);
+  FailureOr<rt::RankProgram> rank = lowerer.run(entry, /*keepProgram=*/options.train);
   if (failed(rank))
     return failure();
-  planMemory(*rank, "forward");
+  if (options.train) {
+    if (rank->outputs.size() != 1 || !rank->buffers[rank->outputs[0].buffer].shape.empty())
+      return entry.emitError() << "@loss must return one scalar loss";
+    Autodiff autodiff(lowerer, module->getContext());
+    if (failed(autodiff.run(rank->outputs[0].buffer)))
+      return failure();
+    rank = lowerer.rankProgram(); // parameters now carry their gradients
+    rank->programs["forward"] = std::move(lowerer.forwardProgram());
+    rank->programs["backward"] = std::move(autodiff.backward);
+    if (options.training.optimizer != "none")
+      buildUpdate(*rank, options.training);
+  }
+  planMemory(*rank, {"forward", "backward", "update"});
   rt::Manifest m;
   m.model = options.modelName;
-  m.mode = "infer";
+  m.mode = options.train ? "train" : "infer";
   m.batch = options.batch;
   m.ranks.push_back(std::move(*rank));
   return m;

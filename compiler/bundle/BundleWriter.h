@@ -19,21 +19,36 @@
 
 namespace mlir::loom {
 
+/// Hyper-parameters of the training step (loomc compile --train).
+struct TrainOptions {
+  std::string optimizer = "adamw"; // adamw, sgd, or none (gradients only)
+  double lr = 3e-4, minLr = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double weightDecay = 0.1; // applied to matrices, not to biases and norms
+  double momentum = 0.9;    // sgd
+  double clip = 1.0;        // global gradient-norm clipping; 0 turns it off
+  int64_t warmup = 0, totalSteps = 0; // linear warm-up, then cosine decay over totalSteps
+};
+
 struct BundleOptions {
   int64_t batch = 1;
   uint64_t seed = 0;
   std::string modelName = "model";
   std::string weightsFile; // load instead of initialising, when set
+  bool train = false;      // lower @loss with backward and update programs
+  TrainOptions training;
 };
 
-/// Lowers @forward of `module` (left untouched) for one CPU rank. Emits
-/// diagnostics and fails on what it cannot lower.
+/// Lowers @forward of `module` (left untouched) for one CPU rank, or with
+/// options.train the training step of @loss: programs "forward" (to the
+/// loss), "backward" (reverse mode through each op's gradient rule, no
+/// gradient for what needs none) and "update" (clipping and the optimizer,
+/// in place). Emits diagnostics and fails on what it cannot lower.
 FailureOr<::loom::rt::Manifest> lowerForward(ModuleOp module, const BundleOptions &options);
 
 /// Packs the activation buffers of a rank into the arena by lifetime and
 /// fills offsets, arena size and peak; persistent buffers (parameters,
 /// inputs, outputs) come first. Exposed for tests.
-void planMemory(::loom::rt::RankProgram &rank, const std::string &program);
+void planMemory(::loom::rt::RankProgram &rank, const std::vector<std::string> &programs);
 
 /// Deterministic initial values for a parameter (f32), from its initializer,
 /// the seed and its name.

@@ -85,8 +85,35 @@ cl::opt<std::string> compileTarget("target", cl::desc("Code generation target: c
                                    cl::init("cpu"), cl::sub(compileCmd));
 cl::opt<bool> compileInfer("infer", cl::desc("Compile the forward pass (the default)"),
                            cl::sub(compileCmd));
-cl::opt<bool> compileTrain("train", cl::desc("Compile a training step (issue #4)"),
+cl::opt<bool> compileTrain("train", cl::desc("Compile a training step of @loss: forward, "
+                                            "backward and optimizer update"),
                            cl::sub(compileCmd));
+cl::OptionCategory trainCategory("Training options (with --train)");
+cl::opt<std::string> trainOptimizer("optimizer", cl::desc("adamw, sgd (with momentum), or none "
+                                                          "(gradients only)"),
+                                    cl::init("adamw"), cl::sub(compileCmd), cl::cat(trainCategory));
+cl::opt<double> trainLr("lr", cl::desc("Peak learning rate"), cl::init(3e-4), cl::sub(compileCmd),
+                        cl::cat(trainCategory));
+cl::opt<double> trainMinLr("min-lr", cl::desc("Learning rate at the end of the cosine decay"),
+                           cl::init(0.0), cl::sub(compileCmd), cl::cat(trainCategory));
+cl::opt<int64_t> trainWarmup("warmup", cl::desc("Linear warm-up steps"), cl::init(0),
+                             cl::sub(compileCmd), cl::cat(trainCategory));
+cl::opt<int64_t> trainTotal("total-steps", cl::desc("Steps of the cosine decay after warm-up "
+                                                    "(0: constant rate)"),
+                            cl::init(0), cl::sub(compileCmd), cl::cat(trainCategory));
+cl::opt<double> trainBeta1("beta1", cl::desc("AdamW beta1"), cl::init(0.9), cl::sub(compileCmd),
+                           cl::cat(trainCategory));
+cl::opt<double> trainBeta2("beta2", cl::desc("AdamW beta2"), cl::init(0.95), cl::sub(compileCmd),
+                           cl::cat(trainCategory));
+cl::opt<double> trainEps("eps", cl::desc("AdamW epsilon"), cl::init(1e-8), cl::sub(compileCmd),
+                         cl::cat(trainCategory));
+cl::opt<double> trainDecay("weight-decay", cl::desc("Decoupled weight decay on matrices (not on "
+                                                    "biases and norms)"),
+                           cl::init(0.1), cl::sub(compileCmd), cl::cat(trainCategory));
+cl::opt<double> trainMomentum("momentum", cl::desc("SGD momentum"), cl::init(0.9),
+                              cl::sub(compileCmd), cl::cat(trainCategory));
+cl::opt<double> trainClip("clip", cl::desc("Clip the global gradient norm to this (0: off)"),
+                          cl::init(1.0), cl::sub(compileCmd), cl::cat(trainCategory));
 cl::opt<int64_t> compileBatch("batch", cl::desc("Batch size the dynamic batch dimension takes"),
                               cl::init(1), cl::sub(compileCmd));
 cl::opt<uint64_t> compileSeed("seed", cl::desc("Seed for initialising parameters"), cl::init(0),
@@ -159,9 +186,14 @@ int runVerify() {
 }
 
 int runCompile() {
-  if (compileTrain)
-    return fail("--train is not available yet: training steps (autodiff and optimizers) are "
-                "issue #4; compile the forward pass with --infer");
+  if (compileTrain && compileInfer)
+    return fail("--train and --infer are exclusive");
+  if (trainOptimizer != "adamw" && trainOptimizer != "sgd" && trainOptimizer != "none")
+    return fail("--optimizer must be adamw, sgd or none, got '" + trainOptimizer + "'");
+  if (!(trainLr > 0) || trainMinLr < 0 || trainWarmup < 0 || trainTotal < 0 || trainClip < 0 ||
+      !(trainBeta1 >= 0 && trainBeta1 < 1) || !(trainBeta2 >= 0 && trainBeta2 < 1) || !(trainEps > 0))
+    return fail("training options out of range: need lr > 0, 0 <= beta < 1, eps > 0 and "
+                "non-negative min-lr, warmup, total-steps and clip");
   if (compileTarget != "cpu")
     return fail("--target " + compileTarget + " is not available yet (the CUDA backend is "
                 "issue #8); use --target cpu");
@@ -192,13 +224,22 @@ int runCompile() {
   options.batch = compileBatch;
   options.seed = compileSeed;
   options.weightsFile = compileWeights;
+  options.train = compileTrain;
+  options.training.optimizer = trainOptimizer;
+  options.training.lr = trainLr, options.training.minLr = trainMinLr;
+  options.training.warmup = trainWarmup, options.training.totalSteps = trainTotal;
+  options.training.beta1 = trainBeta1, options.training.beta2 = trainBeta2;
+  options.training.eps = trainEps, options.training.weightDecay = trainDecay;
+  options.training.momentum = trainMomentum, options.training.clip = trainClip;
   llvm::StringRef stem = llvm::sys::path::stem(compileInput);
   options.modelName = stem.str();
   ::loom::rt::Manifest manifest;
   if (failed(mlir::loom::writeBundle(*module, options, compileOutput, &manifest)))
     return 1;
   const auto &rank = manifest.ranks.front();
-  size_t instructions = rank.programs.at("forward").size();
+  size_t instructions = 0;
+  for (const auto &[name, program] : rank.programs)
+    instructions += program.size();
   int64_t paramBytes = 0;
   for (const auto &p : rank.params)
     paramBytes += rank.buffers[p.buffer].bytes;
@@ -207,7 +248,7 @@ int runCompile() {
                << llvm::format("%.1f", paramBytes / 1048576.0) << " MiB), peak activation memory "
                << llvm::format("%.1f", rank.peakActivationBytes / 1048576.0)
                << " MiB, arena " << llvm::format("%.1f", rank.arenaBytes / 1048576.0)
-               << " MiB (batch " << compileBatch << ")\n";
+               << " MiB (batch " << compileBatch << (compileTrain ? ", training step" : "") << ")\n";
   return 0;
 }
 
@@ -410,14 +451,14 @@ int runModels() {
 
 int main(int argc, char **argv) {
   llvm::InitLLVM init(argc, argv);
-  cl::HideUnrelatedOptions({&zooCategory, &cl::getGeneralCategory()});
+  cl::HideUnrelatedOptions({&zooCategory, &trainCategory, &cl::getGeneralCategory()});
   cl::ParseCommandLineOptions(
       argc, argv,
       "Loom: compile neural networks written in the loom dialect and plan them over GPUs.\n\n"
       "  loomc verify MODEL.mlir\n"
       "  loomc plan MODEL.mlir --cluster C [--batch B] [--force dp=2,tp=2,...] [--json F]\n"
       "  loomc inspect PLAN.json|OUT.loom [--svg F]\n"
-      "  loomc compile MODEL.mlir [--batch N] [--seed S] [--weights F] -o OUT.loom\n"
+      "  loomc compile MODEL.mlir [--train] [--batch N] [--seed S] [--weights F] -o OUT.loom\n"
       "  loomc models gpt|llama|bert|mlp|resnet [--layers L --hidden H ...] [-o MODEL.mlir]\n\n"
       "Run 'loomc SUBCOMMAND --help' for the options of each.\n");
   if (verifyCmd)

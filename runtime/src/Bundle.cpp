@@ -24,6 +24,8 @@ const char *roleName(BufferRole role) {
     return "param";
   case BufferRole::Activation:
     return "activation";
+  case BufferRole::State:
+    return "state";
   }
   return "?";
 }
@@ -111,8 +113,10 @@ Buffer parseBuffer(const Field &f) {
     b.role = BufferRole::Param;
   else if (role == "activation")
     b.role = BufferRole::Activation;
+  else if (role == "state")
+    b.role = BufferRole::State;
   else
-    f.at("role").bad("must be input, output, param or activation, got '" + role + "'");
+    f.at("role").bad("must be input, output, param, state or activation, got '" + role + "'");
   if (f.has("view_of"))
     b.viewOf = f.at("view_of").integer(0);
   std::optional<int64_t> count = numElements(b.shape);
@@ -170,6 +174,12 @@ RankProgram parseRank(const Field &f, size_t index) {
   };
   named("inputs", r.inputs);
   named("outputs", r.outputs);
+  if (f.has("state")) {
+    named("state", r.state);
+    for (const NamedBuffer &nb : r.state)
+      if (r.buffers[nb.buffer].role != BufferRole::State)
+        f.at("state").bad("names buffer " + std::to_string(nb.buffer) + ", whose role is not 'state'");
+  }
 
   Field params = f.at("parameters");
   std::set<std::string> seen;
@@ -181,6 +191,8 @@ RankProgram parseRank(const Field &f, size_t index) {
       params[i].at("buffer").bad("must name a buffer with role 'param'");
     p.init.kind = params[i].at("init").at("kind").string();
     p.init.scale = params[i].at("init").at("scale").number();
+    if (params[i].has("grad"))
+      p.grad = bufferRef(params[i].at("grad"));
     if (!seen.insert(p.name).second)
       params[i].at("name").bad("repeats '" + p.name + "'");
     r.params.push_back(p);
@@ -278,10 +290,14 @@ json toJson(const Manifest &m) {
       return out;
     };
     json params = json::array();
-    for (const Parameter &p : r.params)
-      params.push_back({{"name", p.name},
-                        {"buffer", p.buffer},
-                        {"init", {{"kind", p.init.kind}, {"scale", p.init.scale}}}});
+    for (const Parameter &p : r.params) {
+      json jp = {{"name", p.name},
+                 {"buffer", p.buffer},
+                 {"init", {{"kind", p.init.kind}, {"scale", p.init.scale}}}};
+      if (p.grad >= 0)
+        jp["grad"] = p.grad;
+      params.push_back(jp);
+    }
     json programs = json::object();
     for (const auto &[name, instrs] : r.programs) {
       json list = json::array();
@@ -301,6 +317,7 @@ json toJson(const Manifest &m) {
                      {"inputs", named(r.inputs)},
                      {"outputs", named(r.outputs)},
                      {"parameters", params},
+                     {"state", named(r.state)},
                      {"programs", programs}});
   }
   return {{"format", kBundleFormat}, {"version", m.version}, {"model", m.model},

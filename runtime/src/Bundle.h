@@ -22,7 +22,9 @@ namespace loom::rt {
 constexpr int kBundleVersion = 1;
 constexpr const char *kBundleFormat = "loom-bundle";
 
-enum class BufferRole { Input, Output, Param, Activation };
+/// State: optimizer moments and the step counter, kept across steps and
+/// saved in checkpoints like parameters.
+enum class BufferRole { Input, Output, Param, Activation, State };
 const char *roleName(BufferRole role);
 
 struct Buffer {
@@ -59,6 +61,7 @@ struct Parameter {
   std::string name;
   int64_t buffer = 0;
   ParamInit init;
+  int64_t grad = -1; // the gradient's buffer in a training bundle (valid after backward)
 };
 
 struct RankProgram {
@@ -69,7 +72,8 @@ struct RankProgram {
   std::vector<Buffer> buffers; // indexed by id
   std::vector<NamedBuffer> inputs, outputs;
   std::vector<Parameter> params;
-  std::map<std::string, std::vector<Instruction>> programs; // "forward", ...
+  std::vector<NamedBuffer> state; // optimizer state and step counter (training)
+  std::map<std::string, std::vector<Instruction>> programs; // "forward", "backward", "update"
 };
 
 struct Manifest {

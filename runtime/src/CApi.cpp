@@ -146,6 +146,32 @@ loom_status_t *loom_session_read_output(loom_session_t *session, const char *nam
   return guarded([&] { session->session->readOutput(name, data, bytes); });
 }
 
+loom_status_t *loom_session_train_step(loom_session_t *session, float *out_loss) {
+  if (!session)
+    return nullArgument("session");
+  return guarded([&] {
+    float loss = session->session->trainStep();
+    if (out_loss)
+      *out_loss = loss;
+  });
+}
+
+int64_t loom_session_step(const loom_session_t *session) {
+  return session ? session->session->step() : 0;
+}
+
+loom_status_t *loom_session_save_checkpoint(loom_session_t *session, const char *path) {
+  if (!session || !path)
+    return nullArgument("session and path");
+  return guarded([&] { session->session->saveCheckpoint(path); });
+}
+
+loom_status_t *loom_session_load_checkpoint(loom_session_t *session, const char *path) {
+  if (!session || !path)
+    return nullArgument("session and path");
+  return guarded([&] { session->session->loadCheckpoint(path); });
+}
+
 loom_status_t *loom_session_save_weights(loom_session_t *session, const char *path) {
   if (!session || !path)
     return nullArgument("session and path");

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <algorithm>
 #include <fstream>
 #include <functional>
 #include <unistd.h>
@@ -15,6 +16,8 @@
 namespace loom::rt {
 
 using json = nlohmann::json;
+
+constexpr uint64_t kFnvOffset = 1469598103934665603ull;
 
 namespace {
 std::vector<char> readWholeFile(const std::string &path) {
@@ -93,6 +96,20 @@ SafetensorsFile readSafetensors(const std::string &path) {
     out.tensors[name] = SafetensorsEntry{*dtype, shape, static_cast<size_t>(begin), expected};
   }
   out.data.assign(file.begin() + dataStart, file.end());
+  if (auto it = out.metadata.find("fnv1a64"); it != out.metadata.end()) {
+    // The data in the order the writer laid it out: by offset.
+    std::vector<const SafetensorsEntry *> entries;
+    for (auto &[name, e] : out.tensors)
+      entries.push_back(&e);
+    std::sort(entries.begin(), entries.end(),
+              [](auto *a, auto *b) { return a->offset < b->offset; });
+    uint64_t h = kFnvOffset;
+    for (const SafetensorsEntry *e : entries)
+      h = fnv1a64(out.data.data() + e->offset, e->bytes, h);
+    if (std::to_string(h) != it->second)
+      fail(LOOM_INVALID_BUNDLE, path, ": checksum mismatch: the data is damaged (the file was "
+           "modified or only partly written); refusing to load it");
+  }
   return out;
 }
 
@@ -121,11 +138,22 @@ void writeFileAtomically(const std::string &path, const void *data, size_t bytes
   writeAtomically(path, [&](FILE *f) { return bytes == 0 || std::fwrite(data, 1, bytes, f) == bytes; });
 }
 
+uint64_t fnv1a64(const char *data, size_t bytes, uint64_t h) {
+  for (size_t i = 0; i < bytes; ++i)
+    h = (h ^ static_cast<unsigned char>(data[i])) * 1099511628211ull;
+  return h;
+}
+
 void writeSafetensors(const std::string &path, const std::vector<SafetensorsTensorRef> &tensors,
                       const std::map<std::string, std::string> &metadata) {
   json header = json::object();
-  if (!metadata.empty())
-    header["__metadata__"] = metadata;
+  std::map<std::string, std::string> meta = metadata;
+  // A checksum of the data, so a damaged file is refused, not loaded.
+  uint64_t h = kFnvOffset;
+  for (const auto &t : tensors)
+    h = fnv1a64(static_cast<const char *>(t.data), t.bytes, h);
+  meta["fnv1a64"] = std::to_string(h);
+  header["__metadata__"] = meta;
   std::vector<size_t> order; // data in the order given, header keys sorted by json
   size_t offset = 0;
   for (const auto &t : tensors) {

@@ -48,7 +48,11 @@ struct SafetensorsTensorRef {
   size_t bytes;
 };
 
-/// Writes atomically (PATH.tmp-PID then rename).
+/// FNV-1a over bytes, continuing from `h`.
+uint64_t fnv1a64(const char *data, size_t bytes, uint64_t h);
+
+/// Writes atomically (PATH.tmp-PID then rename), with an FNV-1a checksum of
+/// the data in the metadata ("fnv1a64") that readSafetensors verifies.
 void writeSafetensors(const std::string &path, const std::vector<SafetensorsTensorRef> &tensors,
                       const std::map<std::string, std::string> &metadata = {});
 

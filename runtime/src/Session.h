@@ -31,6 +31,17 @@ public:
   void bindInput(const std::string &name, const void *data, size_t bytes);
   void readOutput(const std::string &name, void *data, size_t bytes) const;
   void runForward();
+  /// Forward, backward and update of a training bundle; returns the loss.
+  float trainStep();
+  bool canTrain() const { return backward != nullptr; }
+  /// Optimizer steps taken (the "step" state of a training bundle).
+  int64_t step() const;
+  /// Parameters, optimizer state and step, atomically, with a checksum.
+  void saveCheckpoint(const std::string &path) const;
+  void loadCheckpoint(const std::string &path);
+  /// Runs one program by name ("forward", "backward", "update").
+  void runProgram(const std::string &name);
+  float loss() const;
 
   void loadWeights(const std::string &path);
   void saveWeights(const std::string &path) const;
@@ -42,7 +53,7 @@ private:
   Manifest bundle;
   std::unique_ptr<char, decltype(&std::free)> arena{nullptr, &std::free};
   std::unique_ptr<ThreadPool> pool;
-  std::unique_ptr<CpuProgram> forward;
+  std::unique_ptr<CpuProgram> forward, backward, update;
 };
 
 } // namespace loom::rt

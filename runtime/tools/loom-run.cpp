@@ -2,11 +2,18 @@
 //
 // loom-run OUT.loom [--input F.safetensors] [--output F.safetensors]
 //                   [--steps N] [--threads T] [--seed S]
+// loom-run TRAIN.loom --steps N [--data F.bin] [--save-every K --checkpoint DIR]
+//                     [--resume DIR]
 //
-// Binds inputs from a safetensors file (or synthetic ones: token ids drawn
-// below each input's limit, floats from N(0, 1)), runs the forward pass
-// --steps times after one warm-up, and prints each output's summary and the
-// time per step.
+// Inference bundles: binds inputs from a safetensors file (or synthetic ones:
+// token ids drawn below each input's limit, floats from N(0, 1)), runs the
+// forward pass --steps times after one warm-up, and prints each output's
+// summary and the time per step.
+//
+// Training bundles: trains until step N on a token file (a flat array of
+// uint16 or uint32 ids, as nanoGPT's data scripts write) or on synthetic
+// tokens, printing step, loss, tokens/s and elapsed time; checkpoints every
+// K steps (temporary file, then rename) and resumes from one exactly.
 //
 //===----------------------------------------------------------------------===//
 
@@ -15,6 +22,9 @@
 #include "runtime/src/Session.h"
 
 #include <chrono>
+#include <fstream>
+#include <optional>
+#include <sys/stat.h>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -33,7 +43,14 @@ void usage(FILE *to) {
                "  --output F.safetensors  write the outputs there\n"
                "  --steps N               timed runs after one warm-up (default 1)\n"
                "  --threads T             CPU threads (default: all)\n"
-               "  --seed S                seed for synthetic inputs (default 0)\n");
+               "  --seed S                seed for synthetic inputs (default 0)\n\n"
+               "Training bundles (loomc compile --train):\n"
+               "  --steps N               train until step N (default 10)\n"
+               "  --data F                token file: flat uint16 ids (uint32 with --data-dtype)\n"
+               "  --data-dtype T          uint16 (default) or uint32\n"
+               "  --save-every K          write a checkpoint every K steps (needs --checkpoint)\n"
+               "  --checkpoint DIR        where checkpoints go (DIR/checkpoint.safetensors)\n"
+               "  --resume DIR            continue from DIR/checkpoint.safetensors\n");
 }
 
 double valueAt(const Buffer &b, const char *p, int64_t i) {
@@ -63,9 +80,116 @@ void fillSynthetic(Session &s, const NamedBuffer &nb, std::mt19937_64 &rng) {
   s.bindInput(nb.name, data.data(), data.size());
 }
 
+/// Token windows of a language-model data file: example j of step t reads
+/// ids [off, off + S) as tokens and [off + 1, off + S + 1) as targets.
+class TokenData {
+public:
+  TokenData(const std::string &path, const std::string &dtype, int64_t batch, int64_t seq,
+            int64_t vocab)
+      : batch(batch), seq(seq) {
+    if (dtype != "uint16" && dtype != "uint32")
+      fail(LOOM_INVALID_ARGUMENT, "--data-dtype must be uint16 or uint32, got '", dtype, "'");
+    size_t width = dtype == "uint16" ? 2 : 4;
+    std::ifstream in(path, std::ios::binary | std::ios::ate);
+    if (!in)
+      fail(LOOM_IO_ERROR, "cannot open data file '", path, "'");
+    size_t bytes = static_cast<size_t>(in.tellg());
+    if (bytes % width)
+      fail(LOOM_INVALID_ARGUMENT, path, ": ", bytes, " bytes is not a whole number of ", dtype,
+           " token ids");
+    std::vector<char> raw(bytes);
+    in.seekg(0);
+    in.read(raw.data(), bytes);
+    tokens.resize(bytes / width);
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      tokens[i] = width == 2 ? reinterpret_cast<const uint16_t *>(raw.data())[i]
+                             : reinterpret_cast<const uint32_t *>(raw.data())[i];
+      if (vocab > 0 && tokens[i] >= vocab)
+        fail(LOOM_INVALID_ARGUMENT, path, ": token id ", tokens[i], " at position ", i,
+             " is outside the model's vocabulary of ", vocab,
+             " (wrong tokenizer, or --data-dtype?)");
+    }
+    if (static_cast<int64_t>(tokens.size()) < batch * seq + 1)
+      fail(LOOM_INVALID_ARGUMENT, path, ": ", tokens.size(), " tokens are fewer than one batch of ",
+           batch, " x ", seq, " plus one target (", batch * seq + 1, ")");
+  }
+
+  void fill(int64_t step, std::vector<int32_t> &in, std::vector<int32_t> &target) const {
+    int64_t n = static_cast<int64_t>(tokens.size()), span = n - seq;
+    for (int64_t j = 0; j < batch; ++j) {
+      int64_t off = (((step - 1) * batch + j) * seq) % span;
+      for (int64_t i = 0; i < seq; ++i) {
+        in[j * seq + i] = static_cast<int32_t>(tokens[off + i]);
+        target[j * seq + i] = static_cast<int32_t>(tokens[off + i + 1]);
+      }
+    }
+  }
+
+private:
+  int64_t batch, seq;
+  std::vector<uint32_t> tokens;
+};
+
+int train(Session &s, int steps, const std::string &data, const std::string &dataDtype,
+          int saveEvery, const std::string &checkpointDir, const std::string &resume,
+          uint64_t seed) {
+  const RankProgram &r = s.rank();
+  if (r.inputs.size() != 2)
+    fail(LOOM_UNSUPPORTED, "training with loom-run feeds [batch, seq] tokens and targets; this "
+         "bundle has ", r.inputs.size(), " inputs (drive it through the C API instead)");
+  const Buffer &tok = r.buffers[r.inputs[0].buffer], &tgt = r.buffers[r.inputs[1].buffer];
+  if (tok.shape.size() != 2 || tok.shape != tgt.shape || tok.dtype != LOOM_I32 || tgt.dtype != LOOM_I32)
+    fail(LOOM_UNSUPPORTED, "training with loom-run needs i32 [batch, seq] tokens and targets");
+  int64_t batch = tok.shape[0], seq = tok.shape[1];
+  int64_t vocab = r.inputs[0].limit;
+  if (saveEvery > 0 && checkpointDir.empty())
+    fail(LOOM_INVALID_ARGUMENT, "--save-every needs --checkpoint DIR");
+  std::optional<TokenData> tokens;
+  if (!data.empty())
+    tokens.emplace(data, dataDtype, batch, seq, vocab);
+  if (!resume.empty()) {
+    s.loadCheckpoint(resume + "/checkpoint.safetensors");
+    std::printf("resumed from %s/checkpoint.safetensors at step %lld\n", resume.c_str(),
+                (long long)s.step());
+  }
+  std::vector<int32_t> in(batch * seq), target(batch * seq);
+  auto start = std::chrono::steady_clock::now();
+  int64_t first = s.step() + 1;
+  for (int64_t t = first; t <= steps; ++t) {
+    if (tokens) {
+      tokens->fill(t, in, target);
+    } else { // synthetic: a fixed stream per step, reproducible on resume
+      std::mt19937_64 rng(seed * 1000003 + t);
+      for (size_t i = 0; i < in.size(); ++i)
+        in[i] = static_cast<int32_t>(rng() % uint64_t(vocab > 0 ? vocab : 2));
+      for (size_t i = 0; i < in.size(); ++i)
+        target[i] = in[(i + 1) % in.size()];
+    }
+    s.bindInput(r.inputs[0].name, in.data(), in.size() * 4);
+    s.bindInput(r.inputs[1].name, target.data(), target.size() * 4);
+    auto t0 = std::chrono::steady_clock::now();
+    float loss = s.trainStep();
+    auto t1 = std::chrono::steady_clock::now();
+    double stepSeconds = std::chrono::duration<double>(t1 - t0).count();
+    double elapsed = std::chrono::duration<double>(t1 - start).count();
+    std::printf("step %lld/%d  loss %.6f  %.0f tokens/s  elapsed %.2fs\n", (long long)t, steps,
+                loss, batch * seq / stepSeconds, elapsed);
+    std::fflush(stdout);
+    if (!std::isfinite(loss))
+      fail(LOOM_INVALID_ARGUMENT, "the loss is ", loss, " at step ", t,
+           "; lower --lr or raise --clip when compiling");
+    if (saveEvery > 0 && t % saveEvery == 0) {
+      ::mkdir(checkpointDir.c_str(), 0755);
+      s.saveCheckpoint(checkpointDir + "/checkpoint.safetensors");
+      std::printf("saved %s/checkpoint.safetensors at step %lld\n", checkpointDir.c_str(), (long long)t);
+    }
+  }
+  return 0;
+}
+
 int run(int argc, char **argv) {
-  std::string bundle, input, output;
-  int steps = 1, threads = 0;
+  std::string bundle, input, output, data, dataDtype = "uint16", checkpointDir, resume;
+  int steps = -1, threads = 0, saveEvery = 0;
   uint64_t seed = 0;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -95,6 +219,16 @@ int run(int argc, char **argv) {
       threads = static_cast<int>(number());
     } else if (a == "--seed") {
       seed = static_cast<uint64_t>(number());
+    } else if (a == "--data") {
+      data = value();
+    } else if (a == "--data-dtype") {
+      dataDtype = value();
+    } else if (a == "--save-every") {
+      saveEvery = static_cast<int>(number());
+    } else if (a == "--checkpoint") {
+      checkpointDir = value();
+    } else if (a == "--resume") {
+      resume = value();
     } else if (!a.empty() && a[0] == '-') {
       fail(LOOM_INVALID_ARGUMENT, "unknown option '", a, "' (see --help)");
     } else if (bundle.empty()) {
@@ -115,6 +249,13 @@ int run(int argc, char **argv) {
   std::printf("%s: model %s, batch %lld, %zu parameter tensors, arena %.1f MiB (activations %.1f MiB)\n",
               bundle.c_str(), s.manifest().model.c_str(), (long long)s.manifest().batch, r.params.size(),
               r.arenaBytes / 1048576.0, r.peakActivationBytes / 1048576.0);
+  if (s.canTrain())
+    return train(s, steps < 0 ? 10 : steps, data, dataDtype, saveEvery, checkpointDir, resume, seed);
+  if (!data.empty() || saveEvery || !resume.empty())
+    fail(LOOM_INVALID_ARGUMENT, "--data, --save-every and --resume need a training bundle "
+         "(loomc compile --train)");
+  if (steps < 0)
+    steps = 1;
 
   if (!input.empty()) {
     SafetensorsFile in = readSafetensors(input);

@@ -14,6 +14,9 @@
 #include "mlir/Interfaces/InferTypeOpInterface.h"
 #include "mlir/Interfaces/SideEffectInterfaces.h"
 
+#include "dialects/loom/IR/GradientBuilder.h"
+#include "dialects/loom/IR/LoomInterfaces.h.inc"
+
 #define GET_OP_CLASSES
 #include "dialects/loom/IR/LoomOps.h.inc"
 

@@ -4,6 +4,7 @@
 
 include "dialects/loom/IR/LoomBase.td"
 include "dialects/loom/IR/LoomAttrs.td"
+include "dialects/loom/IR/LoomInterfaces.td"
 include "mlir/IR/SymbolInterfaces.td"
 include "mlir/IR/BuiltinAttributes.td"
 include "mlir/Interfaces/InferTypeOpInterface.td"
@@ -118,7 +119,7 @@ def Loom_RepeatOp : Loom_Op<"repeat", [DeclareOpInterfaceMethods<SymbolUserOpInt
 //===----------------------------------------------------------------------===//
 
 class Loom_BinaryOp<string mnemonic, string what>
-    : Loom_Op<mnemonic, [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>]> {
+    : Loom_Op<mnemonic, [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "Elementwise " # what # " with broadcasting";
   let description = [{
     Operands broadcast as in NumPy: dimensions are aligned from the right and
@@ -136,7 +137,7 @@ def Loom_MulOp : Loom_BinaryOp<"mul", "multiplication">;
 def Loom_DivOp : Loom_BinaryOp<"div", "division">;
 
 class Loom_UnaryOp<string mnemonic, string what, dag extraArgs = (ins)>
-    : Loom_Op<mnemonic, [Pure, AllTypesMatch<["x", "result"]>]> {
+    : Loom_Op<mnemonic, [Pure, AllTypesMatch<["x", "result"]>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "Elementwise " # what;
   let arguments = !con((ins Loom_FloatTensor:$x), extraArgs);
   let results = (outs Loom_FloatTensor:$result);
@@ -158,7 +159,7 @@ def Loom_ScaleOp : Loom_UnaryOp<"scale", "multiplication by the constant `factor
 // Linear algebra and reductions
 //===----------------------------------------------------------------------===//
 
-def Loom_MatmulOp : Loom_Op<"matmul", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>]> {
+def Loom_MatmulOp : Loom_Op<"matmul", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "(Batched) matrix product";
   let description = [{
     `lhs` is `[..., M, K]` (`[..., K, M]` with `transpose_a`) and `rhs` is
@@ -173,7 +174,7 @@ def Loom_MatmulOp : Loom_Op<"matmul", [Pure, DeclareOpInterfaceMethods<InferType
 }
 
 class Loom_ReduceOp<string mnemonic, string what>
-    : Loom_Op<mnemonic, [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>]> {
+    : Loom_Op<mnemonic, [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "Reduces `axes` by " # what;
   let description = [{
     Reduces the listed axes (negative values count from the end). With
@@ -188,7 +189,7 @@ def Loom_ReduceSumOp : Loom_ReduceOp<"reduce_sum", "summing">;
 def Loom_ReduceMaxOp : Loom_ReduceOp<"reduce_max", "taking the maximum">;
 def Loom_ReduceMeanOp : Loom_ReduceOp<"reduce_mean", "averaging">;
 
-def Loom_SoftmaxOp : Loom_Op<"softmax", [Pure, AllTypesMatch<["x", "result"]>]> {
+def Loom_SoftmaxOp : Loom_Op<"softmax", [Pure, AllTypesMatch<["x", "result"]>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "Softmax along one axis";
   let arguments = (ins Loom_FloatTensor:$x, DefaultValuedAttr<I64Attr, "-1">:$axis);
   let results = (outs Loom_FloatTensor:$result);
@@ -200,7 +201,7 @@ def Loom_SoftmaxOp : Loom_Op<"softmax", [Pure, AllTypesMatch<["x", "result"]>]> 
 // Normalisation
 //===----------------------------------------------------------------------===//
 
-def Loom_LayerNormOp : Loom_Op<"layernorm", [Pure, AllTypesMatch<["x", "result"]>]> {
+def Loom_LayerNormOp : Loom_Op<"layernorm", [Pure, AllTypesMatch<["x", "result"]>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "Layer normalisation over the last dimension";
   let description = [{
     `(x - mean) / sqrt(var + eps) * gamma + beta` over the last dimension;
@@ -213,7 +214,7 @@ def Loom_LayerNormOp : Loom_Op<"layernorm", [Pure, AllTypesMatch<["x", "result"]
   let hasVerifier = 1;
 }
 
-def Loom_RMSNormOp : Loom_Op<"rmsnorm", [Pure, AllTypesMatch<["x", "result"]>]> {
+def Loom_RMSNormOp : Loom_Op<"rmsnorm", [Pure, AllTypesMatch<["x", "result"]>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "RMS normalisation over the last dimension";
   let description = [{ `x / sqrt(mean(x^2) + eps) * gamma` over the last dimension. }];
   let arguments = (ins Loom_FloatTensor:$x, Loom_FloatTensor:$gamma,
@@ -223,7 +224,7 @@ def Loom_RMSNormOp : Loom_Op<"rmsnorm", [Pure, AllTypesMatch<["x", "result"]>]> 
   let hasVerifier = 1;
 }
 
-def Loom_BatchNormOp : Loom_Op<"batchnorm", [Pure, AllTypesMatch<["x", "result"]>]> {
+def Loom_BatchNormOp : Loom_Op<"batchnorm", [Pure, AllTypesMatch<["x", "result"]>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "Batch normalisation over all dimensions but the channel (dim 1)";
   let description = [{
     Normalises `[N, C, ...]` with the statistics of the batch for each
@@ -240,7 +241,7 @@ def Loom_BatchNormOp : Loom_Op<"batchnorm", [Pure, AllTypesMatch<["x", "result"]
 // Transformer building blocks
 //===----------------------------------------------------------------------===//
 
-def Loom_EmbeddingOp : Loom_Op<"embedding", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>]> {
+def Loom_EmbeddingOp : Loom_Op<"embedding", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "Looks up rows of a table";
   let description = [{ `table` is `[V, H]`, `ids` any shape `[...]`; the result is `[..., H]`. }];
   let arguments = (ins Loom_FloatTensor:$table, Loom_IndexTensor:$ids);
@@ -248,7 +249,7 @@ def Loom_EmbeddingOp : Loom_Op<"embedding", [Pure, DeclareOpInterfaceMethods<Inf
   let assemblyFormat = "$table `,` $ids attr-dict `:` type($table) `,` type($ids)";
 }
 
-def Loom_RotaryOp : Loom_Op<"rotary", [Pure, AllTypesMatch<["x", "result"]>]> {
+def Loom_RotaryOp : Loom_Op<"rotary", [Pure, AllTypesMatch<["x", "result"]>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "Rotary position embedding (RoPE) applied per head";
   let description = [{
     `x` is `[B, S, heads * head_dim]`. Each head's pairs `(x[2i], x[2i+1])`
@@ -261,7 +262,7 @@ def Loom_RotaryOp : Loom_Op<"rotary", [Pure, AllTypesMatch<["x", "result"]>]> {
   let hasVerifier = 1;
 }
 
-def Loom_AttentionOp : Loom_Op<"attention", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>]> {
+def Loom_AttentionOp : Loom_Op<"attention", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "Multi-head scaled dot-product attention";
   let description = [{
     `q` is `[B, S, heads * D]`; `k` and `v` are `[B, Skv, kv_heads * D]`.
@@ -280,7 +281,7 @@ def Loom_AttentionOp : Loom_Op<"attention", [Pure, DeclareOpInterfaceMethods<Inf
   }];
 }
 
-def Loom_CrossEntropyOp : Loom_Op<"cross_entropy", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>]> {
+def Loom_CrossEntropyOp : Loom_Op<"cross_entropy", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "Mean softmax cross-entropy over all positions";
   let description = [{
     `logits` is `[..., V]` and `targets` `[...]` holds class ids in `[0, V)`.
@@ -296,7 +297,7 @@ def Loom_CrossEntropyOp : Loom_Op<"cross_entropy", [Pure, DeclareOpInterfaceMeth
 // Shape manipulation
 //===----------------------------------------------------------------------===//
 
-def Loom_ReshapeOp : Loom_Op<"reshape", [Pure]> {
+def Loom_ReshapeOp : Loom_Op<"reshape", [Pure, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "Changes the shape, keeping the element order";
   let arguments = (ins AnyRankedTensor:$x);
   let results = (outs AnyRankedTensor:$result);
@@ -304,28 +305,28 @@ def Loom_ReshapeOp : Loom_Op<"reshape", [Pure]> {
   let hasVerifier = 1;
 }
 
-def Loom_TransposeOp : Loom_Op<"transpose", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>]> {
+def Loom_TransposeOp : Loom_Op<"transpose", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "Permutes dimensions: result dim i is input dim permutation[i]";
   let arguments = (ins AnyRankedTensor:$x, DenseI64ArrayAttr:$permutation);
   let results = (outs AnyRankedTensor:$result);
   let assemblyFormat = "$x attr-dict `:` type($x)";
 }
 
-def Loom_SliceOp : Loom_Op<"slice", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>]> {
+def Loom_SliceOp : Loom_Op<"slice", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "Takes `size` elements from `start` along `axis`";
   let arguments = (ins AnyRankedTensor:$x, I64Attr:$axis, I64Attr:$start, I64Attr:$size);
   let results = (outs AnyRankedTensor:$result);
   let assemblyFormat = "$x attr-dict `:` type($x)";
 }
 
-def Loom_ConcatOp : Loom_Op<"concat", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>]> {
+def Loom_ConcatOp : Loom_Op<"concat", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "Joins tensors along `axis`";
   let arguments = (ins Variadic<AnyRankedTensor>:$inputs, I64Attr:$axis);
   let results = (outs AnyRankedTensor:$result);
   let assemblyFormat = "$inputs attr-dict `:` type($inputs)";
 }
 
-def Loom_BroadcastOp : Loom_Op<"broadcast", [Pure]> {
+def Loom_BroadcastOp : Loom_Op<"broadcast", [Pure, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "Broadcasts to the result shape (NumPy rules)";
   let arguments = (ins AnyRankedTensor:$x);
   let results = (outs AnyRankedTensor:$result);
@@ -333,7 +334,7 @@ def Loom_BroadcastOp : Loom_Op<"broadcast", [Pure]> {
   let hasVerifier = 1;
 }
 
-def Loom_CastOp : Loom_Op<"cast", [Pure]> {
+def Loom_CastOp : Loom_Op<"cast", [Pure, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "Converts the element type, keeping the shape";
   let arguments = (ins AnyRankedTensor:$x);
   let results = (outs AnyRankedTensor:$result);
@@ -345,7 +346,7 @@ def Loom_CastOp : Loom_Op<"cast", [Pure]> {
 // Convolutional networks
 //===----------------------------------------------------------------------===//
 
-def Loom_Conv2DOp : Loom_Op<"conv2d", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>]> {
+def Loom_Conv2DOp : Loom_Op<"conv2d", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "2-D convolution, NCHW input and OIHW filter";
   let description = [{
     `x` is `[N, C, H, W]` and `filter` `[O, C / groups, KH, KW]`; the result
@@ -360,7 +361,7 @@ def Loom_Conv2DOp : Loom_Op<"conv2d", [Pure, DeclareOpInterfaceMethods<InferType
 }
 
 class Loom_Pool2DOp<string mnemonic, string what>
-    : Loom_Op<mnemonic, [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>]> {
+    : Loom_Op<mnemonic, [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = what # " pooling over windows of an NCHW tensor";
   let arguments = (ins Loom_FloatTensor:$x, I64Attr:$kernel,
                        DefaultValuedAttr<I64Attr, "1">:$stride,

@@ -95,6 +95,17 @@ loom_status_t *loom_session_run_forward(loom_session_t *session);
 loom_status_t *loom_session_read_output(loom_session_t *session, const char *name,
                                         void *data, size_t bytes);
 
+/* Training bundles (loomc compile --train): forward, backward and optimizer
+ * update on the bound batch; `out_loss` (may be NULL) receives the loss. */
+loom_status_t *loom_session_train_step(loom_session_t *session, float *out_loss);
+/* Optimizer steps taken so far (0 for inference bundles). */
+int64_t loom_session_step(const loom_session_t *session);
+/* Parameters, optimizer state and step in one file, written to a temporary
+ * file and renamed, with a checksum; loading refuses a damaged or foreign
+ * checkpoint without changing the session. */
+loom_status_t *loom_session_save_checkpoint(loom_session_t *session, const char *path);
+loom_status_t *loom_session_load_checkpoint(loom_session_t *session, const char *path);
+
 /* Weights as safetensors; saving writes a temporary file and renames it. */
 loom_status_t *loom_session_save_weights(loom_session_t *session, const char *path);
 loom_status_t *loom_session_load_weights(loom_session_t *session, const char *path);

@@ -488,13 +488,14 @@ Kernel buildRotary(const Ctx &c) {
     c.bad("input must be [B, S, heads * even head_dim]");
   int64_t b = x.shape[0], s = x.shape[1], w = x.shape[2], d = w / heads;
   double theta = c.attrFloat("theta", 10000.0);
+  double sign = c.attrFlag("inverse") ? -1.0 : 1.0; // the gradient rotates back
   float *px = c.f32(x), *py = c.f32(c.out());
   return [=] {
     for (int64_t bi = 0; bi < b; ++bi)
       for (int64_t si = 0; si < s; ++si)
         for (int64_t h = 0; h < heads; ++h)
           for (int64_t i = 0; i < d / 2; ++i) {
-            double angle = si * std::pow(theta, -2.0 * i / d);
+            double angle = sign * si * std::pow(theta, -2.0 * i / d);
             float cs = static_cast<float>(std::cos(angle)), sn = static_cast<float>(std::sin(angle));
             int64_t at = (bi * s + si) * w + h * d + 2 * i;
             float x0 = px[at], x1 = px[at + 1];
@@ -797,6 +798,549 @@ template <bool Max> Kernel buildPool(const Ctx &c) {
   };
 }
 
+
+//===--------------------------------------------------------------------===//
+// Gradient kernels (training)
+//===--------------------------------------------------------------------===//
+
+Kernel buildFill(const Ctx &c) {
+  c.arity(0, 1);
+  c.needF32(c.out());
+  float v = static_cast<float>(c.attrFloat("value"));
+  float *y = c.f32(c.out());
+  int64_t n = count(c.out().shape);
+  return [=] { std::fill(y, y + n, v); };
+}
+
+Kernel buildUnaryGrad(const Ctx &c) {
+  c.arity(3, 1);
+  for (size_t i = 0; i < 3; ++i)
+    c.needF32(c.in(i)), c.sameShape(c.in(i), c.out());
+  auto it = c.ins.attrs.find("fn");
+  std::string fn = it != c.ins.attrs.end() && it->is_string() ? it->get<std::string>() : "";
+  float *x = c.f32(c.in(0)), *y = c.f32(c.in(1)), *dy = c.f32(c.in(2)), *dx = c.f32(c.out());
+  int64_t n = count(c.out().shape);
+  std::function<float(float, float)> d;
+  if (fn == "gelu")
+    d = [](float v, float) {
+      return 0.5f * (1.0f + std::erf(v * 0.70710678118654752f)) +
+             v * 0.39894228040143268f * std::exp(-0.5f * v * v);
+    };
+  else if (fn == "gelu_tanh")
+    d = [](float v, float) {
+      const float k = 0.79788456080286536f, a = 0.044715f;
+      float t = std::tanh(k * (v + a * v * v * v));
+      return 0.5f * (1 + t) + 0.5f * v * (1 - t * t) * k * (1 + 3 * a * v * v);
+    };
+  else if (fn == "silu")
+    d = [](float v, float) {
+      float sg = 1.0f / (1.0f + std::exp(-v));
+      return sg * (1 + v * (1 - sg));
+    };
+  else if (fn == "relu")
+    d = [](float v, float) { return v > 0 ? 1.0f : 0.0f; };
+  else if (fn == "tanh")
+    d = [](float, float out) { return 1 - out * out; };
+  else if (fn == "exp")
+    d = [](float, float out) { return out; };
+  else if (fn == "rsqrt")
+    d = [](float, float out) { return -0.5f * out * out * out; };
+  else
+    c.bad("attribute 'fn' must name gelu, gelu_tanh, silu, relu, tanh, exp or rsqrt");
+  return [=] {
+    for (int64_t i = 0; i < n; ++i)
+      dx[i] = dy[i] * d(x[i], y[i]);
+  };
+}
+
+Kernel buildSoftmaxGrad(const Ctx &c) {
+  c.arity(2, 1);
+  c.needF32(c.in(0)), c.needF32(c.in(1)), c.needF32(c.out());
+  c.sameShape(c.in(0), c.out()), c.sameShape(c.in(1), c.out());
+  int64_t axis = c.axis(c.attrInt("axis", -1), c.out().shape.size());
+  int64_t outer, len, inner;
+  splitAt(c.out().shape, axis, outer, len, inner);
+  float *y = c.f32(c.in(0)), *dy = c.f32(c.in(1)), *dx = c.f32(c.out());
+  return [=] {
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t i = 0; i < inner; ++i) {
+        int64_t base = o * len * inner + i;
+        double dot = 0;
+        for (int64_t j = 0; j < len; ++j)
+          dot += double(y[base + j * inner]) * dy[base + j * inner];
+        for (int64_t j = 0; j < len; ++j)
+          dx[base + j * inner] = static_cast<float>(y[base + j * inner] * (dy[base + j * inner] - dot));
+      }
+  };
+}
+
+/// layernorm_grad / rmsnorm_grad: (x, gamma, dy) -> dx, dgamma(, dbeta).
+Kernel buildNormGrad(const Ctx &c, bool rms) {
+  c.arity(3, rms ? 2 : 3);
+  const Buffer &x = c.in(0);
+  for (size_t i = 0; i < 3; ++i)
+    c.needF32(c.in(i));
+  for (size_t i = 0; i < c.ins.out.size(); ++i)
+    c.needF32(c.out(i));
+  c.sameShape(x, c.in(2)), c.sameShape(x, c.out(0));
+  int64_t h = x.shape.back(), rows = count(x.shape) / std::max<int64_t>(h, 1);
+  if (c.in(1).shape != Shape{h} || c.out(1).shape != Shape{h} || (!rms && c.out(2).shape != Shape{h}))
+    c.bad(cat("gamma and its gradients must be [", h, "]"));
+  double eps = c.attrFloat("eps");
+  float *px = c.f32(x), *g = c.f32(c.in(1)), *dy = c.f32(c.in(2)), *dx = c.f32(c.out(0));
+  float *dg = c.f32(c.out(1)), *db = rms ? nullptr : c.f32(c.out(2));
+  return [=] {
+    std::vector<double> accG(h, 0), accB(h, 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float *xr = px + r * h, *dyr = dy + r * h;
+      double mean = 0, var = 0;
+      if (!rms) {
+        for (int64_t j = 0; j < h; ++j)
+          mean += xr[j];
+        mean /= h;
+      }
+      for (int64_t j = 0; j < h; ++j)
+        var += (xr[j] - mean) * (xr[j] - mean);
+      var /= h;
+      double rstd = 1.0 / std::sqrt(var + eps), sumD = 0, sumDX = 0;
+      for (int64_t j = 0; j < h; ++j) {
+        double xh = (xr[j] - mean) * rstd, d = double(dyr[j]) * g[j];
+        sumD += d, sumDX += d * xh;
+        accG[j] += double(dyr[j]) * xh;
+        accB[j] += dyr[j];
+      }
+      for (int64_t j = 0; j < h; ++j) {
+        double xh = (xr[j] - mean) * rstd, d = double(dyr[j]) * g[j];
+        dx[r * h + j] = static_cast<float>(rstd * (d - (rms ? 0.0 : sumD / h) - xh * sumDX / h));
+      }
+    }
+    for (int64_t j = 0; j < h; ++j) {
+      dg[j] = static_cast<float>(accG[j]);
+      if (db)
+        db[j] = static_cast<float>(accB[j]);
+    }
+  };
+}
+Kernel buildLayerNormGrad(const Ctx &c) { return buildNormGrad(c, false); }
+Kernel buildRMSNormGrad(const Ctx &c) { return buildNormGrad(c, true); }
+
+Kernel buildBatchNormGrad(const Ctx &c) {
+  c.arity(3, 3);
+  const Buffer &x = c.in(0);
+  for (size_t i = 0; i < 3; ++i)
+    c.needF32(c.in(i)), c.needF32(c.out(i));
+  c.sameShape(x, c.in(2)), c.sameShape(x, c.out(0));
+  if (x.shape.size() < 2)
+    c.bad("input must be [N, C, ...]");
+  int64_t n = x.shape[0], ch = x.shape[1], inner = count(x.shape) / std::max<int64_t>(n * ch, 1);
+  double eps = c.attrFloat("eps");
+  float *px = c.f32(x), *g = c.f32(c.in(1)), *dy = c.f32(c.in(2)), *dx = c.f32(c.out(0));
+  float *dg = c.f32(c.out(1)), *db = c.f32(c.out(2));
+  ThreadPool *pool = &c.pool;
+  return [=] {
+    pool->parallelFor(ch, double(n * inner * 3), [&](int64_t c0, int64_t c1) {
+      for (int64_t cc = c0; cc < c1; ++cc) {
+        double cnt = double(n * inner), mean = 0, var = 0;
+        auto at = [&](int64_t i, int64_t j) { return (i * ch + cc) * inner + j; };
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < inner; ++j)
+            mean += px[at(i, j)];
+        mean /= cnt;
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < inner; ++j)
+            var += (px[at(i, j)] - mean) * (px[at(i, j)] - mean);
+        var /= cnt;
+        double rstd = 1.0 / std::sqrt(var + eps), sumD = 0, sumDX = 0, sumDy = 0, sumDyX = 0;
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < inner; ++j) {
+            double xh = (px[at(i, j)] - mean) * rstd, d = double(dy[at(i, j)]) * g[cc];
+            sumD += d, sumDX += d * xh, sumDy += dy[at(i, j)], sumDyX += dy[at(i, j)] * xh;
+          }
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < inner; ++j) {
+            double xh = (px[at(i, j)] - mean) * rstd, d = double(dy[at(i, j)]) * g[cc];
+            dx[at(i, j)] = static_cast<float>(rstd * (d - sumD / cnt - xh * sumDX / cnt));
+          }
+        dg[cc] = static_cast<float>(sumDyX);
+        db[cc] = static_cast<float>(sumDy);
+      }
+    });
+  };
+}
+
+Kernel buildEmbeddingGrad(const Ctx &c) {
+  c.arity(2, 1);
+  const Buffer &ids = c.in(0), &dy = c.in(1), &dt = c.out();
+  c.needInt(ids), c.needF32(dy), c.needF32(dt);
+  if (dt.shape.size() != 2)
+    c.bad("the table gradient must be [vocab, hidden]");
+  Shape want = ids.shape;
+  want.push_back(dt.shape[1]);
+  if (dy.shape != want)
+    c.bad(cat("the output gradient must be ", shapeStr(want)));
+  int64_t vocab = dt.shape[0], h = dt.shape[1], n = count(ids.shape);
+  IndexReader read{c.arena + ids.offset, ids.dtype == LOOM_I64};
+  float *pdy = c.f32(dy), *pdt = c.f32(dt);
+  std::string where = c.where, name = ids.name;
+  return [=] {
+    checkIndices(where, "token id in '" + name + "'", read, n, vocab);
+    std::fill(pdt, pdt + vocab * h, 0.0f);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < h; ++j)
+        pdt[read(i) * h + j] += pdy[i * h + j];
+  };
+}
+
+Kernel buildAttentionGrad(const Ctx &c) {
+  c.arity(4, 3);
+  const Buffer &q = c.in(0), &k = c.in(1), &v = c.in(2), &dO = c.in(3);
+  for (size_t i = 0; i < 4; ++i)
+    c.needF32(c.in(i));
+  for (size_t i = 0; i < 3; ++i)
+    c.needF32(c.out(i)), c.sameShape(c.in(i), c.out(i));
+  c.sameShape(q, dO);
+  int64_t heads = c.attrInt("num_heads"), kvHeads = c.attrInt("num_kv_heads", heads);
+  if (q.shape.size() != 3 || k.shape != v.shape || heads < 1 || kvHeads < 1 || heads % kvHeads ||
+      q.shape[2] % heads || k.shape[2] != q.shape[2] / heads * kvHeads)
+    c.bad("inconsistent attention gradient shapes");
+  int64_t B = q.shape[0], S = q.shape[1], T = k.shape[1], D = q.shape[2] / heads, group = heads / kvHeads;
+  bool causal = c.attrFlag("causal");
+  float scale = static_cast<float>(c.attrFloat("scale", 1.0 / std::sqrt(double(D))));
+  float *pq = c.f32(q), *pk = c.f32(k), *pv = c.f32(v), *pdo = c.f32(dO);
+  float *dq = c.f32(c.out(0)), *dk = c.f32(c.out(1)), *dv = c.f32(c.out(2));
+  ThreadPool *pool = &c.pool;
+  return [=] {
+    // One task per (batch, key/value head): its query heads only touch its dk, dv.
+    pool->parallelFor(B * kvHeads, double(group * S * T * D * 4), [&](int64_t begin, int64_t end) {
+      std::vector<float> p(T), dp(T);
+      for (int64_t task = begin; task < end; ++task) {
+        int64_t bi = task / kvHeads, kh = task % kvHeads;
+        for (int64_t ti = 0; ti < T; ++ti)
+          for (int64_t dd = 0; dd < D; ++dd) {
+            dk[(bi * T + ti) * kvHeads * D + kh * D + dd] = 0;
+            dv[(bi * T + ti) * kvHeads * D + kh * D + dd] = 0;
+          }
+        for (int64_t h = kh * group; h < (kh + 1) * group; ++h)
+          for (int64_t si = 0; si < S; ++si) {
+            const float *qrow = pq + (bi * S + si) * heads * D + h * D;
+            const float *dorow = pdo + (bi * S + si) * heads * D + h * D;
+            float *dqrow = dq + (bi * S + si) * heads * D + h * D;
+            int64_t last = causal ? std::min(T, si + 1 + (T - S)) : T;
+            float mx = -INFINITY;
+            for (int64_t ti = 0; ti < last; ++ti) {
+              const float *krow = pk + (bi * T + ti) * kvHeads * D + kh * D;
+              float acc = 0;
+              for (int64_t dd = 0; dd < D; ++dd)
+                acc += qrow[dd] * krow[dd];
+              p[ti] = acc * scale;
+              mx = std::max(mx, p[ti]);
+            }
+            double sum = 0;
+            for (int64_t ti = 0; ti < last; ++ti)
+              sum += (p[ti] = std::exp(p[ti] - mx));
+            double dot = 0;
+            for (int64_t ti = 0; ti < last; ++ti) {
+              p[ti] = static_cast<float>(p[ti] / sum);
+              const float *vrow = pv + (bi * T + ti) * kvHeads * D + kh * D;
+              float acc = 0;
+              for (int64_t dd = 0; dd < D; ++dd)
+                acc += dorow[dd] * vrow[dd];
+              dp[ti] = acc;
+              dot += double(p[ti]) * acc;
+            }
+            std::fill(dqrow, dqrow + D, 0.0f);
+            for (int64_t ti = 0; ti < last; ++ti) {
+              float ds = static_cast<float>(p[ti] * (dp[ti] - dot)) * scale;
+              const float *krow = pk + (bi * T + ti) * kvHeads * D + kh * D;
+              float *dkrow = dk + (bi * T + ti) * kvHeads * D + kh * D;
+              float *dvrow = dv + (bi * T + ti) * kvHeads * D + kh * D;
+              for (int64_t dd = 0; dd < D; ++dd) {
+                dqrow[dd] += ds * krow[dd];
+                dkrow[dd] += ds * qrow[dd];
+                dvrow[dd] += p[ti] * dorow[dd];
+              }
+            }
+          }
+      }
+    });
+  };
+}
+
+Kernel buildCrossEntropyGrad(const Ctx &c) {
+  c.arity(3, 1);
+  const Buffer &logits = c.in(0), &targets = c.in(1), &dl = c.in(2), &o = c.out();
+  c.needF32(logits), c.needInt(targets), c.needF32(dl), c.needF32(o);
+  c.sameShape(logits, o);
+  if (logits.shape.empty() || Shape(logits.shape.begin(), logits.shape.end() - 1) != targets.shape ||
+      count(dl.shape) != 1)
+    c.bad("expects logits [..., V], targets [...] and a scalar loss gradient");
+  int64_t V = logits.shape.back(), rows = count(targets.shape);
+  IndexReader read{c.arena + targets.offset, targets.dtype == LOOM_I64};
+  float *pl = c.f32(logits), *pdl = c.f32(dl), *po = c.f32(o);
+  std::string where = c.where, name = targets.name;
+  return [=] {
+    checkIndices(where, "target class in '" + name + "'", read, rows, V);
+    float scale = *pdl / float(std::max<int64_t>(rows, 1));
+    for (int64_t r = 0; r < rows; ++r) {
+      const float *row = pl + r * V;
+      float *out = po + r * V;
+      float mx = *std::max_element(row, row + V);
+      double sum = 0;
+      for (int64_t j = 0; j < V; ++j)
+        sum += std::exp(double(row[j]) - mx);
+      for (int64_t j = 0; j < V; ++j)
+        out[j] = static_cast<float>(std::exp(double(row[j]) - mx) / sum) * scale;
+      out[read(r)] -= scale;
+    }
+  };
+}
+
+Kernel buildSliceGrad(const Ctx &c) {
+  c.arity(1, 1);
+  const Buffer &dy = c.in(0), &dx = c.out();
+  c.needF32(dy), c.needF32(dx);
+  int64_t axis = c.axis(c.attrInt("axis"), dx.shape.size());
+  int64_t start = c.attrInt("start"), size = c.attrInt("size");
+  Shape shape = dx.shape;
+  if (start < 0 || start + size > shape[axis])
+    c.bad("slice is outside the input");
+  shape[axis] = size;
+  if (shape != dy.shape)
+    c.bad(cat("the output gradient must be ", shapeStr(shape)));
+  std::vector<int64_t> st = stridesOf(dx.shape), zero(shape.size(), 0);
+  float *pdy = c.f32(dy), *pdx = c.f32(dx);
+  int64_t n = count(dx.shape), base = start * st[axis];
+  return [=] {
+    std::fill(pdx, pdx + n, 0.0f);
+    forEachBroadcast(shape, st, zero, [&](int64_t i, int64_t o, int64_t) { pdx[base + o] = pdy[i]; });
+  };
+}
+
+Kernel buildReduceMaxGrad(const Ctx &c) {
+  c.arity(3, 1);
+  const Buffer &x = c.in(0), &y = c.in(1), &dy = c.in(2), &dx = c.out();
+  for (size_t i = 0; i < 3; ++i)
+    c.needF32(c.in(i));
+  c.sameShape(x, dx), c.sameShape(y, dy);
+  std::vector<bool> reduced(x.shape.size(), false);
+  for (int64_t a : c.attrInts("axes"))
+    reduced[c.axis(a, x.shape.size())] = true;
+  Shape kept;
+  for (size_t d = 0; d < x.shape.size(); ++d)
+    if (!reduced[d])
+      kept.push_back(x.shape[d]);
+  if (count(kept) != count(y.shape))
+    c.bad("the reduced value does not match the input");
+  std::vector<int64_t> ks = stridesOf(kept), st(x.shape.size(), 0), unit = stridesOf(x.shape);
+  for (size_t d = 0, kd = 0; d < x.shape.size(); ++d)
+    if (!reduced[d])
+      st[d] = ks[kd++];
+  float *px = c.f32(x), *py = c.f32(y), *pdy = c.f32(dy), *pdx = c.f32(dx);
+  Shape shape = x.shape;
+  return [=] {
+    forEachBroadcast(shape, unit, st, [&](int64_t, int64_t ix, int64_t io) {
+      pdx[ix] = px[ix] == py[io] ? pdy[io] : 0.0f;
+    });
+  };
+}
+
+Kernel buildConv2DGrad(const Ctx &c, bool filter) {
+  c.arity(2, 1);
+  // grad_input: (dy, w) -> dx; grad_filter: (x, dy) -> dw.
+  const Buffer &dy = filter ? c.in(1) : c.in(0), &w = filter ? c.out() : c.in(1);
+  const Buffer &x = filter ? c.in(0) : c.out();
+  c.needF32(c.in(0)), c.needF32(c.in(1)), c.needF32(c.out());
+  int64_t stride = c.attrInt("stride", 1), pad = c.attrInt("padding", 0), groups = c.attrInt("groups", 1);
+  if (x.shape.size() != 4 || w.shape.size() != 4 || dy.shape.size() != 4 || groups < 1 ||
+      x.shape[1] != w.shape[1] * groups)
+    c.bad("inconsistent conv2d gradient shapes");
+  int64_t N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3];
+  int64_t O = w.shape[0], Cg = w.shape[1], KH = w.shape[2], KW = w.shape[3];
+  int64_t Ho = dy.shape[2], Wo = dy.shape[3], Og = O / groups;
+  if (dy.shape != Shape{N, O, (H + 2 * pad - KH) / stride + 1, (W + 2 * pad - KW) / stride + 1})
+    c.bad("the output gradient does not match the convolution");
+  float *px = c.f32(x), *pw = c.f32(w), *pdy = c.f32(dy);
+  ThreadPool *pool = &c.pool;
+  if (filter)
+    return [=] {
+      pool->parallelFor(O, double(N * Cg * KH * KW * Ho * Wo), [&](int64_t o0, int64_t o1) {
+        for (int64_t oc = o0; oc < o1; ++oc) {
+          int64_t g = oc / Og;
+          for (int64_t ci = 0; ci < Cg; ++ci)
+            for (int64_t kh = 0; kh < KH; ++kh)
+              for (int64_t kw = 0; kw < KW; ++kw) {
+                double acc = 0;
+                for (int64_t n = 0; n < N; ++n)
+                  for (int64_t oh = 0; oh < Ho; ++oh) {
+                    int64_t ih = oh * stride - pad + kh;
+                    if (ih < 0 || ih >= H)
+                      continue;
+                    for (int64_t ow = 0; ow < Wo; ++ow) {
+                      int64_t iw = ow * stride - pad + kw;
+                      if (iw >= 0 && iw < W)
+                        acc += double(pdy[((n * O + oc) * Ho + oh) * Wo + ow]) *
+                               px[((n * C + g * Cg + ci) * H + ih) * W + iw];
+                    }
+                  }
+                pw[((oc * Cg + ci) * KH + kh) * KW + kw] = static_cast<float>(acc);
+              }
+        }
+      });
+    };
+  return [=] {
+    pool->parallelFor(N * C, double(Og * KH * KW * Ho * Wo), [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        int64_t n = t / C, cin = t % C, g = cin / Cg, ci = cin % Cg;
+        float *dx = px + (n * C + cin) * H * W;
+        std::fill(dx, dx + H * W, 0.0f);
+        for (int64_t oc = g * Og; oc < (g + 1) * Og; ++oc)
+          for (int64_t kh = 0; kh < KH; ++kh)
+            for (int64_t kw = 0; kw < KW; ++kw) {
+              float wv = pw[((oc * Cg + ci) * KH + kh) * KW + kw];
+              for (int64_t oh = 0; oh < Ho; ++oh) {
+                int64_t ih = oh * stride - pad + kh;
+                if (ih < 0 || ih >= H)
+                  continue;
+                for (int64_t ow = 0; ow < Wo; ++ow) {
+                  int64_t iw = ow * stride - pad + kw;
+                  if (iw >= 0 && iw < W)
+                    dx[ih * W + iw] += wv * pdy[((n * O + oc) * Ho + oh) * Wo + ow];
+                }
+              }
+            }
+      }
+    });
+  };
+}
+Kernel buildConv2DGradInput(const Ctx &c) { return buildConv2DGrad(c, false); }
+Kernel buildConv2DGradFilter(const Ctx &c) { return buildConv2DGrad(c, true); }
+
+template <bool Max> Kernel buildPoolGrad(const Ctx &c) {
+  c.arity(Max ? 2 : 1, 1);
+  const Buffer &dy = c.in(Max ? 1 : 0), &dx = c.out();
+  for (size_t i = 0; i < c.ins.in.size(); ++i)
+    c.needF32(c.in(i));
+  if (Max)
+    c.sameShape(c.in(0), dx);
+  int64_t k = c.attrInt("kernel"), stride = c.attrInt("stride", 1), pad = c.attrInt("padding", 0);
+  if (dx.shape.size() != 4 || dy.shape.size() != 4 || k < 1 || stride < 1)
+    c.bad("inconsistent pooling gradient shapes");
+  int64_t NC = dx.shape[0] * dx.shape[1], H = dx.shape[2], W = dx.shape[3];
+  int64_t Ho = dy.shape[2], Wo = dy.shape[3];
+  float *px = Max ? c.f32(c.in(0)) : nullptr, *pdy = c.f32(dy), *pdx = c.f32(dx);
+  return [=] {
+    std::fill(pdx, pdx + NC * H * W, 0.0f);
+    for (int64_t nc = 0; nc < NC; ++nc)
+      for (int64_t oh = 0; oh < Ho; ++oh)
+        for (int64_t ow = 0; ow < Wo; ++ow) {
+          float g = pdy[(nc * Ho + oh) * Wo + ow];
+          int64_t best = -1;
+          float bestV = -INFINITY;
+          for (int64_t kh = 0; kh < k; ++kh)
+            for (int64_t kw = 0; kw < k; ++kw) {
+              int64_t ih = oh * stride - pad + kh, iw = ow * stride - pad + kw;
+              if (ih < 0 || ih >= H || iw < 0 || iw >= W)
+                continue;
+              int64_t at = nc * H * W + ih * W + iw;
+              if (Max) {
+                if (px[at] > bestV)
+                  bestV = px[at], best = at;
+              } else {
+                pdx[at] += g / float(k * k);
+              }
+            }
+          if (Max && best >= 0)
+            pdx[best] += g;
+        }
+  };
+}
+
+//===--------------------------------------------------------------------===//
+// Optimizer
+//===--------------------------------------------------------------------===//
+
+Kernel buildStepIncrement(const Ctx &c) {
+  c.arity(1, 1);
+  if (c.ins.in[0] != c.ins.out[0] || count(c.in(0).shape) != 1)
+    c.bad("updates the scalar step counter in place");
+  c.needF32(c.in(0));
+  float *step = c.f32(c.in(0));
+  return [=] { *step += 1; };
+}
+
+Kernel buildGlobalNorm(const Ctx &c) {
+  if (c.ins.out.size() != 1 || count(c.out().shape) != 1)
+    c.bad("writes one scalar");
+  c.needF32(c.out());
+  std::vector<std::pair<float *, int64_t>> grads;
+  for (size_t i = 0; i < c.ins.in.size(); ++i) {
+    c.needF32(c.in(i));
+    grads.push_back({c.f32(c.in(i)), count(c.in(i).shape)});
+  }
+  float *out = c.f32(c.out());
+  return [=] {
+    double sum = 0;
+    for (auto [g, n] : grads)
+      for (int64_t i = 0; i < n; ++i)
+        sum += double(g[i]) * g[i];
+    *out = static_cast<float>(std::sqrt(sum));
+  };
+}
+
+/// Learning rate at 0-based step t: linear warm-up, then cosine decay to
+/// min_lr over total_steps (constant when total_steps is 0).
+double scheduledRate(double lr, double minLr, double warmup, double total, double t) {
+  if (warmup > 0 && t < warmup)
+    return lr * (t + 1) / warmup;
+  if (total <= 0)
+    return lr;
+  double progress = std::min(1.0, (t - warmup) / std::max(1.0, total - warmup));
+  return minLr + 0.5 * (lr - minLr) * (1 + std::cos(M_PI * progress));
+}
+
+Kernel buildOptimizer(const Ctx &c, bool adam) {
+  // adamw: (param, grad, m, v, step, norm) -> (param, m, v), in place.
+  // sgd:   (param, grad, momentum, step, norm) -> (param, momentum), in place.
+  c.arity(adam ? 6 : 5, adam ? 3 : 2);
+  for (size_t i = 0; i < c.ins.in.size(); ++i)
+    c.needF32(c.in(i));
+  if (c.ins.out[0] != c.ins.in[0] || c.ins.out[1] != c.ins.in[2] || (adam && c.ins.out[2] != c.ins.in[3]))
+    c.bad("updates the parameter and its state in place");
+  for (size_t i = 1; i < (adam ? 4u : 3u); ++i)
+    c.sameShape(c.in(0), c.in(i));
+  double lr = c.attrFloat("lr"), minLr = c.attrFloat("min_lr", 0), wd = c.attrFloat("weight_decay", 0);
+  double clip = c.attrFloat("clip", 0), warmup = c.attrFloat("warmup", 0), total = c.attrFloat("total_steps", 0);
+  double b1 = adam ? c.attrFloat("beta1") : 0, b2 = adam ? c.attrFloat("beta2") : 0;
+  double eps = adam ? c.attrFloat("eps") : 0, momentum = adam ? 0 : c.attrFloat("momentum", 0);
+  int64_t n = count(c.in(0).shape);
+  float *p = c.f32(c.in(0)), *g = c.f32(c.in(1)), *m = c.f32(c.in(2));
+  float *v = adam ? c.f32(c.in(3)) : nullptr, *step = c.f32(c.in(adam ? 4 : 3));
+  float *norm = c.f32(c.in(adam ? 5 : 4));
+  return [=] {
+    double t = *step; // already counts this step (1-based)
+    double rate = scheduledRate(lr, minLr, warmup, total, t - 1);
+    double scale = clip > 0 && *norm > clip ? clip / *norm : 1.0;
+    if (adam) {
+      double c1 = 1 - std::pow(b1, t), c2 = 1 - std::pow(b2, t);
+      for (int64_t i = 0; i < n; ++i) {
+        double gi = g[i] * scale;
+        m[i] = static_cast<float>(b1 * m[i] + (1 - b1) * gi);
+        v[i] = static_cast<float>(b2 * v[i] + (1 - b2) * gi * gi);
+        double update = (m[i] / c1) / (std::sqrt(v[i] / c2) + eps) + wd * p[i];
+        p[i] = static_cast<float>(p[i] - rate * update);
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        double gi = g[i] * scale + wd * p[i];
+        m[i] = static_cast<float>(momentum * m[i] + gi);
+        p[i] = static_cast<float>(p[i] - rate * m[i]);
+      }
+    }
+  };
+}
+Kernel buildAdamW(const Ctx &c) { return buildOptimizer(c, true); }
+Kernel buildSGD(const Ctx &c) { return buildOptimizer(c, false); }
+
 const std::map<std::string, Builder> &builders() {
   static const std::map<std::string, Builder> table = {
       {"add", buildAdd},
@@ -831,6 +1375,25 @@ const std::map<std::string, Builder> &builders() {
       {"conv2d", buildConv2D},
       {"max_pool2d", buildPool<true>},
       {"avg_pool2d", buildPool<false>},
+      {"fill", buildFill},
+      {"unary_grad", buildUnaryGrad},
+      {"softmax_grad", buildSoftmaxGrad},
+      {"layernorm_grad", buildLayerNormGrad},
+      {"rmsnorm_grad", buildRMSNormGrad},
+      {"batchnorm_grad", buildBatchNormGrad},
+      {"embedding_grad", buildEmbeddingGrad},
+      {"attention_grad", buildAttentionGrad},
+      {"cross_entropy_grad", buildCrossEntropyGrad},
+      {"slice_grad", buildSliceGrad},
+      {"reduce_max_grad", buildReduceMaxGrad},
+      {"conv2d_grad_input", buildConv2DGradInput},
+      {"conv2d_grad_filter", buildConv2DGradFilter},
+      {"max_pool2d_grad", buildPoolGrad<true>},
+      {"avg_pool2d_grad", buildPoolGrad<false>},
+      {"step_increment", buildStepIncrement},
+      {"global_norm", buildGlobalNorm},
+      {"adamw", buildAdamW},
+      {"sgd", buildSGD},
   };
   return table;
 }
