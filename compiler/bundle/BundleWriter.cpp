@@ -6,6 +6,7 @@
 #include "mlir/Dialect/Func/IR/FuncOps.h"
 #include "passes/Passes.h"
 #include "runtime/src/Error.h"
+#include "runtime/src/Init.h"
 #include "runtime/src/Safetensors.h"
 
 #include "llvm/Support/MemoryBuffer.h"
@@ -548,43 +549,7 @@ namespace {
 constexpr int64_t kAlignment = 64;
 int64_t alignUp(int64_t v) { return (v + kAlignment - 1) / kAlignment * kAlignment; }
 
-/// splitmix64: a small, well-mixed generator; one stream per parameter.
-struct SplitMix {
-  uint64_t state;
-  uint64_t next() {
-    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return (next() >> 11) * (1.0 / 9007199254740992.0); } // [0, 1)
-};
-
 } // namespace
-
-std::vector<float> mlir::loom::initialValues(const rt::ParamInit &init, int64_t count,
-                                             uint64_t seed, const std::string &name) {
-  std::vector<float> out(static_cast<size_t>(count), 0.0f);
-  uint64_t h = 1469598103934665603ull ^ seed; // FNV-1a of the name, mixed with the seed
-  for (char c : name)
-    h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-  SplitMix rng{h};
-  if (init.kind == "ones" || init.kind == "constant") {
-    std::fill(out.begin(), out.end(), static_cast<float>(init.kind == "ones" ? 1.0 : init.scale));
-  } else if (init.kind == "uniform") {
-    for (float &v : out)
-      v = static_cast<float>((2 * rng.uniform() - 1) * init.scale);
-  } else if (init.kind == "normal") {
-    for (size_t i = 0; i < out.size(); i += 2) { // Box-Muller, two values per draw
-      double u1 = 1.0 - rng.uniform(), u2 = rng.uniform();
-      double r = std::sqrt(-2.0 * std::log(u1)) * init.scale;
-      out[i] = static_cast<float>(r * std::cos(2 * M_PI * u2));
-      if (i + 1 < out.size())
-        out[i + 1] = static_cast<float>(r * std::sin(2 * M_PI * u2));
-    }
-  }
-  return out;
-}
 
 void mlir::loom::planMemory(rt::RankProgram &rank, const std::vector<std::string> &programNames) {
   std::vector<rt::Instruction> program; // all programs in execution order
@@ -698,6 +663,7 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
   m.model = options.modelName;
   m.mode = options.train ? "train" : "infer";
   m.batch = options.batch;
+  m.seed = options.seed;
   m.ranks.push_back(std::move(*rank));
   return m;
 }
@@ -715,6 +681,8 @@ LogicalResult mlir::loom::writeBundle(ModuleOp module, const BundleOptions &opti
     if (!options.weightsFile.empty())
       given = rt::readSafetensors(options.weightsFile);
     for (const rt::Parameter &p : rank.params) {
+      if (options.noWeights)
+        break;
       const rt::Buffer &b = rank.buffers[p.buffer];
       storage.emplace_back(static_cast<size_t>(b.bytes));
       char *dst = storage.back().data();
@@ -730,24 +698,18 @@ LogicalResult mlir::loom::writeBundle(ModuleOp module, const BundleOptions &opti
                  << " but the model declares " << rt::dtypeName(b.dtype) << rt::shapeStr(b.shape);
         std::memcpy(dst, given->data.data() + it->second.offset, b.bytes);
       } else {
-        int64_t count = rt::numElements(b.shape).value_or(0);
-        std::vector<float> values = initialValues(p.init, count, options.seed, p.name);
-        for (int64_t i = 0; i < count; ++i) {
-          switch (b.dtype) {
-          case LOOM_F32: reinterpret_cast<float *>(dst)[i] = values[i]; break;
-          case LOOM_F64: reinterpret_cast<double *>(dst)[i] = values[i]; break;
-          case LOOM_BF16: reinterpret_cast<uint16_t *>(dst)[i] = rt::floatToBf16(values[i]); break;
-          default:
-            return module.emitError() << "cannot initialise parameter '" << p.name << "' of type "
-                                      << rt::dtypeName(b.dtype);
-          }
-        }
+        rt::initialiseInto(p.init, b, options.seed, p.name, dst);
       }
       refs.push_back({p.name, b.dtype, b.shape, dst, static_cast<size_t>(b.bytes)});
     }
-    rt::writeManifest(*manifest, dir);
-    rt::writeSafetensors(dir + "/" + manifest->weights, refs,
-                         {{"model", options.modelName}, {"seed", std::to_string(options.seed)}});
+    if (options.noWeights) {
+      manifest->weights = ""; // the runtime initialises from the seed
+      rt::writeManifest(*manifest, dir);
+    } else {
+      rt::writeManifest(*manifest, dir);
+      rt::writeSafetensors(dir + "/" + manifest->weights, refs,
+                           {{"model", options.modelName}, {"seed", std::to_string(options.seed)}});
+    }
   } catch (const rt::Error &e) {
     return module.emitError() << e.what();
   }

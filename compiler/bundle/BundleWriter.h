@@ -34,6 +34,7 @@ struct BundleOptions {
   uint64_t seed = 0;
   std::string modelName = "model";
   std::string weightsFile; // load instead of initialising, when set
+  bool noWeights = false;  // write no weights file: the runtime initialises from the seed
   bool train = false;      // lower @loss with backward and update programs
   TrainOptions training;
 };
@@ -49,11 +50,6 @@ FailureOr<::loom::rt::Manifest> lowerForward(ModuleOp module, const BundleOption
 /// fills offsets, arena size and peak; persistent buffers (parameters,
 /// inputs, outputs) come first. Exposed for tests.
 void planMemory(::loom::rt::RankProgram &rank, const std::vector<std::string> &programs);
-
-/// Deterministic initial values for a parameter (f32), from its initializer,
-/// the seed and its name.
-std::vector<float> initialValues(const ::loom::rt::ParamInit &init, int64_t count, uint64_t seed,
-                                 const std::string &name);
 
 /// Lowers, initialises or loads the weights, and writes DIR/manifest.json and
 /// DIR/weights.safetensors. Errors go to the module's diagnostics.

@@ -118,6 +118,10 @@ cl::opt<int64_t> compileBatch("batch", cl::desc("Batch size the dynamic batch di
                               cl::init(1), cl::sub(compileCmd));
 cl::opt<uint64_t> compileSeed("seed", cl::desc("Seed for initialising parameters"), cl::init(0),
                               cl::sub(compileCmd));
+cl::opt<bool> compileNoWeights("no-weights",
+                               cl::desc("Write no weights file; the runtime initialises the "
+                                        "parameters from --seed when it loads the bundle"),
+                               cl::sub(compileCmd));
 cl::opt<std::string> compileWeights("weights",
                                     cl::desc("Load parameters from a safetensors file instead "
                                              "of initialising them"),
@@ -225,6 +229,7 @@ int runCompile() {
   options.seed = compileSeed;
   options.weightsFile = compileWeights;
   options.train = compileTrain;
+  options.noWeights = compileNoWeights;
   options.training.optimizer = trainOptimizer;
   options.training.lr = trainLr, options.training.minLr = trainMinLr;
   options.training.warmup = trainWarmup, options.training.totalSteps = trainTotal;

@@ -242,6 +242,8 @@ Manifest parseManifest(const json &doc, const std::string &where) {
   m.mode = root.at("mode").string();
   m.batch = root.at("batch").integer(1);
   m.weights = root.at("weights").string();
+  if (root.has("seed"))
+    m.seed = static_cast<uint64_t>(root.at("seed").integer(0));
   if (m.weights.find('/') != std::string::npos || m.weights.find("..") != std::string::npos)
     root.at("weights").bad("must be a file name inside the bundle");
   Field ranks = root.at("ranks");
@@ -322,6 +324,7 @@ json toJson(const Manifest &m) {
   }
   return {{"format", kBundleFormat}, {"version", m.version}, {"model", m.model},
           {"mode", m.mode},          {"batch", m.batch},     {"weights", m.weights},
+          {"seed", m.seed},
           {"ranks", ranks}};
 }
 

@@ -81,7 +81,8 @@ struct Manifest {
   std::string model;
   std::string mode = "infer";
   int64_t batch = 1;
-  std::string weights = "weights.safetensors";
+  std::string weights = "weights.safetensors"; // "": initialise from `seed` on load
+  uint64_t seed = 0;
   std::vector<RankProgram> ranks;
 };
 

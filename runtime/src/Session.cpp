@@ -2,45 +2,65 @@
 
 #include "runtime/src/Session.h"
 #include "runtime/src/Error.h"
+#include "runtime/src/Init.h"
 #include "runtime/src/Safetensors.h"
 
 #include <cstring>
 
 namespace loom::rt {
 
-Session::Session(const std::string &bundleDir, const SessionOptions &options) : dir(bundleDir) {
+Session::Session(const std::string &bundleDir, const SessionOptions &options)
+    : dir(bundleDir), backendKind(options.backend) {
   bundle = readManifest(bundleDir);
   if (bundle.ranks.size() != 1)
     fail(LOOM_UNSUPPORTED, bundleDir, ": the bundle has ", bundle.ranks.size(),
          " ranks; this runtime runs single-rank bundles (compile with --cluster cpu:1)");
-  if (options.backend != "cpu")
-    fail(LOOM_UNSUPPORTED, "backend '", options.backend,
-         "' is not available in this build; use 'cpu'");
   const RankProgram &r = rank();
-  size_t bytes = (static_cast<size_t>(r.arenaBytes) + 63) / 64 * 64;
-  arena.reset(static_cast<char *>(std::aligned_alloc(64, std::max<size_t>(bytes, 64))));
-  if (!arena)
-    fail(LOOM_INVALID_ARGUMENT, "cannot allocate the arena of ", r.arenaBytes,
-         " bytes that the bundle asks for");
-  std::memset(arena.get(), 0, bytes);
-  pool = std::make_unique<ThreadPool>(options.threads);
-  loadWeights(dir + "/" + bundle.weights);
-  auto it = r.programs.find("forward");
-  if (it == r.programs.end())
+  if (options.backend == "cpu")
+    backend = makeCpuBackend(r, options.threads);
+  else if (options.backend == "cuda")
+    backend = makeCudaBackend(r, options.device);
+  else
+    fail(LOOM_INVALID_ARGUMENT, "unknown backend '", options.backend, "'; use cpu or cuda");
+  if (bundle.weights.empty()) {
+    // Compiled with --no-weights: initialise from the bundle's seed.
+    for (const Parameter &p : r.params) {
+      const Buffer &b = r.buffers[p.buffer];
+      std::vector<char> host(b.bytes);
+      initialiseInto(p.init, b, bundle.seed, p.name, host.data());
+      backend->upload(b, host.data());
+    }
+  } else {
+    loadWeights(dir + "/" + bundle.weights);
+  }
+  if (!r.programs.count("forward"))
     fail(LOOM_INVALID_BUNDLE, dir, "/manifest.json: rank 0 has no 'forward' program");
-  forward = std::make_unique<CpuProgram>(r, it->second, arena.get(), *pool, "forward");
-  if (auto b = r.programs.find("backward"); b != r.programs.end())
-    backward = std::make_unique<CpuProgram>(r, b->second, arena.get(), *pool, "backward");
-  if (auto u = r.programs.find("update"); u != r.programs.end())
-    update = std::make_unique<CpuProgram>(r, u->second, arena.get(), *pool, "update");
+  for (const auto &[name, instrs] : r.programs)
+    backend->prepare(name, instrs);
 }
 
-void Session::runProgram(const std::string &name) {
-  CpuProgram *p = name == "forward" ? forward.get() : name == "backward" ? backward.get()
-                : name == "update"  ? update.get() : nullptr;
+std::vector<char> Session::read(const Buffer &b) const {
+  std::vector<char> out(b.bytes);
+  backend->download(b, out.data());
+  return out;
+}
+
+void Session::write(const Buffer &b, const void *src) { backend->upload(b, src); }
+
+char *Session::data(const Buffer &b) const {
+  char *p = backend->hostData(b);
   if (!p)
+    fail(LOOM_UNSUPPORTED, "buffer '", b.name, "' lives in ", backendKind,
+         " memory; copy it with Session::read");
+  return p;
+}
+
+bool Session::canTrain() const { return backend->has("backward"); }
+
+void Session::runProgram(const std::string &name) {
+  if (!backend->has(name))
     fail(LOOM_INVALID_ARGUMENT, "the bundle has no '", name, "' program");
-  p->run();
+  backend->run(name);
 }
 
 float Session::loss() const {
@@ -50,18 +70,18 @@ float Session::loss() const {
   if (b.dtype != LOOM_F32 || b.bytes != 4)
     fail(LOOM_INVALID_ARGUMENT, "the bundle's first output is not a scalar f32 loss");
   float v;
-  std::memcpy(&v, data(b), 4);
+  backend->download(b, &v);
   return v;
 }
 
 float Session::trainStep() {
-  if (!backward)
+  if (!canTrain())
     fail(LOOM_INVALID_ARGUMENT, "this bundle was compiled for inference; compile with "
          "loomc compile --train to train");
-  forward->run();
-  backward->run();
-  if (update)
-    update->run();
+  backend->run("forward");
+  backend->run("backward");
+  if (backend->has("update"))
+    backend->run("update");
   return loss();
 }
 
@@ -69,7 +89,7 @@ int64_t Session::step() const {
   for (const NamedBuffer &nb : rank().state)
     if (nb.name == "step") {
       float v;
-      std::memcpy(&v, data(rank().buffers[nb.buffer]), 4);
+      backend->download(rank().buffers[nb.buffer], &v);
       return static_cast<int64_t>(v);
     }
   return 0;
@@ -77,13 +97,17 @@ int64_t Session::step() const {
 
 void Session::saveCheckpoint(const std::string &path) const {
   std::vector<SafetensorsTensorRef> refs;
+  std::vector<std::vector<char>> copies;
+  copies.reserve(rank().params.size() + rank().state.size());
   for (const Parameter &p : rank().params) {
     const Buffer &b = rank().buffers[p.buffer];
-    refs.push_back({p.name, b.dtype, b.shape, data(b), static_cast<size_t>(b.bytes)});
+    copies.push_back(read(b));
+    refs.push_back({p.name, b.dtype, b.shape, copies.back().data(), static_cast<size_t>(b.bytes)});
   }
   for (const NamedBuffer &nb : rank().state) {
     const Buffer &b = rank().buffers[nb.buffer];
-    refs.push_back({"state." + nb.name, b.dtype, b.shape, data(b), static_cast<size_t>(b.bytes)});
+    copies.push_back(read(b));
+    refs.push_back({"state." + nb.name, b.dtype, b.shape, copies.back().data(), static_cast<size_t>(b.bytes)});
   }
   writeSafetensors(path, refs, {{"model", bundle.model}, {"step", std::to_string(step())}});
 }
@@ -106,10 +130,9 @@ void Session::loadCheckpoint(const std::string &path) {
   for (const NamedBuffer &nb : rank().state)
     copyIn("state." + nb.name, rank().buffers[nb.buffer]);
   for (const Parameter &p : rank().params)
-    std::memcpy(data(rank().buffers[p.buffer]), file.bytesOf(p.name), rank().buffers[p.buffer].bytes);
+    backend->upload(rank().buffers[p.buffer], file.bytesOf(p.name));
   for (const NamedBuffer &nb : rank().state)
-    std::memcpy(data(rank().buffers[nb.buffer]), file.bytesOf("state." + nb.name),
-                rank().buffers[nb.buffer].bytes);
+    backend->upload(rank().buffers[nb.buffer], file.bytesOf("state." + nb.name));
 }
 
 static const Buffer &findNamed(const RankProgram &r, const std::vector<NamedBuffer> &list,
@@ -136,7 +159,7 @@ void Session::bindInput(const std::string &name, const void *src, size_t bytes) 
   if (bytes != static_cast<size_t>(b.bytes))
     fail(LOOM_INVALID_ARGUMENT, "input '", name, "' is ", dtypeName(b.dtype), shapeStr(b.shape),
          " (", b.bytes, " bytes), got ", bytes, " bytes");
-  std::memcpy(data(b), src, bytes);
+  backend->upload(b, src);
 }
 
 void Session::readOutput(const std::string &name, void *dst, size_t bytes) const {
@@ -144,10 +167,10 @@ void Session::readOutput(const std::string &name, void *dst, size_t bytes) const
   if (bytes != static_cast<size_t>(b.bytes))
     fail(LOOM_INVALID_ARGUMENT, "output '", name, "' is ", dtypeName(b.dtype), shapeStr(b.shape),
          " (", b.bytes, " bytes), got a destination of ", bytes, " bytes");
-  std::memcpy(dst, data(b), bytes);
+  backend->download(b, dst);
 }
 
-void Session::runForward() { forward->run(); }
+void Session::runForward() { backend->run("forward"); }
 
 void Session::loadWeights(const std::string &path) {
   SafetensorsFile file = readSafetensors(path);
@@ -161,15 +184,18 @@ void Session::loadWeights(const std::string &path) {
       fail(LOOM_INVALID_BUNDLE, path, ": parameter '", p.name, "' is ", dtypeName(e.dtype),
            shapeStr(e.shape), " in the file but ", dtypeName(b.dtype), shapeStr(b.shape),
            " in the bundle");
-    std::memcpy(data(b), file.data.data() + e.offset, e.bytes);
+    backend->upload(b, file.data.data() + e.offset);
   }
 }
 
 void Session::saveWeights(const std::string &path) const {
   std::vector<SafetensorsTensorRef> refs;
+  std::vector<std::vector<char>> copies;
+  copies.reserve(rank().params.size());
   for (const Parameter &p : rank().params) {
     const Buffer &b = rank().buffers[p.buffer];
-    refs.push_back({p.name, b.dtype, b.shape, data(b), static_cast<size_t>(b.bytes)});
+    copies.push_back(read(b));
+    refs.push_back({p.name, b.dtype, b.shape, copies.back().data(), static_cast<size_t>(b.bytes)});
   }
   writeSafetensors(path, refs, {{"model", bundle.model}});
 }

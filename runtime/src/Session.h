@@ -2,29 +2,29 @@
 #ifndef LOOM_RUNTIME_SESSION_H
 #define LOOM_RUNTIME_SESSION_H
 
+#include "runtime/src/Backend.h"
 #include "runtime/src/Bundle.h"
-#include "runtime/src/ThreadPool.h"
-#include "runtime/src/cpu/CpuBackend.h"
 
-#include <cstdlib>
 #include <memory>
 #include <string>
 
 namespace loom::rt {
 
 struct SessionOptions {
-  std::string backend = "cpu";
-  int threads = 0;
+  std::string backend = "cpu"; // cpu or cuda
+  int threads = 0;             // CPU backend
+  int device = 0;              // CUDA backend
 };
 
 class Session {
 public:
-  /// Reads and validates the bundle, allocates the arena, loads the weights
-  /// and prepares every program. Throws Error on any problem.
+  /// Reads and validates the bundle, sets up the backend, loads (or
+  /// initialises) the weights and prepares every program. Throws Error.
   Session(const std::string &bundleDir, const SessionOptions &options);
 
   const Manifest &manifest() const { return bundle; }
   const RankProgram &rank() const { return bundle.ranks.front(); }
+  const std::string &backendName() const { return backendKind; }
 
   const Buffer &input(const std::string &name) const;
   const Buffer &output(const std::string &name) const;
@@ -33,7 +33,7 @@ public:
   void runForward();
   /// Forward, backward and update of a training bundle; returns the loss.
   float trainStep();
-  bool canTrain() const { return backward != nullptr; }
+  bool canTrain() const;
   /// Optimizer steps taken (the "step" state of a training bundle).
   int64_t step() const;
   /// Parameters, optimizer state and step, atomically, with a checksum.
@@ -46,14 +46,17 @@ public:
   void loadWeights(const std::string &path);
   void saveWeights(const std::string &path) const;
 
-  char *data(const Buffer &b) const { return arena.get() + b.offset; }
+  /// Copies of buffers, whichever memory they live in.
+  std::vector<char> read(const Buffer &b) const;
+  void write(const Buffer &b, const void *src);
+  /// Host address of a buffer on the CPU backend (tests poke parameters).
+  char *data(const Buffer &b) const;
 
 private:
   std::string dir;
+  std::string backendKind;
   Manifest bundle;
-  std::unique_ptr<char, decltype(&std::free)> arena{nullptr, &std::free};
-  std::unique_ptr<ThreadPool> pool;
-  std::unique_ptr<CpuProgram> forward, backward, update;
+  std::unique_ptr<Backend> backend;
 };
 
 } // namespace loom::rt

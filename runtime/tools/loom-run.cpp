@@ -42,6 +42,7 @@ void usage(FILE *to) {
                "  --input F.safetensors   inputs by name (default: synthetic inputs)\n"
                "  --output F.safetensors  write the outputs there\n"
                "  --steps N               timed runs after one warm-up (default 1)\n"
+               "  --backend B             cpu (default) or cuda\n"
                "  --threads T             CPU threads (default: all)\n"
                "  --seed S                seed for synthetic inputs (default 0)\n\n"
                "Training bundles (loomc compile --train):\n"
@@ -154,6 +155,9 @@ int train(Session &s, int steps, const std::string &data, const std::string &dat
   }
   std::vector<int32_t> in(batch * seq), target(batch * seq);
   auto start = std::chrono::steady_clock::now();
+  double timedSeconds = 0;
+  int64_t timedSteps = 0;
+  const int64_t warmupSteps = 3;
   int64_t first = s.step() + 1;
   for (int64_t t = first; t <= steps; ++t) {
     if (tokens) {
@@ -174,6 +178,10 @@ int train(Session &s, int steps, const std::string &data, const std::string &dat
     double elapsed = std::chrono::duration<double>(t1 - start).count();
     std::printf("step %lld/%d  loss %.6f  %.0f tokens/s  elapsed %.2fs\n", (long long)t, steps,
                 loss, batch * seq / stepSeconds, elapsed);
+    if (t - first >= warmupSteps) {
+      timedSeconds += stepSeconds;
+      ++timedSteps;
+    }
     std::fflush(stdout);
     if (!std::isfinite(loss))
       fail(LOOM_INVALID_ARGUMENT, "the loss is ", loss, " at step ", t,
@@ -184,11 +192,16 @@ int train(Session &s, int steps, const std::string &data, const std::string &dat
       std::printf("saved %s/checkpoint.safetensors at step %lld\n", checkpointDir.c_str(), (long long)t);
     }
   }
+  if (timedSteps > 0)
+    std::printf("trained: %.1f ms per step, %.0f tokens/s (mean of %lld steps after %lld warm-up)\n",
+                1e3 * timedSeconds / timedSteps, batch * seq * timedSteps / timedSeconds,
+                (long long)timedSteps, (long long)warmupSteps);
   return 0;
 }
 
 int run(int argc, char **argv) {
   std::string bundle, input, output, data, dataDtype = "uint16", checkpointDir, resume;
+  std::string backend = "cpu";
   int steps = -1, threads = 0, saveEvery = 0;
   uint64_t seed = 0;
   for (int i = 1; i < argc; ++i) {
@@ -219,6 +232,8 @@ int run(int argc, char **argv) {
       threads = static_cast<int>(number());
     } else if (a == "--seed") {
       seed = static_cast<uint64_t>(number());
+    } else if (a == "--backend") {
+      backend = value();
     } else if (a == "--data") {
       data = value();
     } else if (a == "--data-dtype") {
@@ -244,11 +259,12 @@ int run(int argc, char **argv) {
 
   SessionOptions options;
   options.threads = threads;
+  options.backend = backend;
   Session s(bundle, options);
   const RankProgram &r = s.rank();
-  std::printf("%s: model %s, batch %lld, %zu parameter tensors, arena %.1f MiB (activations %.1f MiB)\n",
+  std::printf("%s: model %s, batch %lld, %zu parameter tensors, arena %.1f MiB (activations %.1f MiB), %s backend\n",
               bundle.c_str(), s.manifest().model.c_str(), (long long)s.manifest().batch, r.params.size(),
-              r.arenaBytes / 1048576.0, r.peakActivationBytes / 1048576.0);
+              r.arenaBytes / 1048576.0, r.peakActivationBytes / 1048576.0, s.backendName().c_str());
   if (s.canTrain())
     return train(s, steps < 0 ? 10 : steps, data, dataDtype, saveEvery, checkpointDir, resume, seed);
   if (!data.empty() || saveEvery || !resume.empty())
@@ -282,9 +298,12 @@ int run(int argc, char **argv) {
   double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 
   std::vector<SafetensorsTensorRef> refs;
+  std::vector<std::vector<char>> copies;
+  copies.reserve(r.outputs.size());
   for (const NamedBuffer &nb : r.outputs) {
     const Buffer &b = r.buffers[nb.buffer];
-    const char *p = s.data(b);
+    copies.push_back(s.read(b));
+    const char *p = copies.back().data();
     int64_t n = numElements(b.shape).value_or(0);
     double sum = 0, sq = 0, mn = INFINITY, mx = -INFINITY;
     for (int64_t i = 0; i < n; ++i) {

@@ -14,6 +14,7 @@
 #include "mlir/IR/MLIRContext.h"
 #include "mlir/Parser/Parser.h"
 #include "passes/Passes.h"
+#include "runtime/src/Init.h"
 #include "runtime/src/Safetensors.h"
 #include "test/reference/ReferenceEvaluator.h"
 
@@ -265,10 +266,10 @@ TEST_F(BundleTest, SaveAndLoadWeightsRoundTrip) {
 
 TEST(Init, SeededAndDistributed) {
   rt::ParamInit normal{"normal", 0.02};
-  std::vector<float> a = mlir::loom::initialValues(normal, 100000, 1, "w");
-  std::vector<float> b = mlir::loom::initialValues(normal, 100000, 1, "w");
-  std::vector<float> c = mlir::loom::initialValues(normal, 100000, 2, "w");
-  std::vector<float> d = mlir::loom::initialValues(normal, 100000, 1, "v");
+  std::vector<float> a = rt::initialValues(normal, 100000, 1, "w");
+  std::vector<float> b = rt::initialValues(normal, 100000, 1, "w");
+  std::vector<float> c = rt::initialValues(normal, 100000, 2, "w");
+  std::vector<float> d = rt::initialValues(normal, 100000, 1, "v");
   EXPECT_EQ(a, b);
   EXPECT_NE(a, c);
   EXPECT_NE(a, d);
@@ -278,10 +279,10 @@ TEST(Init, SeededAndDistributed) {
   mean /= a.size();
   EXPECT_NEAR(mean, 0.0, 0.001);
   EXPECT_NEAR(std::sqrt(sq / a.size()), 0.02, 0.0005);
-  std::vector<float> u = mlir::loom::initialValues({"uniform", 0.5}, 10000, 1, "u");
+  std::vector<float> u = rt::initialValues({"uniform", 0.5}, 10000, 1, "u");
   EXPECT_LE(*std::max_element(u.begin(), u.end()), 0.5f);
   EXPECT_GE(*std::min_element(u.begin(), u.end()), -0.5f);
-  std::vector<float> o = mlir::loom::initialValues({"ones", 0}, 3, 1, "o");
+  std::vector<float> o = rt::initialValues({"ones", 0}, 3, 1, "o");
   EXPECT_EQ(o, std::vector<float>({1, 1, 1}));
 }
 

@@ -1,6 +1,7 @@
 //===- CpuBackend.cpp - Plain C++ execution of instruction streams --------===//
 
 #include "runtime/src/cpu/CpuBackend.h"
+#include "runtime/src/Backend.h"
 #include "runtime/src/Error.h"
 
 #include <algorithm>
@@ -1423,6 +1424,46 @@ CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &
 void CpuProgram::run() {
   for (Step &step : steps)
     step.kernel();
+}
+
+} // namespace loom::rt
+
+namespace loom::rt {
+namespace {
+class CpuBackendImpl : public Backend {
+public:
+  CpuBackendImpl(const RankProgram &rank, int threads) : rank(rank), pool(threads) {
+    size_t bytes = (static_cast<size_t>(rank.arenaBytes) + 63) / 64 * 64;
+    arena.reset(static_cast<char *>(std::aligned_alloc(64, std::max<size_t>(bytes, 64))));
+    if (!arena)
+      fail(LOOM_INVALID_ARGUMENT, "cannot allocate the arena of ", rank.arenaBytes,
+           " bytes that the bundle asks for");
+    std::memset(arena.get(), 0, bytes);
+  }
+  std::string name() const override { return "cpu"; }
+  void upload(const Buffer &b, const void *src) override {
+    std::memcpy(arena.get() + b.offset, src, b.bytes);
+  }
+  void download(const Buffer &b, void *dst) const override {
+    std::memcpy(dst, arena.get() + b.offset, b.bytes);
+  }
+  void prepare(const std::string &program, const std::vector<Instruction> &instrs) override {
+    programs[program] = std::make_unique<CpuProgram>(rank, instrs, arena.get(), pool, program);
+  }
+  bool has(const std::string &program) const override { return programs.count(program) > 0; }
+  void run(const std::string &program) override { programs.at(program)->run(); }
+  char *hostData(const Buffer &b) override { return arena.get() + b.offset; }
+
+private:
+  const RankProgram &rank;
+  ThreadPool pool;
+  std::unique_ptr<char, decltype(&std::free)> arena{nullptr, &std::free};
+  std::map<std::string, std::unique_ptr<CpuProgram>> programs;
+};
+} // namespace
+
+std::unique_ptr<Backend> makeCpuBackend(const RankProgram &rank, int threads) {
+  return std::make_unique<CpuBackendImpl>(rank, threads);
 }
 
 } // namespace loom::rt

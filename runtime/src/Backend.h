@@ -1,0 +1,38 @@
+//===- Backend.h - Where a rank's programs run ------------------*- C++ -*-===//
+//
+// A backend owns a rank's arena (host memory for the CPU, device memory for
+// CUDA), prepares its programs (validating every instruction first) and runs
+// them; the session moves data in and out only through upload/download.
+//
+//===----------------------------------------------------------------------===//
+#ifndef LOOM_RUNTIME_BACKEND_H
+#define LOOM_RUNTIME_BACKEND_H
+
+#include "runtime/src/Bundle.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace loom::rt {
+
+class Backend {
+public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual void upload(const Buffer &b, const void *src) = 0;         // b.bytes bytes
+  virtual void download(const Buffer &b, void *dst) const = 0;       // b.bytes bytes
+  virtual void prepare(const std::string &program, const std::vector<Instruction> &instrs) = 0;
+  virtual bool has(const std::string &program) const = 0;
+  virtual void run(const std::string &program) = 0;
+  /// Host address of a buffer, or null when the arena is not host memory.
+  virtual char *hostData(const Buffer &) { return nullptr; }
+};
+
+std::unique_ptr<Backend> makeCpuBackend(const RankProgram &rank, int threads);
+/// Throws Error with the reason (no GPU, no driver, built without CUDA).
+std::unique_ptr<Backend> makeCudaBackend(const RankProgram &rank, int device);
+
+} // namespace loom::rt
+
+#endif

@@ -1,0 +1,1001 @@
+//===- CudaBackend.cu - Instruction streams on an NVIDIA GPU --------------===//
+//
+// One device arena (cudaMalloc), one stream, cuBLAS for every matrix product
+// (TF32 tensor cores, f32 storage), CUDA kernels for the rest. Attention runs
+// as batched GEMMs around a masked softmax, so it materialises the S x T
+// scores in a workspace; a fused flash-style kernel is the next step.
+// Instructions are validated by the CPU backend's builders before any kernel
+// is set up, so a bundle is checked the same way on every backend. Every
+// CUDA and cuBLAS call is checked and becomes an Error naming the call;
+// kernels that find bad data (a token id outside the vocabulary) raise a
+// device-side flag that the backend turns into an error after the program.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/src/Backend.h"
+#include "runtime/src/Error.h"
+#include "runtime/src/cpu/CpuBackend.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <map>
+
+namespace loom::rt {
+namespace {
+
+void checkCuda(cudaError_t e, const char *what, const char *file, int line) {
+  if (e != cudaSuccess)
+    fail(e == cudaErrorMemoryAllocation ? LOOM_INVALID_ARGUMENT : LOOM_INTERNAL, file, ":", line,
+         ": ", what, " failed: ", cudaGetErrorName(e), ": ", cudaGetErrorString(e));
+}
+void checkCublas(cublasStatus_t s, const char *what, const char *file, int line) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    fail(LOOM_INTERNAL, file, ":", line, ": ", what, " failed: ", cublasGetStatusName(s), ": ",
+         cublasGetStatusString(s));
+}
+#define LOOM_CUDA_CHECK(expr) checkCuda((expr), #expr, __FILE__, __LINE__)
+#define LOOM_CUBLAS_CHECK(expr) checkCublas((expr), #expr, __FILE__, __LINE__)
+
+constexpr int kMaxRank = 8;
+constexpr int kThreads = 256;
+
+int blocksFor(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535 * 8)); }
+
+struct Strided {
+  int rank = 0;
+  int64_t shape[kMaxRank] = {};
+  int64_t a[kMaxRank] = {}; // element strides of the first input over `shape`
+  int64_t b[kMaxRank] = {}; // of the second input
+};
+
+std::vector<int64_t> stridesOf(const Shape &s) {
+  std::vector<int64_t> st(s.size(), 1);
+  for (int i = static_cast<int>(s.size()) - 2; i >= 0; --i)
+    st[i] = st[i + 1] * s[i + 1];
+  return st;
+}
+
+std::vector<int64_t> broadcastTo(const Shape &in, const Shape &out) {
+  std::vector<int64_t> inStrides = stridesOf(in), st(out.size(), 0);
+  size_t off = out.size() - in.size();
+  for (size_t i = 0; i < in.size(); ++i)
+    st[off + i] = in[i] == out[off + i] && in[i] != 1 ? inStrides[i] : 0;
+  return st;
+}
+
+Strided strided(const Shape &shape, const std::vector<int64_t> &a, const std::vector<int64_t> &b = {}) {
+  Strided s;
+  s.rank = static_cast<int>(shape.size());
+  for (int d = 0; d < s.rank; ++d) {
+    s.shape[d] = shape[d];
+    s.a[d] = a[d];
+    s.b[d] = b.empty() ? 0 : b[d];
+  }
+  return s;
+}
+
+__device__ inline void offsets(const Strided &s, int64_t i, int64_t &oa, int64_t &ob) {
+  oa = 0, ob = 0;
+  for (int d = s.rank - 1; d >= 0; --d) {
+    int64_t idx = i % s.shape[d];
+    i /= s.shape[d];
+    oa += idx * s.a[d];
+    ob += idx * s.b[d];
+  }
+}
+
+#define GRID_LOOP(i, n) for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); i += int64_t(gridDim.x) * blockDim.x)
+
+//===--- Kernels ----------------------------------------------------------===//
+
+__global__ void fillKernel(float *y, int64_t n, float v) { GRID_LOOP(i, n) y[i] = v; }
+__global__ void stepKernel(float *s) { *s += 1.0f; }
+
+enum BinaryOp { kAdd, kSub, kMul, kDiv };
+__global__ void binaryKernel(int op, const float *A, const float *B, float *C, int64_t n, Strided s) {
+  GRID_LOOP(i, n) {
+    int64_t oa, ob;
+    offsets(s, i, oa, ob);
+    float a = A[oa], b = B[ob];
+    C[i] = op == kAdd ? a + b : op == kSub ? a - b : op == kMul ? a * b : a / b;
+  }
+}
+
+enum UnaryOp { kGelu, kGeluTanh, kRelu, kSilu, kExp, kTanh, kRsqrt, kNeg, kScale };
+__device__ inline float applyUnary(int op, float x, float f) {
+  switch (op) {
+  case kGelu: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+  case kGeluTanh: return 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
+  case kRelu: return x > 0 ? x : 0.0f;
+  case kSilu: return x / (1.0f + expf(-x));
+  case kExp: return expf(x);
+  case kTanh: return tanhf(x);
+  case kRsqrt: return rsqrtf(x);
+  case kNeg: return -x;
+  default: return x * f;
+  }
+}
+__global__ void unaryKernel(int op, const float *x, float *y, int64_t n, float f) {
+  GRID_LOOP(i, n) y[i] = applyUnary(op, x[i], f);
+}
+__global__ void unaryGradKernel(int op, const float *x, const float *y, const float *dy, float *dx, int64_t n) {
+  GRID_LOOP(i, n) {
+    float v = x[i], out = y[i], d;
+    switch (op) {
+    case kGelu: d = 0.5f * (1.0f + erff(v * 0.70710678118654752f)) + v * 0.39894228040143268f * expf(-0.5f * v * v); break;
+    case kGeluTanh: {
+      const float k = 0.79788456080286536f, a = 0.044715f;
+      float t = tanhf(k * (v + a * v * v * v));
+      d = 0.5f * (1 + t) + 0.5f * v * (1 - t * t) * k * (1 + 3 * a * v * v);
+      break;
+    }
+    case kSilu: { float sg = 1.0f / (1.0f + expf(-v)); d = sg * (1 + v * (1 - sg)); break; }
+    case kRelu: d = v > 0 ? 1.0f : 0.0f; break;
+    case kTanh: d = 1 - out * out; break;
+    case kExp: d = out; break;
+    default: d = -0.5f * out * out * out; break; // rsqrt
+    }
+    dx[i] = dy[i] * d;
+  }
+}
+
+/// out[i] = in[base + offset(i)]: slices, transposes, broadcasts (4-byte elements).
+__global__ void gatherKernel(const uint32_t *in, uint32_t *out, int64_t n, int64_t base, Strided s) {
+  GRID_LOOP(i, n) {
+    int64_t oa, ob;
+    offsets(s, i, oa, ob);
+    out[i] = in[base + oa];
+  }
+}
+/// out[base + offset(i)] = in[i]: slice gradients and concatenation.
+__global__ void scatterKernel(const uint32_t *in, uint32_t *out, int64_t n, int64_t base, Strided s) {
+  GRID_LOOP(i, n) {
+    int64_t oa, ob;
+    offsets(s, i, oa, ob);
+    out[base + oa] = in[i];
+  }
+}
+
+/// One thread per output: sums (or maxes) the reduced subspace. `s` maps the
+/// kept index to the input offset in .a; `r` walks the reduced dims in .a.
+__global__ void reduceKernel(int op, const float *x, float *y, int64_t nOut, Strided s, Strided r,
+                             int64_t nRed, float scale) {
+  GRID_LOOP(o, nOut) {
+    int64_t base, unused;
+    offsets(s, o, base, unused);
+    float acc = op == 1 ? -INFINITY : 0.0f;
+    for (int64_t k = 0; k < nRed; ++k) {
+      int64_t off, u2;
+      offsets(r, k, off, u2);
+      float v = x[base + off];
+      acc = op == 1 ? fmaxf(acc, v) : acc + v;
+    }
+    y[o] = op == 1 ? acc : acc * scale;
+  }
+}
+
+__device__ inline float blockSum(float v, float *shared) {
+  for (int o = 16; o > 0; o >>= 1)
+    v += __shfl_xor_sync(0xffffffff, v, o);
+  int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  __syncthreads();
+  if (lane == 0)
+    shared[warp] = v;
+  __syncthreads();
+  float total = 0;
+  for (int w = 0; w < (blockDim.x + 31) / 32; ++w)
+    total += shared[w];
+  return total;
+}
+
+/// LayerNorm / RMSNorm over rows of h; saves mean and 1/std per row.
+__global__ void normKernel(const float *x, const float *g, const float *b, float *y, int64_t h,
+                           float eps, bool rms, float *meanOut, float *rstdOut) {
+  __shared__ float shared[32];
+  int64_t row = blockIdx.x;
+  const float *xr = x + row * h;
+  float sum = 0;
+  if (!rms)
+    for (int64_t j = threadIdx.x; j < h; j += blockDim.x)
+      sum += xr[j];
+  float mean = rms ? 0.0f : blockSum(sum, shared) / h;
+  float sq = 0;
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x)
+    sq += (xr[j] - mean) * (xr[j] - mean);
+  float rstd = rsqrtf(blockSum(sq, shared) / h + eps);
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x)
+    y[row * h + j] = (xr[j] - mean) * rstd * g[j] + (b ? b[j] : 0.0f);
+  if (threadIdx.x == 0 && meanOut) {
+    meanOut[row] = mean;
+    rstdOut[row] = rstd;
+  }
+}
+
+__global__ void normGradDxKernel(const float *x, const float *g, const float *dy, float *dx,
+                                 int64_t h, float eps, bool rms, float *meanOut, float *rstdOut) {
+  __shared__ float shared[32];
+  int64_t row = blockIdx.x;
+  const float *xr = x + row * h, *dyr = dy + row * h;
+  float sum = 0;
+  if (!rms)
+    for (int64_t j = threadIdx.x; j < h; j += blockDim.x)
+      sum += xr[j];
+  float mean = rms ? 0.0f : blockSum(sum, shared) / h;
+  float sq = 0;
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x)
+    sq += (xr[j] - mean) * (xr[j] - mean);
+  float rstd = rsqrtf(blockSum(sq, shared) / h + eps);
+  float sd = 0, sdx = 0;
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+    float d = dyr[j] * g[j];
+    sd += d;
+    sdx += d * (xr[j] - mean) * rstd;
+  }
+  sd = blockSum(sd, shared);
+  sdx = blockSum(sdx, shared);
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+    float xh = (xr[j] - mean) * rstd, d = dyr[j] * g[j];
+    dx[row * h + j] = rstd * (d - (rms ? 0.0f : sd / h) - xh * sdx / h);
+  }
+  if (threadIdx.x == 0) {
+    meanOut[row] = mean;
+    rstdOut[row] = rstd;
+  }
+}
+
+/// dgamma[j] = sum_r dy * xhat, dbeta[j] = sum_r dy (deterministic: a thread per column).
+__global__ void normGradParamsKernel(const float *x, const float *dy, const float *mean,
+                                     const float *rstd, float *dg, float *db, int64_t rows, int64_t h) {
+  GRID_LOOP(j, h) {
+    float ag = 0, ab = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      float d = dy[r * h + j];
+      ag += d * (x[r * h + j] - mean[r]) * rstd[r];
+      ab += d;
+    }
+    dg[j] = ag;
+    if (db)
+      db[j] = ab;
+  }
+}
+
+/// Device-side error report: [code, position, value].
+__device__ void raise(long long *err, long long code, long long pos, long long value) {
+  if (atomicCAS(reinterpret_cast<unsigned long long *>(err), 0ull, static_cast<unsigned long long>(code)) == 0ull) {
+    err[1] = pos;
+    err[2] = value;
+  }
+}
+
+__device__ inline int64_t readIndex(const void *ids, bool wide, int64_t i) {
+  return wide ? static_cast<const int64_t *>(ids)[i] : static_cast<const int32_t *>(ids)[i];
+}
+
+__global__ void embeddingKernel(const float *table, const void *ids, bool wide, float *y, int64_t n,
+                                int64_t h, int64_t vocab, long long *err) {
+  GRID_LOOP(i, n * h) {
+    int64_t t = i / h, id = readIndex(ids, wide, t);
+    if (id < 0 || id >= vocab) {
+      raise(err, 1, t, id);
+      continue;
+    }
+    y[i] = table[id * h + i % h];
+  }
+}
+
+__global__ void embeddingGradKernel(const void *ids, bool wide, const float *dy, float *dt, int64_t n,
+                                    int64_t h, int64_t vocab, long long *err) {
+  GRID_LOOP(i, n * h) {
+    int64_t t = i / h, id = readIndex(ids, wide, t);
+    if (id < 0 || id >= vocab) {
+      raise(err, 1, t, id);
+      continue;
+    }
+    atomicAdd(&dt[id * h + i % h], dy[i]);
+  }
+}
+
+__global__ void rotaryKernel(const float *x, float *y, int64_t pairs, int64_t s, int64_t w,
+                             int64_t d, double theta, float sign) {
+  GRID_LOOP(p, pairs) {
+    int64_t at = p * 2, pos = (at / w) % s, i = (at % d) / 2;
+    float angle = sign * pos * static_cast<float>(pow(theta, -2.0 * i / d));
+    float cs = cosf(angle), sn = sinf(angle), x0 = x[at], x1 = x[at + 1];
+    y[at] = x0 * cs - x1 * sn;
+    y[at + 1] = x0 * sn + x1 * cs;
+  }
+}
+
+/// Softmax over rows of `len` in place, with an optional causal mask: row r
+/// of a [S, T] score matrix keeps columns t <= (r % S) + T - S.
+__global__ void softmaxRowsKernel(float *p, int64_t rows, int64_t len, int64_t s, bool causal) {
+  __shared__ float shared[32];
+  int64_t row = blockIdx.x;
+  float *pr = p + row * len;
+  int64_t last = causal ? min(len, (row % s) + 1 + (len - s)) : len;
+  float mx = -INFINITY;
+  for (int64_t j = threadIdx.x; j < last; j += blockDim.x)
+    mx = fmaxf(mx, pr[j]);
+  for (int o = 16; o > 0; o >>= 1)
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
+  __shared__ float warpMax[32];
+  if (threadIdx.x % 32 == 0)
+    warpMax[threadIdx.x / 32] = mx;
+  __syncthreads();
+  mx = -INFINITY;
+  for (int w = 0; w < (blockDim.x + 31) / 32; ++w)
+    mx = fmaxf(mx, warpMax[w]);
+  float sum = 0;
+  for (int64_t j = threadIdx.x; j < last; j += blockDim.x)
+    sum += expf(pr[j] - mx);
+  sum = blockSum(sum, shared);
+  for (int64_t j = threadIdx.x; j < len; j += blockDim.x)
+    pr[j] = j < last ? expf(pr[j] - mx) / sum : 0.0f;
+}
+
+/// dS = P * (dP - sum(P * dP)) * scale, in place over dP.
+__global__ void softmaxGradRowsKernel(const float *p, float *dp, int64_t len, float scale) {
+  __shared__ float shared[32];
+  int64_t row = blockIdx.x;
+  const float *pr = p + row * len;
+  float *dr = dp + row * len;
+  float dot = 0;
+  for (int64_t j = threadIdx.x; j < len; j += blockDim.x)
+    dot += pr[j] * dr[j];
+  dot = blockSum(dot, shared);
+  for (int64_t j = threadIdx.x; j < len; j += blockDim.x)
+    dr[j] = pr[j] * (dr[j] - dot) * scale;
+}
+
+__global__ void crossEntropyRowsKernel(const float *logits, const void *targets, bool wide,
+                                       float *rowLoss, int64_t v, long long *err) {
+  __shared__ float shared[32];
+  __shared__ float warpMax[32];
+  int64_t row = blockIdx.x;
+  const float *lr = logits + row * v;
+  int64_t t = readIndex(targets, wide, row);
+  if (t < 0 || t >= v) {
+    if (threadIdx.x == 0)
+      raise(err, 2, row, t);
+    return;
+  }
+  float mx = -INFINITY;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
+    mx = fmaxf(mx, lr[j]);
+  for (int o = 16; o > 0; o >>= 1)
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
+  if (threadIdx.x % 32 == 0)
+    warpMax[threadIdx.x / 32] = mx;
+  __syncthreads();
+  mx = -INFINITY;
+  for (int w = 0; w < (blockDim.x + 31) / 32; ++w)
+    mx = fmaxf(mx, warpMax[w]);
+  float sum = 0;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
+    sum += expf(lr[j] - mx);
+  sum = blockSum(sum, shared);
+  if (threadIdx.x == 0)
+    rowLoss[row] = logf(sum) + mx - lr[t];
+}
+
+__global__ void meanKernel(const float *x, int64_t n, float *out) {
+  __shared__ float shared[32];
+  float s = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+    s += x[i];
+  s = blockSum(s, shared);
+  if (threadIdx.x == 0)
+    *out = s / n;
+}
+
+__global__ void crossEntropyGradKernel(const float *logits, const void *targets, bool wide,
+                                       const float *dloss, float *dl, int64_t rows, int64_t v) {
+  __shared__ float shared[32];
+  __shared__ float warpMax[32];
+  int64_t row = blockIdx.x;
+  const float *lr = logits + row * v;
+  float *out = dl + row * v;
+  int64_t t = readIndex(targets, wide, row);
+  float mx = -INFINITY;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
+    mx = fmaxf(mx, lr[j]);
+  for (int o = 16; o > 0; o >>= 1)
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
+  if (threadIdx.x % 32 == 0)
+    warpMax[threadIdx.x / 32] = mx;
+  __syncthreads();
+  mx = -INFINITY;
+  for (int w = 0; w < (blockDim.x + 31) / 32; ++w)
+    mx = fmaxf(mx, warpMax[w]);
+  float sum = 0;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
+    sum += expf(lr[j] - mx);
+  sum = blockSum(sum, shared);
+  float scale = *dloss / rows;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
+    out[j] = (expf(lr[j] - mx) / sum - (j == t ? 1.0f : 0.0f)) * scale;
+}
+
+__global__ void sumSquaresKernel(const float *g, int64_t n, double *acc) {
+  __shared__ float shared[32];
+  float s = 0;
+  GRID_LOOP(i, n) s += g[i] * g[i];
+  s = blockSum(s, shared);
+  if (threadIdx.x == 0)
+    atomicAdd(acc, static_cast<double>(s));
+}
+__global__ void sqrtKernel(const double *acc, float *out) { *out = static_cast<float>(sqrt(*acc)); }
+
+__device__ inline double scheduledRate(double lr, double minLr, double warmup, double total, double t) {
+  if (warmup > 0 && t < warmup)
+    return lr * (t + 1) / warmup;
+  if (total <= 0)
+    return lr;
+  double progress = fmin(1.0, (t - warmup) / fmax(1.0, total - warmup));
+  return minLr + 0.5 * (lr - minLr) * (1 + cos(M_PI * progress));
+}
+
+struct OptimizerArgs {
+  double lr, minLr, wd, clip, warmup, total, b1, b2, eps, momentum;
+};
+
+__global__ void adamwKernel(float *p, const float *g, float *m, float *v, const float *step,
+                            const float *norm, int64_t n, OptimizerArgs a) {
+  double t = *step, rate = scheduledRate(a.lr, a.minLr, a.warmup, a.total, t - 1);
+  double scale = a.clip > 0 && *norm > a.clip ? a.clip / *norm : 1.0;
+  double c1 = 1 - pow(a.b1, t), c2 = 1 - pow(a.b2, t);
+  GRID_LOOP(i, n) {
+    float gi = static_cast<float>(g[i] * scale);
+    m[i] = static_cast<float>(a.b1 * m[i] + (1 - a.b1) * gi);
+    v[i] = static_cast<float>(a.b2 * v[i] + (1 - a.b2) * gi * gi);
+    double update = (m[i] / c1) / (sqrt(v[i] / c2) + a.eps) + a.wd * p[i];
+    p[i] = static_cast<float>(p[i] - rate * update);
+  }
+}
+
+__global__ void sgdKernel(float *p, const float *g, float *m, const float *step, const float *norm,
+                          int64_t n, OptimizerArgs a) {
+  double t = *step, rate = scheduledRate(a.lr, a.minLr, a.warmup, a.total, t - 1);
+  double scale = a.clip > 0 && *norm > a.clip ? a.clip / *norm : 1.0;
+  GRID_LOOP(i, n) {
+    double gi = g[i] * scale + a.wd * p[i];
+    m[i] = static_cast<float>(a.momentum * m[i] + gi);
+    p[i] = static_cast<float>(p[i] - rate * m[i]);
+  }
+}
+
+//===--- The backend ------------------------------------------------------===//
+
+using Launch = std::function<void(cudaStream_t)>;
+
+class CudaBackendImpl : public Backend {
+public:
+  CudaBackendImpl(const RankProgram &rank, int device) : rank(rank), device(device) {
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess || count == 0)
+      fail(LOOM_UNSUPPORTED, "no usable CUDA device (cudaGetDeviceCount: ",
+           e == cudaSuccess ? "0 devices" : cudaGetErrorString(e),
+           "); check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --backend cpu");
+    if (device < 0 || device >= count)
+      fail(LOOM_INVALID_ARGUMENT, "CUDA device ", device, " does not exist (", count, " visible)");
+    LOOM_CUDA_CHECK(cudaSetDevice(device));
+    LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    LOOM_CUBLAS_CHECK(cublasCreate(&blas));
+    LOOM_CUBLAS_CHECK(cublasSetStream(blas, stream));
+    size_t bytes = std::max<int64_t>(rank.arenaBytes, 256);
+    LOOM_CUDA_CHECK(cudaMalloc(&arena, bytes));
+    LOOM_CUDA_CHECK(cudaMemsetAsync(arena, 0, bytes, stream));
+    LOOM_CUDA_CHECK(cudaMalloc(&errorWord, 3 * sizeof(long long)));
+    LOOM_CUDA_CHECK(cudaMemsetAsync(errorWord, 0, 3 * sizeof(long long), stream));
+  }
+
+  ~CudaBackendImpl() override {
+    // Synchronise, then free in reverse order of creation; errors are ignored here.
+    if (stream)
+      cudaStreamSynchronize(stream);
+    for (void *p : allocations)
+      cudaFree(p);
+    cudaFree(workspace);
+    cudaFree(errorWord);
+    cudaFree(arena);
+    if (blas)
+      cublasDestroy(blas);
+    if (stream)
+      cudaStreamDestroy(stream);
+  }
+
+  std::string name() const override { return "cuda"; }
+
+  void upload(const Buffer &b, const void *src) override {
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(ptr(b), src, b.bytes, cudaMemcpyHostToDevice, stream));
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  void download(const Buffer &b, void *dst) const override {
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, const_cast<CudaBackendImpl *>(this)->ptr(b), b.bytes,
+                                    cudaMemcpyDeviceToHost, stream));
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  bool has(const std::string &program) const override { return programs.count(program) > 0; }
+
+  void prepare(const std::string &program, const std::vector<Instruction> &instrs) override {
+    {
+      // The CPU builders check every shape and attribute; they never touch memory.
+      ThreadPool validationPool(1);
+      static char fakeArena[64];
+      CpuProgram validated(rank, instrs, fakeArena, validationPool, program);
+    }
+    std::vector<std::pair<std::string, Launch>> steps;
+    for (size_t i = 0; i < instrs.size(); ++i) {
+      where = cat("instruction ", program, "[", i, "] '", instrs[i].op, "'");
+      steps.push_back({where, build(instrs[i])});
+    }
+    if (workspaceBytes > workspaceAllocated) {
+      cudaFree(workspace);
+      LOOM_CUDA_CHECK(cudaMalloc(&workspace, workspaceBytes));
+      workspaceAllocated = workspaceBytes;
+    }
+    programs[program] = std::move(steps);
+  }
+
+  void run(const std::string &program) override {
+    for (auto &[what, launch] : programs.at(program)) {
+      launch(stream);
+      cudaError_t e = cudaPeekAtLastError();
+      if (e != cudaSuccess)
+        fail(LOOM_INTERNAL, what, ": kernel launch failed: ", cudaGetErrorString(e));
+    }
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    long long err[3];
+    LOOM_CUDA_CHECK(cudaMemcpy(err, errorWord, sizeof(err), cudaMemcpyDeviceToHost));
+    if (err[0]) {
+      LOOM_CUDA_CHECK(cudaMemset(errorWord, 0, sizeof(err)));
+      fail(LOOM_INVALID_ARGUMENT, program, ": ", err[0] == 1 ? "token id " : "target class ", err[2],
+           " at position ", err[1], " is outside the table it indexes");
+    }
+  }
+
+private:
+  char *ptr(const Buffer &b) { return arena + b.offset; }
+  float *f(int64_t id) { return reinterpret_cast<float *>(arena + rank.buffers[id].offset); }
+  const Buffer &buf(int64_t id) const { return rank.buffers[id]; }
+  static int64_t count(const Shape &s) { return numElements(s).value_or(0); }
+
+  /// Workspace bytes the program needs at most (one shared workspace).
+  size_t reserve(size_t bytes) {
+    workspaceBytes = std::max(workspaceBytes, (bytes + 255) / 256 * 256);
+    return 0;
+  }
+  template <typename T> T *deviceArray(const std::vector<T> &host) {
+    void *p = nullptr;
+    LOOM_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(host.size(), 1) * sizeof(T)));
+    LOOM_CUDA_CHECK(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+    allocations.push_back(p);
+    return static_cast<T *>(p);
+  }
+
+  static bool flag(const Instruction &ins, const char *name) {
+    auto it = ins.attrs.find(name);
+    return it != ins.attrs.end() && it->is_boolean() && it->get<bool>();
+  }
+  static double num(const Instruction &ins, const char *name, double dflt) {
+    auto it = ins.attrs.find(name);
+    return it != ins.attrs.end() && it->is_number() ? it->get<double>() : dflt;
+  }
+  static int64_t axisOf(const Instruction &ins, const char *name, size_t rank, int64_t dflt) {
+    auto it = ins.attrs.find(name);
+    int64_t a = it != ins.attrs.end() && it->is_number_integer() ? it->get<int64_t>() : dflt;
+    return a < 0 ? a + static_cast<int64_t>(rank) : a;
+  }
+
+  /// Row-major C[M,N] = op(A) op(B) (+ beta C) through column-major cuBLAS.
+  void gemm(cudaStream_t, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+            const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+    LOOM_CUBLAS_CHECK(cublasGemmEx(blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                   int(n), int(m), int(k), &alpha, b, CUDA_R_32F, int(ldb), a, CUDA_R_32F,
+                                   int(lda), &beta, c, CUDA_R_32F, int(ldc), CUBLAS_COMPUTE_32F_FAST_TF32,
+                                   CUBLAS_GEMM_DEFAULT));
+  }
+  void gemmBatched(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float **a,
+                   int64_t lda, const float **b, int64_t ldb, float beta, float **c, int64_t ldc, int64_t count) {
+    LOOM_CUBLAS_CHECK(cublasGemmBatchedEx(
+        blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, int(n), int(m), int(k), &alpha,
+        reinterpret_cast<const void **>(b), CUDA_R_32F, int(ldb), reinterpret_cast<const void **>(a),
+        CUDA_R_32F, int(lda), &beta, reinterpret_cast<void **>(c), CUDA_R_32F, int(ldc), int(count),
+        CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT));
+  }
+
+  Launch build(const Instruction &ins);
+  Launch buildMatmul(const Instruction &ins);
+  Launch buildAttention(const Instruction &ins, bool grad);
+
+  const RankProgram &rank;
+  int device;
+  cudaStream_t stream = nullptr;
+  cublasHandle_t blas = nullptr;
+  char *arena = nullptr;
+  long long *errorWord = nullptr;
+  char *workspace = nullptr;
+  size_t workspaceBytes = 0, workspaceAllocated = 0;
+  std::vector<void *> allocations;
+  std::string where;
+  std::map<std::string, std::vector<std::pair<std::string, Launch>>> programs;
+};
+
+Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
+  const Buffer &a = buf(ins.in[0]), &b = buf(ins.in[1]), &o = buf(ins.out[0]);
+  bool ta = flag(ins, "transpose_a"), tb = flag(ins, "transpose_b");
+  size_t ra = a.shape.size(), rb = b.shape.size();
+  int64_t m = o.shape[o.shape.size() - 2], n = o.shape.back();
+  int64_t k = ta ? a.shape[ra - 2] : a.shape[ra - 1];
+  int64_t lda = a.shape[ra - 1], ldb = b.shape[rb - 1];
+  float *pa = f(ins.in[0]), *pb = f(ins.in[1]), *po = f(ins.out[0]);
+  int64_t batch = count(o.shape) / (m * n);
+  int64_t batchA = count(a.shape) / (a.shape[ra - 1] * a.shape[ra - 2]);
+  int64_t batchB = count(b.shape) / (b.shape[rb - 1] * b.shape[rb - 2]);
+  if (batchB == 1 && !ta) // fold A's batch into rows: one GEMM
+    return [=](cudaStream_t s) { gemm(s, false, tb, batch * m, n, k, 1.0f, pa, lda, pb, ldb, 0.0f, po, n); };
+  if (batchA == batch && batchB == batch) {
+    int64_t sa = count(a.shape) / batch, sb = count(b.shape) / batch, so = m * n;
+    return [=](cudaStream_t) {
+      float one = 1.0f, zero = 0.0f;
+      LOOM_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+          blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, int(n), int(m), int(k), &one, pb,
+          CUDA_R_32F, int(ldb), sb, pa, CUDA_R_32F, int(lda), sa, &zero, po, CUDA_R_32F, int(n), so, int(batch),
+          CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT));
+    };
+  }
+  // Other broadcasts: one GEMM per batch with the operands' own offsets.
+  Shape ob(o.shape.begin(), o.shape.end() - 2), ab(a.shape.begin(), a.shape.end() - 2),
+      bb(b.shape.begin(), b.shape.end() - 2);
+  std::vector<int64_t> sa = broadcastTo(ab, ob), sbs = broadcastTo(bb, ob), offA, offB;
+  std::vector<int64_t> unit = stridesOf(ob);
+  for (int64_t i = 0; i < batch; ++i) {
+    int64_t rem = i, oa = 0, obb = 0;
+    for (int d = static_cast<int>(ob.size()) - 1; d >= 0; --d) {
+      int64_t idx = rem % ob[d];
+      rem /= ob[d];
+      oa += idx * sa[d];
+      obb += idx * sbs[d];
+    }
+    offA.push_back(oa * a.shape[ra - 1] * a.shape[ra - 2]);
+    offB.push_back(obb * b.shape[rb - 1] * b.shape[rb - 2]);
+  }
+  return [=](cudaStream_t s) {
+    for (int64_t i = 0; i < batch; ++i)
+      gemm(s, ta, tb, m, n, k, 1.0f, pa + offA[i], lda, pb + offB[i], ldb, 0.0f, po + i * m * n, n);
+  };
+}
+
+Launch CudaBackendImpl::buildAttention(const Instruction &ins, bool grad) {
+  const Buffer &q = buf(ins.in[0]), &k = buf(ins.in[1]);
+  int64_t heads = static_cast<int64_t>(num(ins, "num_heads", 1));
+  int64_t kv = static_cast<int64_t>(num(ins, "num_kv_heads", double(heads)));
+  int64_t B = q.shape[0], S = q.shape[1], T = k.shape[1], D = q.shape[2] / heads, group = heads / kv;
+  bool causal = flag(ins, "causal");
+  float scale = static_cast<float>(num(ins, "scale", 1.0 / std::sqrt(double(D))));
+  int64_t ldq = heads * D, ldk = kv * D;
+  float *pq = f(ins.in[0]), *pk = f(ins.in[1]), *pv = f(ins.in[2]);
+  size_t scoreBytes = size_t(B * heads * S * T) * sizeof(float);
+  reserve(grad ? 2 * scoreBytes : scoreBytes);
+  // Per (batch, head) matrix pointers, computed once; workspace pointers are
+  // filled in at launch (the workspace is allocated after preparation).
+  std::vector<const float *> qs, ks, vs;
+  std::vector<int64_t> scoreOffsets;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < heads; ++h) {
+      qs.push_back(pq + b * S * ldq + h * D);
+      ks.push_back(pk + b * T * ldk + (h / group) * D);
+      vs.push_back(pv + b * T * ldk + (h / group) * D);
+      scoreOffsets.push_back((b * heads + h) * S * T);
+    }
+  int64_t count_ = B * heads;
+  const float **dq = deviceArray(qs), **dk = deviceArray(ks), **dv = deviceArray(vs);
+  float **dScores = deviceArray(std::vector<float *>(count_)), **dDp = deviceArray(std::vector<float *>(count_));
+  auto fillScorePointers = [=](float *base, float **dst) {
+    std::vector<float *> host(count_);
+    for (int64_t i = 0; i < count_; ++i)
+      host[i] = base + scoreOffsets[i];
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, host.data(), count_ * sizeof(float *), cudaMemcpyHostToDevice, stream));
+  };
+  if (!grad) {
+    float *po = f(ins.out[0]);
+    std::vector<float *> os;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < heads; ++h)
+        os.push_back(po + b * S * ldq + h * D);
+    float **dO = deviceArray(os);
+    return [=](cudaStream_t st) {
+      float *scores = reinterpret_cast<float *>(workspace);
+      fillScorePointers(scores, dScores);
+      gemmBatched(false, true, S, T, D, scale, dq, ldq, dk, ldk, 0.0f, dScores, T, count_);
+      softmaxRowsKernel<<<int(count_ * S), kThreads, 0, st>>>(scores, count_ * S, T, S, causal);
+      gemmBatched(false, false, S, D, T, 1.0f, const_cast<const float **>(dScores), T, dv, ldk, 0.0f, dO, ldq, count_);
+    };
+  }
+  float *pdo = f(ins.in[3]), *gq = f(ins.out[0]), *gk = f(ins.out[1]), *gv = f(ins.out[2]);
+  std::vector<const float *> dos;
+  std::vector<float *> dqs;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < heads; ++h) {
+      dos.push_back(pdo + b * S * ldq + h * D);
+      dqs.push_back(gq + b * S * ldq + h * D);
+    }
+  const float **dDO = deviceArray(dos);
+  float **dDQ = deviceArray(dqs);
+  // dK and dV sum over the query heads of a group: one batched GEMM per group
+  // member, accumulating (beta = 1) after the first.
+  std::vector<const float **> groupP(group), groupDS(group), groupQ(group), groupDO(group);
+  std::vector<float **> groupDK(group), groupDV(group);
+  std::vector<std::vector<int64_t>> groupIndex(group);
+  for (int64_t g = 0; g < group; ++g) {
+    std::vector<const float *> qg, dog;
+    std::vector<float *> dkg, dvg;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t kh = 0; kh < kv; ++kh) {
+        int64_t h = kh * group + g;
+        groupIndex[g].push_back(b * heads + h);
+        qg.push_back(pq + b * S * ldq + h * D);
+        dog.push_back(pdo + b * S * ldq + h * D);
+        dkg.push_back(gk + b * T * ldk + kh * D);
+        dvg.push_back(gv + b * T * ldk + kh * D);
+      }
+    groupQ[g] = deviceArray(qg);
+    groupDO[g] = deviceArray(dog);
+    groupDK[g] = deviceArray(dkg);
+    groupDV[g] = deviceArray(dvg);
+    groupP[g] = const_cast<const float **>(deviceArray(std::vector<float *>(B * kv)));
+    groupDS[g] = const_cast<const float **>(deviceArray(std::vector<float *>(B * kv)));
+  }
+  int64_t perGroup = B * kv;
+  return [=](cudaStream_t st) {
+    float *scores = reinterpret_cast<float *>(workspace), *dp = scores + count_ * S * T;
+    fillScorePointers(scores, dScores);
+    fillScorePointers(dp, dDp);
+    // Recompute P, then dP = dO V^T and dS = softmax'(P) dP * scale.
+    gemmBatched(false, true, S, T, D, scale, dq, ldq, dk, ldk, 0.0f, dScores, T, count_);
+    softmaxRowsKernel<<<int(count_ * S), kThreads, 0, st>>>(scores, count_ * S, T, S, causal);
+    gemmBatched(false, true, S, T, D, 1.0f, dDO, ldq, dv, ldk, 0.0f, dDp, T, count_);
+    softmaxGradRowsKernel<<<int(count_ * S), kThreads, 0, st>>>(scores, dp, T, scale);
+    // dQ = dS K.
+    gemmBatched(false, false, S, D, T, 1.0f, const_cast<const float **>(dDp), T, dk, ldk, 0.0f, dDQ, ldq, count_);
+    for (int64_t g = 0; g < group; ++g) {
+      std::vector<const float *> ph(perGroup), dsh(perGroup);
+      for (int64_t i = 0; i < perGroup; ++i) {
+        ph[i] = scores + groupIndex[g][i] * S * T;
+        dsh[i] = dp + groupIndex[g][i] * S * T;
+      }
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(const_cast<const float **>(groupP[g]), ph.data(), perGroup * sizeof(float *), cudaMemcpyHostToDevice, stream));
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(const_cast<const float **>(groupDS[g]), dsh.data(), perGroup * sizeof(float *), cudaMemcpyHostToDevice, stream));
+      float beta = g == 0 ? 0.0f : 1.0f;
+      // dK += dS^T Q, dV += P^T dO.
+      gemmBatched(true, false, T, D, S, 1.0f, groupDS[g], T, groupQ[g], ldq, beta, groupDK[g], ldk, perGroup);
+      gemmBatched(true, false, T, D, S, 1.0f, groupP[g], T, groupDO[g], ldq, beta, groupDV[g], ldk, perGroup);
+    }
+  };
+}
+
+Launch CudaBackendImpl::build(const Instruction &ins) {
+  const std::string &op = ins.op;
+  auto n = [&](int64_t id) { return count(buf(id).shape); };
+  if (op == "fill") {
+    float *y = f(ins.out[0]);
+    int64_t cnt = n(ins.out[0]);
+    float v = static_cast<float>(num(ins, "value", 0));
+    return [=](cudaStream_t s) { fillKernel<<<blocksFor(cnt), kThreads, 0, s>>>(y, cnt, v); };
+  }
+  if (op == "add" || op == "sub" || op == "mul" || op == "div") {
+    int code = op == "add" ? kAdd : op == "sub" ? kSub : op == "mul" ? kMul : kDiv;
+    const Buffer &o = buf(ins.out[0]);
+    Strided st = strided(o.shape, broadcastTo(buf(ins.in[0]).shape, o.shape), broadcastTo(buf(ins.in[1]).shape, o.shape));
+    float *a = f(ins.in[0]), *b = f(ins.in[1]), *y = f(ins.out[0]);
+    int64_t cnt = count(o.shape);
+    return [=](cudaStream_t s) { binaryKernel<<<blocksFor(cnt), kThreads, 0, s>>>(code, a, b, y, cnt, st); };
+  }
+  static const std::map<std::string, int> unaries = {
+      {"relu", kRelu}, {"silu", kSilu}, {"exp", kExp}, {"tanh", kTanh}, {"rsqrt", kRsqrt}, {"neg", kNeg}, {"scale", kScale}};
+  if (op == "gelu" || unaries.count(op)) {
+    int code = op == "gelu" ? (flag(ins, "approximate") ? kGeluTanh : kGelu) : unaries.at(op);
+    float factor = static_cast<float>(num(ins, "factor", 1.0));
+    float *x = f(ins.in[0]), *y = f(ins.out[0]);
+    int64_t cnt = n(ins.out[0]);
+    return [=](cudaStream_t s) { unaryKernel<<<blocksFor(cnt), kThreads, 0, s>>>(code, x, y, cnt, factor); };
+  }
+  if (op == "unary_grad") {
+    std::string fn = ins.attrs.value("fn", "");
+    static const std::map<std::string, int> fns = {{"gelu", kGelu}, {"gelu_tanh", kGeluTanh}, {"silu", kSilu},
+                                                   {"relu", kRelu}, {"tanh", kTanh}, {"exp", kExp}, {"rsqrt", kRsqrt}};
+    int code = fns.at(fn);
+    float *x = f(ins.in[0]), *y = f(ins.in[1]), *dy = f(ins.in[2]), *dx = f(ins.out[0]);
+    int64_t cnt = n(ins.out[0]);
+    return [=](cudaStream_t s) { unaryGradKernel<<<blocksFor(cnt), kThreads, 0, s>>>(code, x, y, dy, dx, cnt); };
+  }
+  if (op == "matmul")
+    return buildMatmul(ins);
+  if (op == "reduce_sum" || op == "reduce_mean" || op == "reduce_max") {
+    const Buffer &x = buf(ins.in[0]);
+    std::vector<bool> reduced(x.shape.size(), false);
+    for (auto &a : ins.attrs.at("axes"))
+      reduced[a.get<int64_t>() < 0 ? a.get<int64_t>() + x.shape.size() : a.get<int64_t>()] = true;
+    std::vector<int64_t> unit = stridesOf(x.shape), keptShape, keptStride, redShape, redStride;
+    for (size_t d = 0; d < x.shape.size(); ++d)
+      (reduced[d] ? redShape : keptShape).push_back(x.shape[d]), (reduced[d] ? redStride : keptStride).push_back(unit[d]);
+    if (keptShape.empty())
+      keptShape = {1}, keptStride = {0};
+    Strided ks = strided(keptShape, keptStride), rs = strided(redShape, redStride);
+    int64_t nOut = count(keptShape), nRed = count(redShape);
+    int code = op == "reduce_max" ? 1 : 0;
+    float scale = op == "reduce_mean" ? 1.0f / float(nRed) : 1.0f;
+    float *px = f(ins.in[0]), *py = f(ins.out[0]);
+    return [=](cudaStream_t s) { reduceKernel<<<blocksFor(nOut), kThreads, 0, s>>>(code, px, py, nOut, ks, rs, nRed, scale); };
+  }
+  if (op == "layernorm" || op == "rmsnorm") {
+    bool rms = op == "rmsnorm";
+    const Buffer &x = buf(ins.in[0]);
+    int64_t h = x.shape.back(), rows = count(x.shape) / h;
+    float eps = static_cast<float>(num(ins, "eps", 1e-5));
+    float *px = f(ins.in[0]), *g = f(ins.in[1]), *b = rms ? nullptr : f(ins.in[2]), *y = f(ins.out[0]);
+    return [=](cudaStream_t s) { normKernel<<<int(rows), kThreads, 0, s>>>(px, g, b, y, h, eps, rms, nullptr, nullptr); };
+  }
+  if (op == "layernorm_grad" || op == "rmsnorm_grad") {
+    bool rms = op == "rmsnorm_grad";
+    const Buffer &x = buf(ins.in[0]);
+    int64_t h = x.shape.back(), rows = count(x.shape) / h;
+    float eps = static_cast<float>(num(ins, "eps", 1e-5));
+    float *px = f(ins.in[0]), *g = f(ins.in[1]), *dy = f(ins.in[2]), *dx = f(ins.out[0]), *dg = f(ins.out[1]);
+    float *db = rms ? nullptr : f(ins.out[2]);
+    reserve(2 * rows * sizeof(float));
+    return [=](cudaStream_t s) {
+      float *mean = reinterpret_cast<float *>(workspace), *rstd = mean + rows;
+      normGradDxKernel<<<int(rows), kThreads, 0, s>>>(px, g, dy, dx, h, eps, rms, mean, rstd);
+      normGradParamsKernel<<<blocksFor(h), kThreads, 0, s>>>(px, dy, mean, rstd, dg, db, rows, h);
+    };
+  }
+  if (op == "embedding" || op == "embedding_grad") {
+    bool grad = op == "embedding_grad";
+    const Buffer &table = grad ? buf(ins.out[0]) : buf(ins.in[0]), &ids = grad ? buf(ins.in[0]) : buf(ins.in[1]);
+    int64_t vocab = table.shape[0], h = table.shape[1], cnt = count(ids.shape);
+    bool wide = ids.dtype == LOOM_I64;
+    void *pid = ptr(ids);
+    long long *err = errorWord;
+    if (!grad) {
+      float *pt = f(ins.in[0]), *y = f(ins.out[0]);
+      return [=](cudaStream_t s) { embeddingKernel<<<blocksFor(cnt * h), kThreads, 0, s>>>(pt, pid, wide, y, cnt, h, vocab, err); };
+    }
+    float *dy = f(ins.in[1]), *dt = f(ins.out[0]);
+    return [=](cudaStream_t s) {
+      LOOM_CUDA_CHECK(cudaMemsetAsync(dt, 0, vocab * h * sizeof(float), s));
+      embeddingGradKernel<<<blocksFor(cnt * h), kThreads, 0, s>>>(pid, wide, dy, dt, cnt, h, vocab, err);
+    };
+  }
+  if (op == "rotary") {
+    const Buffer &x = buf(ins.in[0]);
+    int64_t heads = static_cast<int64_t>(num(ins, "num_heads", 1));
+    int64_t sLen = x.shape[1], w = x.shape[2], d = w / heads, pairs = count(x.shape) / 2;
+    double theta = num(ins, "theta", 10000.0);
+    float sign = flag(ins, "inverse") ? -1.0f : 1.0f;
+    float *px = f(ins.in[0]), *y = f(ins.out[0]);
+    return [=](cudaStream_t s) { rotaryKernel<<<blocksFor(pairs), kThreads, 0, s>>>(px, y, pairs, sLen, w, d, theta, sign); };
+  }
+  if (op == "attention")
+    return buildAttention(ins, false);
+  if (op == "attention_grad")
+    return buildAttention(ins, true);
+  if (op == "cross_entropy" || op == "cross_entropy_grad") {
+    const Buffer &logits = buf(ins.in[0]), &targets = buf(ins.in[1]);
+    int64_t v = logits.shape.back(), rows = count(targets.shape);
+    bool wide = targets.dtype == LOOM_I64;
+    void *pt = ptr(targets);
+    float *pl = f(ins.in[0]);
+    long long *err = errorWord;
+    if (op == "cross_entropy") {
+      float *out = f(ins.out[0]);
+      reserve(rows * sizeof(float));
+      return [=](cudaStream_t s) {
+        float *rowLoss = reinterpret_cast<float *>(workspace);
+        crossEntropyRowsKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowLoss, v, err);
+        meanKernel<<<1, 1024, 0, s>>>(rowLoss, rows, out);
+      };
+    }
+    float *dl = f(ins.in[2]), *out = f(ins.out[0]);
+    return [=](cudaStream_t s) { crossEntropyGradKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, dl, out, rows, v); };
+  }
+  if (op == "slice" || op == "transpose" || op == "broadcast") {
+    const Buffer &x = buf(ins.in[0]), &o = buf(ins.out[0]);
+    std::vector<int64_t> st;
+    int64_t base = 0;
+    if (op == "slice") {
+      int64_t axis = axisOf(ins, "axis", x.shape.size(), 0);
+      st = stridesOf(x.shape);
+      base = static_cast<int64_t>(num(ins, "start", 0)) * st[axis];
+    } else if (op == "transpose") {
+      std::vector<int64_t> in = stridesOf(x.shape);
+      for (auto &p : ins.attrs.at("permutation"))
+        st.push_back(in[p.get<int64_t>()]);
+    } else {
+      st = broadcastTo(x.shape, o.shape);
+    }
+    Strided sd = strided(o.shape, st);
+    auto *pi = reinterpret_cast<uint32_t *>(ptr(x));
+    auto *po = reinterpret_cast<uint32_t *>(ptr(o));
+    int64_t cnt = count(o.shape);
+    return [=](cudaStream_t s) { gatherKernel<<<blocksFor(cnt), kThreads, 0, s>>>(pi, po, cnt, base, sd); };
+  }
+  if (op == "slice_grad" || op == "concat") {
+    const Buffer &o = buf(ins.out[0]);
+    int64_t axis = axisOf(ins, "axis", o.shape.size(), 0);
+    std::vector<int64_t> ost = stridesOf(o.shape);
+    auto *po = reinterpret_cast<uint32_t *>(ptr(o));
+    std::vector<Launch> parts;
+    int64_t offset = op == "slice_grad" ? static_cast<int64_t>(num(ins, "start", 0)) : 0;
+    for (int64_t id : ins.in) {
+      const Buffer &x = buf(id);
+      Strided sd = strided(x.shape, ost);
+      auto *pi = reinterpret_cast<uint32_t *>(ptr(x));
+      int64_t cnt = count(x.shape), base = offset * ost[axis];
+      parts.push_back([=](cudaStream_t s) { scatterKernel<<<blocksFor(cnt), kThreads, 0, s>>>(pi, po, cnt, base, sd); });
+      offset += x.shape[axis];
+    }
+    bool zero = op == "slice_grad";
+    int64_t bytes = o.bytes;
+    return [=](cudaStream_t s) {
+      if (zero)
+        LOOM_CUDA_CHECK(cudaMemsetAsync(po, 0, bytes, s));
+      for (const Launch &l : parts)
+        l(s);
+    };
+  }
+  if (op == "cast") {
+    const Buffer &x = buf(ins.in[0]), &o = buf(ins.out[0]);
+    if (x.dtype != o.dtype)
+      fail(LOOM_UNSUPPORTED, where, ": the CUDA backend converts no dtypes yet (", dtypeName(x.dtype), " to ",
+           dtypeName(o.dtype), "); use --backend cpu");
+    char *pi = ptr(x), *po = ptr(o);
+    int64_t bytes = o.bytes;
+    return [=](cudaStream_t s) { LOOM_CUDA_CHECK(cudaMemcpyAsync(po, pi, bytes, cudaMemcpyDeviceToDevice, s)); };
+  }
+  if (op == "step_increment") {
+    float *step = f(ins.in[0]);
+    return [=](cudaStream_t s) { stepKernel<<<1, 1, 0, s>>>(step); };
+  }
+  if (op == "global_norm") {
+    std::vector<std::pair<float *, int64_t>> grads;
+    for (int64_t id : ins.in)
+      grads.push_back({f(id), n(id)});
+    float *out = f(ins.out[0]);
+    reserve(sizeof(double));
+    return [=](cudaStream_t s) {
+      double *acc = reinterpret_cast<double *>(workspace);
+      LOOM_CUDA_CHECK(cudaMemsetAsync(acc, 0, sizeof(double), s));
+      for (auto [g, cnt] : grads)
+        sumSquaresKernel<<<std::min(blocksFor(cnt), 1024), kThreads, 0, s>>>(g, cnt, acc);
+      sqrtKernel<<<1, 1, 0, s>>>(acc, out);
+    };
+  }
+  if (op == "adamw" || op == "sgd") {
+    bool adam = op == "adamw";
+    OptimizerArgs a{num(ins, "lr", 1e-3), num(ins, "min_lr", 0), num(ins, "weight_decay", 0), num(ins, "clip", 0),
+                    num(ins, "warmup", 0), num(ins, "total_steps", 0), num(ins, "beta1", 0.9),
+                    num(ins, "beta2", 0.999), num(ins, "eps", 1e-8), num(ins, "momentum", 0)};
+    float *p = f(ins.in[0]), *g = f(ins.in[1]), *m = f(ins.in[2]);
+    float *v = adam ? f(ins.in[3]) : nullptr, *step = f(ins.in[adam ? 4 : 3]), *norm = f(ins.in[adam ? 5 : 4]);
+    int64_t cnt = n(ins.in[0]);
+    if (adam)
+      return [=](cudaStream_t s) { adamwKernel<<<blocksFor(cnt), kThreads, 0, s>>>(p, g, m, v, step, norm, cnt, a); };
+    return [=](cudaStream_t s) { sgdKernel<<<blocksFor(cnt), kThreads, 0, s>>>(p, g, m, step, norm, cnt, a); };
+  }
+  fail(LOOM_UNSUPPORTED, where, ": the CUDA backend has no kernel for '", op,
+       "' yet (convolutions, pooling, batch norm and standalone softmax run on --backend cpu)");
+}
+
+} // namespace
+
+std::unique_ptr<Backend> makeCudaBackend(const RankProgram &rank, int device) {
+  return std::make_unique<CudaBackendImpl>(rank, device);
+}
+
+} // namespace loom::rt

@@ -1,0 +1,70 @@
+//===- loom-compare.cpp - Compare two safetensors files -------------------===//
+//
+// usage: loom-compare A.safetensors B.safetensors [--tolerance T]
+//
+// For every tensor in both files, prints the relative error
+// ||a - b||_2 / ||b||_2 and exits 1 if any exceeds the tolerance (default
+// 1e-5), or if the files hold different tensors.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/src/Error.h"
+#include "runtime/src/Safetensors.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+using namespace loom::rt;
+
+static double at(const SafetensorsFile &f, const SafetensorsEntry &e, int64_t i) {
+  const char *p = f.data.data() + e.offset;
+  switch (e.dtype) {
+  case LOOM_F32: return reinterpret_cast<const float *>(p)[i];
+  case LOOM_F64: return reinterpret_cast<const double *>(p)[i];
+  case LOOM_BF16: return bf16ToFloat(reinterpret_cast<const uint16_t *>(p)[i]);
+  case LOOM_I32: return reinterpret_cast<const int32_t *>(p)[i];
+  case LOOM_I64: return static_cast<double>(reinterpret_cast<const int64_t *>(p)[i]);
+  default: return NAN;
+  }
+}
+
+int main(int argc, char **argv) {
+  if (argc < 3 || !std::strcmp(argv[1], "--help")) {
+    std::fprintf(argc < 3 ? stderr : stdout,
+                 "usage: loom-compare A.safetensors B.safetensors [--tolerance T]\n");
+    return argc < 3 ? 1 : 0;
+  }
+  double tolerance = 1e-5;
+  if (argc == 5 && !std::strcmp(argv[3], "--tolerance"))
+    tolerance = std::atof(argv[4]);
+  try {
+    SafetensorsFile a = readSafetensors(argv[1]), b = readSafetensors(argv[2]);
+    bool ok = a.tensors.size() == b.tensors.size();
+    for (auto &[name, ea] : a.tensors) {
+      auto it = b.tensors.find(name);
+      if (it == b.tensors.end() || it->second.shape != ea.shape) {
+        std::printf("%s: missing or differently shaped in %s\n", name.c_str(), argv[2]);
+        ok = false;
+        continue;
+      }
+      int64_t n = numElements(ea.shape).value_or(0);
+      double diff = 0, ref = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        double x = at(a, ea, i), y = at(b, it->second, i);
+        diff += (x - y) * (x - y);
+        ref += y * y;
+      }
+      double rel = std::sqrt(diff / std::max(ref, 1e-300));
+      bool pass = rel <= tolerance;
+      ok &= pass;
+      std::printf("%s %s: relative error %.3g (tolerance %.3g)\n", pass ? "ok  " : "FAIL", name.c_str(),
+                  rel, tolerance);
+    }
+    return ok ? 0 : 1;
+  } catch (const Error &e) {
+    std::fprintf(stderr, "loom-compare: error: %s\n", e.what());
+    return 1;
+  }
+}
