@@ -43,6 +43,13 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(seq, h)
         self.blocks = nn.ModuleList(Block(h, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(h)
+        # GPT-2 initialisation, as `loomc models gpt` declares it.
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
+                nn.init.normal_(p, std=0.01 if name == "wpe.weight" else std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
 
     def forward(self, tokens, targets):
         x = self.wte(tokens) + self.wpe.weight[: tokens.shape[1]]

@@ -619,7 +619,8 @@ std::string explainPlan(const PlanResult &r, const ModelSpec &model, const Clust
   return os.str();
 }
 
-bool loadProfile(const std::string &path, CostOptions &options, std::string &error) {
+bool loadProfile(const std::string &path, CostOptions &options, const Cluster &cluster,
+                 std::string &error) {
   std::ifstream in(path);
   if (!in) {
     error = "cannot read profile '" + path + "'";
@@ -640,6 +641,17 @@ bool loadProfile(const std::string &path, CostOptions &options, std::string &err
       return false;
     }
     *field = doc[key].get<double>();
+  }
+  // A runtime profile (loom-run --profile): achieved matrix FLOP/s against this
+  // cluster's peak for the dtype it ran in.
+  if (doc.contains("matmul_flops_per_s")) {
+    if (!doc["matmul_flops_per_s"].is_number() || doc["matmul_flops_per_s"].get<double>() <= 0) {
+      error = path + ": 'matmul_flops_per_s' must be a positive number";
+      return false;
+    }
+    std::string dtype = doc.value("matmul_dtype", "bf16");
+    options.matmulEfficiency =
+        std::min(1.0, doc["matmul_flops_per_s"].get<double>() / cluster.peakFlops(dtype));
   }
   options.profile = path;
   return true;

@@ -141,9 +141,12 @@ nlohmann::json planToJson(const Plan &plan, const ModelSpec &model, const Cluste
 std::string explainPlan(const PlanResult &result, const ModelSpec &model, const Cluster &cluster,
                         int64_t batch);
 
-/// Applies a calibration profile (JSON written by `loom-run --profile`):
-/// {"matmul_efficiency": x, "memory_efficiency": y, "link_efficiency": z}.
-bool loadProfile(const std::string &path, CostOptions &options, std::string &error);
+/// Applies a calibration profile: efficiencies given directly
+/// {"matmul_efficiency": x, "memory_efficiency": y, "link_efficiency": z}, or
+/// measured by `loom-run --profile` {"matmul_flops_per_s": r, "matmul_dtype": d},
+/// which sets the matmul efficiency to r over the cluster's peak for d.
+bool loadProfile(const std::string &path, CostOptions &options, const Cluster &cluster,
+                 std::string &error);
 
 } // namespace loom::planner
 

@@ -267,7 +267,7 @@ int runPlan() {
     return fail(error);
   ::loom::planner::CostOptions costs;
   costs.materializedAttention = planMaterialized;
-  if (!planProfile.empty() && !::loom::planner::loadProfile(planProfile, costs, error))
+  if (!planProfile.empty() && !::loom::planner::loadProfile(planProfile, costs, cluster, error))
     return fail(error);
 
   std::string message;

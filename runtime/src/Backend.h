@@ -10,6 +10,7 @@
 
 #include "runtime/src/Bundle.h"
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,6 +28,19 @@ public:
   virtual void run(const std::string &program) = 0;
   /// Host address of a buffer, or null when the arena is not host memory.
   virtual char *hostData(const Buffer &) { return nullptr; }
+
+  /// Per-op timing of every instruction run while enabled (seconds, count).
+  struct OpTime {
+    double seconds = 0;
+    int64_t count = 0;
+    double flops = 0; // dense work of the timed matmuls
+  };
+  void setProfiling(bool on) { profiling = on; }
+  const std::map<std::string, OpTime> &profile() const { return times; }
+
+protected:
+  bool profiling = false;
+  std::map<std::string, OpTime> times;
 };
 
 std::unique_ptr<Backend> makeCpuBackend(const RankProgram &rank, int threads);

@@ -49,6 +49,10 @@ public:
   /// Copies of buffers, whichever memory they live in.
   std::vector<char> read(const Buffer &b) const;
   void write(const Buffer &b, const void *src);
+  /// Times every instruction by op from now on (loom-run --profile).
+  void setProfiling(bool on) { backend->setProfiling(on); }
+  const std::map<std::string, Backend::OpTime> &profile() const { return backend->profile(); }
+
   /// Host address of a buffer on the CPU backend (tests poke parameters).
   char *data(const Buffer &b) const;
 

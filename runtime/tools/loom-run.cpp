@@ -21,7 +21,9 @@
 #include "runtime/src/Safetensors.h"
 #include "runtime/src/Session.h"
 
+#include <algorithm>
 #include <chrono>
+#include <nlohmann/json.hpp>
 #include <fstream>
 #include <optional>
 #include <sys/stat.h>
@@ -44,7 +46,9 @@ void usage(FILE *to) {
                "  --steps N               timed runs after one warm-up (default 1)\n"
                "  --backend B             cpu (default) or cuda\n"
                "  --threads T             CPU threads (default: all)\n"
-               "  --seed S                seed for synthetic inputs (default 0)\n\n"
+               "  --seed S                seed for synthetic inputs (default 0)\n"
+               "  --profile F.json        time every instruction by op, print the table and\n"
+               "                          write the calibration profile for loomc plan --profile\n\n"
                "Training bundles (loomc compile --train):\n"
                "  --steps N               train until step N (default 10)\n"
                "  --data F                token file: flat uint16 ids (uint32 with --data-dtype)\n"
@@ -131,6 +135,38 @@ private:
   std::vector<uint32_t> tokens;
 };
 
+/// Prints where the time went by op and writes the calibration profile the
+/// planner reads (loomc plan --profile): achieved matrix FLOP/s.
+void reportProfile(const Session &s, const std::string &path) {
+  double total = 0, mmSeconds = 0, mmFlops = 0;
+  std::vector<std::pair<std::string, Backend::OpTime>> ops(s.profile().begin(), s.profile().end());
+  for (auto &[op, t] : ops) {
+    total += t.seconds;
+    if (t.flops > 0)
+      mmSeconds += t.seconds, mmFlops += t.flops;
+  }
+  std::sort(ops.begin(), ops.end(), [](auto &a, auto &b) { return a.second.seconds > b.second.seconds; });
+  std::printf("profile (%s backend): %.1f ms in instructions\n", s.backendName().c_str(), total * 1e3);
+  std::printf("  %-20s %8s %10s %7s %12s\n", "op", "count", "ms", "share", "TFLOP/s");
+  for (auto &[op, t] : ops) {
+    std::printf("  %-20s %8lld %10.2f %6.1f%%", op.c_str(), (long long)t.count, t.seconds * 1e3,
+                total > 0 ? 100 * t.seconds / total : 0.0);
+    if (t.flops > 0)
+      std::printf(" %12.1f", t.flops / t.seconds / 1e12);
+    std::printf("\n");
+  }
+  nlohmann::json doc = {{"backend", s.backendName()},
+                        {"matmul_flops_per_s", mmSeconds > 0 ? mmFlops / mmSeconds : 0.0},
+                        {"matmul_dtype", s.backendName() == "cuda" ? "tf32" : "f32"},
+                        {"matmul_share", total > 0 ? mmSeconds / total : 0.0},
+                        {"ops", nlohmann::json::object()}};
+  for (auto &[op, t] : ops)
+    doc["ops"][op] = {{"count", t.count}, {"seconds", t.seconds}, {"flops", t.flops}};
+  std::string text = doc.dump(1);
+  writeFileAtomically(path, text.data(), text.size());
+  std::printf("wrote %s\n", path.c_str());
+}
+
 int train(Session &s, int steps, const std::string &data, const std::string &dataDtype,
           int saveEvery, const std::string &checkpointDir, const std::string &resume,
           uint64_t seed) {
@@ -201,7 +237,7 @@ int train(Session &s, int steps, const std::string &data, const std::string &dat
 
 int run(int argc, char **argv) {
   std::string bundle, input, output, data, dataDtype = "uint16", checkpointDir, resume;
-  std::string backend = "cpu";
+  std::string backend = "cpu", profilePath;
   int steps = -1, threads = 0, saveEvery = 0;
   uint64_t seed = 0;
   for (int i = 1; i < argc; ++i) {
@@ -232,6 +268,8 @@ int run(int argc, char **argv) {
       threads = static_cast<int>(number());
     } else if (a == "--seed") {
       seed = static_cast<uint64_t>(number());
+    } else if (a == "--profile") {
+      profilePath = value();
     } else if (a == "--backend") {
       backend = value();
     } else if (a == "--data") {
@@ -265,8 +303,14 @@ int run(int argc, char **argv) {
   std::printf("%s: model %s, batch %lld, %zu parameter tensors, arena %.1f MiB (activations %.1f MiB), %s backend\n",
               bundle.c_str(), s.manifest().model.c_str(), (long long)s.manifest().batch, r.params.size(),
               r.arenaBytes / 1048576.0, r.peakActivationBytes / 1048576.0, s.backendName().c_str());
-  if (s.canTrain())
-    return train(s, steps < 0 ? 10 : steps, data, dataDtype, saveEvery, checkpointDir, resume, seed);
+  if (!profilePath.empty())
+    s.setProfiling(true);
+  if (s.canTrain()) {
+    int rc = train(s, steps < 0 ? 10 : steps, data, dataDtype, saveEvery, checkpointDir, resume, seed);
+    if (!profilePath.empty())
+      reportProfile(s, profilePath);
+    return rc;
+  }
   if (!data.empty() || saveEvery || !resume.empty())
     fail(LOOM_INVALID_ARGUMENT, "--data, --save-every and --resume need a training bundle "
          "(loomc compile --train)");
@@ -325,6 +369,8 @@ int run(int argc, char **argv) {
     writeSafetensors(output, refs);
     std::printf("wrote %s\n", output.c_str());
   }
+  if (!profilePath.empty())
+    reportProfile(s, profilePath);
   return 0;
 }
 } // namespace

@@ -5,6 +5,7 @@
 #include "runtime/src/Error.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -1417,13 +1418,23 @@ CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &
     if (it == builders().end())
       fail(LOOM_UNSUPPORTED, where, ": the CPU backend has no kernel for this op");
     Ctx ctx{ins, rank, arena, pool, where};
-    steps.push_back(Step{where, it->second(ctx)});
+    steps.push_back(Step{where, ins.op, it->second(ctx)});
   }
 }
 
 void CpuProgram::run() {
   for (Step &step : steps)
     step.kernel();
+}
+
+void CpuProgram::runProfiled(std::map<std::string, std::pair<double, int64_t>> &times) {
+  for (Step &step : steps) {
+    auto t0 = std::chrono::steady_clock::now();
+    step.kernel();
+    auto &slot = times[step.op];
+    slot.first += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    slot.second += 1;
+  }
 }
 
 } // namespace loom::rt
@@ -1451,7 +1462,16 @@ public:
     programs[program] = std::make_unique<CpuProgram>(rank, instrs, arena.get(), pool, program);
   }
   bool has(const std::string &program) const override { return programs.count(program) > 0; }
-  void run(const std::string &program) override { programs.at(program)->run(); }
+  void run(const std::string &program) override {
+    if (!profiling)
+      return programs.at(program)->run();
+    std::map<std::string, std::pair<double, int64_t>> local;
+    programs.at(program)->runProfiled(local);
+    for (auto &[op, t] : local) {
+      times[op].seconds += t.first;
+      times[op].count += t.second;
+    }
+  }
   char *hostData(const Buffer &b) override { return arena.get() + b.offset; }
 
 private:

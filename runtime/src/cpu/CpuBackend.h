@@ -13,6 +13,7 @@
 #include "runtime/src/ThreadPool.h"
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -28,10 +29,13 @@ public:
   /// Runs every instruction in order; throws Error naming the instruction
   /// when a run-time check fails (a token id outside the vocabulary, say).
   void run();
+  /// Runs every instruction, adding its time to `times` under its op name.
+  void runProfiled(std::map<std::string, std::pair<double, int64_t>> &times);
 
 private:
   struct Step {
     std::string what; // "forward[12] attention" for error messages
+    std::string op;
     std::function<void()> kernel;
   };
   std::vector<Step> steps;

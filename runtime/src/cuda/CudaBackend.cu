@@ -105,6 +105,55 @@ __global__ void binaryKernel(int op, const float *A, const float *B, float *C, i
   }
 }
 
+/// Same-shape operands, or a second operand repeating over leading dims (a bias).
+__global__ void binaryContiguousKernel(int op, const float *A, const float *B, float *C, int64_t n,
+                                       int64_t na, int64_t nb) {
+  GRID_LOOP(i, n) {
+    float a = A[na == n ? i : i % na], b = B[nb == n ? i : i % nb];
+    C[i] = op == kAdd ? a + b : op == kSub ? a - b : op == kMul ? a * b : a / b;
+  }
+}
+
+/// Column sums of a [rows, cols] matrix in two deterministic passes: each
+/// block sums a chunk of rows for 32 columns into `partial[chunk][col]`.
+__global__ void columnPartialKernel(const float *x, const float *mean, const float *rstd,
+                                    const float *dy, float *partial, float *partialB, int64_t rows,
+                                    int64_t cols, int64_t rowsPerChunk) {
+  __shared__ float tile[8][33], tileB[8][33];
+  int64_t col = blockIdx.x * 32 + threadIdx.x, chunk = blockIdx.y;
+  int64_t r0 = chunk * rowsPerChunk, r1 = min(rows, r0 + rowsPerChunk);
+  float acc = 0, accB = 0;
+  if (col < cols)
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) {
+      if (dy) { // norm parameter gradients: sum dy * xhat and dy
+        float d = dy[r * cols + col];
+        acc += d * (x[r * cols + col] - mean[r]) * rstd[r];
+        accB += d;
+      } else {
+        acc += x[r * cols + col];
+      }
+    }
+  tile[threadIdx.y][threadIdx.x] = acc;
+  tileB[threadIdx.y][threadIdx.x] = accB;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    float s = 0, sb = 0;
+    for (int k = 0; k < 8; ++k)
+      s += tile[k][threadIdx.x], sb += tileB[k][threadIdx.x];
+    partial[chunk * cols + col] = s;
+    if (partialB)
+      partialB[chunk * cols + col] = sb;
+  }
+}
+__global__ void columnFinishKernel(const float *partial, float *out, int64_t chunks, int64_t cols, float scale) {
+  GRID_LOOP(c, cols) {
+    float s = 0;
+    for (int64_t k = 0; k < chunks; ++k)
+      s += partial[k * cols + c];
+    out[c] = s * scale;
+  }
+}
+
 enum UnaryOp { kGelu, kGeluTanh, kRelu, kSilu, kExp, kTanh, kRsqrt, kNeg, kScale };
 __device__ inline float applyUnary(int op, float x, float f) {
   switch (op) {
@@ -244,22 +293,6 @@ __global__ void normGradDxKernel(const float *x, const float *g, const float *dy
   if (threadIdx.x == 0) {
     meanOut[row] = mean;
     rstdOut[row] = rstd;
-  }
-}
-
-/// dgamma[j] = sum_r dy * xhat, dbeta[j] = sum_r dy (deterministic: a thread per column).
-__global__ void normGradParamsKernel(const float *x, const float *dy, const float *mean,
-                                     const float *rstd, float *dg, float *db, int64_t rows, int64_t h) {
-  GRID_LOOP(j, h) {
-    float ag = 0, ab = 0;
-    for (int64_t r = 0; r < rows; ++r) {
-      float d = dy[r * h + j];
-      ag += d * (x[r * h + j] - mean[r]) * rstd[r];
-      ab += d;
-    }
-    dg[j] = ag;
-    if (db)
-      db[j] = ab;
   }
 }
 
@@ -498,6 +531,10 @@ public:
     // Synchronise, then free in reverse order of creation; errors are ignored here.
     if (stream)
       cudaStreamSynchronize(stream);
+    for (auto &[name, steps] : programs)
+      for (Step &step : steps)
+        if (step.start)
+          cudaEventDestroy(step.start), cudaEventDestroy(step.end);
     for (void *p : allocations)
       cudaFree(p);
     cudaFree(workspace);
@@ -529,10 +566,10 @@ public:
       static char fakeArena[64];
       CpuProgram validated(rank, instrs, fakeArena, validationPool, program);
     }
-    std::vector<std::pair<std::string, Launch>> steps;
+    std::vector<Step> steps;
     for (size_t i = 0; i < instrs.size(); ++i) {
       where = cat("instruction ", program, "[", i, "] '", instrs[i].op, "'");
-      steps.push_back({where, build(instrs[i])});
+      steps.push_back({where, instrs[i].op, denseFlops(instrs[i]), build(instrs[i]), nullptr, nullptr});
     }
     if (workspaceBytes > workspaceAllocated) {
       cudaFree(workspace);
@@ -543,13 +580,32 @@ public:
   }
 
   void run(const std::string &program) override {
-    for (auto &[what, launch] : programs.at(program)) {
-      launch(stream);
+    auto &steps = programs.at(program);
+    for (Step &step : steps) {
+      if (profiling) {
+        if (!step.start) {
+          LOOM_CUDA_CHECK(cudaEventCreate(&step.start));
+          LOOM_CUDA_CHECK(cudaEventCreate(&step.end));
+        }
+        LOOM_CUDA_CHECK(cudaEventRecord(step.start, stream));
+      }
+      step.launch(stream);
       cudaError_t e = cudaPeekAtLastError();
       if (e != cudaSuccess)
-        fail(LOOM_INTERNAL, what, ": kernel launch failed: ", cudaGetErrorString(e));
+        fail(LOOM_INTERNAL, step.what, ": kernel launch failed: ", cudaGetErrorString(e));
+      if (profiling)
+        LOOM_CUDA_CHECK(cudaEventRecord(step.end, stream));
     }
     LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (profiling)
+      for (Step &step : steps) {
+        float ms = 0;
+        LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, step.start, step.end));
+        OpTime &t = times[step.op];
+        t.seconds += ms / 1e3;
+        t.count += 1;
+        t.flops += step.flops;
+      }
     long long err[3];
     LOOM_CUDA_CHECK(cudaMemcpy(err, errorWord, sizeof(err), cudaMemcpyDeviceToHost));
     if (err[0]) {
@@ -623,7 +679,27 @@ private:
   size_t workspaceBytes = 0, workspaceAllocated = 0;
   std::vector<void *> allocations;
   std::string where;
-  std::map<std::string, std::vector<std::pair<std::string, Launch>>> programs;
+  struct Step {
+    std::string what, op;
+    double flops;
+    Launch launch;
+    cudaEvent_t start, end;
+  };
+  /// Dense FLOPs of a matrix instruction (for the profile's achieved rates).
+  double denseFlops(const Instruction &ins) const {
+    if (ins.op == "matmul") {
+      const Buffer &a = buf(ins.in[0]), &o = buf(ins.out[0]);
+      double k = flag(ins, "transpose_a") ? a.shape[a.shape.size() - 2] : a.shape.back();
+      return 2.0 * count(o.shape) * k;
+    }
+    if (ins.op == "attention" || ins.op == "attention_grad") {
+      const Buffer &q = buf(ins.in[0]), &k = buf(ins.in[1]);
+      double fwd = 4.0 * count(q.shape) * k.shape[1];
+      return ins.op == "attention" ? fwd : 3 * fwd; // recompute + three products
+    }
+    return 0;
+  }
+  std::map<std::string, std::vector<Step>> programs;
 };
 
 Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
@@ -791,6 +867,18 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
   if (op == "add" || op == "sub" || op == "mul" || op == "div") {
     int code = op == "add" ? kAdd : op == "sub" ? kSub : op == "mul" ? kMul : kDiv;
     const Buffer &o = buf(ins.out[0]);
+    // Fast path: each operand is the result's shape or repeats its trailing dims.
+    auto trailing = [&](const Shape &in) {
+      Shape t = in;
+      while (!t.empty() && t.front() == 1 && t.size() > 0)
+        t.erase(t.begin());
+      return t.size() <= o.shape.size() && std::equal(t.rbegin(), t.rend(), o.shape.rbegin());
+    };
+    if (trailing(buf(ins.in[0]).shape) && trailing(buf(ins.in[1]).shape)) {
+      float *a = f(ins.in[0]), *b = f(ins.in[1]), *y = f(ins.out[0]);
+      int64_t cnt = count(o.shape), na = n(ins.in[0]), nb = n(ins.in[1]);
+      return [=](cudaStream_t s) { binaryContiguousKernel<<<blocksFor(cnt), kThreads, 0, s>>>(code, a, b, y, cnt, na, nb); };
+    }
     Strided st = strided(o.shape, broadcastTo(buf(ins.in[0]).shape, o.shape), broadcastTo(buf(ins.in[1]).shape, o.shape));
     float *a = f(ins.in[0]), *b = f(ins.in[1]), *y = f(ins.out[0]);
     int64_t cnt = count(o.shape);
@@ -824,6 +912,24 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     std::vector<int64_t> unit = stridesOf(x.shape), keptShape, keptStride, redShape, redStride;
     for (size_t d = 0; d < x.shape.size(); ++d)
       (reduced[d] ? redShape : keptShape).push_back(x.shape[d]), (reduced[d] ? redStride : keptStride).push_back(unit[d]);
+    size_t lead = 0;
+    while (lead < reduced.size() && reduced[lead])
+      ++lead;
+    bool leadingOnly = op != "reduce_max" && lead > 0 &&
+                       std::none_of(reduced.begin() + lead, reduced.end(), [](bool r) { return r; });
+    if (leadingOnly) { // sums over rows, per column (bias gradients): two deterministic passes
+      int64_t rows = count(redShape), cols = count(keptShape);
+      int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(rows / 64, 512)), per = (rows + chunks - 1) / chunks;
+      float scale = op == "reduce_mean" ? 1.0f / float(rows) : 1.0f;
+      float *px = f(ins.in[0]), *py = f(ins.out[0]);
+      reserve(size_t(chunks * cols) * sizeof(float));
+      return [=](cudaStream_t s) {
+        float *partial = reinterpret_cast<float *>(workspace);
+        dim3 grid(unsigned((cols + 31) / 32), unsigned(chunks)), block(32, 8);
+        columnPartialKernel<<<grid, block, 0, s>>>(px, nullptr, nullptr, nullptr, partial, nullptr, rows, cols, per);
+        columnFinishKernel<<<blocksFor(cols), kThreads, 0, s>>>(partial, py, chunks, cols, scale);
+      };
+    }
     if (keptShape.empty())
       keptShape = {1}, keptStride = {0};
     Strided ks = strided(keptShape, keptStride), rs = strided(redShape, redStride);
@@ -848,11 +954,17 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     float eps = static_cast<float>(num(ins, "eps", 1e-5));
     float *px = f(ins.in[0]), *g = f(ins.in[1]), *dy = f(ins.in[2]), *dx = f(ins.out[0]), *dg = f(ins.out[1]);
     float *db = rms ? nullptr : f(ins.out[2]);
-    reserve(2 * rows * sizeof(float));
+    int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(rows / 64, 512)), per = (rows + chunks - 1) / chunks;
+    reserve((2 * rows + 2 * chunks * h) * sizeof(float));
     return [=](cudaStream_t s) {
       float *mean = reinterpret_cast<float *>(workspace), *rstd = mean + rows;
+      float *partial = rstd + rows, *partialB = partial + chunks * h;
       normGradDxKernel<<<int(rows), kThreads, 0, s>>>(px, g, dy, dx, h, eps, rms, mean, rstd);
-      normGradParamsKernel<<<blocksFor(h), kThreads, 0, s>>>(px, dy, mean, rstd, dg, db, rows, h);
+      dim3 grid(unsigned((h + 31) / 32), unsigned(chunks)), block(32, 8);
+      columnPartialKernel<<<grid, block, 0, s>>>(px, mean, rstd, dy, partial, partialB, rows, h, per);
+      columnFinishKernel<<<blocksFor(h), kThreads, 0, s>>>(partial, dg, chunks, h, 1.0f);
+      if (db)
+        columnFinishKernel<<<blocksFor(h), kThreads, 0, s>>>(partialB, db, chunks, h, 1.0f);
     };
   }
   if (op == "embedding" || op == "embedding_grad") {
