@@ -262,6 +262,8 @@ public:
   struct OpRecord {
     Operation *op;
     std::vector<int64_t> in, out;
+    std::string layer;   // "layer.3." for ops of a block application, "" otherwise
+    int64_t instr = -1;  // its instruction in the forward program (-1: a view)
   };
   std::vector<OpRecord> records;
   rt::RankProgram &rankProgram() { return rank; }
@@ -285,7 +287,7 @@ private:
         return failure();
       rank.buffers[*id].viewOf = rootOf(in);
       values[op.getResult(0)] = *id;
-      records.push_back({&op, {in}, {*id}});
+      records.push_back({&op, {in}, {*id}, prefix, -1});
       return success();
     }
     rt::Instruction ins;
@@ -314,7 +316,7 @@ private:
     if (auto ce = dyn_cast<CrossEntropyOp>(op))
       indexLimits[rootOf(ins.in[1])] =
           cast<RankedTensorType>(ce.getLogits().getType()).getShape().back();
-    records.push_back({&op, ins.in, ins.out});
+    records.push_back({&op, ins.in, ins.out, prefix, static_cast<int64_t>(program.size())});
     program.push_back(std::move(ins));
     return success();
   }
@@ -335,7 +337,8 @@ private:
 /// instructions over buffers.
 class Autodiff : public GradientBuilder {
 public:
-  Autodiff(Lowerer &lowerer, MLIRContext *ctx) : lowerer(lowerer), rank(lowerer.rankProgram()), ctx(ctx) {}
+  Autodiff(Lowerer &lowerer, MLIRContext *ctx, const std::set<std::string> &recompute)
+      : lowerer(lowerer), rank(lowerer.rankProgram()), ctx(ctx), recompute(recompute) {}
 
   LogicalResult run(int64_t loss) {
     // What needs a gradient: parameters and everything computed from them.
@@ -355,6 +358,9 @@ public:
     grads[loss] = emitRaw("fill", {}, {like(loss, "grad.loss")}, {{"value", 1.0}}).front();
     for (auto it = lowerer.records.rbegin(); it != lowerer.records.rend(); ++it) {
       current = &*it;
+      if (!current->layer.empty() && wantsRecompute(current->layer) &&
+          !recomputed.count(current->layer))
+        recomputeLayer(current->layer);
       bool hasGrad = false;
       for (int64_t id : current->out)
         hasGrad |= grads.count(id) > 0;
@@ -375,9 +381,9 @@ public:
 
   std::vector<rt::Instruction> backward;
 
-  // GradientBuilder.
-  Handle operand(unsigned i) override { return current->in.at(i); }
-  Handle result(unsigned i) override { return current->out.at(i); }
+  // GradientBuilder. Values of a recomputed layer read its recomputed copies.
+  Handle operand(unsigned i) override { return fresh(current->in.at(i)); }
+  Handle result(unsigned i) override { return fresh(current->out.at(i)); }
   Handle resultGrad(unsigned i) override {
     auto it = grads.find(current->out.at(i));
     return it == grads.end() ? -1 : it->second;
@@ -431,6 +437,45 @@ public:
   MLIRContext *getContext() override { return ctx; }
 
 private:
+  bool wantsRecompute(const std::string &layer) const {
+    if (recompute.count("all"))
+      return true;
+    // "layer.3." matches "layer.3" and "layer" (every application of @layer).
+    std::string name = layer.substr(0, layer.size() - 1);
+    return recompute.count(name) || recompute.count(name.substr(0, name.rfind('.')));
+  }
+  Handle fresh(int64_t id) const {
+    auto it = remap.find(id);
+    return it == remap.end() ? id : it->second;
+  }
+  /// Emits the layer's forward instructions again, into new buffers, just
+  /// before its gradients: its activations need not live through the rest of
+  /// the forward pass and backward.
+  void recomputeLayer(const std::string &layer) {
+    recomputed.insert(layer);
+    const std::vector<rt::Instruction> &forward = lowerer.forwardProgram();
+    for (const auto &rec : lowerer.records) {
+      if (rec.layer != layer)
+        continue;
+      if (rec.instr < 0) { // a reshape: a view of the recomputed input
+        const rt::Buffer src = rank.buffers[rec.out[0]];
+        int64_t id = raw(src.dtype, src.shape, src.name + ".recomputed");
+        rank.buffers[id].viewOf = lowerer.root(fresh(rec.in[0]));
+        remap[rec.out[0]] = id;
+        continue;
+      }
+      rt::Instruction ins = forward[rec.instr];
+      for (int64_t &id : ins.in)
+        id = fresh(id);
+      for (int64_t &id : ins.out) {
+        int64_t copy = like(id, rank.buffers[id].name + ".recomputed");
+        remap[id] = copy;
+        id = copy;
+      }
+      backward.push_back(std::move(ins));
+    }
+  }
+
   bool isFloat(int64_t id) const {
     loom_dtype_t t = rank.buffers[id].dtype;
     return t == LOOM_F32 || t == LOOM_F64 || t == LOOM_BF16 || t == LOOM_F16;
@@ -493,6 +538,8 @@ private:
   const Lowerer::OpRecord *current = nullptr;
   std::map<int64_t, int64_t> grads;
   std::set<int64_t> needs;
+  std::set<std::string> recompute, recomputed;
+  std::map<int64_t, int64_t> remap; // forward buffer -> its recomputed copy
   LogicalResult status = success();
 };
 
@@ -649,7 +696,7 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
   if (options.train) {
     if (rank->outputs.size() != 1 || !rank->buffers[rank->outputs[0].buffer].shape.empty())
       return entry.emitError() << "@loss must return one scalar loss";
-    Autodiff autodiff(lowerer, module->getContext());
+    Autodiff autodiff(lowerer, module->getContext(), options.training.recompute);
     if (failed(autodiff.run(rank->outputs[0].buffer)))
       return failure();
     rank = lowerer.rankProgram(); // parameters now carry their gradients

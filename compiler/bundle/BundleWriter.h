@@ -15,6 +15,7 @@
 #include "mlir/IR/BuiltinOps.h"
 
 #include <functional>
+#include <set>
 #include <string>
 
 namespace mlir::loom {
@@ -27,6 +28,10 @@ struct TrainOptions {
   double momentum = 0.9;    // sgd
   double clip = 1.0;        // global gradient-norm clipping; 0 turns it off
   int64_t warmup = 0, totalSteps = 0; // linear warm-up, then cosine decay over totalSteps
+  /// Layers whose activations are recomputed in backward instead of kept:
+  /// "all", a block's name ("layer": every application) or one application
+  /// ("layer.3").
+  std::set<std::string> recompute;
 };
 
 struct BundleOptions {

@@ -112,6 +112,11 @@ cl::opt<double> trainDecay("weight-decay", cl::desc("Decoupled weight decay on m
                            cl::init(0.1), cl::sub(compileCmd), cl::cat(trainCategory));
 cl::opt<double> trainMomentum("momentum", cl::desc("SGD momentum"), cl::init(0.9),
                               cl::sub(compileCmd), cl::cat(trainCategory));
+cl::list<std::string> trainRecompute("recompute",
+                                     cl::desc("Recompute these layers' activations in backward "
+                                              "instead of keeping them: all, a block name "
+                                              "(layer) or one application (layer.3)"),
+                                     cl::CommaSeparated, cl::sub(compileCmd), cl::cat(trainCategory));
 cl::opt<double> trainClip("clip", cl::desc("Clip the global gradient norm to this (0: off)"),
                           cl::init(1.0), cl::sub(compileCmd), cl::cat(trainCategory));
 cl::opt<int64_t> compileBatch("batch", cl::desc("Batch size the dynamic batch dimension takes"),
@@ -236,6 +241,7 @@ int runCompile() {
   options.training.beta1 = trainBeta1, options.training.beta2 = trainBeta2;
   options.training.eps = trainEps, options.training.weightDecay = trainDecay;
   options.training.momentum = trainMomentum, options.training.clip = trainClip;
+  options.training.recompute.insert(trainRecompute.begin(), trainRecompute.end());
   llvm::StringRef stem = llvm::sys::path::stem(compileInput);
   options.modelName = stem.str();
   ::loom::rt::Manifest manifest;

@@ -153,7 +153,14 @@ private:
         std::vector<int64_t> full(out.shape.begin(), out.shape.end() - 2);
         full.push_back(rows);
         full.push_back(cols);
+        if (t.shape == full)
+          return t.data;
         std::vector<double> data(product(full));
+        if (product(t.shape) == rows * cols) { // one matrix shared by every batch
+          for (int64_t i = 0; i < product(full); ++i)
+            data[i] = t.data[i % (rows * cols)];
+          return data;
+        }
         for (int64_t i = 0; i < product(full); ++i)
           data[i] = atBroadcast(t, unravel(i, full));
         return data;
@@ -161,17 +168,32 @@ private:
       const Tensor &ta = in(0), &tb = in(1);
       std::vector<double> A = m.getTransposeA() ? expand(ta, K, M) : expand(ta, M, K);
       std::vector<double> B = m.getTransposeB() ? expand(tb, N, K) : expand(tb, K, N);
+      // Bring both to [batch][M][K] and [batch][K][N], then plain i-k-j loops
+      // accumulating in double.
+      auto transposeEach = [&](const std::vector<double> &x, int64_t r, int64_t c) {
+        std::vector<double> t(x.size());
+        for (int64_t bi = 0; bi < batch; ++bi)
+          for (int64_t i = 0; i < r; ++i)
+            for (int64_t j = 0; j < c; ++j)
+              t[(bi * c + j) * r + i] = x[(bi * r + i) * c + j];
+        return t;
+      };
+      if (m.getTransposeA())
+        A = transposeEach(A, K, M);
+      if (m.getTransposeB())
+        B = transposeEach(B, N, K);
+      std::vector<double> row(N);
       for (int64_t bi = 0; bi < batch; ++bi)
-        for (int64_t i = 0; i < M; ++i)
-          for (int64_t j = 0; j < N; ++j) {
-            double acc = 0;
-            for (int64_t k = 0; k < K; ++k) {
-              double av = m.getTransposeA() ? A[(bi * K + k) * M + i] : A[(bi * M + i) * K + k];
-              double bv = m.getTransposeB() ? B[(bi * N + j) * K + k] : B[(bi * K + k) * N + j];
-              acc += av * bv;
-            }
-            out.data[(bi * M + i) * N + j] = acc;
+        for (int64_t i = 0; i < M; ++i) {
+          std::fill(row.begin(), row.end(), 0.0);
+          for (int64_t k = 0; k < K; ++k) {
+            double av = A[(bi * M + i) * K + k];
+            const double *brow = B.data() + (bi * K + k) * N;
+            for (int64_t j = 0; j < N; ++j)
+              row[j] += av * brow[j];
           }
+          std::copy(row.begin(), row.end(), out.data.begin() + (bi * M + i) * N);
+        }
       return {out};
     }
     if (isa<ReduceSumOp, ReduceMaxOp, ReduceMeanOp>(op)) {

@@ -168,6 +168,19 @@ TEST_F(BundleTest, Resnet50MatchesReference) {
     EXPECT_LE(e, kF32Tolerance);
 }
 
+/// The full-size GPT-2 124M and BERT-base (a few minutes of reference
+/// evaluation between them); the larger checked-in models share their
+/// writers and ops and are lowered and memory-planned below.
+TEST_F(BundleTest, Gpt2SmallMatchesReference) {
+  for (double e : compileRunCompare("gpt2-124m.mlir", 1))
+    EXPECT_LE(e, kF32Tolerance);
+}
+
+TEST_F(BundleTest, BertBaseMatchesReference) {
+  for (double e : compileRunCompare("bert-base.mlir", 1))
+    EXPECT_LE(e, kF32Tolerance);
+}
+
 /// The large checked-in models are lowered and memory-planned (running them
 /// on a CPU in CI would take too long); the plan must never let two live
 /// activations share bytes.
