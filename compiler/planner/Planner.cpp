@@ -196,10 +196,11 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     const LayerSpec &l = spec.layers[i];
     int64_t lt = (t > 1 && l.tpDivisor % t == 0) ? t : 1; // no rule: replicate
     double flops = b * (l.shardedFlops / lt + (l.flops - l.shardedFlops));
-    double traffic = b * l.memoryTraffic / lt;
+    double width = options.activationBytes / 2.0; // traffic is counted at 16 bits
+    double traffic = b * l.memoryTraffic / lt * width;
     double scores = 0;
     if (options.materializedAttention && l.isTransformer)
-      scores = b * 4.0 * 2.0 * l.heads * l.seq * l.seq / lt; // write, read, write, read (16-bit)
+      scores = b * 4.0 * 2.0 * l.heads * l.seq * l.seq / lt * width; // write, read, write, read
     LayerTimes &lt_ = times[i];
     double fwdCompute = flops / flopRate, fwdMemory = (traffic + scores) / memRate;
     lt_.forward = fwdCompute + fwdMemory;
@@ -652,6 +653,8 @@ bool loadProfile(const std::string &path, CostOptions &options, const Cluster &c
     std::string dtype = doc.value("matmul_dtype", "bf16");
     options.matmulEfficiency =
         std::min(1.0, doc["matmul_flops_per_s"].get<double>() / cluster.peakFlops(dtype));
+    if (dtype == "tf32" || dtype == "f32")
+      options.activationBytes = 4; // the run kept activations in f32
   }
   options.profile = path;
   return true;

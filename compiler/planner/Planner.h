@@ -63,6 +63,9 @@ struct CostOptions {
   /// (Loom's runtime); false: after it, fully exposed (Megatron-LM 2021).
   bool overlapGradientReduce = true;
   double reservedBytes = 3.0 * (1ull << 30); // CUDA context, NCCL and cuBLAS workspaces
+  /// Bytes per activation element moved by memory-bound kernels: 2 for bf16
+  /// (the default), 4 when the runtime keeps activations in f32.
+  double activationBytes = 2;
   bool tpAcrossNodes = false;
   /// Optional calibration profile (loom-run --profile), overriding the above.
   std::string profile;

@@ -43,6 +43,10 @@ protected:
   std::map<std::string, OpTime> times;
 };
 
+/// Dense FLOPs of a matrix instruction (matmul, attention and its gradient),
+/// 0 for the rest: the profile's achieved rates count these.
+double denseInstructionFlops(const RankProgram &rank, const Instruction &ins);
+
 std::unique_ptr<Backend> makeCpuBackend(const RankProgram &rank, int threads);
 /// Throws Error with the reason (no GPU, no driver, built without CUDA).
 std::unique_ptr<Backend> makeCudaBackend(const RankProgram &rank, int device);

@@ -1440,6 +1440,27 @@ void CpuProgram::runProfiled(std::map<std::string, std::pair<double, int64_t>> &
 } // namespace loom::rt
 
 namespace loom::rt {
+
+double denseInstructionFlops(const RankProgram &rank, const Instruction &ins) {
+  auto count = [](const Shape &s) { return double(numElements(s).value_or(0)); };
+  if (ins.op == "matmul" && ins.in.size() == 2 && ins.out.size() == 1) {
+    const Buffer &a = rank.buffers[ins.in[0]], &o = rank.buffers[ins.out[0]];
+    if (a.shape.size() < 2)
+      return 0;
+    auto it = ins.attrs.find("transpose_a");
+    bool ta = it != ins.attrs.end() && it->is_boolean() && it->get<bool>();
+    return 2.0 * count(o.shape) * double(ta ? a.shape[a.shape.size() - 2] : a.shape.back());
+  }
+  if ((ins.op == "attention" || ins.op == "attention_grad") && ins.in.size() >= 2) {
+    const Buffer &q = rank.buffers[ins.in[0]], &k = rank.buffers[ins.in[1]];
+    if (k.shape.size() != 3)
+      return 0;
+    double fwd = 4.0 * count(q.shape) * double(k.shape[1]);
+    return ins.op == "attention" ? fwd : 3 * fwd; // recompute + three products
+  }
+  return 0;
+}
+
 namespace {
 class CpuBackendImpl : public Backend {
 public:
@@ -1460,6 +1481,9 @@ public:
   }
   void prepare(const std::string &program, const std::vector<Instruction> &instrs) override {
     programs[program] = std::make_unique<CpuProgram>(rank, instrs, arena.get(), pool, program);
+    programFlops[program].clear();
+    for (const Instruction &ins : instrs)
+      programFlops[program][ins.op] += denseInstructionFlops(rank, ins);
   }
   bool has(const std::string &program) const override { return programs.count(program) > 0; }
   void run(const std::string &program) override {
@@ -1470,6 +1494,7 @@ public:
     for (auto &[op, t] : local) {
       times[op].seconds += t.first;
       times[op].count += t.second;
+      times[op].flops += programFlops[program][op];
     }
   }
   char *hostData(const Buffer &b) override { return arena.get() + b.offset; }
@@ -1479,6 +1504,7 @@ private:
   ThreadPool pool;
   std::unique_ptr<char, decltype(&std::free)> arena{nullptr, &std::free};
   std::map<std::string, std::unique_ptr<CpuProgram>> programs;
+  std::map<std::string, std::map<std::string, double>> programFlops; // program -> op -> FLOPs
 };
 } // namespace
 

@@ -476,28 +476,46 @@ struct OptimizerArgs {
   double lr, minLr, wd, clip, warmup, total, b1, b2, eps, momentum;
 };
 
+/// The step's scalars (learning rate, clip factor, bias corrections), once
+/// per block in double, then float math per element.
+struct StepScalars {
+  float rate, scale, c1, c2;
+};
+__device__ StepScalars stepScalars(const float *step, const float *norm, const OptimizerArgs &a) {
+  __shared__ StepScalars s;
+  if (threadIdx.x == 0) {
+    double t = *step;
+    s.rate = static_cast<float>(scheduledRate(a.lr, a.minLr, a.warmup, a.total, t - 1));
+    s.scale = a.clip > 0 && *norm > a.clip ? static_cast<float>(a.clip / *norm) : 1.0f;
+    s.c1 = static_cast<float>(1 - pow(a.b1, t));
+    s.c2 = static_cast<float>(1 - pow(a.b2, t));
+  }
+  __syncthreads();
+  return s;
+}
+
 __global__ void adamwKernel(float *p, const float *g, float *m, float *v, const float *step,
                             const float *norm, int64_t n, OptimizerArgs a) {
-  double t = *step, rate = scheduledRate(a.lr, a.minLr, a.warmup, a.total, t - 1);
-  double scale = a.clip > 0 && *norm > a.clip ? a.clip / *norm : 1.0;
-  double c1 = 1 - pow(a.b1, t), c2 = 1 - pow(a.b2, t);
+  StepScalars s = stepScalars(step, norm, a);
+  float b1 = static_cast<float>(a.b1), b2 = static_cast<float>(a.b2), eps = static_cast<float>(a.eps);
+  float wd = static_cast<float>(a.wd);
   GRID_LOOP(i, n) {
-    float gi = static_cast<float>(g[i] * scale);
-    m[i] = static_cast<float>(a.b1 * m[i] + (1 - a.b1) * gi);
-    v[i] = static_cast<float>(a.b2 * v[i] + (1 - a.b2) * gi * gi);
-    double update = (m[i] / c1) / (sqrt(v[i] / c2) + a.eps) + a.wd * p[i];
-    p[i] = static_cast<float>(p[i] - rate * update);
+    float gi = g[i] * s.scale;
+    float mi = b1 * m[i] + (1 - b1) * gi, vi = b2 * v[i] + (1 - b2) * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] -= s.rate * ((mi / s.c1) / (sqrtf(vi / s.c2) + eps) + wd * p[i]);
   }
 }
 
 __global__ void sgdKernel(float *p, const float *g, float *m, const float *step, const float *norm,
                           int64_t n, OptimizerArgs a) {
-  double t = *step, rate = scheduledRate(a.lr, a.minLr, a.warmup, a.total, t - 1);
-  double scale = a.clip > 0 && *norm > a.clip ? a.clip / *norm : 1.0;
+  StepScalars s = stepScalars(step, norm, a);
+  float momentum = static_cast<float>(a.momentum), wd = static_cast<float>(a.wd);
   GRID_LOOP(i, n) {
-    double gi = g[i] * scale + a.wd * p[i];
-    m[i] = static_cast<float>(a.momentum * m[i] + gi);
-    p[i] = static_cast<float>(p[i] - rate * m[i]);
+    float gi = g[i] * s.scale + wd * p[i];
+    m[i] = momentum * m[i] + gi;
+    p[i] -= s.rate * m[i];
   }
 }
 
@@ -685,20 +703,7 @@ private:
     Launch launch;
     cudaEvent_t start, end;
   };
-  /// Dense FLOPs of a matrix instruction (for the profile's achieved rates).
-  double denseFlops(const Instruction &ins) const {
-    if (ins.op == "matmul") {
-      const Buffer &a = buf(ins.in[0]), &o = buf(ins.out[0]);
-      double k = flag(ins, "transpose_a") ? a.shape[a.shape.size() - 2] : a.shape.back();
-      return 2.0 * count(o.shape) * k;
-    }
-    if (ins.op == "attention" || ins.op == "attention_grad") {
-      const Buffer &q = buf(ins.in[0]), &k = buf(ins.in[1]);
-      double fwd = 4.0 * count(q.shape) * k.shape[1];
-      return ins.op == "attention" ? fwd : 3 * fwd; // recompute + three products
-    }
-    return 0;
-  }
+  double denseFlops(const Instruction &ins) const { return denseInstructionFlops(rank, ins); }
   std::map<std::string, std::vector<Step>> programs;
 };
 
