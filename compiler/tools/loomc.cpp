@@ -173,19 +173,36 @@ void loadDialects(MLIRContext &context) {
   context.loadDialect<mlir::loom::LoomDialect, func::FuncDialect>();
 }
 
-int runVerify() {
-  std::string message;
-  auto file = openInputFile(verifyInput, &message);
-  if (!file)
-    return fail("cannot read '" + verifyInput + "': " + message);
+/// A model file, parsed and verified, its diagnostics printed as file:line:col.
+/// Members are destroyed in reverse: the module before its context.
+struct ModelFile {
   llvm::SourceMgr sourceMgr;
-  sourceMgr.AddNewSourceBuffer(std::move(file), llvm::SMLoc());
   MLIRContext context;
-  loadDialects(context);
-  SourceMgrDiagnosticHandler diagnostics(sourceMgr, &context);
-  OwningOpRef<ModuleOp> module = parseSourceFile<ModuleOp>(sourceMgr, &context);
-  if (!module)
+  std::unique_ptr<SourceMgrDiagnosticHandler> diagnostics;
+  OwningOpRef<ModuleOp> module;
+};
+
+/// Null (with the error printed) when the file cannot be read or does not verify.
+std::unique_ptr<ModelFile> parseModelFile(const std::string &path) {
+  std::string message;
+  auto file = openInputFile(path, &message);
+  if (!file) {
+    llvm::WithColor::error(llvm::errs(), "loomc") << "cannot read '" << path << "': " << message << "\n";
+    return nullptr;
+  }
+  auto model = std::make_unique<ModelFile>();
+  model->sourceMgr.AddNewSourceBuffer(std::move(file), llvm::SMLoc());
+  loadDialects(model->context);
+  model->diagnostics = std::make_unique<SourceMgrDiagnosticHandler>(model->sourceMgr, &model->context);
+  model->module = parseSourceFile<ModuleOp>(model->sourceMgr, &model->context);
+  return model->module ? std::move(model) : nullptr;
+}
+
+int runVerify() {
+  auto model = parseModelFile(verifyInput);
+  if (!model)
     return 1;
+  OwningOpRef<ModuleOp> &module = model->module;
   FailureOr<mlir::loom::ModelSummary> summary = mlir::loom::summarizeModel(*module);
   if (failed(summary))
     return 1;
@@ -216,18 +233,10 @@ int runCompile() {
   if (compileBatch < 1)
     return fail("--batch must be at least 1");
 
-  std::string message;
-  auto file = openInputFile(compileInput, &message);
-  if (!file)
-    return fail("cannot read '" + compileInput + "': " + message);
-  llvm::SourceMgr sourceMgr;
-  sourceMgr.AddNewSourceBuffer(std::move(file), llvm::SMLoc());
-  MLIRContext context;
-  loadDialects(context);
-  SourceMgrDiagnosticHandler diagnostics(sourceMgr, &context);
-  OwningOpRef<ModuleOp> module = parseSourceFile<ModuleOp>(sourceMgr, &context);
-  if (!module)
+  auto model = parseModelFile(compileInput);
+  if (!model)
     return 1;
+  OwningOpRef<ModuleOp> &module = model->module;
 
   mlir::loom::BundleOptions options;
   options.batch = compileBatch;
@@ -276,18 +285,10 @@ int runPlan() {
   if (!planProfile.empty() && !::loom::planner::loadProfile(planProfile, costs, cluster, error))
     return fail(error);
 
-  std::string message;
-  auto file = openInputFile(planInput, &message);
-  if (!file)
-    return fail("cannot read '" + planInput + "': " + message);
-  llvm::SourceMgr sourceMgr;
-  sourceMgr.AddNewSourceBuffer(std::move(file), llvm::SMLoc());
-  MLIRContext context;
-  loadDialects(context);
-  SourceMgrDiagnosticHandler diagnostics(sourceMgr, &context);
-  OwningOpRef<ModuleOp> module = parseSourceFile<ModuleOp>(sourceMgr, &context);
-  if (!module)
+  auto model = parseModelFile(planInput);
+  if (!model)
     return 1;
+  OwningOpRef<ModuleOp> &module = model->module;
   auto spec = mlir::loom::buildModelSpec(*module, llvm::sys::path::stem(planInput));
   if (failed(spec))
     return 1;

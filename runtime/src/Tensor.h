@@ -55,6 +55,19 @@ inline uint16_t floatToBf16(float f) {
   return uint16_t(bits >> 16);
 }
 
+/// Element i of a buffer of `dtype` as a double (for summaries and comparisons).
+inline double loadAsDouble(loom_dtype_t dtype, const void *data, int64_t i) {
+  switch (dtype) {
+  case LOOM_F32: return static_cast<const float *>(data)[i];
+  case LOOM_F64: return static_cast<const double *>(data)[i];
+  case LOOM_BF16: return bf16ToFloat(static_cast<const uint16_t *>(data)[i]);
+  case LOOM_I32: return static_cast<const int32_t *>(data)[i];
+  case LOOM_I64: return static_cast<double>(static_cast<const int64_t *>(data)[i]);
+  case LOOM_F16: break;
+  }
+  return 0.0 / 0.0;
+}
+
 } // namespace loom::rt
 
 #endif

@@ -19,15 +19,7 @@
 using namespace loom::rt;
 
 static double at(const SafetensorsFile &f, const SafetensorsEntry &e, int64_t i) {
-  const char *p = f.data.data() + e.offset;
-  switch (e.dtype) {
-  case LOOM_F32: return reinterpret_cast<const float *>(p)[i];
-  case LOOM_F64: return reinterpret_cast<const double *>(p)[i];
-  case LOOM_BF16: return bf16ToFloat(reinterpret_cast<const uint16_t *>(p)[i]);
-  case LOOM_I32: return reinterpret_cast<const int32_t *>(p)[i];
-  case LOOM_I64: return static_cast<double>(reinterpret_cast<const int64_t *>(p)[i]);
-  default: return NAN;
-  }
+  return loadAsDouble(e.dtype, f.data.data() + e.offset, i);
 }
 
 int main(int argc, char **argv) {

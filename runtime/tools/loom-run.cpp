@@ -58,16 +58,7 @@ void usage(FILE *to) {
                "  --resume DIR            continue from DIR/checkpoint.safetensors\n");
 }
 
-double valueAt(const Buffer &b, const char *p, int64_t i) {
-  switch (b.dtype) {
-  case LOOM_F32: return reinterpret_cast<const float *>(p)[i];
-  case LOOM_F64: return reinterpret_cast<const double *>(p)[i];
-  case LOOM_BF16: return bf16ToFloat(reinterpret_cast<const uint16_t *>(p)[i]);
-  case LOOM_I32: return reinterpret_cast<const int32_t *>(p)[i];
-  case LOOM_I64: return static_cast<double>(reinterpret_cast<const int64_t *>(p)[i]);
-  default: return NAN;
-  }
-}
+double valueAt(const Buffer &b, const char *p, int64_t i) { return loadAsDouble(b.dtype, p, i); }
 
 void fillSynthetic(Session &s, const NamedBuffer &nb, std::mt19937_64 &rng) {
   const Buffer &b = s.rank().buffers[nb.buffer];

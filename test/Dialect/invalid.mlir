@@ -430,3 +430,17 @@ module attributes {loom.mesh = #loom.mesh<["dp" = 2, "tp" = 2]>} {
 
 // expected-error @+1 {{'loom.sharding' needs a 'loom.mesh' attribute on the enclosing module}}
 loom.param @b : tensor<8xf32> init <zeros> {loom.sharding = #loom.sharding<[{"tp"}]>}
+
+// -----
+
+// expected-error @+1 {{'loom.block' op arguments must be ranked tensors, got 'i32'}}
+loom.block @scalar(%x: i32) -> i32 {
+  loom.yield %x : i32
+}
+
+// -----
+
+func.func @yield_outside() {
+  // expected-error @+1 {{'loom.yield' op expects parent op 'loom.block'}}
+  loom.yield
+}

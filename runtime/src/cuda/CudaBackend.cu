@@ -241,6 +241,20 @@ __device__ inline float blockSum(float v, float *shared) {
   return total;
 }
 
+__device__ inline float blockMax(float v, float *shared) {
+  for (int o = 16; o > 0; o >>= 1)
+    v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+  int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  __syncthreads();
+  if (lane == 0)
+    shared[warp] = v;
+  __syncthreads();
+  float best = -INFINITY;
+  for (int w = 0; w < (blockDim.x + 31) / 32; ++w)
+    best = fmaxf(best, shared[w]);
+  return best;
+}
+
 /// LayerNorm / RMSNorm over rows of h; saves mean and 1/std per row.
 __global__ void normKernel(const float *x, const float *g, const float *b, float *y, int64_t h,
                            float eps, bool rms, float *meanOut, float *rstdOut) {
@@ -353,15 +367,7 @@ __global__ void softmaxRowsKernel(float *p, int64_t rows, int64_t len, int64_t s
   float mx = -INFINITY;
   for (int64_t j = threadIdx.x; j < last; j += blockDim.x)
     mx = fmaxf(mx, pr[j]);
-  for (int o = 16; o > 0; o >>= 1)
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
-  __shared__ float warpMax[32];
-  if (threadIdx.x % 32 == 0)
-    warpMax[threadIdx.x / 32] = mx;
-  __syncthreads();
-  mx = -INFINITY;
-  for (int w = 0; w < (blockDim.x + 31) / 32; ++w)
-    mx = fmaxf(mx, warpMax[w]);
+  mx = blockMax(mx, shared);
   float sum = 0;
   for (int64_t j = threadIdx.x; j < last; j += blockDim.x)
     sum += expf(pr[j] - mx);
@@ -387,7 +393,6 @@ __global__ void softmaxGradRowsKernel(const float *p, float *dp, int64_t len, fl
 __global__ void crossEntropyRowsKernel(const float *logits, const void *targets, bool wide,
                                        float *rowLoss, int64_t v, long long *err) {
   __shared__ float shared[32];
-  __shared__ float warpMax[32];
   int64_t row = blockIdx.x;
   const float *lr = logits + row * v;
   int64_t t = readIndex(targets, wide, row);
@@ -399,14 +404,7 @@ __global__ void crossEntropyRowsKernel(const float *logits, const void *targets,
   float mx = -INFINITY;
   for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
     mx = fmaxf(mx, lr[j]);
-  for (int o = 16; o > 0; o >>= 1)
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
-  if (threadIdx.x % 32 == 0)
-    warpMax[threadIdx.x / 32] = mx;
-  __syncthreads();
-  mx = -INFINITY;
-  for (int w = 0; w < (blockDim.x + 31) / 32; ++w)
-    mx = fmaxf(mx, warpMax[w]);
+  mx = blockMax(mx, shared);
   float sum = 0;
   for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
     sum += expf(lr[j] - mx);
@@ -428,7 +426,6 @@ __global__ void meanKernel(const float *x, int64_t n, float *out) {
 __global__ void crossEntropyGradKernel(const float *logits, const void *targets, bool wide,
                                        const float *dloss, float *dl, int64_t rows, int64_t v) {
   __shared__ float shared[32];
-  __shared__ float warpMax[32];
   int64_t row = blockIdx.x;
   const float *lr = logits + row * v;
   float *out = dl + row * v;
@@ -436,14 +433,7 @@ __global__ void crossEntropyGradKernel(const float *logits, const void *targets,
   float mx = -INFINITY;
   for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
     mx = fmaxf(mx, lr[j]);
-  for (int o = 16; o > 0; o >>= 1)
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
-  if (threadIdx.x % 32 == 0)
-    warpMax[threadIdx.x / 32] = mx;
-  __syncthreads();
-  mx = -INFINITY;
-  for (int w = 0; w < (blockDim.x + 31) / 32; ++w)
-    mx = fmaxf(mx, warpMax[w]);
+  mx = blockMax(mx, shared);
   float sum = 0;
   for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
     sum += expf(lr[j] - mx);
