@@ -162,14 +162,24 @@ int train(Session &s, int steps, const std::string &data, const std::string &dat
           int saveEvery, const std::string &checkpointDir, const std::string &resume,
           uint64_t seed) {
   const RankProgram &r = s.rank();
-  if (r.inputs.size() != 2)
-    fail(LOOM_UNSUPPORTED, "training with loom-run feeds [batch, seq] tokens and targets; this "
-         "bundle has ", r.inputs.size(), " inputs (drive it through the C API instead)");
-  const Buffer &tok = r.buffers[r.inputs[0].buffer], &tgt = r.buffers[r.inputs[1].buffer];
-  if (tok.shape.size() != 2 || tok.shape != tgt.shape || tok.dtype != LOOM_I32 || tgt.dtype != LOOM_I32)
-    fail(LOOM_UNSUPPORTED, "training with loom-run needs i32 [batch, seq] tokens and targets");
-  int64_t batch = tok.shape[0], seq = tok.shape[1];
-  int64_t vocab = r.inputs[0].limit;
+  // Language models ([batch, seq] tokens and targets) read token files; any
+  // other model trains on synthetic inputs drawn afresh each step.
+  bool languageModel = r.inputs.size() == 2 &&
+                       r.buffers[r.inputs[0].buffer].shape.size() == 2 &&
+                       r.buffers[r.inputs[0].buffer].shape == r.buffers[r.inputs[1].buffer].shape &&
+                       r.buffers[r.inputs[0].buffer].dtype == LOOM_I32 &&
+                       r.buffers[r.inputs[1].buffer].dtype == LOOM_I32;
+  if (!languageModel && !data.empty())
+    fail(LOOM_UNSUPPORTED, "--data feeds [batch, seq] tokens and targets; this model's inputs "
+         "are different (train it on synthetic inputs, or drive it through the C API)");
+  int64_t batch = 1, seq = 1, vocab = 0;
+  if (languageModel) {
+    batch = r.buffers[r.inputs[0].buffer].shape[0];
+    seq = r.buffers[r.inputs[0].buffer].shape[1];
+    vocab = r.inputs[0].limit;
+  } else if (!r.inputs.empty() && !r.buffers[r.inputs[0].buffer].shape.empty()) {
+    batch = r.buffers[r.inputs[0].buffer].shape[0];
+  }
   if (saveEvery > 0 && checkpointDir.empty())
     fail(LOOM_INVALID_ARGUMENT, "--save-every needs --checkpoint DIR");
   std::optional<TokenData> tokens;
@@ -180,14 +190,18 @@ int train(Session &s, int steps, const std::string &data, const std::string &dat
     std::printf("resumed from %s/checkpoint.safetensors at step %lld\n", resume.c_str(),
                 (long long)s.step());
   }
-  std::vector<int32_t> in(batch * seq), target(batch * seq);
+  std::vector<int32_t> in(languageModel ? batch * seq : 0), target(languageModel ? batch * seq : 0);
   auto start = std::chrono::steady_clock::now();
   double timedSeconds = 0;
   int64_t timedSteps = 0;
   const int64_t warmupSteps = 3;
   int64_t first = s.step() + 1;
   for (int64_t t = first; t <= steps; ++t) {
-    if (tokens) {
+    if (!languageModel) { // synthetic inputs, seeded by the step: reproducible on resume
+      std::mt19937_64 rng(seed * 1000003 + t);
+      for (const NamedBuffer &nb : r.inputs)
+        fillSynthetic(s, nb, rng);
+    } else if (tokens) {
       tokens->fill(t, in, target);
     } else { // synthetic: a fixed stream per step, reproducible on resume
       std::mt19937_64 rng(seed * 1000003 + t);
@@ -196,15 +210,17 @@ int train(Session &s, int steps, const std::string &data, const std::string &dat
       for (size_t i = 0; i < in.size(); ++i)
         target[i] = in[(i + 1) % in.size()];
     }
-    s.bindInput(r.inputs[0].name, in.data(), in.size() * 4);
-    s.bindInput(r.inputs[1].name, target.data(), target.size() * 4);
+    if (languageModel) {
+      s.bindInput(r.inputs[0].name, in.data(), in.size() * 4);
+      s.bindInput(r.inputs[1].name, target.data(), target.size() * 4);
+    }
     auto t0 = std::chrono::steady_clock::now();
     float loss = s.trainStep();
     auto t1 = std::chrono::steady_clock::now();
     double stepSeconds = std::chrono::duration<double>(t1 - t0).count();
     double elapsed = std::chrono::duration<double>(t1 - start).count();
-    std::printf("step %lld/%d  loss %.6f  %.0f tokens/s  elapsed %.2fs\n", (long long)t, steps,
-                loss, batch * seq / stepSeconds, elapsed);
+    std::printf("step %lld/%d  loss %.6f  %.0f %s/s  elapsed %.2fs\n", (long long)t, steps, loss,
+                batch * seq / stepSeconds, languageModel ? "tokens" : "examples", elapsed);
     if (t - first >= warmupSteps) {
       timedSeconds += stepSeconds;
       ++timedSteps;
@@ -220,8 +236,9 @@ int train(Session &s, int steps, const std::string &data, const std::string &dat
     }
   }
   if (timedSteps > 0)
-    std::printf("trained: %.1f ms per step, %.0f tokens/s (mean of %lld steps after %lld warm-up)\n",
+    std::printf("trained: %.1f ms per step, %.0f %s/s (mean of %lld steps after %lld warm-up)\n",
                 1e3 * timedSeconds / timedSteps, batch * seq * timedSteps / timedSeconds,
+                languageModel ? "tokens" : "examples",
                 (long long)timedSteps, (long long)warmupSteps);
   return 0;
 }
