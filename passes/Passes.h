@@ -19,6 +19,9 @@ LogicalResult refreshResultTypes(Region &region);
 /// Specialises the dynamic batch of every entry point and block to `batch`.
 LogicalResult specializeBatch(ModuleOp module, int64_t batch);
 
+/// bf16 compute with f32 master parameters (the loom-mixed-precision pass).
+LogicalResult applyMixedPrecision(ModuleOp module);
+
 #define GEN_PASS_REGISTRATION
 #include "passes/Passes.h.inc"
 

@@ -17,4 +17,15 @@ def SpecializeBatch : Pass<"loom-specialize-batch", "::mlir::ModuleOp"> {
   ];
 }
 
+def MixedPrecision : Pass<"loom-mixed-precision", "::mlir::ModuleOp"> {
+  let summary = "Computes in bf16 while parameters stay f32 masters";
+  let description = [{
+    Every read of an f32 parameter (and every f32 entry argument) is cast to
+    bf16 where it is read; activations, their gradients and block signatures
+    become bf16. Parameters, their gradients and optimizer state stay f32
+    (the casts' gradients convert back), and the loss stays f32 because
+    loom.cross_entropy accumulates and returns f32.
+  }];
+}
+
 #endif // LOOM_PASSES_TD

@@ -13,6 +13,9 @@ using namespace mlir::loom;
 static FailureOr<RankedTensorType> resolveExplicitResult(Operation *op) {
   auto in = cast<RankedTensorType>(op->getOperand(0).getType());
   auto out = cast<RankedTensorType>(op->getResult(0).getType());
+  // Reshape and broadcast keep their operand's element type; a cast sets its own.
+  if (!isa<CastOp>(op))
+    out = RankedTensorType::get(out.getShape(), in.getElementType());
   if (out.hasStaticShape() || !in.hasStaticShape())
     return out;
   SmallVector<int64_t> shape(out.getShape());

@@ -682,6 +682,8 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
   OwningOpRef<ModuleOp> module(original.clone());
   if (failed(specializeBatch(*module, options.batch)))
     return failure();
+  if (options.bf16 && failed(applyMixedPrecision(*module)))
+    return failure();
   const char *entryName = options.train ? "loss" : "forward";
   auto entry = module->lookupSymbol<func::FuncOp>(entryName);
   if (!entry || entry.isExternal())

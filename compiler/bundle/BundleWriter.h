@@ -41,6 +41,7 @@ struct BundleOptions {
   std::string weightsFile; // load instead of initialising, when set
   bool noWeights = false;  // write no weights file: the runtime initialises from the seed
   bool train = false;      // lower @loss with backward and update programs
+  bool bf16 = false;       // bf16 activations, f32 master parameters (loom-mixed-precision)
   TrainOptions training;
 };
 

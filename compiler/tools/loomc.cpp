@@ -123,6 +123,11 @@ cl::opt<int64_t> compileBatch("batch", cl::desc("Batch size the dynamic batch di
                               cl::init(1), cl::sub(compileCmd));
 cl::opt<uint64_t> compileSeed("seed", cl::desc("Seed for initialising parameters"), cl::init(0),
                               cl::sub(compileCmd));
+cl::opt<std::string> compilePrecision("precision",
+                                      cl::desc("f32 (default), or bf16: bf16 activations and "
+                                               "compute with f32 master parameters, optimizer "
+                                               "state and loss"),
+                                      cl::init("f32"), cl::sub(compileCmd));
 cl::opt<bool> compileNoWeights("no-weights",
                                cl::desc("Write no weights file; the runtime initialises the "
                                         "parameters from --seed when it loads the bundle"),
@@ -243,6 +248,9 @@ int runCompile() {
   options.seed = compileSeed;
   options.weightsFile = compileWeights;
   options.train = compileTrain;
+  if (compilePrecision != "f32" && compilePrecision != "bf16")
+    return fail("--precision must be f32 or bf16, got '" + compilePrecision + "'");
+  options.bf16 = compilePrecision == "bf16";
   options.noWeights = compileNoWeights;
   options.training.optimizer = trainOptimizer;
   options.training.lr = trainLr, options.training.minLr = trainMinLr;

@@ -328,3 +328,67 @@ TEST(Recompute, SameGradientsLessMemory) {
               (long long)peaks[0], (long long)peaks[1], (long long)peaks[2]);
 }
 } // namespace
+
+namespace {
+/// bf16 mixed precision: activations bf16; parameters, their gradients, the
+/// optimizer state and the loss f32; gradients close to the f32 ones.
+TEST(MixedPrecision, Bf16ComputeF32Masters) {
+  MLIRContext context;
+  context.loadDialect<mlir::loom::LoomDialect, func::FuncDialect>();
+  auto module = parseSourceFile<ModuleOp>(std::string(LOOM_MODELS_DIR) + "/gpt-tiny.mlir", &context);
+  ASSERT_TRUE(module);
+  std::vector<std::vector<float>> grads[2];
+  float losses[2];
+  for (int bf16 = 0; bf16 < 2; ++bf16) {
+    std::string dir = ::testing::TempDir() + "/loom-mp-" + std::to_string(::getpid()) + std::to_string(bf16);
+    std::filesystem::remove_all(dir);
+    mlir::loom::BundleOptions options;
+    options.batch = 4;
+    options.train = true;
+    options.bf16 = bf16;
+    ASSERT_TRUE(succeeded(mlir::loom::writeBundle(*module, options, dir)));
+    rt::Session s(dir, {});
+    const rt::RankProgram &r = s.rank();
+    if (bf16) {
+      bool anyBf16 = false;
+      for (const rt::Buffer &b : r.buffers)
+        anyBf16 |= b.dtype == LOOM_BF16;
+      EXPECT_TRUE(anyBf16) << "no bf16 activations";
+      for (const rt::Parameter &p : r.params) {
+        EXPECT_EQ(r.buffers[p.buffer].dtype, LOOM_F32) << p.name;
+        EXPECT_EQ(r.buffers[p.grad].dtype, LOOM_F32) << p.name;
+      }
+      for (const rt::NamedBuffer &st : r.state)
+        EXPECT_EQ(r.buffers[st.buffer].dtype, LOOM_F32) << st.name;
+      EXPECT_EQ(r.buffers[r.outputs[0].buffer].dtype, LOOM_F32);
+    }
+    std::vector<int32_t> tokens(4 * 32);
+    for (size_t i = 0; i < tokens.size(); ++i)
+      tokens[i] = static_cast<int32_t>((i * 11) % 256);
+    s.bindInput("tokens", tokens.data(), tokens.size() * 4);
+    s.bindInput("targets", tokens.data(), tokens.size() * 4);
+    s.runProgram("forward");
+    s.runProgram("backward");
+    losses[bf16] = s.loss();
+    for (const rt::Parameter &p : r.params) {
+      std::vector<char> bytes = s.read(r.buffers[p.grad]);
+      const float *g = reinterpret_cast<const float *>(bytes.data());
+      grads[bf16].emplace_back(g, g + bytes.size() / 4);
+    }
+    std::filesystem::remove_all(dir);
+  }
+  EXPECT_NEAR(losses[1] / losses[0], 1.0, 1e-2);
+  // Over all parameters together: some gradients are ~0 in exact arithmetic
+  // (the key bias: softmax ignores a shift shared by all keys), so a
+  // per-parameter relative error would compare rounding noise with noise.
+  double diff = 0, ref = 0;
+  for (size_t i = 0; i < grads[0].size(); ++i)
+    for (size_t j = 0; j < grads[0][i].size(); ++j) {
+      diff += std::pow(grads[1][i][j] - grads[0][i][j], 2);
+      ref += std::pow(grads[0][i][j], 2);
+    }
+  double rel = std::sqrt(diff / ref);
+  std::printf("bf16 vs f32 gradients: relative L2 error %.3g over all parameters\n", rel);
+  EXPECT_LT(rel, 3e-2);
+}
+} // namespace

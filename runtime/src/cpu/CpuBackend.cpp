@@ -10,6 +10,7 @@
 #include <cstring>
 #include <map>
 #include <numeric>
+#include <set>
 
 namespace loom::rt {
 
@@ -24,10 +25,15 @@ struct Ctx {
   char *arena;
   ThreadPool &pool;
   std::string where;
+  /// bf16 buffers of this instruction, computed on through f32 copies.
+  const std::map<int64_t, float *> &widened;
 
   const Buffer &in(size_t i) const { return rank.buffers[ins.in[i]]; }
   const Buffer &out(size_t i = 0) const { return rank.buffers[ins.out[i]]; }
-  float *f32(const Buffer &b) const { return reinterpret_cast<float *>(arena + b.offset); }
+  float *f32(const Buffer &b) const {
+    auto it = widened.find(b.id);
+    return it != widened.end() ? it->second : reinterpret_cast<float *>(arena + b.offset);
+  }
   template <typename T> T *ptr(const Buffer &b) const {
     return reinterpret_cast<T *>(arena + b.offset);
   }
@@ -41,7 +47,7 @@ struct Ctx {
               ins.out.size()));
   }
   void needF32(const Buffer &b) const {
-    if (b.dtype != LOOM_F32)
+    if (b.dtype != LOOM_F32 && !widened.count(b.id))
       fail(LOOM_UNSUPPORTED, where, ": the CPU backend computes in f32; buffer '", b.name,
            "' is ", dtypeName(b.dtype));
   }
@@ -1410,15 +1416,59 @@ std::vector<std::string> cpuSupportedOps() {
 }
 
 CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &instrs,
-                       char *arena, ThreadPool &pool, const std::string &programName) {
+                       char *arena, ThreadPool &pool, const std::string &programName,
+                       bool allocate) {
   for (size_t i = 0; i < instrs.size(); ++i) {
     const Instruction &ins = instrs[i];
     std::string where = cat("instruction ", programName, "[", i, "] '", ins.op, "'");
     auto it = builders().find(ins.op);
     if (it == builders().end())
       fail(LOOM_UNSUPPORTED, where, ": the CPU backend has no kernel for this op");
-    Ctx ctx{ins, rank, arena, pool, where};
-    steps.push_back(Step{where, ins.op, it->second(ctx)});
+    // bf16 storage, f32 compute: each bf16 operand is widened into an f32
+    // copy before the kernel and each bf16 result narrowed after it. Casts
+    // convert themselves and data movement (slice, transpose, concat,
+    // broadcast) copies bytes of any dtype, so those run on bf16 directly.
+    std::map<int64_t, float *> widened;
+    struct Copy {
+      char *bf16;
+      float *f32;
+      int64_t count;
+    };
+    std::vector<Copy> widen, narrow; // operands in, results out
+    static const std::set<std::string> bytewise = {"cast", "slice", "transpose", "concat",
+                                                   "broadcast"};
+    if (!bytewise.count(ins.op)) {
+      auto add = [&](int64_t id, std::vector<Copy> &list) {
+        const Buffer &b = rank.buffers[id];
+        if (b.dtype != LOOM_BF16 || widened.count(id))
+          return;
+        int64_t n = numElements(b.shape).value_or(0);
+        float *copy = reinterpret_cast<float *>(arena); // validation only: never run
+        if (allocate) {
+          scratch.emplace_back(static_cast<size_t>(std::max<int64_t>(n, 1)));
+          copy = scratch.back().data();
+        }
+        widened[id] = copy;
+        list.push_back({arena + b.offset, copy, n});
+      };
+      for (int64_t id : ins.in)
+        add(id, widen);
+      for (int64_t id : ins.out)
+        add(id, narrow);
+    }
+    Ctx ctx{ins, rank, arena, pool, where, widened};
+    std::function<void()> kernel = it->second(ctx);
+    if (!widened.empty())
+      kernel = [kernel, widen, narrow] {
+        for (const Copy &c : widen)
+          for (int64_t e = 0; e < c.count; ++e)
+            c.f32[e] = bf16ToFloat(reinterpret_cast<const uint16_t *>(c.bf16)[e]);
+        kernel();
+        for (const Copy &c : narrow)
+          for (int64_t e = 0; e < c.count; ++e)
+            reinterpret_cast<uint16_t *>(c.bf16)[e] = floatToBf16(c.f32[e]);
+      };
+    steps.push_back(Step{where, ins.op, std::move(kernel)});
   }
 }
 
@@ -1480,7 +1530,7 @@ public:
     std::memcpy(dst, arena.get() + b.offset, b.bytes);
   }
   void prepare(const std::string &program, const std::vector<Instruction> &instrs) override {
-    programs[program] = std::make_unique<CpuProgram>(rank, instrs, arena.get(), pool, program);
+    programs[program] = std::make_unique<CpuProgram>(rank, instrs, arena.get(), pool, program, true);
     programFlops[program].clear();
     for (const Instruction &ins : instrs)
       programFlops[program][ins.op] += denseInstructionFlops(rank, ins);

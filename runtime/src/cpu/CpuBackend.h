@@ -24,8 +24,9 @@ class CpuProgram {
 public:
   /// Validates `instrs` against `rank`'s buffers and builds the kernels.
   /// `arena` must hold rank.arenaBytes bytes and outlive the program.
+  /// `allocate` false only validates (no scratch memory; never run it).
   CpuProgram(const RankProgram &rank, const std::vector<Instruction> &instrs, char *arena,
-             ThreadPool &pool, const std::string &programName);
+             ThreadPool &pool, const std::string &programName, bool allocate = true);
   /// Runs every instruction in order; throws Error naming the instruction
   /// when a run-time check fails (a token id outside the vocabulary, say).
   void run();
@@ -39,6 +40,7 @@ private:
     std::function<void()> kernel;
   };
   std::vector<Step> steps;
+  std::vector<std::vector<float>> scratch; // f32 copies of bf16 operands
 };
 
 /// Names of the instructions the CPU backend runs (for docs and errors).

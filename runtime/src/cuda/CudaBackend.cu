@@ -572,7 +572,7 @@ public:
       // The CPU builders check every shape and attribute; they never touch memory.
       ThreadPool validationPool(1);
       static char fakeArena[64];
-      CpuProgram validated(rank, instrs, fakeArena, validationPool, program);
+      CpuProgram validated(rank, instrs, fakeArena, validationPool, program, /*allocate=*/false);
     }
     std::vector<Step> steps;
     for (size_t i = 0; i < instrs.size(); ++i) {

@@ -1,0 +1,94 @@
+//===- MixedPrecision.cpp - bf16 compute, f32 master parameters -----------===//
+
+#include "dialects/loom/IR/LoomOps.h"
+#include "mlir/Dialect/Func/IR/FuncOps.h"
+#include "mlir/IR/Builders.h"
+#include "passes/Passes.h"
+#include "llvm/ADT/SmallPtrSet.h"
+
+#include <functional>
+
+namespace mlir::loom {
+#define GEN_PASS_DEF_MIXEDPRECISION
+#include "passes/Passes.h.inc"
+} // namespace mlir::loom
+
+using namespace mlir;
+using namespace mlir::loom;
+
+static Type toBf16(Type type) {
+  auto t = dyn_cast<RankedTensorType>(type);
+  if (!t || !t.getElementType().isF32())
+    return type;
+  return RankedTensorType::get(t.getShape(), BFloat16Type::get(type.getContext()));
+}
+
+/// Casts an f32 value to bf16 right after it is defined and moves its uses.
+static void castAfter(OpBuilder &b, Value v, Location loc) {
+  if (!cast<RankedTensorType>(v.getType()).getElementType().isF32())
+    return;
+  auto castOp = b.create<CastOp>(loc, toBf16(v.getType()), v);
+  v.replaceAllUsesExcept(castOp.getResult(), castOp);
+}
+
+/// Rewrites one function-like body; `bf16Args` turns its tensor arguments
+/// into bf16 (blocks), otherwise they stay f32 and are cast on entry.
+static LogicalResult convertBody(FunctionOpInterface fn, bool bf16Args) {
+  Block &entry = fn.getFunctionBody().front();
+  OpBuilder b(fn.getContext());
+  SmallVector<Type> inputs;
+  for (BlockArgument arg : entry.getArguments()) {
+    if (bf16Args) {
+      arg.setType(toBf16(arg.getType()));
+    } else if (isa<RankedTensorType>(arg.getType())) {
+      b.setInsertionPointToStart(&entry);
+      castAfter(b, arg, arg.getLoc());
+    }
+    inputs.push_back(arg.getType());
+  }
+  SmallVector<GetOp> gets(fn.getFunctionBody().getOps<GetOp>());
+  for (GetOp get : gets) {
+    b.setInsertionPointAfter(get);
+    castAfter(b, get.getResult(), get.getLoc());
+  }
+  if (failed(refreshResultTypes(fn.getFunctionBody())))
+    return failure();
+  SmallVector<Type> results(entry.getTerminator()->getOperandTypes());
+  fn.setType(FunctionType::get(fn.getContext(), inputs, results));
+  return success();
+}
+
+LogicalResult mlir::loom::applyMixedPrecision(ModuleOp module) {
+  for (BlockOp block : module.getOps<BlockOp>())
+    if (failed(convertBody(block, /*bf16Args=*/true)))
+      return failure();
+  llvm::SmallPtrSet<Operation *, 8> done;
+  std::function<LogicalResult(func::FuncOp)> visit = [&](func::FuncOp fn) -> LogicalResult {
+    if (!done.insert(fn).second || fn.isExternal())
+      return success();
+    WalkResult calls = fn.walk([&](func::CallOp call) {
+      if (auto callee = module.lookupSymbol<func::FuncOp>(call.getCallee()))
+        if (failed(visit(callee)))
+          return WalkResult::interrupt();
+      return WalkResult::advance();
+    });
+    if (calls.wasInterrupted())
+      return failure();
+    return convertBody(fn, /*bf16Args=*/false);
+  };
+  for (auto fn : module.getOps<func::FuncOp>())
+    if (failed(visit(fn)))
+      return failure();
+  return success();
+}
+
+namespace mlir::loom {
+namespace {
+struct MixedPrecisionPass : public impl::MixedPrecisionBase<MixedPrecisionPass> {
+  void runOnOperation() override {
+    if (failed(applyMixedPrecision(getOperation())))
+      signalPassFailure();
+  }
+};
+} // namespace
+} // namespace mlir::loom
