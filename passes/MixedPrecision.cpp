@@ -23,12 +23,17 @@ static Type toBf16(Type type) {
   return RankedTensorType::get(t.getShape(), BFloat16Type::get(type.getContext()));
 }
 
-/// Casts an f32 value to bf16 right after it is defined and moves its uses.
+/// Casts an f32 value to bf16 right after it is defined and moves its uses,
+/// except calls: entry points keep their f32 arguments and cast them inside.
 static void castAfter(OpBuilder &b, Value v, Location loc) {
   if (!cast<RankedTensorType>(v.getType()).getElementType().isF32())
     return;
   auto castOp = b.create<CastOp>(loc, toBf16(v.getType()), v);
-  v.replaceAllUsesExcept(castOp.getResult(), castOp);
+  v.replaceUsesWithIf(castOp.getResult(), [&](OpOperand &use) {
+    return use.getOwner() != castOp && !isa<func::CallOp>(use.getOwner());
+  });
+  if (castOp.getResult().use_empty())
+    castOp.erase();
 }
 
 /// Rewrites one function-like body; `bf16Args` turns its tensor arguments
