@@ -4,9 +4,6 @@
 #include "mlir/Dialect/Func/IR/FuncOps.h"
 #include "mlir/IR/Builders.h"
 #include "passes/Passes.h"
-#include "llvm/ADT/SmallPtrSet.h"
-
-#include <functional>
 
 namespace mlir::loom {
 #define GEN_PASS_DEF_MIXEDPRECISION
@@ -64,27 +61,9 @@ static LogicalResult convertBody(FunctionOpInterface fn, bool bf16Args) {
 }
 
 LogicalResult mlir::loom::applyMixedPrecision(ModuleOp module) {
-  for (BlockOp block : module.getOps<BlockOp>())
-    if (failed(convertBody(block, /*bf16Args=*/true)))
-      return failure();
-  llvm::SmallPtrSet<Operation *, 8> done;
-  std::function<LogicalResult(func::FuncOp)> visit = [&](func::FuncOp fn) -> LogicalResult {
-    if (!done.insert(fn).second || fn.isExternal())
-      return success();
-    WalkResult calls = fn.walk([&](func::CallOp call) {
-      if (auto callee = module.lookupSymbol<func::FuncOp>(call.getCallee()))
-        if (failed(visit(callee)))
-          return WalkResult::interrupt();
-      return WalkResult::advance();
-    });
-    if (calls.wasInterrupted())
-      return failure();
-    return convertBody(fn, /*bf16Args=*/false);
-  };
-  for (auto fn : module.getOps<func::FuncOp>())
-    if (failed(visit(fn)))
-      return failure();
-  return success();
+  return forEachFunction(module, [](FunctionOpInterface fn) {
+    return convertBody(fn, /*bf16Args=*/isa<BlockOp>(fn));
+  });
 }
 
 namespace mlir::loom {

@@ -3,6 +3,7 @@
 #define LOOM_PASSES_PASSES_H
 
 #include "mlir/IR/BuiltinOps.h"
+#include "mlir/Interfaces/FunctionInterfaces.h"
 #include "mlir/Pass/Pass.h"
 
 namespace mlir::loom {
@@ -15,6 +16,11 @@ namespace mlir::loom {
 /// (reshape, broadcast, cast) get their dynamic dimensions resolved from
 /// their input; calls and repeats take the callee's signature.
 LogicalResult refreshResultTypes(Region &region);
+
+/// Calls `fn` on every loom.block, then on every func.func with its callees
+/// before it (signature rewrites then see their callees' new types).
+LogicalResult forEachFunction(ModuleOp module,
+                              function_ref<LogicalResult(FunctionOpInterface)> fn);
 
 /// Specialises the dynamic batch of every entry point and block to `batch`.
 LogicalResult specializeBatch(ModuleOp module, int64_t batch);

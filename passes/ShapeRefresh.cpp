@@ -3,6 +3,9 @@
 #include "dialects/loom/IR/LoomOps.h"
 #include "mlir/Dialect/Func/IR/FuncOps.h"
 #include "passes/Passes.h"
+#include "llvm/ADT/SmallPtrSet.h"
+
+#include <functional>
 
 using namespace mlir;
 using namespace mlir::loom;
@@ -75,4 +78,30 @@ LogicalResult mlir::loom::refreshResultTypes(Region &region) {
     return WalkResult::advance();
   });
   return failure(result.wasInterrupted());
+}
+
+LogicalResult mlir::loom::forEachFunction(ModuleOp module,
+                                          function_ref<LogicalResult(FunctionOpInterface)> fn) {
+  for (BlockOp block : module.getOps<BlockOp>())
+    if (failed(fn(block)))
+      return failure();
+  // Callees before callers, so that calls see their callees' new signatures.
+  llvm::SmallPtrSet<Operation *, 8> done;
+  std::function<LogicalResult(func::FuncOp)> visit = [&](func::FuncOp f) -> LogicalResult {
+    if (!done.insert(f).second || f.isExternal())
+      return success();
+    WalkResult calls = f.walk([&](func::CallOp call) {
+      if (auto callee = module.lookupSymbol<func::FuncOp>(call.getCallee()))
+        if (failed(visit(callee)))
+          return WalkResult::interrupt();
+      return WalkResult::advance();
+    });
+    if (calls.wasInterrupted())
+      return failure();
+    return fn(f);
+  };
+  for (auto f : module.getOps<func::FuncOp>())
+    if (failed(visit(f)))
+      return failure();
+  return success();
 }

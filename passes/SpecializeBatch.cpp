@@ -3,7 +3,6 @@
 #include "dialects/loom/IR/LoomOps.h"
 #include "mlir/Dialect/Func/IR/FuncOps.h"
 #include "passes/Passes.h"
-#include "llvm/ADT/SmallPtrSet.h"
 
 namespace mlir::loom {
 #define GEN_PASS_DEF_SPECIALIZEBATCH
@@ -44,28 +43,9 @@ static LogicalResult specializeFunction(FunctionOpInterface fn, int64_t batch) {
 LogicalResult mlir::loom::specializeBatch(ModuleOp module, int64_t batch) {
   if (batch < 1)
     return module.emitError() << "batch must be at least 1, got " << batch;
-  for (auto block : module.getOps<BlockOp>())
-    if (failed(specializeFunction(block, batch)))
-      return failure();
-  // Callees before callers so that calls see the specialised signatures.
-  llvm::SmallPtrSet<Operation *, 8> done;
-  std::function<LogicalResult(func::FuncOp)> visit = [&](func::FuncOp fn) -> LogicalResult {
-    if (!done.insert(fn).second || fn.isExternal())
-      return success();
-    WalkResult calls = fn.walk([&](func::CallOp call) {
-      if (auto callee = module.lookupSymbol<func::FuncOp>(call.getCallee()))
-        if (failed(visit(callee)))
-          return WalkResult::interrupt();
-      return WalkResult::advance();
-    });
-    if (calls.wasInterrupted())
-      return failure();
+  return forEachFunction(module, [&](FunctionOpInterface fn) {
     return specializeFunction(fn, batch);
-  };
-  for (auto fn : module.getOps<func::FuncOp>())
-    if (failed(visit(fn)))
-      return failure();
-  return success();
+  });
 }
 
 namespace mlir::loom {
