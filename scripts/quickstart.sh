@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job on its embedded default: installs what is missing, builds, then
 # writes a small GPT with `loomc models`, verifies it and prints its summary,
-# compiles it and runs its forward pass on the CPU backend, and lists the GPUs
-# the runtime can use (if any).
+# compiles it and runs its forward pass on the CPU backend, plans GPT-2 350M for
+# a node of 8 H100s (plan.json, plan.svg), trains the small GPT for 40 steps on
+# the CPU backend with checkpoints, and lists the GPUs the runtime can use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
@@ -17,6 +18,14 @@ for m in models/*.mlir; do "$B/compiler/loomc" verify "$m" | head -3; done
 echo "== compile and run the forward pass on the CPU backend"
 "$B/compiler/loomc" compile "$model" --batch 4 -o "$B/quickstart/gpt-small.loom"
 "$B/runtime/loom-run" "$B/quickstart/gpt-small.loom" --steps 5
+echo "== plan it for a node of 8 H100s, and draw the schedule"
+"$B/compiler/loomc" plan models/gpt2-350m.mlir --cluster h100:8 --batch 64 --json "$B/quickstart/plan.json"
+"$B/compiler/loomc" inspect "$B/quickstart/plan.json" --svg "$B/quickstart/plan.svg"
+echo "== train it on the CPU backend: a token file with a repeating pattern, loss should fall"
+python3 -c "import struct,sys; ids=[(i % 16) + 1 for i in range(20000)]; open(sys.argv[1],'wb').write(struct.pack('<%dH' % len(ids), *ids))" "$B/quickstart/tokens.bin"
+"$B/compiler/loomc" compile "$model" --train --batch 4 --lr 1e-3 --warmup 10 --total-steps 40 -o "$B/quickstart/gpt-small-train.loom"
+"$B/runtime/loom-run" "$B/quickstart/gpt-small-train.loom" --steps 40 --data "$B/quickstart/tokens.bin" \
+  --save-every 20 --checkpoint "$B/quickstart/checkpoint" | awk 'NR <= 3 || /step (10|20|30|40)\// || /saved|trained/' 
 if [ -x "$B/runtime/loom-devices" ]; then
   "$B/runtime/loom-devices" || echo "(no GPU here: the CPU backend is the reference)"
 fi

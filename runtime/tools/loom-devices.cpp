@@ -24,7 +24,7 @@ int main(int argc, char **argv) {
                  "loom-devices: error: no usable CUDA device (cudaGetDeviceCount: %s: %s).\n"
                  "Check that an NVIDIA GPU is present, that its driver is loaded (nvidia-smi), and "
                  "that CUDA_VISIBLE_DEVICES does not hide it; on a machine without a GPU use "
-                 "--target cpu.\n",
+                 "loom-run --backend cpu.\n",
                  err == cudaSuccess ? "cudaSuccess" : cudaGetErrorName(err),
                  err == cudaSuccess ? "0 devices" : cudaGetErrorString(err));
     return 1;
