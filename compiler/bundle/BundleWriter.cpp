@@ -680,7 +680,13 @@ void mlir::loom::planMemory(rt::RankProgram &rank, const std::vector<std::string
 
 FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const BundleOptions &options) {
   OwningOpRef<ModuleOp> module(original.clone());
-  if (failed(specializeBatch(*module, options.batch)))
+  int64_t dp = options.dataParallel;
+  if (dp < 1 || options.batch % dp != 0)
+    return original.emitError() << "the batch (" << options.batch
+                                << ") must divide evenly over " << dp << " data-parallel ranks";
+  if (dp > 1 && !options.train)
+    return original.emitError() << "data parallelism applies to training bundles (--train)";
+  if (failed(specializeBatch(*module, options.batch / dp)))
     return failure();
   if (options.bf16 && failed(applyMixedPrecision(*module)))
     return failure();
@@ -706,6 +712,23 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
     rank->programs["backward"] = std::move(autodiff.backward);
     if (options.training.optimizer != "none")
       buildUpdate(*rank, options.training);
+    if (dp > 1) {
+      // Average every gradient and the loss over the ranks before the update
+      // (or at the end of backward when there is no optimizer).
+      std::vector<rt::Instruction> reduce;
+      for (const rt::Parameter &p : rank->params)
+        if (p.grad >= 0)
+          reduce.push_back({"all_reduce", {p.grad}, {p.grad}, json{{"op", "mean"}, {"group", "dp"}}});
+      int64_t loss = rank->outputs[0].buffer;
+      reduce.push_back({"all_reduce", {loss}, {loss}, json{{"op", "mean"}, {"group", "dp"}}});
+      if (rank->programs.count("update")) {
+        auto &update = rank->programs["update"];
+        update.insert(update.begin(), reduce.begin(), reduce.end());
+      } else {
+        auto &backward = rank->programs["backward"];
+        backward.insert(backward.end(), reduce.begin(), reduce.end());
+      }
+    }
   }
   planMemory(*rank, {"forward", "backward", "update"});
   rt::Manifest m;
@@ -713,7 +736,10 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
   m.mode = options.train ? "train" : "infer";
   m.batch = options.batch;
   m.seed = options.seed;
-  m.ranks.push_back(std::move(*rank));
+  for (int64_t r = 0; r < dp; ++r) {
+    m.ranks.push_back(*rank);
+    m.ranks.back().rank = r;
+  }
   return m;
 }
 

@@ -42,6 +42,9 @@ struct BundleOptions {
   bool noWeights = false;  // write no weights file: the runtime initialises from the seed
   bool train = false;      // lower @loss with backward and update programs
   bool bf16 = false;       // bf16 activations, f32 master parameters (loom-mixed-precision)
+  /// Data-parallel ranks: each runs batch / dataParallel examples, and the
+  /// update starts by averaging gradients (and the loss) over the ranks.
+  int64_t dataParallel = 1;
   TrainOptions training;
 };
 

@@ -81,6 +81,9 @@ cl::opt<std::string> compileOutput("o", cl::desc("Bundle directory to write (OUT
                                    cl::value_desc("dir"), cl::Required, cl::sub(compileCmd));
 cl::opt<std::string> compileCluster("cluster", cl::desc("Cluster preset or JSON file (cpu:1)"),
                                     cl::init("cpu:1"), cl::sub(compileCmd));
+cl::opt<std::string> compileForce("force", cl::desc("Parallel plan to compile for; dp=N (data "
+                                                  "parallel over the cluster's N devices) for now"),
+                                  cl::init(""), cl::sub(compileCmd));
 cl::opt<std::string> compileTarget("target", cl::desc("Code generation target: cpu (cuda: issue #8)"),
                                    cl::init("cpu"), cl::sub(compileCmd));
 cl::opt<bool> compileInfer("infer", cl::desc("Compile the forward pass (the default)"),
@@ -232,9 +235,19 @@ int runCompile() {
   std::string error;
   if (!::loom::planner::parseCluster(compileCluster, cluster, error))
     return fail(error);
-  if (cluster.numDevices() != 1)
+  ::loom::planner::Constraints force;
+  if (!::loom::planner::parseConstraints(compileForce, force, error))
+    return fail(error);
+  if ((force.tp && *force.tp > 1) || (force.pp && *force.pp > 1))
+    return fail("tensor and pipeline parallel bundles need the partitioner (issue #6); "
+                "--force dp=N compiles data parallelism");
+  int64_t dp = force.dp.value_or(1);
+  if (dp != cluster.numDevices())
     return fail("--cluster " + compileCluster + " has " + std::to_string(cluster.numDevices()) +
-                " devices; multi-device bundles need the partitioner (issue #6): use cpu:1");
+                " devices but the plan uses " + std::to_string(dp) +
+                "; for data parallelism give --force dp=" + std::to_string(cluster.numDevices()));
+  if (dp > 1 && cluster.device.name != "cpu")
+    return fail("multi-rank bundles run on CPU ranks for now (NCCL: issue #8); use --cluster cpu:N");
   if (compileBatch < 1)
     return fail("--batch must be at least 1");
 
@@ -252,6 +265,7 @@ int runCompile() {
     return fail("--precision must be f32 or bf16, got '" + compilePrecision + "'");
   options.bf16 = compilePrecision == "bf16";
   options.noWeights = compileNoWeights;
+  options.dataParallel = dp;
   options.training.optimizer = trainOptimizer;
   options.training.lr = trainLr, options.training.minLr = trainMinLr;
   options.training.warmup = trainWarmup, options.training.totalSteps = trainTotal;

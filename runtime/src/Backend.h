@@ -47,7 +47,10 @@ protected:
 /// 0 for the rest: the profile's achieved rates count these.
 double denseInstructionFlops(const RankProgram &rank, const Instruction &ins);
 
-std::unique_ptr<Backend> makeCpuBackend(const RankProgram &rank, int threads);
+class InProcessCommunicator;
+/// `comm` connects the rank to the others of a multi-rank bundle (may be null).
+std::unique_ptr<Backend> makeCpuBackend(const RankProgram &rank, int threads,
+                                        InProcessCommunicator *comm = nullptr);
 /// Throws Error with the reason (no GPU, no driver, built without CUDA).
 std::unique_ptr<Backend> makeCudaBackend(const RankProgram &rank, int device);
 

@@ -12,12 +12,19 @@ namespace loom::rt {
 Session::Session(const std::string &bundleDir, const SessionOptions &options)
     : dir(bundleDir), backendKind(options.backend) {
   bundle = readManifest(bundleDir);
-  if (bundle.ranks.size() != 1)
+  if (options.rank < 0 || options.rank >= static_cast<int>(bundle.ranks.size()))
+    fail(LOOM_INVALID_ARGUMENT, bundleDir, ": rank ", options.rank, " does not exist (the bundle has ",
+         bundle.ranks.size(), ")");
+  rankIndex = static_cast<size_t>(options.rank);
+  comm = options.comm;
+  if (bundle.ranks.size() > 1 && (!comm || comm->size() != static_cast<int>(bundle.ranks.size())))
     fail(LOOM_UNSUPPORTED, bundleDir, ": the bundle has ", bundle.ranks.size(),
-         " ranks; this runtime runs single-rank bundles (compile with --cluster cpu:1)");
+         " ranks; run it with loom-run, which starts every rank");
   const RankProgram &r = rank();
   if (options.backend == "cpu")
-    backend = makeCpuBackend(r, options.threads);
+    backend = makeCpuBackend(r, options.threads, comm.get());
+  else if (options.backend == "cuda" && bundle.ranks.size() > 1)
+    fail(LOOM_UNSUPPORTED, "multi-rank bundles run on the CPU backend for now (NCCL: issue #8)");
   else if (options.backend == "cuda")
     backend = makeCudaBackend(r, options.device);
   else

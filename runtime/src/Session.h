@@ -4,6 +4,7 @@
 
 #include "runtime/src/Backend.h"
 #include "runtime/src/Bundle.h"
+#include "runtime/src/Communicator.h"
 
 #include <memory>
 #include <string>
@@ -14,6 +15,8 @@ struct SessionOptions {
   std::string backend = "cpu"; // cpu or cuda
   int threads = 0;             // CPU backend
   int device = 0;              // CUDA backend
+  int rank = 0;                // which rank of the bundle this session runs
+  std::shared_ptr<InProcessCommunicator> comm; // shared by the ranks of one process
 };
 
 class Session {
@@ -23,7 +26,7 @@ public:
   Session(const std::string &bundleDir, const SessionOptions &options);
 
   const Manifest &manifest() const { return bundle; }
-  const RankProgram &rank() const { return bundle.ranks.front(); }
+  const RankProgram &rank() const { return bundle.ranks[rankIndex]; }
   const std::string &backendName() const { return backendKind; }
 
   const Buffer &input(const std::string &name) const;
@@ -60,6 +63,8 @@ private:
   std::string dir;
   std::string backendKind;
   Manifest bundle;
+  size_t rankIndex = 0;
+  std::shared_ptr<InProcessCommunicator> comm;
   std::unique_ptr<Backend> backend;
 };
 

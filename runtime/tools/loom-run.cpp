@@ -20,6 +20,7 @@
 #include "runtime/src/Error.h"
 #include "runtime/src/Safetensors.h"
 #include "runtime/src/Session.h"
+#include "runtime/src/Communicator.h"
 
 #include <algorithm>
 #include <chrono>
@@ -27,6 +28,8 @@
 #include <fstream>
 #include <optional>
 #include <sys/stat.h>
+#include <mutex>
+#include <thread>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -158,10 +161,41 @@ void reportProfile(const Session &s, const std::string &path) {
   std::printf("wrote %s\n", path.c_str());
 }
 
-int train(Session &s, int steps, const std::string &data, const std::string &dataDtype,
-          int saveEvery, const std::string &checkpointDir, const std::string &resume,
-          uint64_t seed) {
+/// One training step on every rank, each in its own thread; the first rank
+/// to fail stops the others through the communicator, and its error is the
+/// one reported.
+float stepAllRanks(std::vector<std::unique_ptr<Session>> &ranks,
+                   const std::shared_ptr<InProcessCommunicator> &comm) {
+  if (ranks.size() == 1)
+    return ranks[0]->trainStep();
+  std::vector<std::thread> threads;
+  std::mutex mutex;
+  std::optional<Error> first;
+  for (size_t r = 0; r < ranks.size(); ++r)
+    threads.emplace_back([&, r] {
+      try {
+        ranks[r]->trainStep();
+      } catch (const Error &e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!first)
+          first = Error(e.code, cat("rank ", r, ": ", e.what()));
+        comm->abort(static_cast<int>(r), e.what());
+      }
+    });
+  for (std::thread &t : threads)
+    t.join();
+  if (first)
+    throw *first;
+  return ranks[0]->loss();
+}
+
+int train(std::vector<std::unique_ptr<Session>> &ranks,
+          const std::shared_ptr<InProcessCommunicator> &comm, int steps, const std::string &data,
+          const std::string &dataDtype, int saveEvery, const std::string &checkpointDir,
+          const std::string &resume, uint64_t seed) {
+  Session &s = *ranks[0];
   const RankProgram &r = s.rank();
+  int64_t numRanks = static_cast<int64_t>(ranks.size());
   // Language models ([batch, seq] tokens and targets) read token files; any
   // other model trains on synthetic inputs drawn afresh each step.
   bool languageModel = r.inputs.size() == 2 &&
@@ -184,13 +218,15 @@ int train(Session &s, int steps, const std::string &data, const std::string &dat
     fail(LOOM_INVALID_ARGUMENT, "--save-every needs --checkpoint DIR");
   std::optional<TokenData> tokens;
   if (!data.empty())
-    tokens.emplace(data, dataDtype, batch, seq, vocab);
+    tokens.emplace(data, dataDtype, batch * numRanks, seq, vocab);
   if (!resume.empty()) {
-    s.loadCheckpoint(resume + "/checkpoint.safetensors");
+    for (auto &rank : ranks)
+      rank->loadCheckpoint(resume + "/checkpoint.safetensors");
     std::printf("resumed from %s/checkpoint.safetensors at step %lld\n", resume.c_str(),
                 (long long)s.step());
   }
-  std::vector<int32_t> in(languageModel ? batch * seq : 0), target(languageModel ? batch * seq : 0);
+  std::vector<int32_t> in(languageModel ? numRanks * batch * seq : 0),
+      target(languageModel ? numRanks * batch * seq : 0);
   auto start = std::chrono::steady_clock::now();
   double timedSeconds = 0;
   int64_t timedSteps = 0;
@@ -199,8 +235,9 @@ int train(Session &s, int steps, const std::string &data, const std::string &dat
   for (int64_t t = first; t <= steps; ++t) {
     if (!languageModel) { // synthetic inputs, seeded by the step: reproducible on resume
       std::mt19937_64 rng(seed * 1000003 + t);
-      for (const NamedBuffer &nb : r.inputs)
-        fillSynthetic(s, nb, rng);
+      for (auto &rank : ranks)
+        for (const NamedBuffer &nb : r.inputs)
+          fillSynthetic(*rank, nb, rng);
     } else if (tokens) {
       tokens->fill(t, in, target);
     } else { // synthetic: a fixed stream per step, reproducible on resume
@@ -210,17 +247,19 @@ int train(Session &s, int steps, const std::string &data, const std::string &dat
       for (size_t i = 0; i < in.size(); ++i)
         target[i] = in[(i + 1) % in.size()];
     }
-    if (languageModel) {
-      s.bindInput(r.inputs[0].name, in.data(), in.size() * 4);
-      s.bindInput(r.inputs[1].name, target.data(), target.size() * 4);
-    }
+    if (languageModel) // rank k takes examples [k b, (k + 1) b) of the global batch
+      for (int64_t k = 0; k < numRanks; ++k) {
+        size_t slice = static_cast<size_t>(batch * seq);
+        ranks[k]->bindInput(r.inputs[0].name, in.data() + k * slice, slice * 4);
+        ranks[k]->bindInput(r.inputs[1].name, target.data() + k * slice, slice * 4);
+      }
     auto t0 = std::chrono::steady_clock::now();
-    float loss = s.trainStep();
+    float loss = stepAllRanks(ranks, comm);
     auto t1 = std::chrono::steady_clock::now();
     double stepSeconds = std::chrono::duration<double>(t1 - t0).count();
     double elapsed = std::chrono::duration<double>(t1 - start).count();
     std::printf("step %lld/%d  loss %.6f  %.0f %s/s  elapsed %.2fs\n", (long long)t, steps, loss,
-                batch * seq / stepSeconds, languageModel ? "tokens" : "examples", elapsed);
+                numRanks * batch * seq / stepSeconds, languageModel ? "tokens" : "examples", elapsed);
     if (t - first >= warmupSteps) {
       timedSeconds += stepSeconds;
       ++timedSteps;
@@ -237,7 +276,7 @@ int train(Session &s, int steps, const std::string &data, const std::string &dat
   }
   if (timedSteps > 0)
     std::printf("trained: %.1f ms per step, %.0f %s/s (mean of %lld steps after %lld warm-up)\n",
-                1e3 * timedSeconds / timedSteps, batch * seq * timedSteps / timedSeconds,
+                1e3 * timedSeconds / timedSteps, numRanks * batch * seq * timedSteps / timedSeconds,
                 languageModel ? "tokens" : "examples",
                 (long long)timedSteps, (long long)warmupSteps);
   return 0;
@@ -306,15 +345,32 @@ int run(int argc, char **argv) {
   SessionOptions options;
   options.threads = threads;
   options.backend = backend;
-  Session s(bundle, options);
+  // Every rank of the bundle runs in this process, one thread each.
+  int64_t numRanks = static_cast<int64_t>(readManifest(bundle).ranks.size());
+  std::shared_ptr<InProcessCommunicator> comm;
+  if (numRanks > 1) {
+    comm = std::make_shared<InProcessCommunicator>(static_cast<int>(numRanks));
+    options.comm = comm;
+    if (threads == 0)
+      options.threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency() / numRanks));
+  }
+  std::vector<std::unique_ptr<Session>> ranks;
+  for (int64_t k = 0; k < numRanks; ++k) {
+    options.rank = static_cast<int>(k);
+    ranks.push_back(std::make_unique<Session>(bundle, options));
+  }
+  Session &s = *ranks[0];
   const RankProgram &r = s.rank();
+  if (numRanks > 1)
+    std::printf("%lld ranks (data parallel, threads in this process)\n", (long long)numRanks);
   std::printf("%s: model %s, batch %lld, %zu parameter tensors, arena %.1f MiB (activations %.1f MiB), %s backend\n",
               bundle.c_str(), s.manifest().model.c_str(), (long long)s.manifest().batch, r.params.size(),
               r.arenaBytes / 1048576.0, r.peakActivationBytes / 1048576.0, s.backendName().c_str());
   if (!profilePath.empty())
     s.setProfiling(true);
   if (s.canTrain()) {
-    int rc = train(s, steps < 0 ? 10 : steps, data, dataDtype, saveEvery, checkpointDir, resume, seed);
+    int rc = train(ranks, comm, steps < 0 ? 10 : steps, data, dataDtype, saveEvery, checkpointDir,
+                   resume, seed);
     if (!profilePath.empty())
       reportProfile(s, profilePath);
     return rc;

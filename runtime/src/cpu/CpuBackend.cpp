@@ -27,6 +27,7 @@ struct Ctx {
   std::string where;
   /// bf16 buffers of this instruction, computed on through f32 copies.
   const std::map<int64_t, float *> &widened;
+  InProcessCommunicator *comm;
 
   const Buffer &in(size_t i) const { return rank.buffers[ins.in[i]]; }
   const Buffer &out(size_t i = 0) const { return rank.buffers[ins.out[i]]; }
@@ -1267,6 +1268,21 @@ template <bool Max> Kernel buildPoolGrad(const Ctx &c) {
 // Optimizer
 //===--------------------------------------------------------------------===//
 
+/// Mean over the data-parallel ranks, in place.
+Kernel buildAllReduce(const Ctx &c) {
+  c.arity(1, 1);
+  if (c.ins.in[0] != c.ins.out[0])
+    c.bad("reduces its buffer in place");
+  c.needF32(c.in(0));
+  if (!c.comm)
+    fail(LOOM_UNSUPPORTED, c.where, ": all_reduce needs the other ranks; run multi-rank bundles "
+         "with loom-run, which starts every rank");
+  InProcessCommunicator *comm = c.comm;
+  float *data = c.f32(c.in(0));
+  int64_t n = count(c.in(0).shape), rank = c.rank.rank;
+  return [=] { comm->allReduceMean(static_cast<int>(rank), data, n); };
+}
+
 Kernel buildStepIncrement(const Ctx &c) {
   c.arity(1, 1);
   if (c.ins.in[0] != c.ins.out[0] || count(c.in(0).shape) != 1)
@@ -1399,6 +1415,7 @@ const std::map<std::string, Builder> &builders() {
       {"max_pool2d_grad", buildPoolGrad<true>},
       {"avg_pool2d_grad", buildPoolGrad<false>},
       {"step_increment", buildStepIncrement},
+      {"all_reduce", buildAllReduce},
       {"global_norm", buildGlobalNorm},
       {"adamw", buildAdamW},
       {"sgd", buildSGD},
@@ -1417,7 +1434,7 @@ std::vector<std::string> cpuSupportedOps() {
 
 CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &instrs,
                        char *arena, ThreadPool &pool, const std::string &programName,
-                       bool allocate) {
+                       bool allocate, InProcessCommunicator *comm) {
   for (size_t i = 0; i < instrs.size(); ++i) {
     const Instruction &ins = instrs[i];
     std::string where = cat("instruction ", programName, "[", i, "] '", ins.op, "'");
@@ -1456,7 +1473,7 @@ CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &
       for (int64_t id : ins.out)
         add(id, narrow);
     }
-    Ctx ctx{ins, rank, arena, pool, where, widened};
+    Ctx ctx{ins, rank, arena, pool, where, widened, comm};
     std::function<void()> kernel = it->second(ctx);
     if (!widened.empty())
       kernel = [kernel, widen, narrow] {
@@ -1514,7 +1531,8 @@ double denseInstructionFlops(const RankProgram &rank, const Instruction &ins) {
 namespace {
 class CpuBackendImpl : public Backend {
 public:
-  CpuBackendImpl(const RankProgram &rank, int threads) : rank(rank), pool(threads) {
+  CpuBackendImpl(const RankProgram &rank, int threads, InProcessCommunicator *comm)
+      : rank(rank), pool(threads), comm(comm) {
     size_t bytes = (static_cast<size_t>(rank.arenaBytes) + 63) / 64 * 64;
     arena.reset(static_cast<char *>(std::aligned_alloc(64, std::max<size_t>(bytes, 64))));
     if (!arena)
@@ -1530,7 +1548,8 @@ public:
     std::memcpy(dst, arena.get() + b.offset, b.bytes);
   }
   void prepare(const std::string &program, const std::vector<Instruction> &instrs) override {
-    programs[program] = std::make_unique<CpuProgram>(rank, instrs, arena.get(), pool, program, true);
+    programs[program] =
+        std::make_unique<CpuProgram>(rank, instrs, arena.get(), pool, program, true, comm);
     programFlops[program].clear();
     for (const Instruction &ins : instrs)
       programFlops[program][ins.op] += denseInstructionFlops(rank, ins);
@@ -1552,14 +1571,16 @@ public:
 private:
   const RankProgram &rank;
   ThreadPool pool;
+  InProcessCommunicator *comm;
   std::unique_ptr<char, decltype(&std::free)> arena{nullptr, &std::free};
   std::map<std::string, std::unique_ptr<CpuProgram>> programs;
   std::map<std::string, std::map<std::string, double>> programFlops; // program -> op -> FLOPs
 };
 } // namespace
 
-std::unique_ptr<Backend> makeCpuBackend(const RankProgram &rank, int threads) {
-  return std::make_unique<CpuBackendImpl>(rank, threads);
+std::unique_ptr<Backend> makeCpuBackend(const RankProgram &rank, int threads,
+                                        InProcessCommunicator *comm) {
+  return std::make_unique<CpuBackendImpl>(rank, threads, comm);
 }
 
 } // namespace loom::rt

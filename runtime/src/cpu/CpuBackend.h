@@ -10,6 +10,7 @@
 #define LOOM_RUNTIME_CPU_CPUBACKEND_H
 
 #include "runtime/src/Bundle.h"
+#include "runtime/src/Communicator.h"
 #include "runtime/src/ThreadPool.h"
 
 #include <functional>
@@ -26,7 +27,8 @@ public:
   /// `arena` must hold rank.arenaBytes bytes and outlive the program.
   /// `allocate` false only validates (no scratch memory; never run it).
   CpuProgram(const RankProgram &rank, const std::vector<Instruction> &instrs, char *arena,
-             ThreadPool &pool, const std::string &programName, bool allocate = true);
+             ThreadPool &pool, const std::string &programName, bool allocate = true,
+             InProcessCommunicator *comm = nullptr);
   /// Runs every instruction in order; throws Error naming the instruction
   /// when a run-time check fails (a token id outside the vocabulary, say).
   void run();
