@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <numeric>
 #include <set>
 
 using namespace mlir;
@@ -545,7 +546,28 @@ private:
 
 /// The update program: step counter, global gradient norm, and one in-place
 /// optimizer instruction per parameter with its state buffers.
-void buildUpdate(rt::RankProgram &rank, const TrainOptions &t) {
+/// ZeRO-1 ownership: parameters dealt to ranks largest first, each to the
+/// rank holding the fewest bytes so far, so optimizer state splits evenly.
+std::vector<int64_t> assignOwners(const rt::RankProgram &rank, int64_t ranks) {
+  std::vector<size_t> order(rank.params.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return rank.buffers[rank.params[a].buffer].bytes > rank.buffers[rank.params[b].buffer].bytes;
+  });
+  std::vector<int64_t> owner(rank.params.size(), 0), load(ranks, 0);
+  for (size_t i : order) {
+    int64_t least = std::min_element(load.begin(), load.end()) - load.begin();
+    owner[i] = least;
+    load[least] += rank.buffers[rank.params[i].buffer].bytes;
+  }
+  return owner;
+}
+
+/// With ZeRO-1 (`owners` given) this rank keeps optimizer state for, and
+/// updates, only the parameters it owns; each owner then broadcasts its
+/// updated parameters to the others.
+void buildUpdate(rt::RankProgram &rank, const TrainOptions &t,
+                 const std::vector<int64_t> &owners = {}, int64_t self = 0) {
   auto state = [&](const std::string &name, const std::vector<int64_t> &shape) {
     rt::Buffer b;
     b.id = static_cast<int64_t>(rank.buffers.size());
@@ -570,8 +592,9 @@ void buildUpdate(rt::RankProgram &rank, const TrainOptions &t) {
   norm.bytes = 4;
   rank.buffers.push_back(norm);
   update.push_back({"global_norm", allGrads, {norm.id}, json::object()});
-  for (const rt::Parameter &p : rank.params) {
-    if (p.grad < 0)
+  for (size_t index = 0; index < rank.params.size(); ++index) {
+    const rt::Parameter &p = rank.params[index];
+    if (p.grad < 0 || (!owners.empty() && owners[index] != self))
       continue;
     const std::vector<int64_t> &shape = rank.buffers[p.buffer].shape;
     json attrs = {{"lr", t.lr},        {"min_lr", t.minLr},   {"clip", t.clip},
@@ -587,6 +610,11 @@ void buildUpdate(rt::RankProgram &rank, const TrainOptions &t) {
       update.push_back({"sgd", {p.buffer, p.grad, m, step, norm.id}, {p.buffer, m}, attrs});
     }
   }
+  if (!owners.empty())
+    for (size_t index = 0; index < rank.params.size(); ++index)
+      if (rank.params[index].grad >= 0)
+        update.push_back({"broadcast_from", {rank.params[index].buffer}, {rank.params[index].buffer},
+                          json{{"root", owners[index]}, {"group", "dp"}}});
   rank.programs["update"] = std::move(update);
 }
 
@@ -710,7 +738,10 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
     rank = lowerer.rankProgram(); // parameters now carry their gradients
     rank->programs["forward"] = std::move(lowerer.forwardProgram());
     rank->programs["backward"] = std::move(autodiff.backward);
-    if (options.training.optimizer != "none")
+    if (options.zero1 && (dp < 2 || options.training.optimizer == "none"))
+      return original.emitError() << "ZeRO-1 partitions optimizer state over data-parallel "
+                                     "ranks: it needs dp >= 2 and an optimizer";
+    if (options.training.optimizer != "none" && !options.zero1)
       buildUpdate(*rank, options.training);
     if (dp > 1) {
       // Average every gradient and the loss over the ranks before the update
@@ -721,24 +752,29 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
           reduce.push_back({"all_reduce", {p.grad}, {p.grad}, json{{"op", "mean"}, {"group", "dp"}}});
       int64_t loss = rank->outputs[0].buffer;
       reduce.push_back({"all_reduce", {loss}, {loss}, json{{"op", "mean"}, {"group", "dp"}}});
-      if (rank->programs.count("update")) {
-        auto &update = rank->programs["update"];
-        update.insert(update.begin(), reduce.begin(), reduce.end());
-      } else {
-        auto &backward = rank->programs["backward"];
-        backward.insert(backward.end(), reduce.begin(), reduce.end());
-      }
+      rank->programs["reduce"] = std::move(reduce);
     }
   }
-  planMemory(*rank, {"forward", "backward", "update"});
   rt::Manifest m;
   m.model = options.modelName;
   m.mode = options.train ? "train" : "infer";
   m.batch = options.batch;
   m.seed = options.seed;
+  std::vector<int64_t> owners = options.zero1 ? assignOwners(*rank, dp) : std::vector<int64_t>();
   for (int64_t r = 0; r < dp; ++r) {
-    m.ranks.push_back(*rank);
-    m.ranks.back().rank = r;
+    rt::RankProgram copy = *rank;
+    copy.rank = r;
+    if (options.zero1)
+      buildUpdate(copy, options.training, owners, r);
+    if (copy.programs.count("reduce")) {
+      std::vector<rt::Instruction> reduce = std::move(copy.programs["reduce"]);
+      copy.programs.erase("reduce");
+      auto &target = copy.programs.count("update") ? copy.programs["update"] : copy.programs["backward"];
+      target.insert(copy.programs.count("update") ? target.begin() : target.end(), reduce.begin(),
+                    reduce.end());
+    }
+    planMemory(copy, {"forward", "backward", "update"});
+    m.ranks.push_back(std::move(copy));
   }
   return m;
 }

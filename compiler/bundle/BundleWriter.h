@@ -45,6 +45,8 @@ struct BundleOptions {
   /// Data-parallel ranks: each runs batch / dataParallel examples, and the
   /// update starts by averaging gradients (and the loss) over the ranks.
   int64_t dataParallel = 1;
+  /// ZeRO-1: optimizer state partitioned over the data-parallel ranks.
+  bool zero1 = false;
   TrainOptions training;
 };
 

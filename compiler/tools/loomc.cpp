@@ -82,7 +82,8 @@ cl::opt<std::string> compileOutput("o", cl::desc("Bundle directory to write (OUT
 cl::opt<std::string> compileCluster("cluster", cl::desc("Cluster preset or JSON file (cpu:1)"),
                                     cl::init("cpu:1"), cl::sub(compileCmd));
 cl::opt<std::string> compileForce("force", cl::desc("Parallel plan to compile for; dp=N (data "
-                                                  "parallel over the cluster's N devices) for now"),
+                                                  "parallel over the cluster's N devices) and "
+                                                  "zero=1 (optimizer state partitioned) for now"),
                                   cl::init(""), cl::sub(compileCmd));
 cl::opt<std::string> compileTarget("target", cl::desc("Code generation target: cpu (cuda: issue #8)"),
                                    cl::init("cpu"), cl::sub(compileCmd));
@@ -266,6 +267,7 @@ int runCompile() {
   options.bf16 = compilePrecision == "bf16";
   options.noWeights = compileNoWeights;
   options.dataParallel = dp;
+  options.zero1 = force.zero.value_or(0) == 1;
   options.training.optimizer = trainOptimizer;
   options.training.lr = trainLr, options.training.minLr = trainMinLr;
   options.training.warmup = trainWarmup, options.training.totalSteps = trainTotal;

@@ -67,4 +67,19 @@ void InProcessCommunicator::allReduceMean(int rank, float *data, int64_t count) 
   barrier(rank, lock); // nobody reuses a buffer while another rank still reads it
 }
 
+void InProcessCommunicator::broadcast(int rank, int root, float *data, int64_t count) {
+  std::unique_lock<std::mutex> lock(mutex);
+  buffers[rank] = data;
+  counts[rank] = count;
+  barrier(rank, lock);
+  if (root < 0 || root >= ranks || counts[root] != count)
+    fail(LOOM_INVALID_BUNDLE, "broadcast: root ", root, " does not hold ", count, " elements");
+  const float *source = buffers[root];
+  lock.unlock();
+  if (rank != root)
+    std::copy(source, source + count, data);
+  lock.lock();
+  barrier(rank, lock); // the root's buffer stays untouched until everyone has copied it
+}
+
 } // namespace loom::rt

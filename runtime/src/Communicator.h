@@ -24,6 +24,8 @@ public:
   explicit InProcessCommunicator(int size, double timeoutSeconds = 300);
   int size() const { return ranks; }
   void allReduceMean(int rank, float *data, int64_t count);
+  /// Copies `root`'s buffer into every other rank's.
+  void broadcast(int rank, int root, float *data, int64_t count);
   void abort(int rank, const std::string &message);
 
 private:

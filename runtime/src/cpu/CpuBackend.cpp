@@ -1283,6 +1283,23 @@ Kernel buildAllReduce(const Ctx &c) {
   return [=] { comm->allReduceMean(static_cast<int>(rank), data, n); };
 }
 
+Kernel buildBroadcast1(const Ctx &c) {
+  c.arity(1, 1);
+  if (c.ins.in[0] != c.ins.out[0])
+    c.bad("broadcasts into its buffer in place");
+  c.needF32(c.in(0));
+  if (!c.comm)
+    fail(LOOM_UNSUPPORTED, c.where, ": broadcast needs the other ranks; run multi-rank bundles "
+         "with loom-run, which starts every rank");
+  int root = static_cast<int>(c.attrInt("root"));
+  if (root < 0 || root >= c.comm->size())
+    c.bad(cat("root ", root, " is not a rank"));
+  InProcessCommunicator *comm = c.comm;
+  float *data = c.f32(c.in(0));
+  int64_t n = count(c.in(0).shape), rank = c.rank.rank;
+  return [=] { comm->broadcast(static_cast<int>(rank), root, data, n); };
+}
+
 Kernel buildStepIncrement(const Ctx &c) {
   c.arity(1, 1);
   if (c.ins.in[0] != c.ins.out[0] || count(c.in(0).shape) != 1)
@@ -1416,6 +1433,7 @@ const std::map<std::string, Builder> &builders() {
       {"avg_pool2d_grad", buildPoolGrad<false>},
       {"step_increment", buildStepIncrement},
       {"all_reduce", buildAllReduce},
+      {"broadcast_from", buildBroadcast1},
       {"global_norm", buildGlobalNorm},
       {"adamw", buildAdamW},
       {"sgd", buildSGD},
