@@ -1,7 +1,7 @@
 //===- Error.h - Errors inside the runtime ----------------------*- C++ -*-===//
 //
 // Inside the runtime, failures throw loom::rt::Error; the C API catches them
-// and returns a loom_status_t. Nothing here calls exit() or aborts.
+// and returns a loom_status_t. Nothing here ends the process.
 //
 //===----------------------------------------------------------------------===//
 #ifndef LOOM_RUNTIME_ERROR_H
