@@ -181,6 +181,13 @@ TEST_F(BundleTest, BertBaseMatchesReference) {
     EXPECT_LE(e, kF32Tolerance);
 }
 
+/// GPT-2 350M takes about ten minutes of reference evaluation, too long for
+/// CI: run it with --gtest_also_run_disabled_tests.
+TEST_F(BundleTest, DISABLED_Gpt2MediumMatchesReference) {
+  for (double e : compileRunCompare("gpt2-350m.mlir", 1))
+    EXPECT_LE(e, kF32Tolerance);
+}
+
 /// The large checked-in models are lowered and memory-planned (running them
 /// on a CPU in CI would take too long); the plan must never let two live
 /// activations share bytes.
