@@ -6,7 +6,9 @@ cd "$(dirname "$0")/.."
 BUILD_DIR=${LOOM_BUILD_DIR:-build}
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
-if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
+# Configure when there is no finished configuration (a failed one leaves a
+# cache but no build files).
+if [ ! -f "$BUILD_DIR/CMakeCache.txt" ] || { [ ! -f "$BUILD_DIR/build.ninja" ] && [ ! -f "$BUILD_DIR/Makefile" ]; }; then
   cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release "$@"
 elif [ $# -gt 0 ]; then
   cmake -S . -B "$BUILD_DIR" "$@"

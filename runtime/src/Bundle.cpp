@@ -4,6 +4,7 @@
 #include "runtime/src/Error.h"
 #include "runtime/src/Safetensors.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -193,6 +194,24 @@ RankProgram parseRank(const Field &f, size_t index) {
     p.init.scale = params[i].at("init").at("scale").number();
     if (params[i].has("grad"))
       p.grad = bufferRef(params[i].at("grad"));
+    if (params[i].has("shard")) {
+      Field sh = params[i].at("shard");
+      p.shard.fullShape = sh.at("full_shape").integers(0);
+      p.shard.axis = sh.at("axis").integer(0);
+      p.shard.parts = sh.at("parts").integer(1);
+      p.shard.index = sh.at("index").integer(0);
+      p.shard.blocks = sh.at("blocks").integer(1);
+      const Shape &local = r.buffers[p.buffer].shape;
+      const Shape &full = p.shard.fullShape;
+      bool ok = full.size() == local.size() && p.shard.axis < int64_t(full.size()) &&
+                p.shard.index < p.shard.parts;
+      for (size_t d = 0; ok && d < full.size(); ++d)
+        ok = int64_t(d) == p.shard.axis
+                 ? full[d] % (p.shard.blocks * p.shard.parts) == 0 && local[d] * p.shard.parts == full[d]
+                 : full[d] == local[d];
+      if (!ok)
+        sh.bad("does not describe a part of " + shapeStr(full) + " shaped " + shapeStr(local));
+    }
     if (!seen.insert(p.name).second)
       params[i].at("name").bad("repeats '" + p.name + "'");
     r.params.push_back(p);
@@ -219,10 +238,57 @@ RankProgram parseRank(const Field &f, size_t index) {
       out.push_back(std::move(ins));
     }
   }
+  if (f.has("groups")) {
+    Field groups = f.at("groups");
+    if (!groups.raw().is_object())
+      groups.bad("must be an object of rank lists");
+    for (auto &[name, _] : groups.raw().items()) {
+      std::vector<int64_t> members = groups.at(name.c_str()).integers(0);
+      if (std::find(members.begin(), members.end(), r.rank) == members.end())
+        groups.at(name.c_str()).bad("does not contain the rank itself");
+      r.groups[name] = members;
+    }
+  }
+  if (f.has("coords")) {
+    Field coords = f.at("coords");
+    if (!coords.raw().is_object())
+      coords.bad("must be an object");
+    for (auto &[name, _] : coords.raw().items())
+      r.coords[name] = coords.at(name.c_str()).integer(0);
+  }
   return r;
 }
 
 } // namespace
+
+void extractShard(const ParamShard &s, size_t es, const char *full, char *part) {
+  // Rows before the axis, the axis split into blocks x parts x piece, bytes after it.
+  int64_t outer = 1, inner = static_cast<int64_t>(es);
+  for (int64_t d = 0; d < s.axis; ++d)
+    outer *= s.fullShape[d];
+  for (size_t d = s.axis + 1; d < s.fullShape.size(); ++d)
+    inner *= s.fullShape[d];
+  int64_t block = s.fullShape[s.axis] / s.blocks, piece = block / s.parts;
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t b = 0; b < s.blocks; ++b) {
+      const char *src = full + ((o * s.blocks + b) * block + s.index * piece) * inner;
+      char *dst = part + ((o * s.blocks + b) * piece) * inner;
+      std::memcpy(dst, src, piece * inner);
+    }
+}
+
+void insertShard(const ParamShard &s, size_t es, const char *part, char *full) {
+  int64_t outer = 1, inner = static_cast<int64_t>(es);
+  for (int64_t d = 0; d < s.axis; ++d)
+    outer *= s.fullShape[d];
+  for (size_t d = s.axis + 1; d < s.fullShape.size(); ++d)
+    inner *= s.fullShape[d];
+  int64_t block = s.fullShape[s.axis] / s.blocks, piece = block / s.parts;
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t b = 0; b < s.blocks; ++b)
+      std::memcpy(full + ((o * s.blocks + b) * block + s.index * piece) * inner,
+                  part + ((o * s.blocks + b) * piece) * inner, piece * inner);
+}
 
 Manifest parseManifest(const json &doc, const std::string &where) {
   Field root(doc, "", where);
@@ -244,6 +310,11 @@ Manifest parseManifest(const json &doc, const std::string &where) {
   m.weights = root.at("weights").string();
   if (root.has("seed"))
     m.seed = static_cast<uint64_t>(root.at("seed").integer(0));
+  if (root.has("plan")) {
+    if (!root.at("plan").raw().is_object())
+      root.at("plan").bad("must be an object");
+    m.plan = root.at("plan").raw();
+  }
   if (m.weights.find('/') != std::string::npos || m.weights.find("..") != std::string::npos)
     root.at("weights").bad("must be a file name inside the bundle");
   Field ranks = root.at("ranks");
@@ -298,6 +369,10 @@ json toJson(const Manifest &m) {
                  {"init", {{"kind", p.init.kind}, {"scale", p.init.scale}}}};
       if (p.grad >= 0)
         jp["grad"] = p.grad;
+      if (p.shard.axis >= 0)
+        jp["shard"] = {{"full_shape", p.shard.fullShape}, {"axis", p.shard.axis},
+                       {"parts", p.shard.parts},          {"index", p.shard.index},
+                       {"blocks", p.shard.blocks}};
       params.push_back(jp);
     }
     json programs = json::object();
@@ -311,7 +386,7 @@ json toJson(const Manifest &m) {
       }
       programs[name] = list;
     }
-    ranks.push_back({{"rank", r.rank},
+    json jr = {{"rank", r.rank},
                      {"device", r.device},
                      {"arena_bytes", r.arenaBytes},
                      {"peak_activation_bytes", r.peakActivationBytes},
@@ -320,12 +395,19 @@ json toJson(const Manifest &m) {
                      {"outputs", named(r.outputs)},
                      {"parameters", params},
                      {"state", named(r.state)},
-                     {"programs", programs}});
+                     {"programs", programs}};
+    if (!r.groups.empty())
+      jr["groups"] = r.groups;
+    if (!r.coords.empty())
+      jr["coords"] = r.coords;
+    ranks.push_back(jr);
   }
-  return {{"format", kBundleFormat}, {"version", m.version}, {"model", m.model},
-          {"mode", m.mode},          {"batch", m.batch},     {"weights", m.weights},
-          {"seed", m.seed},
-          {"ranks", ranks}};
+  json doc = {{"format", kBundleFormat}, {"version", m.version}, {"model", m.model},
+              {"mode", m.mode},          {"batch", m.batch},     {"weights", m.weights},
+              {"seed", m.seed},          {"ranks", ranks}};
+  if (!m.plan.empty())
+    doc["plan"] = m.plan;
+  return doc;
 }
 
 void writeManifest(const Manifest &m, const std::string &bundleDir) {

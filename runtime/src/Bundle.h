@@ -57,12 +57,29 @@ struct ParamInit {
   double scale = 0;
 };
 
+/// This rank's part of a parameter split by tensor parallelism: dimension
+/// `axis` of `fullShape` is viewed as `blocks` equal blocks (3 for a fused
+/// q|k|v weight), and each block is cut into `parts` equal slices, of which
+/// the rank holds slice `index` of every block. Initialisers and weight files
+/// describe the full tensor; every rank takes its part.
+struct ParamShard {
+  int64_t axis = -1; // -1: the rank holds the whole parameter
+  int64_t parts = 1, index = 0, blocks = 1;
+  Shape fullShape;
+};
+
 struct Parameter {
   std::string name;
   int64_t buffer = 0;
   ParamInit init;
   int64_t grad = -1; // the gradient's buffer in a training bundle (valid after backward)
+  ParamShard shard;
 };
+
+/// Copies this rank's part of a full tensor (laid out densely in
+/// shard.fullShape) into `part`, or the part back into the full tensor.
+void extractShard(const ParamShard &shard, size_t elementSize, const char *full, char *part);
+void insertShard(const ParamShard &shard, size_t elementSize, const char *part, char *full);
 
 struct RankProgram {
   int64_t rank = 0;
@@ -74,6 +91,12 @@ struct RankProgram {
   std::vector<Parameter> params;
   std::vector<NamedBuffer> state; // optimizer state and step counter (training)
   std::map<std::string, std::vector<Instruction>> programs; // "forward", "backward", "update"
+  /// Communication groups by name ("dp", "tp", "pp", "mp", ...): the global
+  /// ranks of each group this rank belongs to, in order. Collective
+  /// instructions name one with their "group" attribute.
+  std::map<std::string, std::vector<int64_t>> groups;
+  /// The rank's place in the plan: {"dp": i, "tp": j, "pp": k}.
+  std::map<std::string, int64_t> coords;
 };
 
 struct Manifest {
@@ -83,6 +106,9 @@ struct Manifest {
   int64_t batch = 1;
   std::string weights = "weights.safetensors"; // "": initialise from `seed` on load
   uint64_t seed = 0;
+  /// The parallel plan the bundle was compiled for (as `loomc plan --json`
+  /// writes it, or the degrees that were forced); empty for one device.
+  nlohmann::json plan = nlohmann::json::object();
   std::vector<RankProgram> ranks;
 };
 

@@ -1,11 +1,14 @@
 //===- Communicator.h - Collectives between ranks of one process -*- C++ -*-===//
 //
-// The in-process implementation of the runtime's collectives, for CPU ranks
-// run as threads: every rank calls allReduceMean with its own buffer; the
-// call returns when all ranks hold the mean. A rank that fails calls abort,
-// and every rank waiting (or arriving later) throws an Error that names the
-// failed rank and its message, so nothing hangs; a rank that never arrives
-// makes the others fail after the timeout.
+// The in-process implementation of the runtime's collectives and transfers,
+// for CPU ranks run as threads. A collective names its group (the global
+// ranks taking part, the same list on every member); every member calls it
+// with its own buffer and it returns when all hold the result. Point-to-point
+// send copies into the receiver's mailbox and returns; recv waits for the
+// next message from that peer. A rank that fails calls abort, and every rank
+// waiting (or arriving later) throws an Error that names the failed rank and
+// its message, so nothing hangs; a rank that never arrives makes the others
+// fail after the timeout.
 //
 //===----------------------------------------------------------------------===//
 #ifndef LOOM_RUNTIME_COMMUNICATOR_H
@@ -13,33 +16,54 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace loom::rt {
+
+enum class Reduction { Sum, Mean, Max };
 
 class InProcessCommunicator {
 public:
   explicit InProcessCommunicator(int size, double timeoutSeconds = 300);
   int size() const { return ranks; }
+  /// Reduces `count` floats over `group` (global ranks, including `rank`).
+  void allReduce(int rank, const std::vector<int> &group, float *data, int64_t count,
+                 Reduction op);
+  /// Mean over every rank of the communicator.
   void allReduceMean(int rank, float *data, int64_t count);
-  /// Copies `root`'s buffer into every other rank's.
+  /// Copies `root`'s buffer (a global rank of `group`) into every other member's.
+  void broadcast(int rank, const std::vector<int> &group, int root, float *data, int64_t count);
   void broadcast(int rank, int root, float *data, int64_t count);
+  /// Sends `bytes` bytes to `peer` under `tag`; returns once they are copied.
+  void send(int rank, int peer, int64_t tag, const void *data, int64_t bytes);
+  /// Receives the next message from `peer` under `tag`, which must be `bytes` long.
+  void recv(int rank, int peer, int64_t tag, void *data, int64_t bytes);
   void abort(int rank, const std::string &message);
 
 private:
-  /// Waits until all ranks arrive; throws if aborted or timed out.
-  void barrier(int rank, std::unique_lock<std::mutex> &lock);
+  struct GroupState {
+    int arrived = 0;
+    uint64_t generation = 0;
+    std::map<int, float *> buffers;
+    std::map<int, int64_t> counts;
+  };
+  /// Waits until every member of the group arrives; throws if aborted or timed out.
+  void barrier(int rank, GroupState &g, int members, std::unique_lock<std::mutex> &lock);
+  GroupState &stateOf(int rank, const std::vector<int> &group, const char *what);
+  [[noreturn]] void timedOut(int rank, const std::string &what);
 
   int ranks;
   double timeout;
   std::mutex mutex;
   std::condition_variable cv;
-  int arrived = 0;
-  uint64_t generation = 0;
-  std::vector<float *> buffers;
-  std::vector<int64_t> counts;
+  std::map<std::vector<int>, GroupState> groups;
+  std::map<std::tuple<int, int, int64_t>, std::deque<std::vector<char>>> mailboxes; // (from, to, tag)
+  std::vector<int> everyone;
   bool aborted = false;
   std::string abortMessage;
 };

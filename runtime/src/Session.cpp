@@ -34,14 +34,24 @@ Session::Session(const std::string &bundleDir, const SessionOptions &options)
     for (const Parameter &p : r.params) {
       const Buffer &b = r.buffers[p.buffer];
       std::vector<char> host(b.bytes);
-      initialiseInto(p.init, b, bundle.seed, p.name, host.data());
+      if (p.shard.axis >= 0) { // the full tensor, as one device would have it, then this part
+        Buffer full = b;
+        full.shape = p.shard.fullShape;
+        full.bytes = b.bytes * p.shard.parts;
+        std::vector<char> whole(full.bytes);
+        initialiseInto(p.init, full, bundle.seed, p.name, whole.data());
+        extractShard(p.shard, dtypeSize(b.dtype), whole.data(), host.data());
+      } else {
+        initialiseInto(p.init, b, bundle.seed, p.name, host.data());
+      }
       backend->upload(b, host.data());
     }
   } else {
     loadWeights(dir + "/" + bundle.weights);
   }
-  if (!r.programs.count("forward"))
-    fail(LOOM_INVALID_BUNDLE, dir, "/manifest.json: rank 0 has no 'forward' program");
+  if (!r.programs.count("forward") && !r.programs.count("step"))
+    fail(LOOM_INVALID_BUNDLE, dir, "/manifest.json: rank ", r.rank,
+         " has neither a 'forward' nor a 'step' program");
   for (const auto &[name, instrs] : r.programs)
     backend->prepare(name, instrs);
 }
@@ -62,7 +72,7 @@ char *Session::data(const Buffer &b) const {
   return p;
 }
 
-bool Session::canTrain() const { return backend->has("backward"); }
+bool Session::canTrain() const { return backend->has("backward") || backend->has("step"); }
 
 void Session::runProgram(const std::string &name) {
   if (!backend->has(name))
@@ -85,8 +95,12 @@ float Session::trainStep() {
   if (!canTrain())
     fail(LOOM_INVALID_ARGUMENT, "this bundle was compiled for inference; compile with "
          "loomc compile --train to train");
-  backend->run("forward");
-  backend->run("backward");
+  if (backend->has("step")) { // pipelined: the schedule's forward and backward tasks
+    backend->run("step");
+  } else {
+    backend->run("forward");
+    backend->run("backward");
+  }
   if (backend->has("update"))
     backend->run("update");
   return loss();
@@ -177,7 +191,12 @@ void Session::readOutput(const std::string &name, void *dst, size_t bytes) const
   backend->download(b, dst);
 }
 
-void Session::runForward() { backend->run("forward"); }
+void Session::runForward() {
+  if (!backend->has("forward"))
+    fail(LOOM_UNSUPPORTED, "this bundle runs forward and backward together in its pipelined "
+         "'step' program; train with it (loom-run --steps N) or compile without pipelining");
+  backend->run("forward");
+}
 
 void Session::loadWeights(const std::string &path) {
   SafetensorsFile file = readSafetensors(path);
@@ -187,15 +206,26 @@ void Session::loadWeights(const std::string &path) {
     if (it == file.tensors.end())
       fail(LOOM_INVALID_BUNDLE, path, ": parameter '", p.name, "' is missing");
     const SafetensorsEntry &e = it->second;
-    if (e.dtype != b.dtype || e.shape != b.shape)
+    const Shape &want = p.shard.axis >= 0 ? p.shard.fullShape : b.shape;
+    if (e.dtype != b.dtype || e.shape != want)
       fail(LOOM_INVALID_BUNDLE, path, ": parameter '", p.name, "' is ", dtypeName(e.dtype),
-           shapeStr(e.shape), " in the file but ", dtypeName(b.dtype), shapeStr(b.shape),
+           shapeStr(e.shape), " in the file but ", dtypeName(b.dtype), shapeStr(want),
            " in the bundle");
-    backend->upload(b, file.data.data() + e.offset);
+    if (p.shard.axis >= 0) { // weight files hold full tensors; this rank takes its part
+      std::vector<char> part(b.bytes);
+      extractShard(p.shard, dtypeSize(b.dtype), file.data.data() + e.offset, part.data());
+      backend->upload(b, part.data());
+    } else {
+      backend->upload(b, file.data.data() + e.offset);
+    }
   }
 }
 
 void Session::saveWeights(const std::string &path) const {
+  for (const Parameter &p : rank().params)
+    if (p.shard.axis >= 0)
+      fail(LOOM_UNSUPPORTED, "parameter '", p.name, "' is split over ranks; save a checkpoint "
+           "per rank (loom-run --checkpoint) or gather the parts with insertShard");
   std::vector<SafetensorsTensorRef> refs;
   std::vector<std::vector<char>> copies;
   copies.reserve(rank().params.size());

@@ -57,8 +57,10 @@ void usage(FILE *to) {
                "  --data F                token file: flat uint16 ids (uint32 with --data-dtype)\n"
                "  --data-dtype T          uint16 (default) or uint32\n"
                "  --save-every K          write a checkpoint every K steps (needs --checkpoint)\n"
-               "  --checkpoint DIR        where checkpoints go (DIR/checkpoint.safetensors)\n"
-               "  --resume DIR            continue from DIR/checkpoint.safetensors\n");
+               "  --checkpoint DIR        where checkpoints go (DIR/checkpoint.safetensors; one\n"
+               "                          file per rank, checkpoint.rank-K.safetensors, for\n"
+               "                          multi-rank bundles)\n"
+               "  --resume DIR            continue from the checkpoint(s) in DIR\n");
 }
 
 double valueAt(const Buffer &b, const char *p, int64_t i) { return loadAsDouble(b.dtype, p, i); }
@@ -195,7 +197,20 @@ int train(std::vector<std::unique_ptr<Session>> &ranks,
           const std::string &resume, uint64_t seed) {
   Session &s = *ranks[0];
   const RankProgram &r = s.rank();
-  int64_t numRanks = static_cast<int64_t>(ranks.size());
+  // Ranks of one data-parallel replica (tensor and pipeline parallel
+  // partners) read the same examples; replica i reads the i-th slice of the
+  // global batch.
+  std::vector<int64_t> replicaOf;
+  for (size_t k = 0; k < ranks.size(); ++k) {
+    const auto &coords = ranks[k]->rank().coords;
+    auto it = coords.find("dp");
+    replicaOf.push_back(it == coords.end() ? int64_t(k) : it->second);
+  }
+  int64_t numRanks = *std::max_element(replicaOf.begin(), replicaOf.end()) + 1; // replicas
+  auto checkpointFile = [&](const std::string &dir, size_t k) {
+    return ranks.size() == 1 ? dir + "/checkpoint.safetensors"
+                             : dir + "/checkpoint.rank-" + std::to_string(k) + ".safetensors";
+  };
   // Language models ([batch, seq] tokens and targets) read token files; any
   // other model trains on synthetic inputs drawn afresh each step.
   bool languageModel = r.inputs.size() == 2 &&
@@ -220,9 +235,14 @@ int train(std::vector<std::unique_ptr<Session>> &ranks,
   if (!data.empty())
     tokens.emplace(data, dataDtype, batch * numRanks, seq, vocab);
   if (!resume.empty()) {
-    for (auto &rank : ranks)
-      rank->loadCheckpoint(resume + "/checkpoint.safetensors");
-    std::printf("resumed from %s/checkpoint.safetensors at step %lld\n", resume.c_str(),
+    for (size_t k = 0; k < ranks.size(); ++k) {
+      ranks[k]->loadCheckpoint(checkpointFile(resume, k));
+      if (ranks[k]->step() != s.step())
+        fail(LOOM_INVALID_ARGUMENT, checkpointFile(resume, k), " is at step ", ranks[k]->step(),
+             " but ", checkpointFile(resume, 0), " at step ", s.step(),
+             " (a save was cut off part-way); resume from an older checkpoint");
+    }
+    std::printf("resumed from %s at step %lld\n", checkpointFile(resume, 0).c_str(),
                 (long long)s.step());
   }
   std::vector<int32_t> in(languageModel ? numRanks * batch * seq : 0),
@@ -234,10 +254,11 @@ int train(std::vector<std::unique_ptr<Session>> &ranks,
   int64_t first = s.step() + 1;
   for (int64_t t = first; t <= steps; ++t) {
     if (!languageModel) { // synthetic inputs, seeded by the step: reproducible on resume
-      std::mt19937_64 rng(seed * 1000003 + t);
-      for (auto &rank : ranks)
+      for (size_t k = 0; k < ranks.size(); ++k) { // the same examples within a replica
+        std::mt19937_64 rng(seed * 1000003 + t + 7919 * replicaOf[k]);
         for (const NamedBuffer &nb : r.inputs)
-          fillSynthetic(*rank, nb, rng);
+          fillSynthetic(*ranks[k], nb, rng);
+      }
     } else if (tokens) {
       tokens->fill(t, in, target);
     } else { // synthetic: a fixed stream per step, reproducible on resume
@@ -248,10 +269,10 @@ int train(std::vector<std::unique_ptr<Session>> &ranks,
         target[i] = in[(i + 1) % in.size()];
     }
     if (languageModel) // rank k takes examples [k b, (k + 1) b) of the global batch
-      for (int64_t k = 0; k < numRanks; ++k) {
-        size_t slice = static_cast<size_t>(batch * seq);
-        ranks[k]->bindInput(r.inputs[0].name, in.data() + k * slice, slice * 4);
-        ranks[k]->bindInput(r.inputs[1].name, target.data() + k * slice, slice * 4);
+      for (size_t k = 0; k < ranks.size(); ++k) {
+        size_t slice = static_cast<size_t>(batch * seq), at = replicaOf[k] * slice;
+        ranks[k]->bindInput(r.inputs[0].name, in.data() + at, slice * 4);
+        ranks[k]->bindInput(r.inputs[1].name, target.data() + at, slice * 4);
       }
     auto t0 = std::chrono::steady_clock::now();
     float loss = stepAllRanks(ranks, comm);
@@ -270,8 +291,12 @@ int train(std::vector<std::unique_ptr<Session>> &ranks,
            "; lower --lr or raise --clip when compiling");
     if (saveEvery > 0 && t % saveEvery == 0) {
       ::mkdir(checkpointDir.c_str(), 0755);
-      s.saveCheckpoint(checkpointDir + "/checkpoint.safetensors");
-      std::printf("saved %s/checkpoint.safetensors at step %lld\n", checkpointDir.c_str(), (long long)t);
+      for (size_t k = 0; k < ranks.size(); ++k) // every rank holds its own parts and state
+        ranks[k]->saveCheckpoint(checkpointFile(checkpointDir, k));
+      std::printf("saved %s at step %lld\n",
+                  ranks.size() == 1 ? (checkpointDir + "/checkpoint.safetensors").c_str()
+                                    : (checkpointDir + "/checkpoint.rank-*.safetensors").c_str(),
+                  (long long)t);
     }
   }
   if (timedSteps > 0)
@@ -361,8 +386,15 @@ int run(int argc, char **argv) {
   }
   Session &s = *ranks[0];
   const RankProgram &r = s.rank();
-  if (numRanks > 1)
-    std::printf("%lld ranks (data parallel, threads in this process)\n", (long long)numRanks);
+  if (numRanks > 1) {
+    const nlohmann::json &plan = s.manifest().plan;
+    std::string shape;
+    for (const char *axis : {"dp", "tp", "pp"})
+      if (plan.contains(axis) && plan[axis].is_number_integer() && plan[axis].get<int64_t>() > 1)
+        shape += cat(shape.empty() ? "" : " x ", axis, plan[axis].get<int64_t>());
+    std::printf("%lld ranks (%s; threads in this process)\n", (long long)numRanks,
+                shape.empty() ? "data parallel" : shape.c_str());
+  }
   std::printf("%s: model %s, batch %lld, %zu parameter tensors, arena %.1f MiB (activations %.1f MiB), %s backend\n",
               bundle.c_str(), s.manifest().model.c_str(), (long long)s.manifest().batch, r.params.size(),
               r.arenaBytes / 1048576.0, r.peakActivationBytes / 1048576.0, s.backendName().c_str());

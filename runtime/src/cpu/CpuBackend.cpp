@@ -446,6 +446,46 @@ Kernel buildBatchNorm(const Ctx &c) {
 // Transformer pieces
 //===--------------------------------------------------------------------===//
 
+InProcessCommunicator *needComm(const Ctx &c) {
+  if (!c.comm)
+    fail(LOOM_UNSUPPORTED, c.where, ": ", c.ins.op, " needs the other ranks; run multi-rank "
+         "bundles with loom-run, which starts every rank");
+  return c.comm;
+}
+
+/// The global ranks of the group an instruction names (attribute "group").
+std::vector<int> groupOf(const Ctx &c, const std::string &name) {
+  auto it = c.rank.groups.find(name);
+  if (it == c.rank.groups.end()) {
+    std::string known;
+    for (auto &[n, _] : c.rank.groups)
+      known += (known.empty() ? "" : ", ") + n;
+    c.bad(cat("names group '", name, "', which rank ", c.rank.rank, " does not have (it has: ",
+              known.empty() ? "none" : known, ")"));
+  }
+  return std::vector<int>(it->second.begin(), it->second.end());
+}
+
+std::string attrString(const Ctx &c, const char *name, const std::string &dflt) {
+  auto it = c.ins.attrs.find(name);
+  if (it == c.ins.attrs.end())
+    return dflt;
+  if (!it->is_string())
+    c.bad(cat("attribute '", name, "' must be a string"));
+  return it->get<std::string>();
+}
+
+/// Where this rank's slice of a vocabulary split over `vocab_group` starts
+/// (0 and the whole group size 1 when the attribute is absent).
+std::pair<int64_t, int64_t> vocabSlice(const Ctx &c, int64_t localRows) {
+  std::string name = attrString(c, "vocab_group", "");
+  if (name.empty())
+    return {0, 1};
+  std::vector<int> group = groupOf(c, name);
+  int64_t index = std::find(group.begin(), group.end(), int(c.rank.rank)) - group.begin();
+  return {index * localRows, int64_t(group.size())};
+}
+
 /// Reads index i of an i32 or i64 buffer.
 struct IndexReader {
   const char *base;
@@ -477,13 +517,21 @@ Kernel buildEmbedding(const Ctx &c) {
   if (o.shape != want)
     c.bad(cat("result must be ", shapeStr(want)));
   int64_t vocab = table.shape[0], h = table.shape[1], n = count(ids.shape);
+  auto [start, parts] = vocabSlice(c, vocab);
   IndexReader read{c.arena + ids.offset, ids.dtype == LOOM_I64};
   float *pt = c.f32(table), *po = c.f32(o);
   std::string where = c.where, name = ids.name;
   return [=] {
-    checkIndices(where, "token id in '" + name + "'", read, n, vocab);
-    for (int64_t i = 0; i < n; ++i)
-      std::copy(pt + read(i) * h, pt + (read(i) + 1) * h, po + i * h);
+    checkIndices(where, "token id in '" + name + "'", read, n, vocab * parts);
+    // A vocabulary split over ranks: rows held elsewhere contribute zeros,
+    // and the all-reduce that follows sums the parts.
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t row = read(i) - start;
+      if (row >= 0 && row < vocab)
+        std::copy(pt + row * h, pt + (row + 1) * h, po + i * h);
+      else
+        std::fill(po + i * h, po + (i + 1) * h, 0.0f);
+    }
   };
 }
 
@@ -563,6 +611,43 @@ Kernel buildAttention(const Ctx &c) {
   };
 }
 
+/// Softmax statistics of logits whose vocabulary is split over a group:
+/// the row maximum (all-reduced with max), then the sum of exponentials and
+/// the target's logit (all-reduced with sum, together), so the loss and its
+/// gradient never gather the logits.
+struct VocabStats {
+  VocabStats(const Ctx &c, int64_t V, int64_t rows, int64_t start, int64_t parts)
+      : comm(needComm(c)), group(groupOf(c, attrString(c, "vocab_group", ""))),
+        rank(int(c.rank.rank)), V(V), rows(rows), start(start) {
+    (void)parts;
+  }
+  void compute(const float *logits, IndexReader read) {
+    max.assign(rows, 0.0f);
+    both.assign(2 * rows, 0.0f);
+    for (int64_t r = 0; r < rows; ++r)
+      max[r] = *std::max_element(logits + r * V, logits + (r + 1) * V);
+    comm->allReduce(rank, group, max.data(), rows, Reduction::Max);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float *row = logits + r * V;
+      double s = 0;
+      for (int64_t j = 0; j < V; ++j)
+        s += std::exp(double(row[j]) - max[r]);
+      both[r] = static_cast<float>(s);
+      int64_t t = read(r) - start;
+      both[rows + r] = t >= 0 && t < V ? row[t] : 0.0f;
+    }
+    comm->allReduce(rank, group, both.data(), 2 * rows, Reduction::Sum);
+    sum = both.data();
+    target = both.data() + rows;
+  }
+  InProcessCommunicator *comm;
+  std::vector<int> group;
+  int rank;
+  int64_t V, rows, start;
+  std::vector<float> max, both;
+  const float *sum = nullptr, *target = nullptr;
+};
+
 Kernel buildCrossEntropy(const Ctx &c) {
   c.arity(2, 1);
   const Buffer &logits = c.in(0), &targets = c.in(1), &o = c.out();
@@ -574,6 +659,17 @@ Kernel buildCrossEntropy(const Ctx &c) {
   IndexReader read{c.arena + targets.offset, targets.dtype == LOOM_I64};
   float *pl = c.f32(logits), *po = c.f32(o);
   std::string where = c.where, name = targets.name;
+  if (auto [start, parts] = vocabSlice(c, V); parts > 1) {
+    VocabStats stats(c, V, rows, start, parts);
+    return [=]() mutable {
+      checkIndices(where, "target class in '" + name + "'", read, rows, V * parts);
+      stats.compute(pl, read);
+      double total = 0;
+      for (int64_t r = 0; r < rows; ++r)
+        total += std::log(double(stats.sum[r])) + stats.max[r] - stats.target[r];
+      *po = static_cast<float>(total / std::max<int64_t>(rows, 1));
+    };
+  }
   return [=] {
     checkIndices(where, "target class in '" + name + "'", read, rows, V);
     double total = 0;
@@ -988,15 +1084,19 @@ Kernel buildEmbeddingGrad(const Ctx &c) {
   if (dy.shape != want)
     c.bad(cat("the output gradient must be ", shapeStr(want)));
   int64_t vocab = dt.shape[0], h = dt.shape[1], n = count(ids.shape);
+  auto [start, parts] = vocabSlice(c, vocab);
   IndexReader read{c.arena + ids.offset, ids.dtype == LOOM_I64};
   float *pdy = c.f32(dy), *pdt = c.f32(dt);
   std::string where = c.where, name = ids.name;
   return [=] {
-    checkIndices(where, "token id in '" + name + "'", read, n, vocab);
+    checkIndices(where, "token id in '" + name + "'", read, n, vocab * parts);
     std::fill(pdt, pdt + vocab * h, 0.0f);
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < h; ++j)
-        pdt[read(i) * h + j] += pdy[i * h + j];
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t row = read(i) - start;
+      if (row >= 0 && row < vocab)
+        for (int64_t j = 0; j < h; ++j)
+          pdt[row * h + j] += pdy[i * h + j];
+    }
   };
 }
 
@@ -1087,6 +1187,23 @@ Kernel buildCrossEntropyGrad(const Ctx &c) {
   IndexReader read{c.arena + targets.offset, targets.dtype == LOOM_I64};
   float *pl = c.f32(logits), *pdl = c.f32(dl), *po = c.f32(o);
   std::string where = c.where, name = targets.name;
+  if (auto [start, parts] = vocabSlice(c, V); parts > 1) {
+    VocabStats stats(c, V, rows, start, parts);
+    return [=]() mutable {
+      checkIndices(where, "target class in '" + name + "'", read, rows, V * parts);
+      stats.compute(pl, read);
+      float scale = *pdl / float(std::max<int64_t>(rows, 1));
+      for (int64_t r = 0; r < rows; ++r) {
+        const float *row = pl + r * V;
+        float *out = po + r * V;
+        for (int64_t j = 0; j < V; ++j)
+          out[j] = static_cast<float>(std::exp(double(row[j]) - stats.max[r]) / stats.sum[r]) * scale;
+        int64_t t = read(r) - start;
+        if (t >= 0 && t < V)
+          out[t] -= scale;
+      }
+    };
+  }
   return [=] {
     checkIndices(where, "target class in '" + name + "'", read, rows, V);
     float scale = *pdl / float(std::max<int64_t>(rows, 1));
@@ -1268,36 +1385,69 @@ template <bool Max> Kernel buildPoolGrad(const Ctx &c) {
 // Optimizer
 //===--------------------------------------------------------------------===//
 
-/// Mean over the data-parallel ranks, in place.
+//===--------------------------------------------------------------------===//
+// Communication
+//===--------------------------------------------------------------------===//
+
+/// Reduces a buffer over a group: out = reduction of every member's in.
 Kernel buildAllReduce(const Ctx &c) {
   c.arity(1, 1);
-  if (c.ins.in[0] != c.ins.out[0])
-    c.bad("reduces its buffer in place");
-  c.needF32(c.in(0));
-  if (!c.comm)
-    fail(LOOM_UNSUPPORTED, c.where, ": all_reduce needs the other ranks; run multi-rank bundles "
-         "with loom-run, which starts every rank");
-  InProcessCommunicator *comm = c.comm;
-  float *data = c.f32(c.in(0));
+  c.needF32(c.in(0)), c.needF32(c.out());
+  c.sameShape(c.in(0), c.out());
+  InProcessCommunicator *comm = needComm(c);
+  std::vector<int> group = groupOf(c, attrString(c, "group", "dp"));
+  std::string kind = attrString(c, "reduction", "sum");
+  Reduction op = kind == "sum" ? Reduction::Sum : kind == "mean" ? Reduction::Mean : Reduction::Max;
+  if (kind != "sum" && kind != "mean" && kind != "max")
+    c.bad("reduction must be sum, mean or max, got '" + kind + "'");
+  float *in = c.f32(c.in(0)), *out = c.f32(c.out());
   int64_t n = count(c.in(0).shape), rank = c.rank.rank;
-  return [=] { comm->allReduceMean(static_cast<int>(rank), data, n); };
+  return [=] {
+    if (in != out)
+      std::copy(in, in + n, out);
+    comm->allReduce(static_cast<int>(rank), group, out, n, op);
+  };
 }
 
+/// Copies the buffer of member `root` (an index into the group) to every member.
 Kernel buildBroadcast1(const Ctx &c) {
   c.arity(1, 1);
   if (c.ins.in[0] != c.ins.out[0])
     c.bad("broadcasts into its buffer in place");
   c.needF32(c.in(0));
-  if (!c.comm)
-    fail(LOOM_UNSUPPORTED, c.where, ": broadcast needs the other ranks; run multi-rank bundles "
-         "with loom-run, which starts every rank");
-  int root = static_cast<int>(c.attrInt("root"));
-  if (root < 0 || root >= c.comm->size())
-    c.bad(cat("root ", root, " is not a rank"));
-  InProcessCommunicator *comm = c.comm;
+  InProcessCommunicator *comm = needComm(c);
+  std::vector<int> group = groupOf(c, attrString(c, "group", "dp"));
+  int64_t root = c.attrInt("root");
+  if (root < 0 || root >= int64_t(group.size()))
+    c.bad(cat("root ", root, " is not a member of the group of ", group.size()));
+  int rootRank = group[root];
   float *data = c.f32(c.in(0));
   int64_t n = count(c.in(0).shape), rank = c.rank.rank;
-  return [=] { comm->broadcast(static_cast<int>(rank), root, data, n); };
+  return [=] { comm->broadcast(static_cast<int>(rank), group, rootRank, data, n); };
+}
+
+int64_t peerOf(const Ctx &c) {
+  int64_t peer = c.attrInt("peer");
+  if (peer < 0 || peer == c.rank.rank)
+    c.bad(cat("peer ", peer, " is not another rank"));
+  return peer;
+}
+
+/// Sends a buffer to rank `peer` (pipeline activations and their gradients).
+Kernel buildSend(const Ctx &c) {
+  c.arity(1, 0);
+  InProcessCommunicator *comm = needComm(c);
+  int64_t peer = peerOf(c), rank = c.rank.rank, bytes = c.in(0).bytes, tag = c.attrInt("tag", 0);
+  const char *data = c.ptr<char>(c.in(0));
+  return [=] { comm->send(int(rank), int(peer), tag, data, bytes); };
+}
+
+Kernel buildRecv(const Ctx &c) {
+  c.arity(0, 1);
+  InProcessCommunicator *comm = needComm(c);
+  int64_t peer = peerOf(c), rank = c.rank.rank, bytes = c.out().bytes, tag = c.attrInt("tag", 0);
+  char *data = c.ptr<char>(c.out());
+  return [=] { comm->recv(int(rank), int(peer), tag, data, bytes); };
 }
 
 Kernel buildStepIncrement(const Ctx &c) {
@@ -1318,12 +1468,32 @@ Kernel buildGlobalNorm(const Ctx &c) {
     c.needF32(c.in(i));
     grads.push_back({c.f32(c.in(i)), count(c.in(i).shape)});
   }
+  // A model split over ranks: each rank sums the squares of the gradients it
+  // counts ("skip" lists inputs another rank counts, such as replicas), and
+  // the sums are added over "group".
+  std::vector<bool> counted(grads.size(), true);
+  if (c.ins.attrs.contains("skip"))
+    for (int64_t i : c.attrInts("skip")) {
+      if (i < 0 || i >= int64_t(grads.size()))
+        c.bad(cat("skip names input ", i, " of ", grads.size()));
+      counted[i] = false;
+    }
+  std::string groupName = attrString(c, "group", "");
+  InProcessCommunicator *comm = groupName.empty() ? nullptr : needComm(c);
+  std::vector<int> group = groupName.empty() ? std::vector<int>() : groupOf(c, groupName);
+  int rank = int(c.rank.rank);
   float *out = c.f32(c.out());
   return [=] {
     double sum = 0;
-    for (auto [g, n] : grads)
-      for (int64_t i = 0; i < n; ++i)
-        sum += double(g[i]) * g[i];
+    for (size_t k = 0; k < grads.size(); ++k)
+      if (counted[k])
+        for (int64_t i = 0; i < grads[k].second; ++i)
+          sum += double(grads[k].first[i]) * grads[k].first[i];
+    if (comm) {
+      float total = static_cast<float>(sum);
+      comm->allReduce(rank, group, &total, 1, Reduction::Sum);
+      sum = total;
+    }
     *out = static_cast<float>(std::sqrt(sum));
   };
 }
@@ -1434,6 +1604,8 @@ const std::map<std::string, Builder> &builders() {
       {"step_increment", buildStepIncrement},
       {"all_reduce", buildAllReduce},
       {"broadcast_from", buildBroadcast1},
+      {"send", buildSend},
+      {"recv", buildRecv},
       {"global_norm", buildGlobalNorm},
       {"adamw", buildAdamW},
       {"sgd", buildSGD},
@@ -1471,7 +1643,7 @@ CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &
     };
     std::vector<Copy> widen, narrow; // operands in, results out
     static const std::set<std::string> bytewise = {"cast", "slice", "transpose", "concat",
-                                                   "broadcast"};
+                                                   "broadcast", "send", "recv"};
     if (!bytewise.count(ins.op)) {
       auto add = [&](int64_t id, std::vector<Copy> &list) {
         const Buffer &b = rank.buffers[id];
