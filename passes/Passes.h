@@ -28,6 +28,10 @@ LogicalResult specializeBatch(ModuleOp module, int64_t batch);
 /// bf16 compute with f32 master parameters (the loom-mixed-precision pass).
 LogicalResult applyMixedPrecision(ModuleOp module);
 
+/// Rewrites `module` (static shapes) into the program of one of `tp`
+/// tensor-parallel ranks (the loom-partition-tp pass).
+LogicalResult partitionTensorParallel(ModuleOp module, int64_t tp);
+
 #define GEN_PASS_REGISTRATION
 #include "passes/Passes.h.inc"
 

@@ -28,4 +28,22 @@ def MixedPrecision : Pass<"loom-mixed-precision", "::mlir::ModuleOp"> {
   }];
 }
 
+def PartitionTensorParallel : Pass<"loom-partition-tp", "::mlir::ModuleOp"> {
+  let summary = "Rewrites a model into one tensor-parallel rank's program (Megatron rules)";
+  let description = [{
+    Splits linear layers column- then row-parallel, attention by heads and
+    the embedding, output projection and loss by vocabulary, over `tp`
+    ranks. Parameters take the shape of one rank's part and record the
+    split in `loom.shard`; `loom.grad_all_reduce` marks where replicated
+    activations enter a parallel region (its gradient is summed over the
+    ranks) and `loom.all_reduce` sums the partial results of row-parallel
+    layers and of the vocabulary-parallel embedding. A transformer layer
+    gets two all-reduces forward and two backward. Run after
+    loom-specialize-batch: partitioning needs static shapes.
+  }];
+  let options = [
+    Option<"tp", "tp", "int64_t", /*default=*/"2", "Tensor-parallel degree (>= 1)">
+  ];
+}
+
 #endif // LOOM_PASSES_TD

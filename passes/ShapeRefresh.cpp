@@ -58,7 +58,7 @@ LogicalResult mlir::loom::refreshResultTypes(Region &region) {
         return WalkResult::interrupt();
       types.push_back(*type);
     } else if (isa<GeluOp, ReluOp, SiluOp, ExpOp, TanhOp, RsqrtOp, NegOp, ScaleOp, SoftmaxOp,
-                   LayerNormOp, RMSNormOp, BatchNormOp, RotaryOp>(op)) {
+                   LayerNormOp, RMSNormOp, BatchNormOp, RotaryOp, AllReduceOp, GradAllReduceOp>(op)) {
       types.push_back(op->getOperand(0).getType());
     } else if (auto repeat = dyn_cast<RepeatOp>(op)) {
       BlockOp block = repeat.lookupBlock();

@@ -4,6 +4,7 @@
 #include "dialects/loom/IR/GradientBuilder.h"
 #include "dialects/loom/IR/LoomOps.h"
 #include "mlir/Dialect/Func/IR/FuncOps.h"
+#include "compiler/planner/PipelineSchedule.h"
 #include "passes/Passes.h"
 #include "runtime/src/Error.h"
 #include "runtime/src/Init.h"
@@ -20,6 +21,7 @@
 using namespace mlir;
 using namespace mlir::loom;
 namespace rt = ::loom::rt;
+namespace planner = ::loom::planner;
 using json = nlohmann::json;
 
 namespace {
@@ -193,9 +195,18 @@ private:
     if (failed(id))
       return failure();
     InitAttr init = param.getInit();
-    rank.params.push_back({name, *id,
-                           rt::ParamInit{stringifyInitKind(init.getKind()).str(),
-                                         init.getScale().convertToDouble()}});
+    rt::Parameter p{name, *id,
+                    rt::ParamInit{stringifyInitKind(init.getKind()).str(),
+                                  init.getScale().convertToDouble()}};
+    if (auto shard = param->getAttrOfType<DictionaryAttr>("loom.shard")) {
+      // This rank's part of a tensor-parallel split; the index is the rank's.
+      p.shard.axis = shard.getAs<IntegerAttr>("axis").getInt();
+      p.shard.parts = shard.getAs<IntegerAttr>("parts").getInt();
+      p.shard.blocks = shard.getAs<IntegerAttr>("blocks").getInt();
+      p.shard.fullShape = rank.buffers[*id].shape;
+      p.shard.fullShape[p.shard.axis] *= p.shard.parts;
+    }
+    rank.params.push_back(p);
     params[name] = *id;
     return *id;
   }
@@ -280,7 +291,7 @@ private:
                         const std::string &prefix) {
     std::string opName = op.getName().stripDialect().str();
     std::string resultName = prefix + opName + "." + std::to_string(counter++);
-    if (isa<ReshapeOp>(op)) {
+    if (isa<ReshapeOp, GradAllReduceOp>(op)) { // views: no instruction
       int64_t in = values.lookup(op.getOperand(0));
       FailureOr<int64_t> id = newBuffer(op.getResult(0).getType(), resultName,
                                         rt::BufferRole::Activation, op.getLoc());
@@ -312,11 +323,16 @@ private:
       ins.attrs[attr.getName().getValue().str()] = *value;
     }
     // Inputs that index something get a limit, checked and used for synthetic data.
+    // A vocabulary split over tensor-parallel ranks counts whole.
+    int64_t parts = 1;
+    if (auto mesh = module->getAttrOfType<MeshAttr>("loom.mesh"))
+      parts = mesh.getAxisSize("tp").value_or(1);
     if (auto emb = dyn_cast<EmbeddingOp>(op))
-      indexLimits[rootOf(ins.in[1])] = emb.getTable().getType().getDimSize(0);
-    if (auto ce = dyn_cast<CrossEntropyOp>(op))
       indexLimits[rootOf(ins.in[1])] =
-          cast<RankedTensorType>(ce.getLogits().getType()).getShape().back();
+          emb.getTable().getType().getDimSize(0) * (emb.getVocabGroup() ? parts : 1);
+    if (auto ce = dyn_cast<CrossEntropyOp>(op))
+      indexLimits[rootOf(ins.in[1])] = cast<RankedTensorType>(ce.getLogits().getType()).getShape().back() *
+                                       (ce.getVocabGroup() ? parts : 1);
     records.push_back({&op, ins.in, ins.out, prefix, static_cast<int64_t>(program.size())});
     program.push_back(std::move(ins));
     return success();
@@ -338,8 +354,16 @@ private:
 /// instructions over buffers.
 class Autodiff : public GradientBuilder {
 public:
-  Autodiff(Lowerer &lowerer, MLIRContext *ctx, const std::set<std::string> &recompute)
-      : lowerer(lowerer), rank(lowerer.rankProgram()), ctx(ctx), recompute(recompute) {}
+  /// `chunkOf` gives each forward record's pipeline chunk (all 0 without
+  /// pipelining): backward instructions are tagged with their record's
+  /// chunk, and a parameter used in several chunks gets one gradient per chunk.
+  Autodiff(Lowerer &lowerer, MLIRContext *ctx, const std::set<std::string> &recompute,
+           std::vector<int64_t> chunkOf = {})
+      : lowerer(lowerer), rank(lowerer.rankProgram()), ctx(ctx), recompute(recompute),
+        chunkOf(std::move(chunkOf)) {
+    for (const rt::Parameter &p : rank.params)
+      isParam.insert(p.buffer);
+  }
 
   LogicalResult run(int64_t loss) {
     // What needs a gradient: parameters and everything computed from them.
@@ -356,9 +380,11 @@ public:
     }
     if (!needs.count(loss))
       return emitError(UnknownLoc::get(ctx)) << "the loss does not depend on any parameter";
-    grads[loss] = emitRaw("fill", {}, {like(loss, "grad.loss")}, {{"value", 1.0}}).front();
+    chunk = chunkOf.empty() ? 0 : chunkOf.back();
+    grads[loss] = emitRaw("fill", {}, {like(loss, "grad.loss")}, {{"value", lossScale}}).front();
     for (auto it = lowerer.records.rbegin(); it != lowerer.records.rend(); ++it) {
       current = &*it;
+      chunk = chunkOf.empty() ? 0 : chunkOf[lowerer.records.rend() - it - 1];
       if (!current->layer.empty() && wantsRecompute(current->layer) &&
           !recomputed.count(current->layer))
         recomputeLayer(current->layer);
@@ -375,12 +401,19 @@ public:
         return failure();
     }
     for (rt::Parameter &p : rank.params)
-      if (auto g = grads.find(p.buffer); g != grads.end())
-        p.grad = g->second;
+      for (auto &[key, g] : paramGrads)
+        if (key.first == p.buffer && (p.grad < 0 || key.second == 0))
+          p.grad = g;
     return success();
   }
 
   std::vector<rt::Instruction> backward;
+  std::vector<int64_t> backwardChunk; // per backward instruction
+  /// Gradient of each parameter buffer per chunk that uses it.
+  std::map<std::pair<int64_t, int64_t>, int64_t> paramGrads;
+  /// Value of the loss gradient's seed: 1, or 1/m when m microbatches'
+  /// gradients are summed.
+  double lossScale = 1.0;
 
   // GradientBuilder. Values of a recomputed layer read its recomputed copies.
   Handle operand(unsigned i) override { return fresh(current->in.at(i)); }
@@ -393,11 +426,21 @@ public:
   void addGrad(unsigned i, Handle g) override {
     int64_t target = current->in.at(i);
     g = reduceTo(g, rank.buffers[target].shape);
+    // Parameters keep one gradient per chunk, so no chunk reads another's.
+    if (isParam.count(target)) {
+      auto key = std::make_pair(target, chunk);
+      auto it = paramGrads.find(key);
+      if (it == paramGrads.end())
+        paramGrads[key] = g;
+      else
+        it->second = emitRaw("add", {it->second, g}, {like(it->second, gradName("sum"))}, {}).front();
+      return;
+    }
     auto it = grads.find(target);
     if (it == grads.end())
       grads[target] = g;
     else
-      it->second = emitRaw("add", {it->second, g}, {like(it->second, "grad.sum")}, {}).front();
+      it->second = emitRaw("add", {it->second, g}, {like(it->second, gradName("sum"))}, {}).front();
   }
   SmallVector<int64_t> shapeOf(Handle h) override {
     return SmallVector<int64_t>(rank.buffers[h].shape.begin(), rank.buffers[h].shape.end());
@@ -416,13 +459,13 @@ public:
                            ArrayRef<NamedAttribute> attrs) override {
     std::vector<int64_t> outs;
     for (Handle l : likes)
-      outs.push_back(like(l, "grad." + op.str()));
+      outs.push_back(like(l, gradName(op.str())));
     std::vector<int64_t> made = emitRaw(op, inputs, outs, toJson(attrs));
     return SmallVector<Handle>(made.begin(), made.end());
   }
   Handle emitShaped(StringRef op, ArrayRef<Handle> inputs, ArrayRef<int64_t> shape,
                     ArrayRef<NamedAttribute> attrs) override {
-    int64_t out = raw(rank.buffers[inputs.front()].dtype, {shape.begin(), shape.end()}, "grad." + op.str());
+    int64_t out = raw(rank.buffers[inputs.front()].dtype, {shape.begin(), shape.end()}, gradName(op.str()));
     return emitRaw(op, inputs, {out}, toJson(attrs)).front();
   }
   Handle view(Handle h, ArrayRef<int64_t> shape) override {
@@ -474,9 +517,14 @@ private:
         id = copy;
       }
       backward.push_back(std::move(ins));
+      backwardChunk.push_back(chunk);
     }
   }
 
+  /// Gradient buffers carry their layer's prefix ("layer.3.grad.matmul").
+  std::string gradName(const std::string &op) const {
+    return (current ? current->layer : std::string()) + "grad." + op;
+  }
   bool isFloat(int64_t id) const {
     loom_dtype_t t = rank.buffers[id].dtype;
     return t == LOOM_F32 || t == LOOM_F64 || t == LOOM_BF16 || t == LOOM_F16;
@@ -514,8 +562,10 @@ private:
     ins.out = outs;
     ins.attrs = std::move(attrs);
     backward.push_back(std::move(ins));
+    backwardChunk.push_back(chunk);
     return outs;
   }
+
   /// Sums a gradient over the dimensions its operand was broadcast along.
   Handle reduceTo(Handle g, const std::vector<int64_t> &target) {
     const std::vector<int64_t> &shape = rank.buffers[g].shape;
@@ -528,7 +578,7 @@ private:
         axes.push_back(static_cast<int64_t>(d));
         kept[d] = 1;
       }
-    int64_t summed = raw(rank.buffers[g].dtype, kept, "grad.reduce");
+    int64_t summed = raw(rank.buffers[g].dtype, kept, gradName("reduce"));
     emitRaw("reduce_sum", {g}, {summed}, {{"axes", axes}, {"keepdim", true}});
     return view(summed, SmallVector<int64_t>(target.begin(), target.end()));
   }
@@ -542,6 +592,9 @@ private:
   std::set<std::string> recompute, recomputed;
   std::map<int64_t, int64_t> remap; // forward buffer -> its recomputed copy
   LogicalResult status = success();
+  std::vector<int64_t> chunkOf;
+  std::set<int64_t> isParam;
+  int64_t chunk = 0;
 };
 
 /// The update program: step counter, global gradient norm, and one in-place
@@ -566,7 +619,11 @@ std::vector<int64_t> assignOwners(const rt::RankProgram &rank, int64_t ranks) {
 /// With ZeRO-1 (`owners` given) this rank keeps optimizer state for, and
 /// updates, only the parameters it owns; each owner then broadcasts its
 /// updated parameters to the others.
-void buildUpdate(rt::RankProgram &rank, const TrainOptions &t,
+/// `prefix` (gradient reductions) runs first. The global gradient norm
+/// counts the parameters marked in `normCounts` (each element of a split or
+/// replicated model counted once) and sums over `normGroup` when set.
+void buildUpdate(rt::RankProgram &rank, const TrainOptions &t, std::vector<rt::Instruction> prefix,
+                 const std::vector<bool> &normCounts, const std::string &normGroup,
                  const std::vector<int64_t> &owners = {}, int64_t self = 0) {
   auto state = [&](const std::string &name, const std::vector<int64_t> &shape) {
     rt::Buffer b;
@@ -579,19 +636,32 @@ void buildUpdate(rt::RankProgram &rank, const TrainOptions &t,
     rank.state.push_back({name, b.id, 0});
     return b.id;
   };
-  std::vector<rt::Instruction> update;
+  std::vector<rt::Instruction> update = std::move(prefix);
+  if (t.optimizer == "none") {
+    if (!update.empty())
+      rank.programs["update"] = std::move(update);
+    return;
+  }
   int64_t step = state("step", {});
   update.push_back({"step_increment", {step}, {step}, json::object()});
-  std::vector<int64_t> allGrads;
-  for (const rt::Parameter &p : rank.params)
-    if (p.grad >= 0)
-      allGrads.push_back(p.grad);
+  std::vector<int64_t> allGrads, skip;
+  for (size_t i = 0; i < rank.params.size(); ++i)
+    if (rank.params[i].grad >= 0) {
+      if (i < normCounts.size() && !normCounts[i])
+        skip.push_back(static_cast<int64_t>(allGrads.size()));
+      allGrads.push_back(rank.params[i].grad);
+    }
   rt::Buffer norm;
   norm.id = static_cast<int64_t>(rank.buffers.size());
   norm.name = "grad_norm";
   norm.bytes = 4;
   rank.buffers.push_back(norm);
-  update.push_back({"global_norm", allGrads, {norm.id}, json::object()});
+  json normAttrs = json::object();
+  if (!normGroup.empty())
+    normAttrs["group"] = normGroup;
+  if (!skip.empty())
+    normAttrs["skip"] = skip;
+  update.push_back({"global_norm", allGrads, {norm.id}, normAttrs});
   for (size_t index = 0; index < rank.params.size(); ++index) {
     const rt::Parameter &p = rank.params[index];
     if (p.grad < 0 || (!owners.empty() && owners[index] != self))
@@ -706,17 +776,341 @@ void mlir::loom::planMemory(rt::RankProgram &rank, const std::vector<std::string
   rank.arenaBytes = base + peak;
 }
 
+namespace {
+
+/// Where global rank g sits in the dp x tp x pp grid (tp fastest, then dp,
+/// then pp, as Megatron-LM numbers ranks), and the groups it belongs to.
+struct Grid {
+  int64_t dp, tp, pp;
+  int64_t size() const { return dp * tp * pp; }
+  int64_t rankOf(int64_t d, int64_t t, int64_t p) const { return (p * dp + d) * tp + t; }
+  int64_t dpOf(int64_t g) const { return (g / tp) % dp; }
+  int64_t tpOf(int64_t g) const { return g % tp; }
+  int64_t ppOf(int64_t g) const { return g / (dp * tp); }
+
+  void describe(rt::RankProgram &r) const {
+    int64_t g = r.rank, d = dpOf(g), t = tpOf(g), p = ppOf(g);
+    r.coords = {{"dp", d}, {"tp", t}, {"pp", p}};
+    std::vector<int64_t> dpG, tpG, ppG, mpG;
+    for (int64_t i = 0; i < dp; ++i)
+      dpG.push_back(rankOf(i, t, p));
+    for (int64_t i = 0; i < tp; ++i)
+      tpG.push_back(rankOf(d, i, p));
+    for (int64_t i = 0; i < pp; ++i)
+      ppG.push_back(rankOf(d, t, i));
+    for (int64_t i = 0; i < pp; ++i) // every rank of this data-parallel replica
+      for (int64_t j = 0; j < tp; ++j)
+        mpG.push_back(rankOf(d, j, i));
+    r.groups = {{"dp", dpG}, {"tp", tpG}, {"pp", ppG}, {"mp", mpG}};
+  }
+};
+
+/// The loss, the gradient program and what pipelining needs to know about
+/// each instruction, shared by every rank before it takes its part.
+struct Lowered {
+  rt::RankProgram base;
+  std::vector<rt::Instruction> forward, backward;
+  std::vector<int64_t> forwardChunk, backwardChunk;
+  std::map<std::pair<int64_t, int64_t>, int64_t> paramGrads; // (param buffer, chunk) -> grad
+  int64_t loss = -1, chunks = 1;
+};
+
+bool isFloatRole(const rt::Buffer &b) {
+  return b.role == rt::BufferRole::Param || b.role == rt::BufferRole::State;
+}
+
+/// Builds one rank's "step" program: the schedule's microbatch tasks for the
+/// chunks this rank holds, each task's instructions on per-microbatch copies
+/// of the activations, recv before a task of what other stages produced and
+/// send after it of what they need, parameter gradients summed over
+/// microbatches and the loss averaged over them.
+class PipelineRank {
+public:
+  PipelineRank(const Lowered &l, rt::RankProgram &r, const Grid &grid, int64_t vpp, int64_t m,
+               planner::Schedule schedule)
+      : l(l), r(r), grid(grid), vpp(vpp), m(m), schedule(schedule) {}
+
+  void build() {
+    int64_t g = r.rank, stage = grid.ppOf(g);
+    // Producers: the chunk and pass (forward 0, backward 1) that write each root.
+    for (size_t i = 0; i < l.forward.size(); ++i)
+      for (int64_t id : l.forward[i].out)
+        producer.try_emplace(root(id), std::make_pair(l.forwardChunk[i], 0));
+    for (size_t i = 0; i < l.backward.size(); ++i)
+      for (int64_t id : l.backward[i].out)
+        producer.try_emplace(root(id), std::make_pair(l.backwardChunk[i], 1));
+    // Which roots each task (chunk, pass) reads that another chunk produced.
+    for (int pass = 0; pass < 2; ++pass) {
+      const auto &list = pass ? l.backward : l.forward;
+      const auto &chunkOf = pass ? l.backwardChunk : l.forwardChunk;
+      for (size_t i = 0; i < list.size(); ++i)
+        for (int64_t id : list[i].in) {
+          int64_t rt = root(id);
+          auto it = producer.find(rt);
+          if (it != producer.end() && it->second.first != chunkOf[i])
+            needs[{chunkOf[i], pass}].insert(rt);
+        }
+    }
+    // Full-batch inputs; the lowered ones (one microbatch) become per-task slices.
+    for (rt::NamedBuffer &in : r.inputs) {
+      rt::Buffer full = r.buffers[in.buffer];
+      full.id = static_cast<int64_t>(r.buffers.size());
+      full.shape[0] *= m;
+      full.bytes *= m;
+      full.role = rt::BufferRole::Input;
+      r.buffers[in.buffer].role = rt::BufferRole::Activation;
+      microInput[in.buffer] = full.id;
+      r.buffers.push_back(full);
+      in.buffer = full.id;
+    }
+    // The loss: summed over microbatches on the last stage, then averaged.
+    rt::Buffer lossSum = r.buffers[l.loss];
+    lossSum.id = static_cast<int64_t>(r.buffers.size());
+    lossSum.name = "loss";
+    lossSum.role = rt::BufferRole::Output;
+    r.buffers[l.loss].role = rt::BufferRole::Activation;
+    r.buffers.push_back(lossSum);
+    r.outputs = {{"loss", lossSum.id, 0}};
+    step.push_back({"fill", {}, {lossSum.id}, json{{"value", 0.0}}});
+    // One gradient accumulator per parameter this rank's chunks use.
+    std::set<int64_t> mine;
+    for (int64_t j = 0; j < vpp; ++j)
+      mine.insert(j * grid.pp + stage);
+    for (auto &[key, grad] : l.paramGrads)
+      if (mine.count(key.second) && !accumulator.count(key.first)) {
+        rt::Buffer acc = r.buffers[key.first];
+        acc.id = static_cast<int64_t>(r.buffers.size());
+        acc.name = acc.name + ".grad";
+        acc.role = rt::BufferRole::Activation;
+        r.buffers.push_back(acc);
+        accumulator[key.first] = acc.id;
+        step.push_back({"fill", {}, {acc.id}, json{{"value", 0.0}}});
+      }
+    for (rt::Parameter &p : r.params)
+      p.grad = accumulator.count(p.buffer) ? accumulator[p.buffer] : -1;
+
+    for (const planner::PipelineTask &task :
+         planner::stageOrder(schedule, grid.pp, m, vpp, stage)) {
+      int64_t chunk = task.chunk * grid.pp + stage, k = task.microbatch;
+      int pass = task.forward ? 0 : 1;
+      receive(chunk, pass, k);
+      const auto &list = pass ? l.backward : l.forward;
+      const auto &chunkOf = pass ? l.backwardChunk : l.forwardChunk;
+      for (size_t i = 0; i < list.size(); ++i) {
+        if (chunkOf[i] != chunk)
+          continue;
+        rt::Instruction ins = list[i];
+        for (int64_t &id : ins.in)
+          id = input(id, k);
+        for (int64_t &id : ins.out)
+          id = copy(id, k);
+        step.push_back(std::move(ins));
+      }
+      if (pass == 0 && producer.count(root(l.loss)) && producer[root(l.loss)].first == chunk)
+        step.push_back({"add", {lossSum.id, copy(l.loss, k)}, {lossSum.id}, json::object()});
+      if (pass == 1)
+        for (auto &[key, grad] : l.paramGrads)
+          if (key.second == chunk)
+            step.push_back({"add", {accumulator[key.first], copy(grad, k)},
+                            {accumulator[key.first]}, json::object()});
+      sendAfter(chunk, pass, k);
+    }
+    if (producer[root(l.loss)].first % grid.pp == stage && m > 1)
+      step.push_back({"scale", {lossSum.id}, {lossSum.id}, json{{"factor", 1.0 / double(m)}}});
+    r.programs.clear();
+    r.programs["step"] = std::move(step);
+    lossBuffer = lossSum.id;
+  }
+
+  int64_t lossBuffer = -1;
+  /// Stage holding the loss.
+  int64_t lossStage() { return producer[root(l.loss)].first % grid.pp; }
+
+private:
+  int64_t root(int64_t id) const {
+    while (l.base.buffers[id].viewOf >= 0)
+      id = l.base.buffers[id].viewOf;
+    return id;
+  }
+  /// This microbatch's copy of an activation (parameters and state are shared).
+  int64_t copy(int64_t id, int64_t k) {
+    if (isFloatRole(r.buffers[id]))
+      return id;
+    auto [it, inserted] = copies.try_emplace({id, k}, -1);
+    if (!inserted)
+      return it->second;
+    rt::Buffer b = r.buffers[id];
+    b.id = static_cast<int64_t>(r.buffers.size());
+    b.name += "@" + std::to_string(k);
+    b.role = rt::BufferRole::Activation;
+    r.buffers.push_back(b);
+    copies[{id, k}] = b.id;
+    if (b.viewOf >= 0) {
+      int64_t of = copy(b.viewOf, k);
+      r.buffers[b.id].viewOf = of;
+    }
+    return b.id;
+  }
+  /// An operand: inputs are sliced out of the full batch the first time a
+  /// task of this microbatch reads them.
+  int64_t input(int64_t id, int64_t k) {
+    int64_t rt = root(id);
+    if (auto it = microInput.find(rt); it != microInput.end() && !sliced.count({rt, k})) {
+      sliced.insert({rt, k});
+      int64_t rows = r.buffers[rt].shape[0];
+      step.push_back({"slice", {it->second}, {copy(rt, k)},
+                      json{{"axis", 0}, {"start", k * rows}, {"size", rows}}});
+    }
+    return copy(id, k);
+  }
+  int64_t rankOfChunk(int64_t chunk) const {
+    return grid.rankOf(grid.dpOf(r.rank), grid.tpOf(r.rank), chunk % grid.pp);
+  }
+  int64_t tag(int64_t rt, int64_t k) const { return rt * m + k; }
+
+  void receive(int64_t chunk, int pass, int64_t k) {
+    auto it = needs.find({chunk, pass});
+    if (it == needs.end())
+      return;
+    for (int64_t rt : it->second) {
+      int64_t from = rankOfChunk(producer[rt].first);
+      if (from == r.rank || !received.insert({rt, k}).second)
+        continue;
+      step.push_back({"recv", {}, {copy(rt, k)}, json{{"peer", from}, {"tag", tag(rt, k)}}});
+    }
+  }
+  void sendAfter(int64_t chunk, int pass, int64_t k) {
+    // Every other rank whose tasks read what this task produced gets it once.
+    std::map<int64_t, std::set<int64_t>> to; // root -> ranks
+    for (auto &[task, roots] : needs)
+      for (int64_t rt : roots)
+        if (producer[rt] == std::make_pair(chunk, pass)) {
+          int64_t dest = rankOfChunk(task.first);
+          if (dest != r.rank)
+            to[rt].insert(dest);
+        }
+    for (auto &[rt, ranks] : to)
+      for (int64_t dest : ranks)
+        step.push_back({"send", {copy(rt, k)}, {}, json{{"peer", dest}, {"tag", tag(rt, k)}}});
+  }
+
+  const Lowered &l;
+  rt::RankProgram &r;
+  const Grid &grid;
+  int64_t vpp, m;
+  planner::Schedule schedule;
+  std::vector<rt::Instruction> step;
+  std::map<int64_t, std::pair<int64_t, int>> producer;
+  std::map<std::pair<int64_t, int>, std::set<int64_t>> needs;
+  std::map<std::pair<int64_t, int64_t>, int64_t> copies;
+  std::map<int64_t, int64_t> microInput, accumulator;
+  std::set<std::pair<int64_t, int64_t>> sliced, received;
+};
+
+/// Drops the buffers and parameters a rank's programs never touch (other
+/// stages' layers) and renumbers the rest densely.
+void compactRank(rt::RankProgram &r) {
+  std::vector<bool> used(r.buffers.size(), false);
+  auto mark = [&](int64_t id) {
+    for (; id >= 0; id = r.buffers[id].viewOf)
+      used[id] = true;
+  };
+  std::set<int64_t> touched;
+  for (auto &[name, list] : r.programs)
+    for (const rt::Instruction &ins : list) {
+      for (int64_t id : ins.in)
+        mark(id), touched.insert(id);
+      for (int64_t id : ins.out)
+        mark(id), touched.insert(id);
+    }
+  std::vector<rt::Parameter> params;
+  for (rt::Parameter &p : r.params)
+    if (touched.count(p.buffer))
+      params.push_back(p);
+  r.params = std::move(params);
+  for (const rt::NamedBuffer &nb : r.inputs)
+    mark(nb.buffer);
+  for (const rt::NamedBuffer &nb : r.outputs)
+    mark(nb.buffer);
+  for (const rt::NamedBuffer &nb : r.state)
+    mark(nb.buffer);
+  std::vector<int64_t> to(r.buffers.size(), -1);
+  std::vector<rt::Buffer> kept;
+  for (size_t i = 0; i < r.buffers.size(); ++i)
+    if (used[i]) {
+      to[i] = static_cast<int64_t>(kept.size());
+      kept.push_back(r.buffers[i]);
+      kept.back().id = to[i];
+    }
+  for (rt::Buffer &b : kept)
+    if (b.viewOf >= 0)
+      b.viewOf = to[b.viewOf];
+  r.buffers = std::move(kept);
+  for (auto &[name, list] : r.programs)
+    for (rt::Instruction &ins : list) {
+      for (int64_t &id : ins.in)
+        id = to[id];
+      for (int64_t &id : ins.out)
+        id = to[id];
+    }
+  for (rt::Parameter &p : r.params) {
+    p.buffer = to[p.buffer];
+    if (p.grad >= 0)
+      p.grad = to[p.grad];
+  }
+  for (auto *list : {&r.inputs, &r.outputs, &r.state})
+    for (rt::NamedBuffer &nb : *list)
+      nb.buffer = to[nb.buffer];
+}
+
+/// Units of pipelining in program order: what comes before the first layer,
+/// each layer (a block application), what sits between layers, and what
+/// follows the last; returns each record's unit.
+std::vector<int64_t> unitsOf(const std::vector<std::string> &layers, int64_t &count) {
+  std::vector<int64_t> unit(layers.size(), 0);
+  count = 0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (i > 0 && layers[i] != layers[i - 1])
+      ++count;
+    unit[i] = count;
+  }
+  count = layers.empty() ? 0 : count + 1;
+  return unit;
+}
+
+} // namespace
+
 FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const BundleOptions &options) {
   OwningOpRef<ModuleOp> module(original.clone());
-  int64_t dp = options.dataParallel;
-  if (dp < 1 || options.batch % dp != 0)
-    return original.emitError() << "the batch (" << options.batch
-                                << ") must divide evenly over " << dp << " data-parallel ranks";
-  if (dp > 1 && !options.train)
-    return original.emitError() << "data parallelism applies to training bundles (--train)";
-  if (failed(specializeBatch(*module, options.batch / dp)))
+  int64_t dp = options.dataParallel, tp = options.tensorParallel, pp = options.pipelineParallel;
+  int64_t vpp = options.virtualStages, m = options.microbatches;
+  if (dp < 1 || tp < 1 || pp < 1 || vpp < 1 || m < 1)
+    return original.emitError() << "parallel degrees and the microbatch count must be at least 1";
+  if (options.batch % (dp * m) != 0)
+    return original.emitError() << "the batch (" << options.batch << ") must divide evenly over "
+                                << dp << " data-parallel ranks x " << m << " microbatches";
+  if (!options.train && (dp > 1 || tp > 1 || pp > 1 || m > 1))
+    return original.emitError() << "parallel plans apply to training bundles (--train) for now; "
+                                   "inference bundles run on one rank";
+  planner::Schedule schedule;
+  if (!planner::parseSchedule(options.schedule, schedule))
+    return original.emitError() << "unknown schedule '" << options.schedule
+                                << "'; use gpipe, 1f1b or interleaved";
+  if ((vpp > 1) != (schedule == planner::Schedule::Interleaved && pp > 1))
+    return original.emitError() << "interleaved 1F1B needs pp > 1 and vpp > 1 (and vpp > 1 "
+                                   "needs the interleaved schedule); got pp = "
+                                << pp << ", vpp = " << vpp << ", schedule " << options.schedule;
+  if (schedule == planner::Schedule::Interleaved && m % pp != 0)
+    return original.emitError() << "interleaved 1F1B needs the microbatch count (" << m
+                                << ") to be a multiple of pp (" << pp << ")";
+  if (options.zero1 && (dp < 2 || options.training.optimizer == "none"))
+    return original.emitError() << "ZeRO-1 partitions optimizer state over data-parallel "
+                                   "ranks: it needs dp >= 2 and an optimizer";
+  if (failed(specializeBatch(*module, options.batch / (dp * m))))
     return failure();
   if (options.bf16 && failed(applyMixedPrecision(*module)))
+    return failure();
+  if (failed(partitionTensorParallel(*module, tp)))
     return failure();
   const char *entryName = options.train ? "loss" : "forward";
   auto entry = module->lookupSymbol<func::FuncOp>(entryName);
@@ -729,54 +1123,135 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
   FailureOr<rt::RankProgram> rank = lowerer.run(entry, /*keepProgram=*/options.train);
   if (failed(rank))
     return failure();
-  if (options.train) {
-    if (rank->outputs.size() != 1 || !rank->buffers[rank->outputs[0].buffer].shape.empty())
-      return entry.emitError() << "@loss must return one scalar loss";
-    Autodiff autodiff(lowerer, module->getContext(), options.training.recompute);
-    if (failed(autodiff.run(rank->outputs[0].buffer)))
-      return failure();
-    rank = lowerer.rankProgram(); // parameters now carry their gradients
-    rank->programs["forward"] = std::move(lowerer.forwardProgram());
-    rank->programs["backward"] = std::move(autodiff.backward);
-    if (options.zero1 && (dp < 2 || options.training.optimizer == "none"))
-      return original.emitError() << "ZeRO-1 partitions optimizer state over data-parallel "
-                                     "ranks: it needs dp >= 2 and an optimizer";
-    if (options.training.optimizer != "none" && !options.zero1)
-      buildUpdate(*rank, options.training);
+
+  rt::Manifest manifest;
+  manifest.model = options.modelName;
+  manifest.mode = options.train ? "train" : "infer";
+  manifest.batch = options.batch;
+  manifest.seed = options.seed;
+  manifest.plan = options.plan;
+  if (!options.train) {
+    planMemory(*rank, {"forward"});
+    manifest.ranks.push_back(std::move(*rank));
+    return manifest;
+  }
+  if (rank->outputs.size() != 1 || !rank->buffers[rank->outputs[0].buffer].shape.empty())
+    return entry.emitError() << "@loss must return one scalar loss";
+
+  // Pipeline chunks: units (embedding, layers, head) split over pp x vpp chunks.
+  bool pipelined = pp > 1 || m > 1;
+  int64_t chunks = pp * vpp;
+  std::vector<int64_t> chunkOf;
+  if (pipelined) {
+    std::vector<std::string> layers;
+    for (const auto &rec : lowerer.records)
+      layers.push_back(rec.layer);
+    int64_t units = 0;
+    std::vector<int64_t> unit = unitsOf(layers, units);
+    std::vector<int64_t> perChunk = options.chunkUnits;
+    if (perChunk.empty()) {
+      if (units < chunks)
+        return original.emitError()
+               << "pp x vpp = " << chunks << " pipeline chunks, but the model has only " << units
+               << " units to split (what precedes the first layer, each layer, what follows the "
+                  "last); use fewer stages";
+      for (int64_t c = 0; c < chunks; ++c)
+        perChunk.push_back((c + 1) * units / chunks - c * units / chunks);
+    }
+    if (int64_t(perChunk.size()) != chunks ||
+        std::accumulate(perChunk.begin(), perChunk.end(), int64_t(0)) != units ||
+        std::any_of(perChunk.begin(), perChunk.end(), [](int64_t n) { return n < 1; }))
+      return original.emitError() << "the plan's stages do not cover the model's " << units
+                                  << " units in " << chunks << " non-empty chunks";
+    std::vector<int64_t> chunkOfUnit;
+    for (int64_t c = 0; c < chunks; ++c)
+      chunkOfUnit.insert(chunkOfUnit.end(), perChunk[c], c);
+    for (int64_t u : unit)
+      chunkOf.push_back(chunkOfUnit[u]);
+  }
+  Autodiff autodiff(lowerer, module->getContext(), options.training.recompute, chunkOf);
+  autodiff.lossScale = 1.0 / double(m);
+  if (failed(autodiff.run(rank->outputs[0].buffer)))
+    return failure();
+
+  Lowered l;
+  l.base = lowerer.rankProgram(); // parameters now carry their gradients
+  l.forward = std::move(lowerer.forwardProgram());
+  l.backward = std::move(autodiff.backward);
+  l.backwardChunk = std::move(autodiff.backwardChunk);
+  l.paramGrads = autodiff.paramGrads;
+  l.loss = l.base.outputs[0].buffer;
+  l.chunks = chunks;
+  for (const auto &rec : lowerer.records)
+    if (rec.instr >= 0)
+      l.forwardChunk.push_back(chunkOf.empty() ? 0 : chunkOf[&rec - lowerer.records.data()]);
+
+  Grid grid{dp, tp, pp};
+  for (int64_t g = 0; g < grid.size(); ++g) {
+    rt::RankProgram r = l.base;
+    r.rank = g;
+    if (grid.size() > 1)
+      grid.describe(r);
+    for (rt::Parameter &p : r.params)
+      if (p.shard.axis >= 0)
+        p.shard.index = grid.tpOf(g);
+    int64_t stage = grid.ppOf(g);
+    int64_t lossStage = pp - 1;
+    if (pipelined) {
+      PipelineRank builder(l, r, grid, vpp, m, schedule);
+      builder.build();
+      lossStage = builder.lossStage();
+    } else {
+      r.programs["forward"] = l.forward;
+      r.programs["backward"] = l.backward;
+    }
+    // Gradient reductions before the update: a parameter held by several
+    // stages (tied embeddings) sums its gradients over them, then every
+    // gradient and the loss are averaged over the data-parallel replicas.
+    std::vector<rt::Instruction> reduce;
+    std::vector<bool> normCounts;
+    std::map<int64_t, std::set<int64_t>> stagesOf; // param buffer -> stages using it
+    for (auto &[key, grad] : l.paramGrads)
+      stagesOf[key.first].insert(key.second % pp);
+    for (const rt::Parameter &p : r.params) {
+      const std::set<int64_t> &stages = stagesOf[p.buffer];
+      bool counted = (p.shard.axis >= 0 || grid.tpOf(g) == 0) &&
+                     (stages.empty() || *stages.begin() == stage);
+      normCounts.push_back(counted);
+      if (p.grad < 0 || stages.size() < 2)
+        continue;
+      std::string name = "stages";
+      std::vector<int64_t> members;
+      for (int64_t s : stages) {
+        name += "." + std::to_string(s);
+        members.push_back(grid.rankOf(grid.dpOf(g), grid.tpOf(g), s));
+      }
+      r.groups[name] = members;
+      reduce.push_back({"all_reduce", {p.grad}, {p.grad}, json{{"reduction", "sum"}, {"group", name}}});
+    }
     if (dp > 1) {
-      // Average every gradient and the loss over the ranks before the update
-      // (or at the end of backward when there is no optimizer).
-      std::vector<rt::Instruction> reduce;
-      for (const rt::Parameter &p : rank->params)
+      for (const rt::Parameter &p : r.params)
         if (p.grad >= 0)
-          reduce.push_back({"all_reduce", {p.grad}, {p.grad}, json{{"op", "mean"}, {"group", "dp"}}});
-      int64_t loss = rank->outputs[0].buffer;
-      reduce.push_back({"all_reduce", {loss}, {loss}, json{{"op", "mean"}, {"group", "dp"}}});
-      rank->programs["reduce"] = std::move(reduce);
+          reduce.push_back({"all_reduce", {p.grad}, {p.grad}, json{{"reduction", "mean"}, {"group", "dp"}}});
+      if (stage == lossStage)
+        reduce.push_back({"all_reduce", {r.outputs[0].buffer}, {r.outputs[0].buffer},
+                          json{{"reduction", "mean"}, {"group", "dp"}}});
     }
-  }
-  rt::Manifest m;
-  m.model = options.modelName;
-  m.mode = options.train ? "train" : "infer";
-  m.batch = options.batch;
-  m.seed = options.seed;
-  std::vector<int64_t> owners = options.zero1 ? assignOwners(*rank, dp) : std::vector<int64_t>();
-  for (int64_t r = 0; r < dp; ++r) {
-    rt::RankProgram copy = *rank;
-    copy.rank = r;
+    if (pp > 1) // every rank reports the loss
+      reduce.push_back({"broadcast_from", {r.outputs[0].buffer}, {r.outputs[0].buffer},
+                        json{{"root", lossStage}, {"group", "pp"}}});
+    std::string normGroup = tp * pp > 1 ? "mp" : "";
     if (options.zero1)
-      buildUpdate(copy, options.training, owners, r);
-    if (copy.programs.count("reduce")) {
-      std::vector<rt::Instruction> reduce = std::move(copy.programs["reduce"]);
-      copy.programs.erase("reduce");
-      auto &target = copy.programs.count("update") ? copy.programs["update"] : copy.programs["backward"];
-      target.insert(copy.programs.count("update") ? target.begin() : target.end(), reduce.begin(),
-                    reduce.end());
-    }
-    planMemory(copy, {"forward", "backward", "update"});
-    m.ranks.push_back(std::move(copy));
+      buildUpdate(r, options.training, std::move(reduce), normCounts, normGroup,
+                  assignOwners(r, dp), grid.dpOf(g));
+    else
+      buildUpdate(r, options.training, std::move(reduce), normCounts, normGroup);
+    if (pipelined || grid.size() > 1)
+      compactRank(r);
+    planMemory(r, {"forward", "step", "backward", "update"});
+    manifest.ranks.push_back(std::move(r));
   }
-  return m;
+  return manifest;
 }
 
 LogicalResult mlir::loom::writeBundle(ModuleOp module, const BundleOptions &options,
@@ -784,17 +1259,30 @@ LogicalResult mlir::loom::writeBundle(ModuleOp module, const BundleOptions &opti
   FailureOr<rt::Manifest> manifest = lowerForward(module, options);
   if (failed(manifest))
     return failure();
-  const rt::RankProgram &rank = manifest->ranks.front();
   try {
     std::vector<std::vector<char>> storage;
     std::vector<rt::SafetensorsTensorRef> refs;
     std::optional<rt::SafetensorsFile> given;
     if (!options.weightsFile.empty())
       given = rt::readSafetensors(options.weightsFile);
-    for (const rt::Parameter &p : rank.params) {
+    // The weights file holds every parameter whole, as one device has it;
+    // each rank takes its own parameters, or its part of a split one.
+    std::vector<std::pair<rt::Parameter, rt::Buffer>> all;
+    std::set<std::string> seen;
+    for (const rt::RankProgram &rank : manifest->ranks)
+      for (const rt::Parameter &p : rank.params)
+        if (seen.insert(p.name).second) {
+          rt::Buffer b = rank.buffers[p.buffer];
+          if (p.shard.axis >= 0) {
+            b.shape = p.shard.fullShape;
+            b.bytes *= p.shard.parts;
+          }
+          all.push_back({p, b});
+        }
+    storage.reserve(all.size());
+    for (const auto &[p, b] : all) {
       if (options.noWeights)
         break;
-      const rt::Buffer &b = rank.buffers[p.buffer];
       storage.emplace_back(static_cast<size_t>(b.bytes));
       char *dst = storage.back().data();
       if (given) {

@@ -47,6 +47,17 @@ struct BundleOptions {
   int64_t dataParallel = 1;
   /// ZeRO-1: optimizer state partitioned over the data-parallel ranks.
   bool zero1 = false;
+  /// Megatron tensor parallelism over this many ranks (loom-partition-tp).
+  int64_t tensorParallel = 1;
+  /// Pipeline stages, virtual stages per rank (interleaved 1F1B) and
+  /// microbatches per step; the schedule is gpipe, 1f1b or interleaved.
+  int64_t pipelineParallel = 1, virtualStages = 1, microbatches = 1;
+  std::string schedule = "1f1b";
+  /// Units (embedding, each layer, head) per pipeline chunk, in chunk order
+  /// (chunk c runs on stage c % pp); empty: split them evenly.
+  std::vector<int64_t> chunkUnits;
+  /// Recorded in the manifest: the plan this bundle was compiled for.
+  nlohmann::json plan = nlohmann::json::object();
   TrainOptions training;
 };
 
@@ -54,7 +65,12 @@ struct BundleOptions {
 /// options.train the training step of @loss: programs "forward" (to the
 /// loss), "backward" (reverse mode through each op's gradient rule, no
 /// gradient for what needs none) and "update" (clipping and the optimizer,
-/// in place). Emits diagnostics and fails on what it cannot lower.
+/// in place). With dp x tp x pp ranks, every rank gets its own program:
+/// tensor parallelism partitions the model (loom-partition-tp); pipeline
+/// stages or several microbatches turn forward and backward into one
+/// "step" program per rank that runs the schedule's order of microbatch
+/// tasks, with send/recv between stages and gradients summed over
+/// microbatches. Emits diagnostics and fails on what it cannot lower.
 FailureOr<::loom::rt::Manifest> lowerForward(ModuleOp module, const BundleOptions &options);
 
 /// Packs the activation buffers of a rank into the arena by lifetime and

@@ -81,10 +81,13 @@ cl::opt<std::string> compileOutput("o", cl::desc("Bundle directory to write (OUT
                                    cl::value_desc("dir"), cl::Required, cl::sub(compileCmd));
 cl::opt<std::string> compileCluster("cluster", cl::desc("Cluster preset or JSON file (cpu:1)"),
                                     cl::init("cpu:1"), cl::sub(compileCmd));
-cl::opt<std::string> compileForce("force", cl::desc("Parallel plan to compile for; dp=N (data "
-                                                  "parallel over the cluster's N devices) and "
-                                                  "zero=1 (optimizer state partitioned) for now"),
+cl::opt<std::string> compileForce("force", cl::desc("Fix parts of the parallel plan, as for "
+                                                  "loomc plan (dp=,tp=,pp=,vpp=,mb=,schedule=,"
+                                                  "zero=,recompute=); the planner chooses the rest"),
                                   cl::init(""), cl::sub(compileCmd));
+cl::opt<std::string> compilePlan("plan", cl::desc("Compile for this plan (loomc plan --json) "
+                                                "instead of planning"),
+                                 cl::value_desc("plan.json"), cl::init(""), cl::sub(compileCmd));
 cl::opt<std::string> compileTarget("target", cl::desc("Code generation target: cpu (cuda: issue #8)"),
                                    cl::init("cpu"), cl::sub(compileCmd));
 cl::opt<bool> compileInfer("infer", cl::desc("Compile the forward pass (the default)"),
@@ -239,16 +242,8 @@ int runCompile() {
   ::loom::planner::Constraints force;
   if (!::loom::planner::parseConstraints(compileForce, force, error))
     return fail(error);
-  if ((force.tp && *force.tp > 1) || (force.pp && *force.pp > 1))
-    return fail("tensor and pipeline parallel bundles need the partitioner (issue #6); "
-                "--force dp=N compiles data parallelism");
-  int64_t dp = force.dp.value_or(1);
-  if (dp != cluster.numDevices())
-    return fail("--cluster " + compileCluster + " has " + std::to_string(cluster.numDevices()) +
-                " devices but the plan uses " + std::to_string(dp) +
-                "; for data parallelism give --force dp=" + std::to_string(cluster.numDevices()));
-  if (dp > 1 && cluster.device.name != "cpu")
-    return fail("multi-rank bundles run on CPU ranks for now (NCCL: issue #8); use --cluster cpu:N");
+  if (!compilePlan.empty() && !compileForce.empty())
+    return fail("give --plan or --force, not both");
   if (compileBatch < 1)
     return fail("--batch must be at least 1");
 
@@ -256,6 +251,38 @@ int runCompile() {
   if (!model)
     return 1;
   OwningOpRef<ModuleOp> &module = model->module;
+
+  // The plan: read from --plan, or searched with --force's parts fixed. One
+  // device needs no search.
+  nlohmann::json plan = nlohmann::json::object();
+  if (!compilePlan.empty()) {
+    std::ifstream in(compilePlan);
+    plan = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (!in || plan.is_discarded() || !plan.is_object() || plan.value("format", "") != "loom-plan")
+      return fail(compilePlan + ": not a plan written by loomc plan --json");
+    if (plan.value("devices", int64_t(0)) != cluster.numDevices())
+      return fail(compilePlan + " is a plan for " + std::to_string(plan.value("devices", int64_t(0))) +
+                  " devices but --cluster " + compileCluster + " has " +
+                  std::to_string(cluster.numDevices()));
+    if (plan.value("batch", int64_t(0)) != compileBatch)
+      return fail(compilePlan + " is a plan for batch " + std::to_string(plan.value("batch", int64_t(0))) +
+                  "; compile with --batch " + std::to_string(plan.value("batch", int64_t(0))));
+  } else if (cluster.numDevices() > 1 || !compileForce.empty()) {
+    if (!compileTrain)
+      return fail("parallel plans apply to training bundles (--train) for now");
+    auto spec = mlir::loom::buildModelSpec(*module, llvm::sys::path::stem(compileInput));
+    if (failed(spec))
+      return 1;
+    ::loom::planner::Planner planner(*spec, cluster);
+    ::loom::planner::PlanResult result = planner.search(compileBatch, force);
+    if (!result.found)
+      return fail(result.error);
+    plan = ::loom::planner::planToJson(result.best, *spec, cluster, compileBatch);
+  }
+  auto degree = [&](const char *key) { return plan.value(key, int64_t(1)); };
+  int64_t dp = degree("dp"), tp = degree("tp"), pp = degree("pp");
+  if (dp * tp * pp > 1 && cluster.device.name != "cpu")
+    return fail("multi-rank bundles run on CPU ranks for now (NCCL: issue #8); use --cluster cpu:N");
 
   mlir::loom::BundleOptions options;
   options.batch = compileBatch;
@@ -267,7 +294,31 @@ int runCompile() {
   options.bf16 = compilePrecision == "bf16";
   options.noWeights = compileNoWeights;
   options.dataParallel = dp;
-  options.zero1 = force.zero.value_or(0) == 1;
+  options.tensorParallel = tp;
+  options.pipelineParallel = pp;
+  options.virtualStages = degree("vpp");
+  options.microbatches = degree("microbatches");
+  options.schedule = plan.value("schedule", std::string("1f1b"));
+  // A forced zero=1 must hold (and fails on one replica); the planner's
+  // choice only applies where there are replicas to share the state.
+  options.zero1 = force.zero ? *force.zero == 1 : degree("zero") == 1 && dp > 1;
+  options.plan = plan;
+  if (plan.contains("stages") && plan["stages"].is_array()) {
+    // Chunk c (virtual stage c / pp of stage c % pp) takes the plan's layers.
+    std::vector<int64_t> units(static_cast<size_t>(pp * options.virtualStages), 0);
+    for (const auto &stage : plan["stages"]) {
+      int64_t s = stage.value("stage", int64_t(0));
+      if (!stage.contains("layer_chunks"))
+        continue;
+      for (size_t v = 0; v < stage["layer_chunks"].size(); ++v)
+        if (size_t c = v * pp + s; c < units.size())
+          units[c] = stage["layer_chunks"][v][1].get<int64_t>();
+    }
+    if (pp > 1)
+      options.chunkUnits = units;
+  }
+  if (plan.value("recompute", std::string("none")) == "full")
+    options.training.recompute.insert("all");
   options.training.optimizer = trainOptimizer;
   options.training.lr = trainLr, options.training.minLr = trainMinLr;
   options.training.warmup = trainWarmup, options.training.totalSteps = trainTotal;
@@ -287,6 +338,12 @@ int runCompile() {
   int64_t paramBytes = 0;
   for (const auto &p : rank.params)
     paramBytes += rank.buffers[p.buffer].bytes;
+  if (manifest.ranks.size() > 1)
+    llvm::outs() << "plan: dp " << dp << " x tp " << tp << " x pp " << pp
+                 << (options.virtualStages > 1 ? " x vpp " + std::to_string(options.virtualStages) : "")
+                 << ", " << options.microbatches << " microbatch(es), schedule " << options.schedule
+                 << (options.zero1 ? ", ZeRO-1" : "") << "; " << manifest.ranks.size()
+                 << " ranks (rank 0 below)\n";
   llvm::outs() << "wrote " << compileOutput << ": " << instructions << " instructions, "
                << rank.params.size() << " parameter tensors ("
                << llvm::format("%.1f", paramBytes / 1048576.0) << " MiB), peak activation memory "
@@ -351,11 +408,20 @@ int inspectBundle() {
   }
   llvm::outs() << inspectInput << ": bundle version " << m.version << ", model " << m.model
                << ", " << m.mode << ", batch " << m.batch << ", " << m.ranks.size() << " rank(s)\n";
+  if (!m.plan.empty())
+    llvm::outs() << "  plan: dp " << m.plan.value("dp", 1) << " x tp " << m.plan.value("tp", 1)
+                 << " x pp " << m.plan.value("pp", 1) << ", vpp " << m.plan.value("vpp", 1) << ", "
+                 << m.plan.value("microbatches", 1) << " microbatch(es), schedule "
+                 << m.plan.value("schedule", std::string("1f1b")) << ", ZeRO-"
+                 << m.plan.value("zero", 0) << "\n";
   for (const auto &r : m.ranks) {
     int64_t params = 0;
     for (const auto &p : r.params)
       params += r.buffers[p.buffer].bytes;
-    llvm::outs() << "  rank " << r.rank << " (" << r.device << "): arena "
+    std::string coords;
+    for (const auto &[axis, i] : r.coords)
+      coords += (coords.empty() ? ", " : " ") + axis + " " + std::to_string(i);
+    llvm::outs() << "  rank " << r.rank << " (" << r.device << coords << "): arena "
                  << llvm::format("%.1f", r.arenaBytes / 1048576.0) << " MiB, parameters "
                  << llvm::format("%.1f", params / 1048576.0) << " MiB in " << r.params.size()
                  << " tensors, activations peak "
@@ -379,6 +445,32 @@ int inspectBundle() {
         first = false;
       }
       llvm::outs() << ")\n";
+      // Communication by kind, group and layer ("layer.3" from buffer names).
+      std::map<std::string, std::map<std::string, int>> comms;
+      for (const auto &ins : instrs) {
+        std::string kind = ins.op;
+        if (kind == "all_reduce" || kind == "broadcast_from")
+          kind += " " + ins.attrs.value("group", std::string("dp"));
+        else if (kind == "send" || kind == "recv")
+          kind += " rank " + std::to_string(ins.attrs.value("peer", int64_t(-1)));
+        else
+          continue;
+        int64_t id = ins.out.empty() ? ins.in.front() : ins.out.front();
+        llvm::StringRef name = r.buffers[id].name;
+        llvm::SmallVector<llvm::StringRef, 3> parts;
+        name.split(parts, '.', 2);
+        std::string layer = "other";
+        if (parts.size() == 3 && !parts[1].empty() &&
+            llvm::all_of(parts[1], [](char c) { return isdigit(static_cast<unsigned char>(c)); }))
+          layer = (parts[0] + "." + parts[1]).str();
+        comms[kind][layer]++;
+      }
+      for (const auto &[kind, layers] : comms) {
+        llvm::outs() << "      " << kind << ":";
+        for (const auto &[layer, n] : layers)
+          llvm::outs() << " " << layer << " " << n;
+        llvm::outs() << "\n";
+      }
     }
   }
   return 0;

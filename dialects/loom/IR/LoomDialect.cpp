@@ -66,5 +66,23 @@ LogicalResult LoomDialect::verifyOperationAttribute(Operation *op, NamedAttribut
              << "'loom.sharding' needs a 'loom.mesh' attribute on the enclosing module";
     return sharding.verifyFor(mesh, type, [&] { return op->emitError(); });
   }
+  if (name == "loom.shard") {
+    // Written by loom-partition-tp on a parameter whose type is now this
+    // rank's part: {axis, parts, blocks, group} of the full tensor.
+    auto dict = dyn_cast<DictionaryAttr>(attr.getValue());
+    auto param = dyn_cast<ParamOp>(op);
+    if (!dict || !param)
+      return op->emitError() << "'loom.shard' must be a dictionary on a loom.param";
+    auto axis = dict.getAs<IntegerAttr>("axis"), parts = dict.getAs<IntegerAttr>("parts"),
+         blocks = dict.getAs<IntegerAttr>("blocks");
+    auto group = dict.getAs<StringAttr>("group");
+    if (!axis || !parts || !blocks || !group)
+      return op->emitError() << "'loom.shard' needs integer axis, parts and blocks and a string group";
+    if (axis.getInt() < 0 || axis.getInt() >= param.getTensorType().getRank() ||
+        parts.getInt() < 1 || blocks.getInt() < 1 ||
+        param.getTensorType().getDimSize(axis.getInt()) % blocks.getInt() != 0)
+      return op->emitError() << "'loom.shard' " << dict << " does not fit " << param.getType();
+    return success();
+  }
   return op->emitError() << "unknown loom attribute '" << name << "'";
 }

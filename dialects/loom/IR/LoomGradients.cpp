@@ -252,7 +252,7 @@ LogicalResult BatchNormOp::buildGradient(GradientBuilder &b) {
 LogicalResult EmbeddingOp::buildGradient(GradientBuilder &b) {
   H dy = b.resultGrad();
   if (dy >= 0 && b.needsGrad(0))
-    b.addGrad(0, b.emit1("embedding_grad", {b.operand(1), dy}, b.operand(0)));
+    b.addGrad(0, b.emit1("embedding_grad", {b.operand(1), dy}, b.operand(0), attrsOf(*this)));
   return success();
 }
 
@@ -281,7 +281,27 @@ LogicalResult AttentionOp::buildGradient(GradientBuilder &b) {
 LogicalResult CrossEntropyOp::buildGradient(GradientBuilder &b) {
   H dy = b.resultGrad();
   if (dy >= 0 && b.needsGrad(0))
-    b.addGrad(0, b.emit1("cross_entropy_grad", {b.operand(0), b.operand(1), dy}, b.operand(0)));
+    b.addGrad(0, b.emit1("cross_entropy_grad", {b.operand(0), b.operand(1), dy}, b.operand(0),
+                         attrsOf(*this)));
+  return success();
+}
+
+//===--- Communication ----------------------------------------------------===//
+
+LogicalResult AllReduceOp::buildGradient(GradientBuilder &b) {
+  H dy = b.resultGrad();
+  if (getReduction() != "sum")
+    return emitOpError() << "has no gradient rule for reduction \"" << getReduction() << "\"";
+  if (dy >= 0 && b.needsGrad(0))
+    b.addGrad(0, dy); // the result is replicated: each rank's share is the whole gradient
+  return success();
+}
+
+LogicalResult GradAllReduceOp::buildGradient(GradientBuilder &b) {
+  H dy = b.resultGrad();
+  if (dy >= 0 && b.needsGrad(0))
+    b.addGrad(0, b.emit1("all_reduce", {dy}, dy,
+                         {text(b, "group", getGroup()), text(b, "reduction", "sum")}));
   return success();
 }
 

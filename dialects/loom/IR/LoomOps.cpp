@@ -374,6 +374,15 @@ LOOM_REDUCE_INFER(ReduceMaxOp, "loom.reduce_max")
 LOOM_REDUCE_INFER(ReduceMeanOp, "loom.reduce_mean")
 #undef LOOM_REDUCE_INFER
 
+LogicalResult AllReduceOp::verify() {
+  StringRef r = getReduction();
+  if (r != "sum" && r != "mean" && r != "max")
+    return emitOpError() << "reduction must be \"sum\", \"mean\" or \"max\", got \"" << r << "\"";
+  if (getGroup().empty())
+    return emitOpError() << "needs a group (a mesh axis such as \"tp\")";
+  return success();
+}
+
 LogicalResult SoftmaxOp::verify() {
   auto type = cast<RankedTensorType>(getX().getType());
   if (failed(normaliseAxis(getAxis(), type.getRank())))

@@ -243,8 +243,15 @@ def Loom_BatchNormOp : Loom_Op<"batchnorm", [Pure, AllTypesMatch<["x", "result"]
 
 def Loom_EmbeddingOp : Loom_Op<"embedding", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
   let summary = "Looks up rows of a table";
-  let description = [{ `table` is `[V, H]`, `ids` any shape `[...]`; the result is `[..., H]`. }];
-  let arguments = (ins Loom_FloatTensor:$table, Loom_IndexTensor:$ids);
+  let description = [{
+    `table` is `[V, H]`, `ids` any shape `[...]`; the result is `[..., H]`.
+    With `vocab_group`, the table is this rank's part of a vocabulary split
+    in equal contiguous parts over that group (tensor parallelism): ids held
+    by another rank give zero rows, and an all-reduce over the group sums
+    the parts.
+  }];
+  let arguments = (ins Loom_FloatTensor:$table, Loom_IndexTensor:$ids,
+                       OptionalAttr<StrAttr>:$vocab_group);
   let results = (outs Loom_FloatTensor:$result);
   let assemblyFormat = "$table `,` $ids attr-dict `:` type($table) `,` type($ids)";
 }
@@ -286,11 +293,48 @@ def Loom_CrossEntropyOp : Loom_Op<"cross_entropy", [Pure, DeclareOpInterfaceMeth
   let description = [{
     `logits` is `[..., V]` and `targets` `[...]` holds class ids in `[0, V)`.
     The result is the mean loss as a scalar `tensor<f32>`, whatever the
-    logits' precision: the reduction accumulates in f32.
+    logits' precision: the reduction accumulates in f32. With `vocab_group`,
+    `logits` hold this rank's part of a vocabulary split in equal contiguous
+    parts over that group; the loss and its gradient all-reduce the row
+    maxima, sums of exponentials and target logits (`3 x [...]` floats), never
+    the logits themselves.
   }];
-  let arguments = (ins Loom_FloatTensor:$logits, Loom_IndexTensor:$targets);
+  let arguments = (ins Loom_FloatTensor:$logits, Loom_IndexTensor:$targets,
+                       OptionalAttr<StrAttr>:$vocab_group);
   let results = (outs 0DTensorOf<[F32]>:$result);
   let assemblyFormat = "$logits `,` $targets attr-dict `:` type($logits) `,` type($targets)";
+}
+
+//===----------------------------------------------------------------------===//
+// Communication (written by the partitioner)
+//===----------------------------------------------------------------------===//
+
+def Loom_AllReduceOp : Loom_Op<"all_reduce", [AllTypesMatch<["x", "result"]>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
+  let summary = "Sums (or averages, or takes the maximum of) a tensor over a group of ranks";
+  let description = [{
+    Every rank of `group` (a mesh axis such as `"tp"`) contributes its `x`
+    and receives the reduction. After a row-parallel linear layer it turns
+    the ranks' partial sums into the full result (Megatron's `g`); its
+    gradient is the identity, because what follows it is replicated.
+  }];
+  let arguments = (ins Loom_FloatTensor:$x, StrAttr:$group,
+                       DefaultValuedStrAttr<StrAttr, "sum">:$reduction);
+  let results = (outs Loom_FloatTensor:$result);
+  let assemblyFormat = "$x attr-dict `:` type($x)";
+  let hasVerifier = 1;
+}
+
+def Loom_GradAllReduceOp : Loom_Op<"grad_all_reduce", [AllTypesMatch<["x", "result"]>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
+  let summary = "Identity forward; its gradient is summed over a group of ranks";
+  let description = [{
+    Marks where a replicated tensor enters a tensor-parallel region
+    (Megatron's `f`): each rank uses it with its own part of the weights, so
+    each computes only part of its gradient, and backward all-reduces the
+    parts over `group`.
+  }];
+  let arguments = (ins Loom_FloatTensor:$x, StrAttr:$group);
+  let results = (outs Loom_FloatTensor:$result);
+  let assemblyFormat = "$x attr-dict `:` type($x)";
 }
 
 //===----------------------------------------------------------------------===//
