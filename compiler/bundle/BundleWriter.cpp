@@ -1007,6 +1007,49 @@ private:
   std::set<std::pair<int64_t, int64_t>> sliced, received;
 };
 
+/// Inserts the data-parallel all-reduces of `grads` into `program`: grads
+/// ordered by when they are finished (the last instruction writing them),
+/// packed into buckets of about `bucketBytes`, each bucket issued right
+/// after its last gradient is done.
+void placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &program,
+                          const std::vector<int64_t> &grads, int64_t bucketBytes) {
+  auto root = [&](int64_t id) {
+    while (r.buffers[id].viewOf >= 0)
+      id = r.buffers[id].viewOf;
+    return id;
+  };
+  std::map<int64_t, int64_t> lastWrite; // root -> instruction index
+  for (size_t i = 0; i < program.size(); ++i)
+    for (int64_t id : program[i].out)
+      lastWrite[root(id)] = static_cast<int64_t>(i);
+  std::vector<std::pair<int64_t, int64_t>> ready; // (index, grad)
+  for (int64_t g : grads)
+    ready.push_back({lastWrite.count(root(g)) ? lastWrite[root(g)] : -1, g});
+  std::stable_sort(ready.begin(), ready.end());
+  std::map<int64_t, std::vector<rt::Instruction>> after; // index -> buckets issued after it
+  std::vector<int64_t> bucket;
+  int64_t bytes = 0;
+  for (size_t i = 0; i < ready.size(); ++i) {
+    bucket.push_back(ready[i].second);
+    bytes += r.buffers[ready[i].second].bytes;
+    if (bytes >= bucketBytes || i + 1 == ready.size()) {
+      after[ready[i].first].push_back(
+          {"all_reduce", bucket, bucket, json{{"reduction", "mean"}, {"group", "dp"}}});
+      bucket.clear();
+      bytes = 0;
+    }
+  }
+  std::vector<rt::Instruction> out;
+  if (auto it = after.find(-1); it != after.end())
+    out.insert(out.end(), it->second.begin(), it->second.end());
+  for (size_t i = 0; i < program.size(); ++i) {
+    out.push_back(std::move(program[i]));
+    if (auto it = after.find(static_cast<int64_t>(i)); it != after.end())
+      out.insert(out.end(), it->second.begin(), it->second.end());
+  }
+  program = std::move(out);
+}
+
 /// Drops the buffers and parameters a rank's programs never touch (other
 /// stages' layers) and renumbers the rest densely.
 void compactRank(rt::RankProgram &r) {
@@ -1230,9 +1273,15 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
       reduce.push_back({"all_reduce", {p.grad}, {p.grad}, json{{"reduction", "sum"}, {"group", name}}});
     }
     if (dp > 1) {
+      // Gradients held by one stage are averaged over the replicas as soon
+      // as backward finishes them; shared ones after their stages' sum.
+      std::vector<int64_t> early;
       for (const rt::Parameter &p : r.params)
-        if (p.grad >= 0)
+        if (p.grad >= 0 && stagesOf[p.buffer].size() < 2)
+          early.push_back(p.grad);
+        else if (p.grad >= 0)
           reduce.push_back({"all_reduce", {p.grad}, {p.grad}, json{{"reduction", "mean"}, {"group", "dp"}}});
+      placeGradientBuckets(r, r.programs[pipelined ? "step" : "backward"], early, options.bucketBytes);
       if (stage == lossStage)
         reduce.push_back({"all_reduce", {r.outputs[0].buffer}, {r.outputs[0].buffer},
                           json{{"reduction", "mean"}, {"group", "dp"}}});

@@ -56,6 +56,10 @@ struct BundleOptions {
   /// Units (embedding, each layer, head) per pipeline chunk, in chunk order
   /// (chunk c runs on stage c % pp); empty: split them evenly.
   std::vector<int64_t> chunkUnits;
+  /// Data-parallel gradient all-reduces go in buckets of about this many
+  /// bytes, each issued right after the last instruction that finishes one
+  /// of its gradients, so that communication overlaps the rest of backward.
+  int64_t bucketBytes = 25 << 20;
   /// Recorded in the manifest: the plan this bundle was compiled for.
   nlohmann::json plan = nlohmann::json::object();
   TrainOptions training;

@@ -103,3 +103,71 @@ TEST(MultiRank, OneSessionCannotRunAMultiRankBundle) {
   }
   std::filesystem::remove_all(dir);
 }
+
+TEST(MultiRank, AStalledPipelineStageTimesOutNamingTheInstruction) {
+  MLIRContext context;
+  context.loadDialect<mlir::loom::LoomDialect, func::FuncDialect>();
+  auto module = parseSourceFile<ModuleOp>(std::string(LOOM_MODELS_DIR) + "/gpt-tiny.mlir", &context);
+  std::string dir = ::testing::TempDir() + "/loom-pp2-stall-" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  mlir::loom::BundleOptions options;
+  options.batch = 4;
+  options.train = true;
+  options.pipelineParallel = 2;
+  options.microbatches = 2;
+  ASSERT_TRUE(succeeded(mlir::loom::writeBundle(*module, options, dir)));
+  auto comm = std::make_shared<rt::InProcessCommunicator>(2, /*timeoutSeconds=*/0.5);
+  auto ranks = open(dir, comm);
+  std::vector<int32_t> tokens(4 * 32, 3);
+  ranks[1]->bindInput("tokens", tokens.data(), tokens.size() * 4);
+  ranks[1]->bindInput("targets", tokens.data(), tokens.size() * 4);
+  // Stage 0 never runs: stage 1 waits for its first activation and gives up.
+  try {
+    ranks[1]->trainStep();
+    FAIL() << "the last stage finished a step without the first";
+  } catch (const rt::Error &e) {
+    std::string what = e.what();
+    EXPECT_NE(what.find("waited 0.5 s to receive message"), std::string::npos) << what;
+    EXPECT_NE(what.find("from rank 0"), std::string::npos) << what;
+    EXPECT_NE(what.find("instruction step["), std::string::npos) << what;
+    EXPECT_NE(what.find("'recv'"), std::string::npos) << what;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(MultiRank, AFailingTensorParallelRankStopsItsPartner) {
+  MLIRContext context;
+  context.loadDialect<mlir::loom::LoomDialect, func::FuncDialect>();
+  auto module = parseSourceFile<ModuleOp>(std::string(LOOM_MODELS_DIR) + "/gpt-tiny.mlir", &context);
+  std::string dir = ::testing::TempDir() + "/loom-tp2-fail-" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  mlir::loom::BundleOptions options;
+  options.batch = 2;
+  options.train = true;
+  options.tensorParallel = 2;
+  ASSERT_TRUE(succeeded(mlir::loom::writeBundle(*module, options, dir)));
+  auto comm = std::make_shared<rt::InProcessCommunicator>(2);
+  auto ranks = open(dir, comm);
+  std::vector<int32_t> good(2 * 32, 1), bad(2 * 32, 1);
+  bad[5] = 300; // outside the vocabulary of 256, seen by rank 1 only
+  ranks[0]->bindInput("tokens", good.data(), good.size() * 4);
+  ranks[1]->bindInput("tokens", bad.data(), bad.size() * 4);
+  for (auto &r : ranks)
+    r->bindInput("targets", good.data(), good.size() * 4);
+  std::string errors[2];
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        ranks[r]->trainStep();
+      } catch (const rt::Error &e) {
+        errors[r] = e.what();
+        comm->abort(r, e.what());
+      }
+    });
+  for (auto &t : threads)
+    t.join();
+  EXPECT_NE(errors[1].find("token id in 'tokens' 300 at position 5 is outside [0, 256)"), std::string::npos) << errors[1];
+  EXPECT_NE(errors[0].find("rank 1 failed"), std::string::npos) << errors[0];
+  std::filesystem::remove_all(dir);
+}

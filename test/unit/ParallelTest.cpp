@@ -67,6 +67,7 @@ Result train(const std::string &model, const Config &c) {
   o.seed = 7;
   o.dataParallel = c.dp, o.tensorParallel = c.tp, o.pipelineParallel = c.pp;
   o.virtualStages = c.vpp, o.microbatches = c.m, o.schedule = c.schedule, o.zero1 = c.zero1;
+  o.bucketBytes = 16 << 10; // several gradient buckets, each issued when ready
   // SGD with momentum: updates are linear in the gradients, so parameters
   // compare as closely as gradients do (Adam would turn the rounding noise
   // of gradients that are zero in exact arithmetic into lr-sized steps).

@@ -1389,23 +1389,48 @@ template <bool Max> Kernel buildPoolGrad(const Ctx &c) {
 // Communication
 //===--------------------------------------------------------------------===//
 
-/// Reduces a buffer over a group: out = reduction of every member's in.
+/// Reduces a buffer over a group: out = reduction of every member's in. A
+/// bucket of several buffers (gradients, reduced in place) travels as one
+/// message.
 Kernel buildAllReduce(const Ctx &c) {
-  c.arity(1, 1);
-  c.needF32(c.in(0)), c.needF32(c.out());
-  c.sameShape(c.in(0), c.out());
+  if (c.ins.in.empty() || c.ins.in.size() != c.ins.out.size())
+    c.bad("expects as many outputs as inputs (at least one)");
   InProcessCommunicator *comm = needComm(c);
   std::vector<int> group = groupOf(c, attrString(c, "group", "dp"));
   std::string kind = attrString(c, "reduction", "sum");
-  Reduction op = kind == "sum" ? Reduction::Sum : kind == "mean" ? Reduction::Mean : Reduction::Max;
   if (kind != "sum" && kind != "mean" && kind != "max")
     c.bad("reduction must be sum, mean or max, got '" + kind + "'");
-  float *in = c.f32(c.in(0)), *out = c.f32(c.out());
-  int64_t n = count(c.in(0).shape), rank = c.rank.rank;
+  Reduction op = kind == "sum" ? Reduction::Sum : kind == "mean" ? Reduction::Mean : Reduction::Max;
+  int64_t rank = c.rank.rank;
+  if (c.ins.in.size() == 1) {
+    c.needF32(c.in(0)), c.needF32(c.out());
+    c.sameShape(c.in(0), c.out());
+    float *in = c.f32(c.in(0)), *out = c.f32(c.out());
+    int64_t n = count(c.in(0).shape);
+    return [=] {
+      if (in != out)
+        std::copy(in, in + n, out);
+      comm->allReduce(static_cast<int>(rank), group, out, n, op);
+    };
+  }
+  std::vector<std::pair<float *, int64_t>> parts;
+  int64_t total = 0;
+  for (size_t i = 0; i < c.ins.in.size(); ++i) {
+    if (c.ins.in[i] != c.ins.out[i])
+      c.bad("reduces a bucket of buffers in place");
+    c.needF32(c.in(i));
+    parts.push_back({c.f32(c.in(i)), count(c.in(i).shape)});
+    total += parts.back().second;
+  }
   return [=] {
-    if (in != out)
-      std::copy(in, in + n, out);
-    comm->allReduce(static_cast<int>(rank), group, out, n, op);
+    std::vector<float> bucket(static_cast<size_t>(total));
+    float *p = bucket.data();
+    for (auto [data, n] : parts)
+      p = std::copy(data, data + n, p);
+    comm->allReduce(static_cast<int>(rank), group, bucket.data(), total, op);
+    p = bucket.data();
+    for (auto [data, n] : parts)
+      std::copy(p, p + n, data), p += n;
   };
 }
 
@@ -1679,15 +1704,27 @@ CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &
   }
 }
 
+/// Runs one step; an error that does not yet say where it happened (a
+/// collective that timed out, a peer that failed) gets the instruction.
+static void runStep(CpuProgram::Step &step) {
+  try {
+    step.kernel();
+  } catch (const Error &e) {
+    if (std::string(e.what()).find(step.what) != std::string::npos)
+      throw;
+    throw Error(e.code, cat(step.what, ": ", e.what()));
+  }
+}
+
 void CpuProgram::run() {
   for (Step &step : steps)
-    step.kernel();
+    runStep(step);
 }
 
 void CpuProgram::runProfiled(std::map<std::string, std::pair<double, int64_t>> &times) {
   for (Step &step : steps) {
     auto t0 = std::chrono::steady_clock::now();
-    step.kernel();
+    runStep(step);
     auto &slot = times[step.op];
     slot.first += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     slot.second += 1;

@@ -35,12 +35,12 @@ public:
   /// Runs every instruction, adding its time to `times` under its op name.
   void runProfiled(std::map<std::string, std::pair<double, int64_t>> &times);
 
-private:
   struct Step {
     std::string what; // "forward[12] attention" for error messages
     std::string op;
     std::function<void()> kernel;
   };
+private:
   std::vector<Step> steps;
   std::vector<std::vector<float>> scratch; // f32 copies of bf16 operands
 };
