@@ -7,6 +7,7 @@ packages=(
   cmake ninja-build ccache g++ python3
   llvm-19-dev libmlir-19-dev mlir-19-tools llvm-19-tools
   nlohmann-json3-dev libgtest-dev
+  libopenmpi-dev openmpi-bin
 )
 
 missing=()

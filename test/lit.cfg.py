@@ -15,3 +15,10 @@ config.substitutions.append(("%python", sys.executable))
 config.substitutions.append(("%models", os.path.join(config.loom_src_root, "models")))
 config.substitutions.append(("%loom_obj", config.loom_obj_root))
 config.substitutions.append(("%loom_src", config.loom_src_root))
+
+# mpirun tests run where Loom was built with MPI; root (CI containers) may run it.
+if getattr(config, "loom_have_mpi", False) and config.mpirun:
+    config.available_features.add("mpi")
+    config.substitutions.append(("%mpirun", config.mpirun + " --oversubscribe"))
+    for var in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"):
+        config.environment[var] = "1"

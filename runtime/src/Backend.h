@@ -47,10 +47,10 @@ protected:
 /// 0 for the rest: the profile's achieved rates count these.
 double denseInstructionFlops(const RankProgram &rank, const Instruction &ins);
 
-class InProcessCommunicator;
+class Communicator;
 /// `comm` connects the rank to the others of a multi-rank bundle (may be null).
 std::unique_ptr<Backend> makeCpuBackend(const RankProgram &rank, int threads,
-                                        InProcessCommunicator *comm = nullptr);
+                                        Communicator *comm = nullptr);
 /// Throws Error with the reason (no GPU, no driver, built without CUDA).
 std::unique_ptr<Backend> makeCudaBackend(const RankProgram &rank, int device);
 

@@ -27,23 +27,42 @@ namespace loom::rt {
 
 enum class Reduction { Sum, Mean, Max };
 
-class InProcessCommunicator {
+/// What the CPU backend's collective and transfer instructions call. Every
+/// call names the calling (global) rank; implementations: in-process
+/// (threads) below, and MPI between processes (MpiCommunicator.h).
+class Communicator {
+public:
+  virtual ~Communicator() = default;
+  /// Number of ranks of the bundle.
+  virtual int size() const = 0;
+  /// Reduces `count` floats over `group` (global ranks, including `rank`).
+  virtual void allReduce(int rank, const std::vector<int> &group, float *data, int64_t count,
+                         Reduction op) = 0;
+  /// Copies `root`'s buffer (a global rank of `group`) into every other member's.
+  virtual void broadcast(int rank, const std::vector<int> &group, int root, float *data,
+                         int64_t count) = 0;
+  /// Sends `bytes` bytes to `peer` under `tag`; returns once they are copied.
+  virtual void send(int rank, int peer, int64_t tag, const void *data, int64_t bytes) = 0;
+  /// Receives the message from `peer` under `tag`, which must be `bytes` long.
+  virtual void recv(int rank, int peer, int64_t tag, void *data, int64_t bytes) = 0;
+  /// Stops every rank: those waiting (or arriving later) fail with `message`.
+  virtual void abort(int rank, const std::string &message) = 0;
+};
+
+class InProcessCommunicator : public Communicator {
 public:
   explicit InProcessCommunicator(int size, double timeoutSeconds = 300);
-  int size() const { return ranks; }
-  /// Reduces `count` floats over `group` (global ranks, including `rank`).
+  int size() const override { return ranks; }
   void allReduce(int rank, const std::vector<int> &group, float *data, int64_t count,
-                 Reduction op);
+                 Reduction op) override;
   /// Mean over every rank of the communicator.
   void allReduceMean(int rank, float *data, int64_t count);
-  /// Copies `root`'s buffer (a global rank of `group`) into every other member's.
-  void broadcast(int rank, const std::vector<int> &group, int root, float *data, int64_t count);
+  void broadcast(int rank, const std::vector<int> &group, int root, float *data,
+                 int64_t count) override;
   void broadcast(int rank, int root, float *data, int64_t count);
-  /// Sends `bytes` bytes to `peer` under `tag`; returns once they are copied.
-  void send(int rank, int peer, int64_t tag, const void *data, int64_t bytes);
-  /// Receives the next message from `peer` under `tag`, which must be `bytes` long.
-  void recv(int rank, int peer, int64_t tag, void *data, int64_t bytes);
-  void abort(int rank, const std::string &message);
+  void send(int rank, int peer, int64_t tag, const void *data, int64_t bytes) override;
+  void recv(int rank, int peer, int64_t tag, void *data, int64_t bytes) override;
+  void abort(int rank, const std::string &message) override;
 
 private:
   struct GroupState {

@@ -16,7 +16,7 @@ struct SessionOptions {
   int threads = 0;             // CPU backend
   int device = 0;              // CUDA backend
   int rank = 0;                // which rank of the bundle this session runs
-  std::shared_ptr<InProcessCommunicator> comm; // shared by the ranks of one process
+  std::shared_ptr<Communicator> comm; // shared by the ranks of one process
 };
 
 class Session {
@@ -64,7 +64,7 @@ private:
   std::string backendKind;
   Manifest bundle;
   size_t rankIndex = 0;
-  std::shared_ptr<InProcessCommunicator> comm;
+  std::shared_ptr<Communicator> comm;
   std::unique_ptr<Backend> backend;
 };
 

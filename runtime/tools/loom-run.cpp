@@ -21,6 +21,7 @@
 #include "runtime/src/Safetensors.h"
 #include "runtime/src/Session.h"
 #include "runtime/src/Communicator.h"
+#include "runtime/src/MpiCommunicator.h"
 
 #include <algorithm>
 #include <chrono>
@@ -39,6 +40,10 @@
 using namespace loom::rt;
 
 namespace {
+
+/// Set when mpirun started this process: errors end the whole job.
+Communicator *mpiComm = nullptr;
+int mpiRankOfProcess = 0;
 void usage(FILE *to) {
   std::fprintf(to,
                "usage: loom-run BUNDLE [options]\n\n"
@@ -167,9 +172,16 @@ void reportProfile(const Session &s, const std::string &path) {
 /// to fail stops the others through the communicator, and its error is the
 /// one reported.
 float stepAllRanks(std::vector<std::unique_ptr<Session>> &ranks,
-                   const std::shared_ptr<InProcessCommunicator> &comm) {
-  if (ranks.size() == 1)
-    return ranks[0]->trainStep();
+                   const std::shared_ptr<Communicator> &comm) {
+  if (ranks.size() == 1) {
+    try {
+      return ranks[0]->trainStep();
+    } catch (const Error &e) {
+      if (comm) // the other processes stop too
+        comm->abort(static_cast<int>(ranks[0]->rank().rank), e.what());
+      throw;
+    }
+  }
   std::vector<std::thread> threads;
   std::mutex mutex;
   std::optional<Error> first;
@@ -192,7 +204,7 @@ float stepAllRanks(std::vector<std::unique_ptr<Session>> &ranks,
 }
 
 int train(std::vector<std::unique_ptr<Session>> &ranks,
-          const std::shared_ptr<InProcessCommunicator> &comm, int steps, const std::string &data,
+          const std::shared_ptr<Communicator> &comm, int steps, const std::string &data,
           const std::string &dataDtype, int saveEvery, const std::string &checkpointDir,
           const std::string &resume, uint64_t seed) {
   Session &s = *ranks[0];
@@ -200,16 +212,21 @@ int train(std::vector<std::unique_ptr<Session>> &ranks,
   // Ranks of one data-parallel replica (tensor and pipeline parallel
   // partners) read the same examples; replica i reads the i-th slice of the
   // global batch.
+  auto replica = [](const RankProgram &rank) {
+    auto it = rank.coords.find("dp");
+    return it == rank.coords.end() ? rank.rank : it->second;
+  };
   std::vector<int64_t> replicaOf;
-  for (size_t k = 0; k < ranks.size(); ++k) {
-    const auto &coords = ranks[k]->rank().coords;
-    auto it = coords.find("dp");
-    replicaOf.push_back(it == coords.end() ? int64_t(k) : it->second);
-  }
-  int64_t numRanks = *std::max_element(replicaOf.begin(), replicaOf.end()) + 1; // replicas
+  for (size_t k = 0; k < ranks.size(); ++k)
+    replicaOf.push_back(replica(ranks[k]->rank()));
+  int64_t numRanks = 0; // replicas, over every rank of the bundle
+  for (const RankProgram &rank : s.manifest().ranks)
+    numRanks = std::max(numRanks, replica(rank) + 1);
+  size_t bundleRanks = s.manifest().ranks.size();
   auto checkpointFile = [&](const std::string &dir, size_t k) {
-    return ranks.size() == 1 ? dir + "/checkpoint.safetensors"
-                             : dir + "/checkpoint.rank-" + std::to_string(k) + ".safetensors";
+    return bundleRanks == 1 ? dir + "/checkpoint.safetensors"
+                            : dir + "/checkpoint.rank-" + std::to_string(ranks[k]->rank().rank) +
+                                  ".safetensors";
   };
   // Language models ([batch, seq] tokens and targets) read token files; any
   // other model trains on synthetic inputs drawn afresh each step.
@@ -370,17 +387,37 @@ int run(int argc, char **argv) {
   SessionOptions options;
   options.threads = threads;
   options.backend = backend;
-  // Every rank of the bundle runs in this process, one thread each.
+  // Every rank of the bundle runs in this process, one thread each; under
+  // mpirun, each process runs one rank and MPI connects them.
   int64_t numRanks = static_cast<int64_t>(readManifest(bundle).ranks.size());
-  std::shared_ptr<InProcessCommunicator> comm;
-  if (numRanks > 1) {
-    comm = std::make_shared<InProcessCommunicator>(static_cast<int>(numRanks));
+  std::shared_ptr<Communicator> comm;
+  std::vector<int64_t> local;
+  if (launchedByMpi()) {
+    int mpiRank = 0, mpiSize = 1;
+    comm = makeMpiCommunicator(mpiRank, mpiSize);
+    mpiComm = comm.get();
+    mpiRankOfProcess = mpiRank;
+    if (mpiSize != numRanks)
+      fail(LOOM_INVALID_ARGUMENT, bundle, " has ", numRanks, " ranks but mpirun started ", mpiSize,
+           " processes; run mpirun -np ", numRanks, " (one rank per process)");
+    if (mpiRank != 0) // rank 0 reports; the others speak only on error
+      std::freopen("/dev/null", "w", stdout);
+    local = {mpiRank};
     options.comm = comm;
     if (threads == 0)
-      options.threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency() / numRanks));
+      options.threads = 1;
+  } else {
+    for (int64_t k = 0; k < numRanks; ++k)
+      local.push_back(k);
+    if (numRanks > 1) {
+      comm = std::make_shared<InProcessCommunicator>(static_cast<int>(numRanks));
+      options.comm = comm;
+      if (threads == 0)
+        options.threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency() / numRanks));
+    }
   }
   std::vector<std::unique_ptr<Session>> ranks;
-  for (int64_t k = 0; k < numRanks; ++k) {
+  for (int64_t k : local) {
     options.rank = static_cast<int>(k);
     ranks.push_back(std::make_unique<Session>(bundle, options));
   }
@@ -392,8 +429,9 @@ int run(int argc, char **argv) {
     for (const char *axis : {"dp", "tp", "pp"})
       if (plan.contains(axis) && plan[axis].is_number_integer() && plan[axis].get<int64_t>() > 1)
         shape += cat(shape.empty() ? "" : " x ", axis, plan[axis].get<int64_t>());
-    std::printf("%lld ranks (%s; threads in this process)\n", (long long)numRanks,
-                shape.empty() ? "data parallel" : shape.c_str());
+    std::printf("%lld ranks (%s; %s)\n", (long long)numRanks,
+                shape.empty() ? "data parallel" : shape.c_str(),
+                mpiComm ? "one process each, over MPI" : "threads in this process");
   }
   std::printf("%s: model %s, batch %lld, %zu parameter tensors, arena %.1f MiB (activations %.1f MiB), %s backend\n",
               bundle.c_str(), s.manifest().model.c_str(), (long long)s.manifest().batch, r.params.size(),
@@ -473,9 +511,13 @@ int run(int argc, char **argv) {
 
 int main(int argc, char **argv) {
   try {
-    return run(argc, argv);
+    int rc = run(argc, argv);
+    finalizeMpi();
+    return rc;
   } catch (const Error &e) {
     std::fprintf(stderr, "loom-run: error: %s\n", e.what());
+    if (mpiComm) // under mpirun: end the whole job, not just this process
+      mpiComm->abort(mpiRankOfProcess, e.what());
     return 1;
   } catch (const std::exception &e) {
     std::fprintf(stderr, "loom-run: internal error: %s\n", e.what());

@@ -27,7 +27,7 @@ struct Ctx {
   std::string where;
   /// bf16 buffers of this instruction, computed on through f32 copies.
   const std::map<int64_t, float *> &widened;
-  InProcessCommunicator *comm;
+  Communicator *comm;
 
   const Buffer &in(size_t i) const { return rank.buffers[ins.in[i]]; }
   const Buffer &out(size_t i = 0) const { return rank.buffers[ins.out[i]]; }
@@ -446,7 +446,7 @@ Kernel buildBatchNorm(const Ctx &c) {
 // Transformer pieces
 //===--------------------------------------------------------------------===//
 
-InProcessCommunicator *needComm(const Ctx &c) {
+Communicator *needComm(const Ctx &c) {
   if (!c.comm)
     fail(LOOM_UNSUPPORTED, c.where, ": ", c.ins.op, " needs the other ranks; run multi-rank "
          "bundles with loom-run, which starts every rank");
@@ -640,7 +640,7 @@ struct VocabStats {
     sum = both.data();
     target = both.data() + rows;
   }
-  InProcessCommunicator *comm;
+  Communicator *comm;
   std::vector<int> group;
   int rank;
   int64_t V, rows, start;
@@ -1395,7 +1395,7 @@ template <bool Max> Kernel buildPoolGrad(const Ctx &c) {
 Kernel buildAllReduce(const Ctx &c) {
   if (c.ins.in.empty() || c.ins.in.size() != c.ins.out.size())
     c.bad("expects as many outputs as inputs (at least one)");
-  InProcessCommunicator *comm = needComm(c);
+  Communicator *comm = needComm(c);
   std::vector<int> group = groupOf(c, attrString(c, "group", "dp"));
   std::string kind = attrString(c, "reduction", "sum");
   if (kind != "sum" && kind != "mean" && kind != "max")
@@ -1440,7 +1440,7 @@ Kernel buildBroadcast1(const Ctx &c) {
   if (c.ins.in[0] != c.ins.out[0])
     c.bad("broadcasts into its buffer in place");
   c.needF32(c.in(0));
-  InProcessCommunicator *comm = needComm(c);
+  Communicator *comm = needComm(c);
   std::vector<int> group = groupOf(c, attrString(c, "group", "dp"));
   int64_t root = c.attrInt("root");
   if (root < 0 || root >= int64_t(group.size()))
@@ -1461,7 +1461,7 @@ int64_t peerOf(const Ctx &c) {
 /// Sends a buffer to rank `peer` (pipeline activations and their gradients).
 Kernel buildSend(const Ctx &c) {
   c.arity(1, 0);
-  InProcessCommunicator *comm = needComm(c);
+  Communicator *comm = needComm(c);
   int64_t peer = peerOf(c), rank = c.rank.rank, bytes = c.in(0).bytes, tag = c.attrInt("tag", 0);
   const char *data = c.ptr<char>(c.in(0));
   return [=] { comm->send(int(rank), int(peer), tag, data, bytes); };
@@ -1469,7 +1469,7 @@ Kernel buildSend(const Ctx &c) {
 
 Kernel buildRecv(const Ctx &c) {
   c.arity(0, 1);
-  InProcessCommunicator *comm = needComm(c);
+  Communicator *comm = needComm(c);
   int64_t peer = peerOf(c), rank = c.rank.rank, bytes = c.out().bytes, tag = c.attrInt("tag", 0);
   char *data = c.ptr<char>(c.out());
   return [=] { comm->recv(int(rank), int(peer), tag, data, bytes); };
@@ -1504,7 +1504,7 @@ Kernel buildGlobalNorm(const Ctx &c) {
       counted[i] = false;
     }
   std::string groupName = attrString(c, "group", "");
-  InProcessCommunicator *comm = groupName.empty() ? nullptr : needComm(c);
+  Communicator *comm = groupName.empty() ? nullptr : needComm(c);
   std::vector<int> group = groupName.empty() ? std::vector<int>() : groupOf(c, groupName);
   int rank = int(c.rank.rank);
   float *out = c.f32(c.out());
@@ -1649,7 +1649,7 @@ std::vector<std::string> cpuSupportedOps() {
 
 CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &instrs,
                        char *arena, ThreadPool &pool, const std::string &programName,
-                       bool allocate, InProcessCommunicator *comm) {
+                       bool allocate, Communicator *comm) {
   for (size_t i = 0; i < instrs.size(); ++i) {
     const Instruction &ins = instrs[i];
     std::string where = cat("instruction ", programName, "[", i, "] '", ins.op, "'");
@@ -1758,7 +1758,7 @@ double denseInstructionFlops(const RankProgram &rank, const Instruction &ins) {
 namespace {
 class CpuBackendImpl : public Backend {
 public:
-  CpuBackendImpl(const RankProgram &rank, int threads, InProcessCommunicator *comm)
+  CpuBackendImpl(const RankProgram &rank, int threads, Communicator *comm)
       : rank(rank), pool(threads), comm(comm) {
     size_t bytes = (static_cast<size_t>(rank.arenaBytes) + 63) / 64 * 64;
     arena.reset(static_cast<char *>(std::aligned_alloc(64, std::max<size_t>(bytes, 64))));
@@ -1798,7 +1798,7 @@ public:
 private:
   const RankProgram &rank;
   ThreadPool pool;
-  InProcessCommunicator *comm;
+  Communicator *comm;
   std::unique_ptr<char, decltype(&std::free)> arena{nullptr, &std::free};
   std::map<std::string, std::unique_ptr<CpuProgram>> programs;
   std::map<std::string, std::map<std::string, double>> programFlops; // program -> op -> FLOPs
@@ -1806,7 +1806,7 @@ private:
 } // namespace
 
 std::unique_ptr<Backend> makeCpuBackend(const RankProgram &rank, int threads,
-                                        InProcessCommunicator *comm) {
+                                        Communicator *comm) {
   return std::make_unique<CpuBackendImpl>(rank, threads, comm);
 }
 

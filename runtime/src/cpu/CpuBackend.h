@@ -28,7 +28,7 @@ public:
   /// `allocate` false only validates (no scratch memory; never run it).
   CpuProgram(const RankProgram &rank, const std::vector<Instruction> &instrs, char *arena,
              ThreadPool &pool, const std::string &programName, bool allocate = true,
-             InProcessCommunicator *comm = nullptr);
+             Communicator *comm = nullptr);
   /// Runs every instruction in order; throws Error naming the instruction
   /// when a run-time check fails (a token id outside the vocabulary, say).
   void run();

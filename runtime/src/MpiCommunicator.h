@@ -1,0 +1,33 @@
+//===- MpiCommunicator.h - Collectives between processes over MPI -*- C++ -*-===//
+//
+// `mpirun -np N loom-run OUT.loom` runs one rank of an N-rank bundle per
+// process; this communicator connects them. Built when CMake finds MPI.
+// Every wait polls with a timeout, so a stalled peer fails the rank with a
+// message instead of hanging, and abort (a failed rank) ends the whole job
+// through MPI_Abort after printing why.
+//
+//===----------------------------------------------------------------------===//
+#ifndef LOOM_RUNTIME_MPICOMMUNICATOR_H
+#define LOOM_RUNTIME_MPICOMMUNICATOR_H
+
+#include "runtime/src/Communicator.h"
+
+#include <memory>
+
+namespace loom::rt {
+
+/// True when this process was started by an MPI launcher with more than one
+/// process (and Loom was built with MPI).
+bool launchedByMpi();
+
+/// Initialises MPI (once) and returns the communicator of this job; throws
+/// Error when Loom was built without MPI. `rank` receives this process's rank.
+std::shared_ptr<Communicator> makeMpiCommunicator(int &rank, int &size,
+                                                  double timeoutSeconds = 300);
+
+/// Finalises MPI if it was initialised (call before exit).
+void finalizeMpi();
+
+} // namespace loom::rt
+
+#endif
