@@ -281,8 +281,6 @@ int runCompile() {
   }
   auto degree = [&](const char *key) { return plan.value(key, int64_t(1)); };
   int64_t dp = degree("dp"), tp = degree("tp"), pp = degree("pp");
-  if (dp * tp * pp > 1 && cluster.device.name != "cpu")
-    return fail("multi-rank bundles run on CPU ranks for now (NCCL: issue #8); use --cluster cpu:N");
 
   mlir::loom::BundleOptions options;
   options.batch = compileBatch;

@@ -51,8 +51,18 @@ class Communicator;
 /// `comm` connects the rank to the others of a multi-rank bundle (may be null).
 std::unique_ptr<Backend> makeCpuBackend(const RankProgram &rank, int threads,
                                         Communicator *comm = nullptr);
+/// NCCL communicators for every group and pipeline transfer of a bundle
+/// whose ranks all run in this process, rank r on GPU devices[r].
+class NcclWorld;
+/// Throws Error with the reason (built without CUDA or NCCL, too few GPUs).
+std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &manifest, const std::vector<int> &devices);
+/// Aborts every communicator (a rank failed): ranks blocked in NCCL return.
+void abortNcclWorld(NcclWorld &world);
+
 /// Throws Error with the reason (no GPU, no driver, built without CUDA).
-std::unique_ptr<Backend> makeCudaBackend(const RankProgram &rank, int device);
+/// `world` connects the ranks of a multi-rank bundle (may be null).
+std::unique_ptr<Backend> makeCudaBackend(const RankProgram &rank, int device,
+                                         NcclWorld *world = nullptr);
 
 } // namespace loom::rt
 

@@ -154,4 +154,24 @@ void InProcessCommunicator::recv(int rank, int peer, int64_t tag, void *data, in
   std::memcpy(data, message.data(), message.size());
 }
 
+namespace {
+class ValidationCommunicator : public Communicator {
+public:
+  int size() const override { return 1 << 20; }
+  [[noreturn]] static void never() {
+    fail(LOOM_INTERNAL, "a communicator used only to validate instructions was asked to communicate");
+  }
+  void allReduce(int, const std::vector<int> &, float *, int64_t, Reduction) override { never(); }
+  void broadcast(int, const std::vector<int> &, int, float *, int64_t) override { never(); }
+  void send(int, int, int64_t, const void *, int64_t) override { never(); }
+  void recv(int, int, int64_t, void *, int64_t) override { never(); }
+  void abort(int, const std::string &) override {}
+};
+} // namespace
+
+Communicator &validationCommunicator() {
+  static ValidationCommunicator instance;
+  return instance;
+}
+
 } // namespace loom::rt

@@ -49,6 +49,10 @@ public:
   virtual void abort(int rank, const std::string &message) = 0;
 };
 
+/// A communicator for checking instructions without running them (another
+/// backend validates its programs through the CPU builders); any call throws.
+Communicator &validationCommunicator();
+
 class InProcessCommunicator : public Communicator {
 public:
   explicit InProcessCommunicator(int size, double timeoutSeconds = 300);

@@ -17,16 +17,18 @@ Session::Session(const std::string &bundleDir, const SessionOptions &options)
          bundle.ranks.size(), ")");
   rankIndex = static_cast<size_t>(options.rank);
   comm = options.comm;
-  if (bundle.ranks.size() > 1 && (!comm || comm->size() != static_cast<int>(bundle.ranks.size())))
+  nccl = options.nccl;
+  bool connected = options.backend == "cuda"
+                       ? nccl != nullptr
+                       : comm && comm->size() == static_cast<int>(bundle.ranks.size());
+  if (bundle.ranks.size() > 1 && !connected)
     fail(LOOM_UNSUPPORTED, bundleDir, ": the bundle has ", bundle.ranks.size(),
          " ranks; run it with loom-run, which starts every rank");
   const RankProgram &r = rank();
   if (options.backend == "cpu")
     backend = makeCpuBackend(r, options.threads, comm.get());
-  else if (options.backend == "cuda" && bundle.ranks.size() > 1)
-    fail(LOOM_UNSUPPORTED, "multi-rank bundles run on the CPU backend for now (NCCL: issue #8)");
   else if (options.backend == "cuda")
-    backend = makeCudaBackend(r, options.device);
+    backend = makeCudaBackend(r, options.device, nccl.get());
   else
     fail(LOOM_INVALID_ARGUMENT, "unknown backend '", options.backend, "'; use cpu or cuda");
   if (bundle.weights.empty()) {

@@ -17,6 +17,8 @@ struct SessionOptions {
   int device = 0;              // CUDA backend
   int rank = 0;                // which rank of the bundle this session runs
   std::shared_ptr<Communicator> comm; // shared by the ranks of one process
+  /// CUDA backend, several ranks: NCCL communicators of every rank in this process.
+  std::shared_ptr<NcclWorld> nccl;
 };
 
 class Session {
@@ -65,6 +67,7 @@ private:
   Manifest bundle;
   size_t rankIndex = 0;
   std::shared_ptr<Communicator> comm;
+  std::shared_ptr<NcclWorld> nccl;
   std::unique_ptr<Backend> backend;
 };
 

@@ -44,6 +44,8 @@ namespace {
 /// Set when mpirun started this process: errors end the whole job.
 Communicator *mpiComm = nullptr;
 int mpiRankOfProcess = 0;
+/// Set when the ranks are GPUs of this process: a failure aborts NCCL.
+NcclWorld *ncclWorld = nullptr;
 void usage(FILE *to) {
   std::fprintf(to,
                "usage: loom-run BUNDLE [options]\n\n"
@@ -193,7 +195,10 @@ float stepAllRanks(std::vector<std::unique_ptr<Session>> &ranks,
         std::lock_guard<std::mutex> lock(mutex);
         if (!first)
           first = Error(e.code, cat("rank ", r, ": ", e.what()));
-        comm->abort(static_cast<int>(r), e.what());
+        if (comm)
+          comm->abort(static_cast<int>(r), e.what());
+        if (ncclWorld) // ranks blocked in NCCL return once their communicators abort
+          abortNcclWorld(*ncclWorld);
       }
     });
   for (std::thread &t : threads)
@@ -406,6 +411,13 @@ int run(int argc, char **argv) {
     options.comm = comm;
     if (threads == 0)
       options.threads = 1;
+  } else if (backend == "cuda" && numRanks > 1) {
+    // One thread per GPU, rank k on GPU k, connected by NCCL.
+    std::vector<int> devices;
+    for (int64_t k = 0; k < numRanks; ++k)
+      local.push_back(k), devices.push_back(static_cast<int>(k));
+    options.nccl = makeNcclWorld(readManifest(bundle), devices);
+    ncclWorld = options.nccl.get();
   } else {
     for (int64_t k = 0; k < numRanks; ++k)
       local.push_back(k);
@@ -419,6 +431,8 @@ int run(int argc, char **argv) {
   std::vector<std::unique_ptr<Session>> ranks;
   for (int64_t k : local) {
     options.rank = static_cast<int>(k);
+    if (options.nccl)
+      options.device = static_cast<int>(k);
     ranks.push_back(std::make_unique<Session>(bundle, options));
   }
   Session &s = *ranks[0];
@@ -431,7 +445,8 @@ int run(int argc, char **argv) {
         shape += cat(shape.empty() ? "" : " x ", axis, plan[axis].get<int64_t>());
     std::printf("%lld ranks (%s; %s)\n", (long long)numRanks,
                 shape.empty() ? "data parallel" : shape.c_str(),
-                mpiComm ? "one process each, over MPI" : "threads in this process");
+                mpiComm ? "one process each, over MPI"
+                : ncclWorld ? "one GPU and thread each, over NCCL" : "threads in this process");
   }
   std::printf("%s: model %s, batch %lld, %zu parameter tensors, arena %.1f MiB (activations %.1f MiB), %s backend\n",
               bundle.c_str(), s.manifest().model.c_str(), (long long)s.manifest().batch, r.params.size(),

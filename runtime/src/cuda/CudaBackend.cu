@@ -18,11 +18,16 @@
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#ifdef LOOM_HAVE_NCCL
+#include <nccl.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
+#include <atomic>
 #include <functional>
 #include <map>
+#include <set>
 
 namespace loom::rt {
 namespace {
@@ -322,27 +327,32 @@ __device__ inline int64_t readIndex(const void *ids, bool wide, int64_t i) {
   return wide ? static_cast<const int64_t *>(ids)[i] : static_cast<const int32_t *>(ids)[i];
 }
 
+/// Rows [start, start + vocab) of a vocabulary of `full` ids live here (the
+/// whole table unless tensor parallelism splits it): other ids give zeros.
 __global__ void embeddingKernel(const float *table, const void *ids, bool wide, float *y, int64_t n,
-                                int64_t h, int64_t vocab, long long *err) {
+                                int64_t h, int64_t vocab, long long *err, int64_t start, int64_t full) {
   GRID_LOOP(i, n * h) {
     int64_t t = i / h, id = readIndex(ids, wide, t);
-    if (id < 0 || id >= vocab) {
+    if (id < 0 || id >= full) {
       raise(err, 1, t, id);
       continue;
     }
-    y[i] = table[id * h + i % h];
+    int64_t row = id - start;
+    y[i] = row >= 0 && row < vocab ? table[row * h + i % h] : 0.0f;
   }
 }
 
 __global__ void embeddingGradKernel(const void *ids, bool wide, const float *dy, float *dt, int64_t n,
-                                    int64_t h, int64_t vocab, long long *err) {
+                                    int64_t h, int64_t vocab, long long *err, int64_t start, int64_t full) {
   GRID_LOOP(i, n * h) {
     int64_t t = i / h, id = readIndex(ids, wide, t);
-    if (id < 0 || id >= vocab) {
+    if (id < 0 || id >= full) {
       raise(err, 1, t, id);
       continue;
     }
-    atomicAdd(&dt[id * h + i % h], dy[i]);
+    int64_t row = id - start;
+    if (row >= 0 && row < vocab)
+      atomicAdd(&dt[row * h + i % h], dy[i]);
   }
 }
 
@@ -452,6 +462,57 @@ __global__ void sumSquaresKernel(const float *g, int64_t n, double *acc) {
     atomicAdd(acc, static_cast<double>(s));
 }
 __global__ void sqrtKernel(const double *acc, float *out) { *out = static_cast<float>(sqrt(*acc)); }
+__global__ void toFloatKernel(const double *acc, float *out) { *out = static_cast<float>(*acc); }
+__global__ void sqrtFloatKernel(float *x) { *x = sqrtf(*x); }
+
+/// Vocabulary-parallel cross-entropy, in three steps around two all-reduces:
+/// the row maxima of the local logits; then each row's sum of exp(l - max)
+/// and its target logit (0 where another rank holds the target).
+__global__ void rowMaxKernel(const float *logits, float *rowMax, int64_t v) {
+  __shared__ float shared[32];
+  const float *lr = logits + blockIdx.x * v;
+  float mx = -INFINITY;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
+    mx = fmaxf(mx, lr[j]);
+  mx = blockMax(mx, shared);
+  if (threadIdx.x == 0)
+    rowMax[blockIdx.x] = mx;
+}
+__global__ void rowSumTargetKernel(const float *logits, const void *targets, bool wide,
+                                   const float *rowMax, float *stats, int64_t rows, int64_t v,
+                                   int64_t start, int64_t full, long long *err) {
+  __shared__ float shared[32];
+  int64_t row = blockIdx.x;
+  const float *lr = logits + row * v;
+  int64_t t = readIndex(targets, wide, row);
+  if (t < 0 || t >= full) {
+    if (threadIdx.x == 0)
+      raise(err, 2, row, t);
+    return;
+  }
+  float mx = rowMax[row], sum = 0;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
+    sum += expf(lr[j] - mx);
+  sum = blockSum(sum, shared);
+  if (threadIdx.x == 0) {
+    stats[row] = sum;
+    stats[rows + row] = t >= start && t < start + v ? lr[t - start] : 0.0f;
+  }
+}
+__global__ void splitLossRowsKernel(const float *rowMax, const float *stats, float *rowLoss, int64_t rows) {
+  GRID_LOOP(r, rows) rowLoss[r] = logf(stats[r]) + rowMax[r] - stats[rows + r];
+}
+__global__ void splitCrossEntropyGradKernel(const float *logits, const void *targets, bool wide,
+                                            const float *rowMax, const float *stats, const float *dloss,
+                                            float *dl, int64_t rows, int64_t v, int64_t start) {
+  int64_t row = blockIdx.x;
+  const float *lr = logits + row * v;
+  float *out = dl + row * v;
+  int64_t t = readIndex(targets, wide, row) - start;
+  float scale = *dloss / rows, mx = rowMax[row], sum = stats[row];
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
+    out[j] = (expf(lr[j] - mx) / sum - (j == t ? 1.0f : 0.0f)) * scale;
+}
 
 __device__ inline double scheduledRate(double lr, double minLr, double warmup, double total, double t) {
   if (warmup > 0 && t < warmup)
@@ -513,9 +574,135 @@ __global__ void sgdKernel(float *p, const float *g, float *m, const float *step,
 
 using Launch = std::function<void(cudaStream_t)>;
 
+} // namespace
+
+#ifdef LOOM_HAVE_NCCL
+void checkNccl(ncclResult_t r, const char *what, const char *file, int line) {
+  if (r != ncclSuccess && r != ncclInProgress)
+    fail(r == ncclInvalidUsage || r == ncclInvalidArgument ? LOOM_INVALID_BUNDLE : LOOM_INTERNAL, file,
+         ":", line, ": ", what, " failed: ", ncclGetErrorString(r), " (", ncclGetLastError(nullptr),
+         "); NCCL_DEBUG=WARN says more");
+}
+#define LOOM_NCCL_CHECK(expr) checkNccl((expr), #expr, __FILE__, __LINE__)
+#endif
+
+/// Communicators of every group (one per member list) and one per direction
+/// of every pipeline transfer, so that a rank's sends (on their own stream)
+/// never queue behind its receives.
+class NcclWorld {
+public:
+#ifdef LOOM_HAVE_NCCL
+  std::map<std::vector<int>, std::map<int, ncclComm_t>> groups; // members -> rank -> comm
+  std::map<std::pair<int, int>, std::map<int, ncclComm_t>> links; // (from, to) -> rank -> comm
+#endif
+  std::vector<int> devices;
+  std::atomic<bool> aborted{false};
+
+#ifdef LOOM_HAVE_NCCL
+  /// Creates a communicator over `members` (global ranks), all in this process.
+  std::map<int, ncclComm_t> create(const std::vector<int> &members) {
+    ncclUniqueId id;
+    LOOM_NCCL_CHECK(ncclGetUniqueId(&id));
+    std::vector<ncclComm_t> comms(members.size());
+    LOOM_NCCL_CHECK(ncclGroupStart());
+    for (size_t i = 0; i < members.size(); ++i) {
+      LOOM_CUDA_CHECK(cudaSetDevice(devices[members[i]]));
+      LOOM_NCCL_CHECK(ncclCommInitRank(&comms[i], int(members.size()), id, int(i)));
+    }
+    LOOM_NCCL_CHECK(ncclGroupEnd());
+    std::map<int, ncclComm_t> out;
+    for (size_t i = 0; i < members.size(); ++i)
+      out[members[i]] = comms[i];
+    return out;
+  }
+#endif
+  ~NcclWorld() {
+#ifdef LOOM_HAVE_NCCL
+    for (auto *table : {&groups})
+      for (auto &[m, comms] : *table)
+        for (auto &[r, c] : comms)
+          aborted ? ncclCommAbort(c) : ncclCommDestroy(c);
+    for (auto &[m, comms] : links)
+      for (auto &[r, c] : comms)
+        aborted ? ncclCommAbort(c) : ncclCommDestroy(c);
+#endif
+  }
+};
+
+std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<int> &devices) {
+#ifndef LOOM_HAVE_NCCL
+  (void)m, (void)devices;
+  fail(LOOM_UNSUPPORTED, "this runtime was built without NCCL (nccl.h was not found when it was "
+       "configured), so multi-GPU bundles cannot run; install NCCL and rebuild, or use --backend cpu");
+#else
+  if (devices.size() < m.ranks.size())
+    fail(LOOM_INVALID_ARGUMENT, "the bundle has ", m.ranks.size(), " ranks but only ", devices.size(),
+         " GPUs are given");
+  int count = 0;
+  LOOM_CUDA_CHECK(cudaGetDeviceCount(&count));
+  for (int d : devices)
+    if (d < 0 || d >= count)
+      fail(LOOM_INVALID_ARGUMENT, "the bundle has ", m.ranks.size(), " ranks, one per GPU, but ", count,
+           " GPU(s) are visible; run it on a machine with ", m.ranks.size(),
+           " GPUs, or compile for fewer ranks");
+  auto world = std::make_shared<NcclWorld>();
+  world->devices = devices;
+  std::set<std::vector<int>> groups;
+  std::set<std::pair<int, int>> links;
+  for (const RankProgram &r : m.ranks) {
+    for (const auto &[name, members] : r.groups)
+      if (members.size() > 1)
+        groups.insert(std::vector<int>(members.begin(), members.end()));
+    for (const auto &[name, list] : r.programs)
+      for (const Instruction &ins : list)
+        if (ins.op == "send")
+          links.insert({int(r.rank), int(ins.attrs.value("peer", int64_t(-1)))});
+  }
+  // NCCL matches a link's sends and receives in order: both sides must list
+  // the same transfers in the same order.
+  for (auto [from, to] : links) {
+    std::vector<int64_t> sent, received;
+    for (const auto &[name, list] : m.ranks[from].programs)
+      for (const Instruction &ins : list)
+        if (ins.op == "send" && ins.attrs.value("peer", int64_t(-1)) == to)
+          sent.push_back(ins.attrs.value("tag", int64_t(0)));
+    for (const auto &[name, list] : m.ranks[to].programs)
+      for (const Instruction &ins : list)
+        if (ins.op == "recv" && ins.attrs.value("peer", int64_t(-1)) == from)
+          received.push_back(ins.attrs.value("tag", int64_t(0)));
+    if (sent != received)
+      fail(LOOM_UNSUPPORTED, "rank ", from, " sends to rank ", to, " in an order that rank ", to,
+           " does not receive in (NCCL matches transfers in order); this schedule runs on CPU "
+           "ranks only for now: use 1f1b or gpipe on GPUs");
+  }
+  for (const auto &g : groups)
+    world->groups[g] = world->create(g);
+  for (auto [from, to] : links)
+    world->links[{from, to}] = world->create({from, to});
+  return world;
+#endif
+}
+
+void abortNcclWorld(NcclWorld &world) {
+  world.aborted = true;
+#ifdef LOOM_HAVE_NCCL
+  for (auto &[m, comms] : world.groups)
+    for (auto &[r, c] : comms)
+      ncclCommAbort(c), c = nullptr;
+  for (auto &[m, comms] : world.links)
+    for (auto &[r, c] : comms)
+      ncclCommAbort(c), c = nullptr;
+  world.groups.clear();
+  world.links.clear();
+#endif
+}
+
+namespace {
+
 class CudaBackendImpl : public Backend {
 public:
-  CudaBackendImpl(const RankProgram &rank, int device) : rank(rank), device(device) {
+  CudaBackendImpl(const RankProgram &rank, int device, NcclWorld *world)
+      : rank(rank), device(device), world(world) {
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
     if (e != cudaSuccess || count == 0)
@@ -533,6 +720,7 @@ public:
     LOOM_CUDA_CHECK(cudaMemsetAsync(arena, 0, bytes, stream));
     LOOM_CUDA_CHECK(cudaMalloc(&errorWord, 3 * sizeof(long long)));
     LOOM_CUDA_CHECK(cudaMemsetAsync(errorWord, 0, 3 * sizeof(long long), stream));
+    LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&sendStream, cudaStreamNonBlocking));
   }
 
   ~CudaBackendImpl() override {
@@ -545,6 +733,13 @@ public:
           cudaEventDestroy(step.start), cudaEventDestroy(step.end);
     for (void *p : allocations)
       cudaFree(p);
+    if (sendStream)
+      cudaStreamSynchronize(sendStream), cudaStreamDestroy(sendStream);
+    for (Staging &slot : staging) {
+      cudaFree(slot.data);
+      if (slot.sent)
+        cudaEventDestroy(slot.sent), cudaEventDestroy(slot.copied);
+    }
     cudaFree(workspace);
     cudaFree(errorWord);
     cudaFree(arena);
@@ -557,10 +752,12 @@ public:
   std::string name() const override { return "cuda"; }
 
   void upload(const Buffer &b, const void *src) override {
+    LOOM_CUDA_CHECK(cudaSetDevice(device)); // each rank's thread drives its own GPU
     LOOM_CUDA_CHECK(cudaMemcpyAsync(ptr(b), src, b.bytes, cudaMemcpyHostToDevice, stream));
     LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
   }
   void download(const Buffer &b, void *dst) const override {
+    LOOM_CUDA_CHECK(cudaSetDevice(device));
     LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, const_cast<CudaBackendImpl *>(this)->ptr(b), b.bytes,
                                     cudaMemcpyDeviceToHost, stream));
     LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -572,7 +769,8 @@ public:
       // The CPU builders check every shape and attribute; they never touch memory.
       ThreadPool validationPool(1);
       static char fakeArena[64];
-      CpuProgram validated(rank, instrs, fakeArena, validationPool, program, /*allocate=*/false);
+      CpuProgram validated(rank, instrs, fakeArena, validationPool, program, /*allocate=*/false,
+                           &validationCommunicator());
     }
     std::vector<Step> steps;
     for (size_t i = 0; i < instrs.size(); ++i) {
@@ -588,6 +786,7 @@ public:
   }
 
   void run(const std::string &program) override {
+    LOOM_CUDA_CHECK(cudaSetDevice(device));
     auto &steps = programs.at(program);
     for (Step &step : steps) {
       if (profiling) {
@@ -605,6 +804,9 @@ public:
         LOOM_CUDA_CHECK(cudaEventRecord(step.end, stream));
     }
     LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(sendStream));
+    if (world && world->aborted)
+      fail(LOOM_INVALID_ARGUMENT, program, ": another rank failed and stopped every rank");
     if (profiling)
       for (Step &step : steps) {
         float ms = 0;
@@ -677,9 +879,31 @@ private:
   Launch buildMatmul(const Instruction &ins);
   Launch buildAttention(const Instruction &ins, bool grad);
 
+  Launch buildCommunication(const Instruction &ins);
+
   const RankProgram &rank;
   int device;
-  cudaStream_t stream = nullptr;
+  NcclWorld *world = nullptr;
+  cudaStream_t stream = nullptr, sendStream = nullptr;
+  /// Sends go out of staging copies on their own stream, so the compute
+  /// stream never waits for a receiver and may reuse the sent buffer's
+  /// memory at once; a slot is reused once its previous send is done.
+  struct Staging {
+    char *data = nullptr;
+    int64_t bytes = 0;
+    cudaEvent_t copied = nullptr, sent = nullptr;
+  };
+  std::vector<Staging> staging;
+  size_t nextSlot = 0;
+  int64_t startOf(const Instruction &ins, int64_t localRows, int64_t &parts) const {
+    auto it = ins.attrs.find("vocab_group");
+    parts = 1;
+    if (it == ins.attrs.end() || !it->is_string())
+      return 0;
+    const std::vector<int64_t> &members = rank.groups.at(it->get<std::string>());
+    parts = int64_t(members.size());
+    return int64_t(std::find(members.begin(), members.end(), rank.rank) - members.begin()) * localRows;
+  }
   cublasHandle_t blas = nullptr;
   char *arena = nullptr;
   long long *errorWord = nullptr;
@@ -969,14 +1193,15 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     bool wide = ids.dtype == LOOM_I64;
     void *pid = ptr(ids);
     long long *err = errorWord;
+    int64_t parts = 1, start = startOf(ins, vocab, parts), full = vocab * parts;
     if (!grad) {
       float *pt = f(ins.in[0]), *y = f(ins.out[0]);
-      return [=](cudaStream_t s) { embeddingKernel<<<blocksFor(cnt * h), kThreads, 0, s>>>(pt, pid, wide, y, cnt, h, vocab, err); };
+      return [=](cudaStream_t s) { embeddingKernel<<<blocksFor(cnt * h), kThreads, 0, s>>>(pt, pid, wide, y, cnt, h, vocab, err, start, full); };
     }
     float *dy = f(ins.in[1]), *dt = f(ins.out[0]);
     return [=](cudaStream_t s) {
       LOOM_CUDA_CHECK(cudaMemsetAsync(dt, 0, vocab * h * sizeof(float), s));
-      embeddingGradKernel<<<blocksFor(cnt * h), kThreads, 0, s>>>(pid, wide, dy, dt, cnt, h, vocab, err);
+      embeddingGradKernel<<<blocksFor(cnt * h), kThreads, 0, s>>>(pid, wide, dy, dt, cnt, h, vocab, err, start, full);
     };
   }
   if (op == "rotary") {
@@ -999,6 +1224,8 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     void *pt = ptr(targets);
     float *pl = f(ins.in[0]);
     long long *err = errorWord;
+    if (ins.attrs.contains("vocab_group"))
+      return buildCommunication(ins);
     if (op == "cross_entropy") {
       float *out = f(ins.out[0]);
       reserve(rows * sizeof(float));
@@ -1069,6 +1296,9 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     float *step = f(ins.in[0]);
     return [=](cudaStream_t s) { stepKernel<<<1, 1, 0, s>>>(step); };
   }
+  if (op == "all_reduce" || op == "broadcast_from" || op == "send" || op == "recv" ||
+      (op == "global_norm" && ins.attrs.contains("group")))
+    return buildCommunication(ins);
   if (op == "global_norm") {
     std::vector<std::pair<float *, int64_t>> grads;
     for (int64_t id : ins.in)
@@ -1099,10 +1329,148 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
        "' yet (convolutions, pooling, batch norm and standalone softmax run on --backend cpu)");
 }
 
+Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
+#ifndef LOOM_HAVE_NCCL
+  fail(LOOM_UNSUPPORTED, where, ": this runtime was built without NCCL; use --backend cpu");
+#else
+  const std::string &op = ins.op;
+  auto n = [&](int64_t id) { return count(buf(id).shape); };
+  // The communicator of a named group (null for a group of one).
+  auto commOf = [&](const std::string &name) -> ncclComm_t {
+    auto g = rank.groups.find(name);
+    if (g == rank.groups.end())
+      fail(LOOM_INVALID_BUNDLE, where, ": names group '", name, "', which this rank does not have");
+    if (g->second.size() < 2)
+      return nullptr;
+    if (!world)
+      fail(LOOM_UNSUPPORTED, where, ": multi-rank bundles need every rank started together (loom-run)");
+    return world->groups.at(std::vector<int>(g->second.begin(), g->second.end())).at(int(rank.rank));
+  };
+  std::string group = ins.attrs.value("group", std::string("dp"));
+  if (op == "all_reduce") {
+    std::string kind = ins.attrs.value("reduction", std::string("sum"));
+    ncclRedOp_t red = kind == "max" ? ncclMax : kind == "mean" ? ncclAvg : ncclSum;
+    ncclComm_t comm = commOf(group);
+    std::vector<std::tuple<float *, float *, int64_t>> parts;
+    for (size_t i = 0; i < ins.in.size(); ++i)
+      parts.push_back({f(ins.in[i]), f(ins.out[i]), n(ins.in[i])});
+    return [=](cudaStream_t s) {
+      for (auto [in, out, cnt] : parts)
+        if (in != out)
+          LOOM_CUDA_CHECK(cudaMemcpyAsync(out, in, cnt * sizeof(float), cudaMemcpyDeviceToDevice, s));
+      if (!comm)
+        return;
+      LOOM_NCCL_CHECK(ncclGroupStart()); // a bucket goes out as one group
+      for (auto [in, out, cnt] : parts)
+        LOOM_NCCL_CHECK(ncclAllReduce(out, out, size_t(cnt), ncclFloat32, red, comm, s));
+      LOOM_NCCL_CHECK(ncclGroupEnd());
+    };
+  }
+  if (op == "broadcast_from") {
+    ncclComm_t comm = commOf(group);
+    int root = int(ins.attrs.value("root", int64_t(0)));
+    float *x = f(ins.in[0]);
+    int64_t cnt = n(ins.in[0]);
+    return [=](cudaStream_t s) {
+      if (comm)
+        LOOM_NCCL_CHECK(ncclBroadcast(x, x, size_t(cnt), ncclFloat32, root, comm, s));
+    };
+  }
+  if (op == "send" || op == "recv") {
+    int peer = int(ins.attrs.value("peer", int64_t(-1)));
+    int self = int(rank.rank);
+    std::pair<int, int> link = op == "send" ? std::make_pair(self, peer) : std::make_pair(peer, self);
+    if (!world || !world->links.count(link))
+      fail(LOOM_INVALID_BUNDLE, where, ": no transfer link from rank ", link.first, " to ", link.second);
+    ncclComm_t comm = world->links.at(link).at(self);
+    int other = link.first == self ? 1 : 0; // the peer's index in the 2-rank link (from 0, to 1)
+    if (op == "recv") {
+      char *dst = ptr(buf(ins.out[0]));
+      int64_t bytes = buf(ins.out[0]).bytes;
+      return [=](cudaStream_t s) { LOOM_NCCL_CHECK(ncclRecv(dst, size_t(bytes), ncclUint8, other, comm, s)); };
+    }
+    const char *src = ptr(buf(ins.in[0]));
+    int64_t bytes = buf(ins.in[0]).bytes;
+    return [=](cudaStream_t s) {
+      if (staging.empty())
+        staging.resize(16);
+      Staging &slot = staging[nextSlot++ % staging.size()];
+      if (slot.bytes < bytes) {
+        LOOM_CUDA_CHECK(cudaStreamSynchronize(sendStream));
+        cudaFree(slot.data);
+        LOOM_CUDA_CHECK(cudaMalloc(&slot.data, bytes));
+        slot.bytes = bytes;
+      }
+      if (!slot.sent) {
+        LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&slot.sent, cudaEventDisableTiming));
+        LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&slot.copied, cudaEventDisableTiming));
+      } else {
+        LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, slot.sent, 0)); // its last send is done
+      }
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(slot.data, src, bytes, cudaMemcpyDeviceToDevice, s));
+      LOOM_CUDA_CHECK(cudaEventRecord(slot.copied, s));
+      LOOM_CUDA_CHECK(cudaStreamWaitEvent(sendStream, slot.copied, 0));
+      LOOM_NCCL_CHECK(ncclSend(slot.data, size_t(bytes), ncclUint8, other, comm, sendStream));
+      LOOM_CUDA_CHECK(cudaEventRecord(slot.sent, sendStream));
+    };
+  }
+  if (op == "global_norm") {
+    ncclComm_t comm = commOf(group);
+    std::set<int64_t> skip;
+    if (ins.attrs.contains("skip"))
+      for (auto &v : ins.attrs.at("skip"))
+        skip.insert(v.get<int64_t>());
+    std::vector<std::pair<float *, int64_t>> grads;
+    for (size_t i = 0; i < ins.in.size(); ++i)
+      if (!skip.count(int64_t(i)))
+        grads.push_back({f(ins.in[i]), n(ins.in[i])});
+    float *out = f(ins.out[0]);
+    reserve(sizeof(double));
+    return [=](cudaStream_t s) {
+      double *acc = reinterpret_cast<double *>(workspace);
+      LOOM_CUDA_CHECK(cudaMemsetAsync(acc, 0, sizeof(double), s));
+      for (auto [g, cnt] : grads)
+        sumSquaresKernel<<<std::min(blocksFor(cnt), 1024), kThreads, 0, s>>>(g, cnt, acc);
+      toFloatKernel<<<1, 1, 0, s>>>(acc, out);
+      if (comm)
+        LOOM_NCCL_CHECK(ncclAllReduce(out, out, 1, ncclFloat32, ncclSum, comm, s));
+      sqrtFloatKernel<<<1, 1, 0, s>>>(out);
+    };
+  }
+  // Vocabulary-parallel cross-entropy and its gradient.
+  const Buffer &logits = buf(ins.in[0]), &targets = buf(ins.in[1]);
+  int64_t v = logits.shape.back(), rows = count(targets.shape), parts = 1;
+  int64_t start = startOf(ins, v, parts), full = v * parts;
+  ncclComm_t comm = commOf(ins.attrs.at("vocab_group").get<std::string>());
+  bool wide = targets.dtype == LOOM_I64;
+  void *pt = ptr(targets);
+  float *pl = f(ins.in[0]);
+  long long *err = errorWord;
+  bool grad = op == "cross_entropy_grad";
+  float *dl = grad ? f(ins.in[2]) : nullptr, *out = f(ins.out[0]);
+  reserve(4 * rows * sizeof(float));
+  return [=](cudaStream_t s) {
+    float *rowMax = reinterpret_cast<float *>(workspace), *stats = rowMax + rows, *rowLoss = stats + 2 * rows;
+    rowMaxKernel<<<int(rows), kThreads, 0, s>>>(pl, rowMax, v);
+    if (comm)
+      LOOM_NCCL_CHECK(ncclAllReduce(rowMax, rowMax, size_t(rows), ncclFloat32, ncclMax, comm, s));
+    rowSumTargetKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowMax, stats, rows, v, start, full, err);
+    if (comm)
+      LOOM_NCCL_CHECK(ncclAllReduce(stats, stats, size_t(2 * rows), ncclFloat32, ncclSum, comm, s));
+    if (grad) {
+      splitCrossEntropyGradKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowMax, stats, dl, out, rows, v, start);
+    } else {
+      splitLossRowsKernel<<<blocksFor(rows), kThreads, 0, s>>>(rowMax, stats, rowLoss, rows);
+      meanKernel<<<1, 1024, 0, s>>>(rowLoss, rows, out);
+    }
+  };
+#endif
+}
+
 } // namespace
 
-std::unique_ptr<Backend> makeCudaBackend(const RankProgram &rank, int device) {
-  return std::make_unique<CudaBackendImpl>(rank, device);
+std::unique_ptr<Backend> makeCudaBackend(const RankProgram &rank, int device, NcclWorld *world) {
+  return std::make_unique<CudaBackendImpl>(rank, device, world);
 }
 
 } // namespace loom::rt

@@ -5,7 +5,13 @@
 
 namespace loom::rt {
 
-std::unique_ptr<Backend> makeCudaBackend(const RankProgram &, int) {
+std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &, const std::vector<int> &) {
+  fail(LOOM_UNSUPPORTED, "this runtime was built without CUDA, so multi-GPU bundles cannot run; "
+       "use --backend cpu");
+}
+void abortNcclWorld(NcclWorld &) {}
+
+std::unique_ptr<Backend> makeCudaBackend(const RankProgram &, int, NcclWorld *) {
   fail(LOOM_UNSUPPORTED, "this runtime was built without CUDA (no CUDA compiler was found when "
        "it was configured); rebuild on a machine with the CUDA toolkit, or use --backend cpu");
 }

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# On a GPU machine with 2 or 4 GPUs: build the runtime, then train the
+# carried multi-rank bundles (scripts/device-bundles.sh) over NCCL and compare
+# their losses and throughput with one GPU on the same global batch.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0
+scripts/device-build.sh 2>&1 | tail -3
+B=build-device/runtime
+R=.deps/bundles
+gpus=$(nvidia-smi -L | wc -l)
+nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
+compare() { # one.log many.log label tolerance
+  python3 - "$@" <<'PY'
+import re, sys
+get = lambda p: [float(x) for x in re.findall(r"^step \d+/\d+  loss (\S+)", open(p).read(), re.M)]
+a, b = get(sys.argv[1]), get(sys.argv[2])
+n = min(len(a), len(b))
+worst = max((abs(x - y) / abs(x) for x, y in zip(a, b)), default=float("inf"))
+rate = re.findall(r"trained: ([\d.]+) ms per step, (\d+) tokens/s", open(sys.argv[2]).read())
+print(f"{sys.argv[3]}: {len(b)} steps, loss {b[0] if b else 'n/a'} -> {b[-1] if b else 'n/a'}, "
+      f"worst relative difference from one GPU {worst:.2e} over {n} steps"
+      + (f"; {rate[0][0]} ms/step, {rate[0][1]} tokens/s" if rate else ""))
+PY
+}
+run() { # bundle steps log
+  timeout 240 $B/loom-run "$1" --backend cuda --steps "$2" > "$3" 2>&1 || { echo "FAILED: $1"; tail -5 "$3"; }
+}
+echo "== gpt-tiny, batch 8: one GPU vs 2 GPUs"
+run $R/gpt-tiny-one.loom 20 /tmp/tiny-one.log
+for p in dp=2 tp=2 pp=2; do
+  run "$R/gpt-tiny-$p.loom" 20 "/tmp/tiny-$p.log" && compare /tmp/tiny-one.log "/tmp/tiny-$p.log" "gpt-tiny $p"
+done
+echo "== GPT-2 350M, batch 8, AdamW, f32 storage / TF32 GEMMs: one GPU vs several"
+run $R/gpt2-350m-train.loom 10 /tmp/350-one.log
+grep "trained:" /tmp/350-one.log | sed 's/^/one GPU: /'
+for p in dp=2 tp=2 pp=2; do
+  run "$R/gpt2-350m-$p.loom" 10 "/tmp/350-$p.log" && compare /tmp/350-one.log "/tmp/350-$p.log" "350M $p"
+done
+if [ "$gpus" -ge 4 ]; then
+  for p in dp4 tp4 pp4 dp2tp2 tp2pp2; do
+    run "$R/gpt2-350m-$p.loom" 10 "/tmp/350-$p.log" && compare /tmp/350-one.log "/tmp/350-$p.log" "350M $p"
+  done
+fi
+cp /tmp/*.log "${OUT:-/tmp}/" 2>/dev/null || true
