@@ -2,12 +2,55 @@
 # Compiles the bundles the GPU machine runs (it has no compiler) into
 # .deps/bundles/, without weights (the runtime initialises them from the
 # seed) so they stay small enough to carry.
+#
+# usage: scripts/device-bundles.sh [single|multi|scale]
+#   single  one-GPU checks and the GPT-2 350M benchmark (scripts/device-test.sh)
+#   multi   2- and 4-GPU plans of tiny GPT and GPT-2 350M (scripts/device-multigpu.sh)
+#   scale   GPT-2 350M and GPT 1.3B on 4 GPUs, planner-chosen and forced (scripts/device-scale.sh)
+# Each set replaces the last: the carried tree must stay under 64 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 B=${LOOM_BUILD_DIR:-build}
 out=.deps/bundles
+set_name=${1:-single}
 rm -rf "$out" && mkdir -p "$out"
 c() { "$B/compiler/loomc" compile "$@" --no-weights --seed 1 > /dev/null; }
+# One-GPU GPT-2 350M, the baseline every set compares with.
+c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --weight-decay 0.1 --clip 1.0 -o $out/gpt2-350m-train.loom
+if [ "$set_name" = multi ]; then
+  # Multi-GPU plans: the same global batch as one GPU.
+  c models/gpt-tiny.mlir --batch 8 --train --lr 1e-3 -o $out/gpt-tiny-one.loom
+  for plan in dp=2 tp=2 pp=2,mb=4,schedule=1f1b; do
+    c models/gpt-tiny.mlir --batch 8 --train --lr 1e-3 --cluster h100:2 --force $plan -o $out/gpt-tiny-${plan%%=*}2.loom
+  done
+  for plan in dp=2 tp=2 pp=2,mb=4,schedule=1f1b; do
+    c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --cluster h100:2 --force $plan,zero=0 -o $out/gpt2-350m-${plan%%=*}2.loom
+  done
+  for plan in dp=4 tp=4 pp=4,mb=8,schedule=1f1b dp=2,tp=2 tp=2,pp=2,mb=4,schedule=1f1b; do
+    name=$(echo "$plan" | sed 's/,mb=.*//; s/[=,]//g')
+    c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --cluster h100:4 --force $plan,zero=0 -o $out/gpt2-350m-$name.loom
+  done
+  du -sh "$out"
+  exit 0
+fi
+if [ "$set_name" = scale ]; then
+  prof=bench/data/profile-h100-gpt2-350m.json
+  for m in gpt2-350m gpt-1.3b; do
+    # The plan the planner picks for 4 GPUs, calibrated by the runtime's measured profile.
+    "$B/compiler/loomc" plan models/$m.mlir --cluster h200:4 --batch 8 --profile $prof \
+        --materialized-attention --json "$out/$m-planned.json" > "$out/$m-planned.txt"
+    c models/$m.mlir --batch 8 --train --lr 3e-4 --cluster h200:4 --plan "$out/$m-planned.json" -o $out/$m-planned.loom
+  done
+  c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --cluster h200:4 \
+      --force dp=2,pp=2,vpp=2,mb=4,schedule=interleaved,zero=0 -o $out/gpt2-350m-interleaved.loom
+  c models/gpt-1.3b.mlir --batch 8 --train --lr 3e-4 -o $out/gpt-1.3b-one.loom
+  for plan in dp=4 tp=4 pp=4,mb=8,schedule=1f1b dp=2,tp=2 tp=2,pp=2,mb=4,schedule=1f1b; do
+    name=$(echo "$plan" | sed 's/,mb=.*//; s/[=,]//g')
+    c models/gpt-1.3b.mlir --batch 8 --train --lr 3e-4 --cluster h200:4 --force $plan,zero=0 -o $out/gpt-1.3b-$name.loom
+  done
+  du -sh "$out"
+  exit 0
+fi
 for m in gpt-tiny llama-tiny bert-tiny mlp; do
   c models/$m.mlir --batch 4 -o $out/$m-infer.loom
 done
@@ -17,16 +60,4 @@ done
 c models/gpt2-124m.mlir --batch 2 -o $out/gpt2-124m-infer.loom
 c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --weight-decay 0.1 --clip 1.0 -o $out/gpt2-350m-train.loom
 c models/gpt2-350m.mlir --batch 1 --train --lr 3e-4 -o $out/gpt2-350m-b1-train.loom
-# Multi-GPU plans (scripts/device-multigpu.sh): the same global batch as one GPU.
-c models/gpt-tiny.mlir --batch 8 --train --lr 1e-3 -o $out/gpt-tiny-one.loom
-for plan in dp=2 tp=2 pp=2,mb=4,schedule=1f1b; do
-  c models/gpt-tiny.mlir --batch 8 --train --lr 1e-3 --cluster h100:2 --force $plan -o $out/gpt-tiny-${plan%%,*}.loom
-done
-for plan in dp=2 tp=2 pp=2,mb=4,schedule=1f1b; do
-  c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --cluster h100:2 --force $plan,zero=0 -o $out/gpt2-350m-${plan%%,*}.loom
-done
-for plan in dp=4 tp=4 pp=4,mb=8,schedule=1f1b dp=2,tp=2 tp=2,pp=2,mb=4,schedule=1f1b; do
-  name=$(echo "$plan" | sed 's/,mb=.*//; s/[=,]//g')
-  c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --cluster h100:4 --force $plan,zero=0 -o $out/gpt2-350m-$name.loom
-done
 du -sh "$out"

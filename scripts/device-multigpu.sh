@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine with 2 or 4 GPUs: build the runtime, then train the
-# carried multi-rank bundles (scripts/device-bundles.sh) over NCCL and compare
+# carried multi-rank bundles (scripts/device-bundles.sh multi) over NCCL and compare
 # their losses and throughput with one GPU on the same global batch.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,13 +28,13 @@ run() { # bundle steps log
 }
 echo "== gpt-tiny, batch 8: one GPU vs 2 GPUs"
 run $R/gpt-tiny-one.loom 20 /tmp/tiny-one.log
-for p in dp=2 tp=2 pp=2; do
+for p in dp2 tp2 pp2; do
   run "$R/gpt-tiny-$p.loom" 20 "/tmp/tiny-$p.log" && compare /tmp/tiny-one.log "/tmp/tiny-$p.log" "gpt-tiny $p"
 done
 echo "== GPT-2 350M, batch 8, AdamW, f32 storage / TF32 GEMMs: one GPU vs several"
 run $R/gpt2-350m-train.loom 10 /tmp/350-one.log
 grep "trained:" /tmp/350-one.log | sed 's/^/one GPU: /'
-for p in dp=2 tp=2 pp=2; do
+for p in dp2 tp2 pp2; do
   run "$R/gpt2-350m-$p.loom" 10 "/tmp/350-$p.log" && compare /tmp/350-one.log "/tmp/350-$p.log" "350M $p"
 done
 if [ "$gpus" -ge 4 ]; then
