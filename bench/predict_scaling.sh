@@ -7,8 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 B=${LOOM_BUILD_DIR:-build}
 prof=bench/data/profile-h100-gpt2-350m.json
+"$B/compiler/loomc" models gpt --layers 24 --hidden 2048 --heads 16 --seq 1024 --vocab 50304 \
+    -o /tmp/gpt-1.3b.mlir
 predict() { # model devices force
-  "$B/compiler/loomc" plan models/$1.mlir --cluster h200:$2 --batch 8 --profile $prof \
+  f=models/$1.mlir; [ "$1" = gpt-1.3b ] && f=/tmp/gpt-1.3b.mlir
+  "$B/compiler/loomc" plan $f --cluster h200:$2 --batch 8 --profile $prof \
       --materialized-attention ${3:+--force $3} | sed -n 's/^  predicted step *\([0-9.]*\) ms.*/\1/p'
 }
 for row in "gpt2-350m 1 dp=1" "gpt2-350m 2 dp=2,mb=4,zero=0" "gpt2-350m 2 tp=2,mb=1,zero=0" \

@@ -1,0 +1,57 @@
+//===- Elementwise.h - One definition of each elementwise function -*- C++ -*-===//
+//
+// The scalar functions of the elementwise instructions, shared by the CPU
+// backend's per-op kernels and its evaluator of fused kernels, so that a
+// fused chain computes exactly what the unfused chain computes. The
+// compiler's GPU code generator (compiler/bundle/Fusion.cpp) writes the same
+// formulas in MLIR.
+//
+//===----------------------------------------------------------------------===//
+#ifndef LOOM_RUNTIME_ELEMENTWISE_H
+#define LOOM_RUNTIME_ELEMENTWISE_H
+
+#include <cmath>
+#include <string>
+
+namespace loom::rt::ew {
+
+inline float geluErf(float x) { return 0.5f * x * (1.0f + std::erf(x * 0.70710678118654752f)); }
+inline float geluTanh(float x) {
+  return 0.5f * x * (1.0f + std::tanh(0.79788456080286536f * (x + 0.044715f * x * x * x)));
+}
+inline float relu(float x) { return x > 0 ? x : 0.0f; }
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+
+/// d f(x) / dx for unary_grad's `fn`, given the input x and output y.
+enum class Fn { Gelu, GeluTanh, Silu, Relu, Tanh, Exp, Rsqrt, Unknown };
+inline Fn parseFn(const std::string &fn) {
+  return fn == "gelu" ? Fn::Gelu : fn == "gelu_tanh" ? Fn::GeluTanh : fn == "silu" ? Fn::Silu
+       : fn == "relu" ? Fn::Relu : fn == "tanh" ? Fn::Tanh : fn == "exp" ? Fn::Exp
+       : fn == "rsqrt" ? Fn::Rsqrt : Fn::Unknown;
+}
+inline float derivative(Fn fn, float v, float out) {
+  switch (fn) {
+  case Fn::Gelu:
+    return 0.5f * (1.0f + std::erf(v * 0.70710678118654752f)) +
+           v * 0.39894228040143268f * std::exp(-0.5f * v * v);
+  case Fn::GeluTanh: {
+    const float k = 0.79788456080286536f, a = 0.044715f;
+    float t = std::tanh(k * (v + a * v * v * v));
+    return 0.5f * (1 + t) + 0.5f * v * (1 - t * t) * k * (1 + 3 * a * v * v);
+  }
+  case Fn::Silu: {
+    float sg = 1.0f / (1.0f + std::exp(-v));
+    return sg * (1 + v * (1 - sg));
+  }
+  case Fn::Relu: return v > 0 ? 1.0f : 0.0f;
+  case Fn::Tanh: return 1 - out * out;
+  case Fn::Exp: return out;
+  case Fn::Rsqrt: return -0.5f * out * out * out;
+  default: return 0;
+  }
+}
+
+} // namespace loom::rt::ew
+
+#endif
