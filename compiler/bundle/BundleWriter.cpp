@@ -4,6 +4,7 @@
 #include "dialects/loom/IR/GradientBuilder.h"
 #include "dialects/loom/IR/LoomOps.h"
 #include "mlir/Dialect/Func/IR/FuncOps.h"
+#include "compiler/bundle/Fusion.h"
 #include "compiler/planner/PipelineSchedule.h"
 #include "passes/Passes.h"
 #include "runtime/src/Error.h"
@@ -13,6 +14,7 @@
 #include "llvm/Support/MemoryBuffer.h"
 
 #include <algorithm>
+#include <sys/stat.h>
 #include <cmath>
 #include <map>
 #include <numeric>
@@ -1173,7 +1175,10 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
   manifest.batch = options.batch;
   manifest.seed = options.seed;
   manifest.plan = options.plan;
+  int64_t nextKernel = 0;
   if (!options.train) {
+    if (options.fuse)
+      fuseElementwise(*rank, nextKernel);
     planMemory(*rank, {"forward"});
     manifest.ranks.push_back(std::move(*rank));
     return manifest;
@@ -1295,6 +1300,8 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
                   assignOwners(r, dp), grid.dpOf(g));
     else
       buildUpdate(r, options.training, std::move(reduce), normCounts, normGroup);
+    if (options.fuse)
+      fuseElementwise(r, nextKernel);
     if (pipelined || grid.size() > 1)
       compactRank(r);
     planMemory(r, {"forward", "step", "backward", "update"});
@@ -1349,6 +1356,17 @@ LogicalResult mlir::loom::writeBundle(ModuleOp module, const BundleOptions &opti
         rt::initialiseInto(p.init, b, options.seed, p.name, dst);
       }
       refs.push_back({p.name, b.dtype, b.shape, dst, static_cast<size_t>(b.bytes)});
+    }
+    if (options.fuse) { // one PTX module with every rank's fused kernels
+      std::string error;
+      FailureOr<std::string> ptx = fusedKernelsPtx(manifest->ranks, error);
+      if (failed(ptx))
+        return emitError(module.getLoc()) << error;
+      if (!ptx->empty()) {
+        manifest->kernels = "kernels.ptx";
+        ::mkdir(dir.c_str(), 0755);
+        rt::writeFileAtomically(dir + "/kernels.ptx", ptx->data(), ptx->size());
+      }
     }
     if (options.noWeights) {
       manifest->weights = ""; // the runtime initialises from the seed

@@ -60,6 +60,9 @@ struct BundleOptions {
   /// bytes, each issued right after the last instruction that finishes one
   /// of its gradients, so that communication overlaps the rest of backward.
   int64_t bucketBytes = 25 << 20;
+  /// Fuse chains of elementwise instructions into generated kernels (PTX in
+  /// the bundle's kernels.ptx; the CPU backend evaluates their description).
+  bool fuse = false;
   /// Recorded in the manifest: the plan this bundle was compiled for.
   nlohmann::json plan = nlohmann::json::object();
   TrainOptions training;

@@ -135,6 +135,10 @@ cl::opt<std::string> compilePrecision("precision",
                                                "compute with f32 master parameters, optimizer "
                                                "state and loss"),
                                       cl::init("f32"), cl::sub(compileCmd));
+cl::opt<bool> compileFuse("fuse",
+                          cl::desc("Fuse chains of elementwise instructions into kernels generated "
+                                   "through MLIR's gpu dialect (PTX in OUT.loom/kernels.ptx)"),
+                          cl::sub(compileCmd));
 cl::opt<bool> compileNoWeights("no-weights",
                                cl::desc("Write no weights file; the runtime initialises the "
                                         "parameters from --seed when it loads the bundle"),
@@ -291,6 +295,7 @@ int runCompile() {
     return fail("--precision must be f32 or bf16, got '" + compilePrecision + "'");
   options.bf16 = compilePrecision == "bf16";
   options.noWeights = compileNoWeights;
+  options.fuse = compileFuse;
   options.dataParallel = dp;
   options.tensorParallel = tp;
   options.pipelineParallel = pp;

@@ -61,8 +61,10 @@ void abortNcclWorld(NcclWorld &world);
 
 /// Throws Error with the reason (no GPU, no driver, built without CUDA).
 /// `world` connects the ranks of a multi-rank bundle (may be null).
+/// `kernelsPtx` holds the bundle's generated kernels (its kernels.ptx).
 std::unique_ptr<Backend> makeCudaBackend(const RankProgram &rank, int device,
-                                         NcclWorld *world = nullptr);
+                                         NcclWorld *world = nullptr,
+                                         const std::string &kernelsPtx = "");
 
 } // namespace loom::rt
 

@@ -310,6 +310,11 @@ Manifest parseManifest(const json &doc, const std::string &where) {
   m.weights = root.at("weights").string();
   if (root.has("seed"))
     m.seed = static_cast<uint64_t>(root.at("seed").integer(0));
+  if (root.has("kernels")) {
+    m.kernels = root.at("kernels").string();
+    if (m.kernels.find('/') != std::string::npos || m.kernels.find("..") != std::string::npos)
+      root.at("kernels").bad("must be a file name inside the bundle");
+  }
   if (root.has("plan")) {
     if (!root.at("plan").raw().is_object())
       root.at("plan").bad("must be an object");
@@ -407,6 +412,8 @@ json toJson(const Manifest &m) {
               {"seed", m.seed},          {"ranks", ranks}};
   if (!m.plan.empty())
     doc["plan"] = m.plan;
+  if (!m.kernels.empty())
+    doc["kernels"] = m.kernels;
   return doc;
 }
 

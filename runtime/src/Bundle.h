@@ -105,6 +105,8 @@ struct Manifest {
   std::string mode = "infer";
   int64_t batch = 1;
   std::string weights = "weights.safetensors"; // "": initialise from `seed` on load
+  /// PTX of the fused kernels ("kernels.ptx"), or "" when nothing was fused.
+  std::string kernels;
   uint64_t seed = 0;
   /// The parallel plan the bundle was compiled for (as `loomc plan --json`
   /// writes it, or the degrees that were forced); empty for one device.

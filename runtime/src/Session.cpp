@@ -6,6 +6,8 @@
 #include "runtime/src/Safetensors.h"
 
 #include <cstring>
+#include <fstream>
+#include <iterator>
 
 namespace loom::rt {
 
@@ -27,8 +29,16 @@ Session::Session(const std::string &bundleDir, const SessionOptions &options)
   const RankProgram &r = rank();
   if (options.backend == "cpu")
     backend = makeCpuBackend(r, options.threads, comm.get());
-  else if (options.backend == "cuda")
-    backend = makeCudaBackend(r, options.device, nccl.get());
+  else if (options.backend == "cuda") {
+    std::string ptx;
+    if (!bundle.kernels.empty()) { // generated kernels the GPU loads
+      std::ifstream in(dir + "/" + bundle.kernels, std::ios::binary);
+      if (!in)
+        fail(LOOM_INVALID_BUNDLE, dir, "/", bundle.kernels, ": missing (the manifest names it)");
+      ptx.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    }
+    backend = makeCudaBackend(r, options.device, nccl.get(), ptx);
+  }
   else
     fail(LOOM_INVALID_ARGUMENT, "unknown backend '", options.backend, "'; use cpu or cuda");
   if (bundle.weights.empty()) {

@@ -701,8 +701,8 @@ namespace {
 
 class CudaBackendImpl : public Backend {
 public:
-  CudaBackendImpl(const RankProgram &rank, int device, NcclWorld *world)
-      : rank(rank), device(device), world(world) {
+  CudaBackendImpl(const RankProgram &rank, int device, NcclWorld *world, const std::string &ptx)
+      : rank(rank), device(device), world(world), kernelsPtx(ptx) {
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
     if (e != cudaSuccess || count == 0)
@@ -721,6 +721,13 @@ public:
     LOOM_CUDA_CHECK(cudaMalloc(&errorWord, 3 * sizeof(long long)));
     LOOM_CUDA_CHECK(cudaMemsetAsync(errorWord, 0, 3 * sizeof(long long), stream));
     LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&sendStream, cudaStreamNonBlocking));
+    if (!kernelsPtx.empty()) { // the compiler's generated kernels, JIT-compiled by the driver
+      cudaError_t e = cudaLibraryLoadData(&kernelsLibrary, kernelsPtx.c_str(), nullptr, nullptr, 0,
+                                          nullptr, nullptr, 0);
+      if (e != cudaSuccess)
+        fail(LOOM_INVALID_BUNDLE, "kernels.ptx: cudaLibraryLoadData failed: ", cudaGetErrorName(e), ": ",
+             cudaGetErrorString(e), " (PTX for a newer GPU or driver than this one?)");
+    }
   }
 
   ~CudaBackendImpl() override {
@@ -740,6 +747,8 @@ public:
       if (slot.sent)
         cudaEventDestroy(slot.sent), cudaEventDestroy(slot.copied);
     }
+    if (kernelsLibrary)
+      cudaLibraryUnload(kernelsLibrary);
     cudaFree(workspace);
     cudaFree(errorWord);
     cudaFree(arena);
@@ -880,6 +889,9 @@ private:
   Launch buildAttention(const Instruction &ins, bool grad);
 
   Launch buildCommunication(const Instruction &ins);
+  Launch buildFused(const Instruction &ins);
+  std::string kernelsPtx;
+  cudaLibrary_t kernelsLibrary = nullptr;
 
   const RankProgram &rank;
   int device;
@@ -1296,6 +1308,8 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     float *step = f(ins.in[0]);
     return [=](cudaStream_t s) { stepKernel<<<1, 1, 0, s>>>(step); };
   }
+  if (op == "fused")
+    return buildFused(ins);
   if (op == "all_reduce" || op == "broadcast_from" || op == "send" || op == "recv" ||
       (op == "global_norm" && ins.attrs.contains("group")))
     return buildCommunication(ins);
@@ -1327,6 +1341,31 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
   }
   fail(LOOM_UNSUPPORTED, where, ": the CUDA backend has no kernel for '", op,
        "' yet (convolutions, pooling, batch norm and standalone softmax run on --backend cpu)");
+}
+
+/// A generated kernel: one thread per output element, its parameters the
+/// input buffers then the output buffers (MLIR's bare-pointer convention).
+Launch CudaBackendImpl::buildFused(const Instruction &ins) {
+  std::string name = ins.attrs.value("kernel", std::string());
+  if (!kernelsLibrary)
+    fail(LOOM_INVALID_BUNDLE, where, ": the bundle has no kernels.ptx for kernel '", name, "'");
+  cudaKernel_t fn = nullptr;
+  if (cudaError_t e = cudaLibraryGetKernel(&fn, kernelsLibrary, name.c_str()); e != cudaSuccess)
+    fail(LOOM_INVALID_BUNDLE, where, ": kernels.ptx has no kernel '", name, "' (", cudaGetErrorName(e), ")");
+  std::vector<void *> pointers;
+  for (int64_t id : ins.in)
+    pointers.push_back(ptr(buf(id)));
+  for (int64_t id : ins.out)
+    pointers.push_back(ptr(buf(id)));
+  int64_t n = count(buf(ins.out[0]).shape);
+  unsigned blocks = static_cast<unsigned>((n + kThreads - 1) / kThreads);
+  return [=](cudaStream_t s) mutable {
+    std::vector<void *> args;
+    for (void *&p : pointers)
+      args.push_back(&p);
+    LOOM_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void *>(fn), dim3(blocks), dim3(kThreads),
+                                     args.data(), 0, s));
+  };
 }
 
 Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
@@ -1469,8 +1508,9 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
 
 } // namespace
 
-std::unique_ptr<Backend> makeCudaBackend(const RankProgram &rank, int device, NcclWorld *world) {
-  return std::make_unique<CudaBackendImpl>(rank, device, world);
+std::unique_ptr<Backend> makeCudaBackend(const RankProgram &rank, int device, NcclWorld *world,
+                                         const std::string &kernelsPtx) {
+  return std::make_unique<CudaBackendImpl>(rank, device, world, kernelsPtx);
 }
 
 } // namespace loom::rt

@@ -11,7 +11,7 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &, const std::vector<int
 }
 void abortNcclWorld(NcclWorld &) {}
 
-std::unique_ptr<Backend> makeCudaBackend(const RankProgram &, int, NcclWorld *) {
+std::unique_ptr<Backend> makeCudaBackend(const RankProgram &, int, NcclWorld *, const std::string &) {
   fail(LOOM_UNSUPPORTED, "this runtime was built without CUDA (no CUDA compiler was found when "
        "it was configured); rebuild on a machine with the CUDA toolkit, or use --backend cpu");
 }

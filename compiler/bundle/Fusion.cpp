@@ -1,0 +1,371 @@
+//===- Fusion.cpp - Fuse elementwise chains and generate their GPU code ---===//
+
+#include "compiler/bundle/Fusion.h"
+
+#include "mlir/Dialect/GPU/IR/GPUDialect.h"
+#include "mlir/IR/BuiltinOps.h"
+#include "mlir/InitAllDialects.h"
+#include "mlir/InitAllExtensions.h"
+#include "mlir/InitAllPasses.h"
+#include "mlir/Parser/Parser.h"
+#include "mlir/Pass/PassManager.h"
+#include "mlir/Pass/PassRegistry.h"
+#include "mlir/Target/LLVMIR/Dialect/All.h"
+
+#include "llvm/Support/raw_ostream.h"
+
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+
+using namespace mlir;
+namespace rt = ::loom::rt;
+using json = nlohmann::json;
+
+namespace {
+
+const std::set<std::string> kFusable = {"add",  "sub",  "mul",  "div",  "neg",  "scale",     "exp",
+                                        "tanh", "rsqrt", "relu", "silu", "gelu", "unary_grad"};
+
+int64_t rootOf(const rt::RankProgram &r, int64_t id) {
+  while (r.buffers[id].viewOf >= 0)
+    id = r.buffers[id].viewOf;
+  return id;
+}
+
+bool fusable(const rt::RankProgram &r, const rt::Instruction &ins) {
+  if (!kFusable.count(ins.op) || ins.out.size() != 1 || ins.in.empty())
+    return false;
+  const rt::Buffer &out = r.buffers[ins.out[0]];
+  if (out.dtype != LOOM_F32 || out.viewOf >= 0 || out.role != rt::BufferRole::Activation)
+    return false;
+  for (int64_t id : ins.in)
+    if (r.buffers[id].dtype != LOOM_F32 || rootOf(r, id) == ins.out[0])
+      return false; // in place (gradient accumulation) stays as it is
+  return true;
+}
+
+} // namespace
+
+int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
+  // Who reads each root, and what must outlive the program.
+  std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readers;
+  for (const auto &[name, list] : r.programs)
+    for (size_t i = 0; i < list.size(); ++i)
+      for (int64_t id : list[i].in)
+        readers[rootOf(r, id)].push_back({name, i});
+  std::set<int64_t> kept;
+  for (const rt::NamedBuffer &nb : r.outputs)
+    kept.insert(rootOf(r, nb.buffer));
+  for (const rt::Parameter &p : r.params)
+    if (p.grad >= 0)
+      kept.insert(rootOf(r, p.grad));
+
+  int64_t removed = 0;
+  for (auto &[name, list] : r.programs) {
+    std::vector<rt::Instruction> out;
+    size_t i = 0;
+    while (i < list.size()) {
+      if (!fusable(r, list[i])) {
+        out.push_back(std::move(list[i++]));
+        continue;
+      }
+      const rt::Shape &shape = r.buffers[list[i].out[0]].shape;
+      std::set<int64_t> produced = {list[i].out[0]};
+      size_t j = i + 1;
+      for (; j < list.size() && fusable(r, list[j]) && r.buffers[list[j].out[0]].shape == shape; ++j) {
+        bool reads = false, throughView = false;
+        for (int64_t id : list[j].in) {
+          reads |= produced.count(rootOf(r, id)) > 0;
+          throughView |= produced.count(rootOf(r, id)) > 0 && id != rootOf(r, id);
+        }
+        if (!reads || throughView)
+          break;
+        produced.insert(list[j].out[0]);
+      }
+      if (j - i < 2) {
+        out.push_back(std::move(list[i++]));
+        continue;
+      }
+      // Values: the chain's external inputs, then one per step.
+      std::vector<int64_t> inputs;
+      std::map<int64_t, int> valueOf; // buffer id (an input or a step's output) -> value
+      for (size_t k = i; k < j; ++k)
+        for (int64_t id : list[k].in)
+          if (!produced.count(rootOf(r, id)) && !valueOf.count(id)) {
+            valueOf[id] = static_cast<int>(inputs.size());
+            inputs.push_back(id);
+          }
+      json steps = json::array();
+      int next = static_cast<int>(inputs.size());
+      std::vector<int64_t> outputs;
+      json results = json::array();
+      for (size_t k = i; k < j; ++k) {
+        json step = {{"op", list[k].op}};
+        for (auto &[key, value] : list[k].attrs.items())
+          step[key] = value;
+        json args = json::array();
+        for (int64_t id : list[k].in)
+          args.push_back(produced.count(rootOf(r, id)) ? valueOf.at(rootOf(r, id)) : valueOf.at(id));
+        step["args"] = args;
+        steps.push_back(step);
+        int64_t result = list[k].out[0];
+        valueOf[result] = next++;
+        // Written out only when read outside the chain (or kept, or the last).
+        bool outside = kept.count(result) || k + 1 == j;
+        for (auto &[program, index] : readers[result])
+          outside |= program != name || index < i || index >= j;
+        if (outside) {
+          outputs.push_back(result);
+          results.push_back(valueOf[result]);
+        }
+      }
+      rt::Instruction fused;
+      fused.op = "fused";
+      fused.in = inputs;
+      fused.out = outputs;
+      fused.attrs = {{"kernel", "fused_" + std::to_string(nextKernel++)}, {"steps", steps},
+                     {"results", results}};
+      out.push_back(std::move(fused));
+      removed += static_cast<int64_t>(j - i) - 1;
+      i = j;
+    }
+    list = std::move(out);
+  }
+  return removed;
+}
+
+namespace {
+
+/// Writes one fused instruction as a gpu.func over flat memrefs: a thread
+/// per output element, inputs read through their broadcast strides.
+class KernelWriter {
+public:
+  KernelWriter(const rt::RankProgram &r, const rt::Instruction &ins) : r(r), ins(ins) {}
+
+  std::string write() {
+    const rt::Shape &shape = r.buffers[ins.out[0]].shape;
+    int64_t n = rt::numElements(shape).value_or(0);
+    os << "    gpu.func @" << ins.attrs.at("kernel").get<std::string>() << "(";
+    for (size_t k = 0; k < ins.in.size(); ++k)
+      os << (k ? ", " : "") << "%in" << k << ": memref<" << count(ins.in[k]) << "xf32>";
+    for (size_t k = 0; k < ins.out.size(); ++k)
+      os << ", %out" << k << ": memref<" << n << "xf32>";
+    os << ") kernel {\n";
+    line("%bid = gpu.block_id x");
+    line("%bdim = gpu.block_dim x");
+    line("%tid = gpu.thread_id x");
+    line("%base = arith.muli %bid, %bdim : index");
+    line("%i = arith.addi %base, %tid : index");
+    line("%n = arith.constant " + std::to_string(n) + " : index");
+    line("%inside = arith.cmpi ult, %i, %n : index");
+    line("scf.if %inside {");
+    std::vector<int64_t> outStrides(shape.size(), 1);
+    for (int d = int(shape.size()) - 2; d >= 0; --d)
+      outStrides[d] = outStrides[d + 1] * shape[d + 1];
+    std::vector<std::string> values;
+    for (size_t k = 0; k < ins.in.size(); ++k) {
+      const rt::Shape &in = r.buffers[ins.in[k]].shape;
+      std::string index = "%i";
+      if (in != shape) { // broadcast: sum over the kept dimensions of digit * stride
+        std::vector<int64_t> inStrides(in.size(), 1);
+        for (int d = int(in.size()) - 2; d >= 0; --d)
+          inStrides[d] = inStrides[d + 1] * in[d + 1];
+        size_t off = shape.size() - in.size();
+        std::string acc;
+        for (size_t d = off; d < shape.size(); ++d) {
+          if (in[d - off] == 1 && shape[d] != 1)
+            continue;
+          std::string digit = tmp(), q = tmp();
+          line(q + " = arith.divui %i, " + constIndex(outStrides[d]) + " : index");
+          line(digit + " = arith.remui " + q + ", " + constIndex(shape[d]) + " : index");
+          std::string term = tmp();
+          line(term + " = arith.muli " + digit + ", " + constIndex(inStrides[d - off]) + " : index");
+          if (acc.empty()) {
+            acc = term;
+          } else {
+            std::string sum = tmp();
+            line(sum + " = arith.addi " + acc + ", " + term + " : index");
+            acc = sum;
+          }
+        }
+        index = acc.empty() ? constIndex(0) : acc;
+      }
+      std::string v = tmp();
+      line(v + " = memref.load %in" + std::to_string(k) + "[" + index + "] : memref<" +
+           std::to_string(count(ins.in[k])) + "xf32>");
+      values.push_back(v);
+    }
+    for (const json &step : ins.attrs.at("steps")) {
+      std::vector<std::string> a;
+      for (const json &arg : step.at("args"))
+        a.push_back(values.at(arg.get<size_t>()));
+      values.push_back(emitStep(step, a));
+    }
+    const json &results = ins.attrs.at("results");
+    for (size_t k = 0; k < ins.out.size(); ++k)
+      line("memref.store " + values.at(results[k].get<size_t>()) + ", %out" + std::to_string(k) +
+           "[%i] : memref<" + std::to_string(n) + "xf32>");
+    line("}");
+    line("gpu.return");
+    os << "    }\n";
+    return os.str();
+  }
+
+private:
+  int64_t count(int64_t id) const { return rt::numElements(r.buffers[id].shape).value_or(0); }
+  void line(const std::string &s) { os << "      " << s << "\n"; }
+  std::string tmp() { return "%t" + std::to_string(counter++); }
+  std::string constIndex(int64_t v) {
+    std::string t = tmp();
+    line(t + " = arith.constant " + std::to_string(v) + " : index");
+    return t;
+  }
+  std::string constF(double v) {
+    std::string t = tmp();
+    std::ostringstream s;
+    s.precision(9);
+    s << std::scientific << v;
+    line(t + " = arith.constant " + s.str() + " : f32");
+    return t;
+  }
+  std::string op(const std::string &name, const std::string &a, const std::string &b = "") {
+    std::string t = tmp();
+    line(t + " = " + name + " " + a + (b.empty() ? "" : ", " + b) + " : f32");
+    return t;
+  }
+  std::string tanh(const std::string &x) { return op("math.tanh", x); }
+  std::string sigmoid(const std::string &x) {
+    return op("arith.divf", constF(1), op("arith.addf", constF(1), op("math.exp", op("arith.negf", x))));
+  }
+  std::string geluTanhInner(const std::string &x) { // tanh(k (x + a x^3))
+    std::string x3 = op("arith.mulf", op("arith.mulf", x, x), x);
+    std::string inner = op("arith.addf", x, op("arith.mulf", constF(0.044715), x3));
+    return tanh(op("arith.mulf", constF(0.79788456080286536), inner));
+  }
+  std::string emitStep(const json &step, const std::vector<std::string> &a) {
+    std::string kind = step.at("op");
+    if (kind == "add") return op("arith.addf", a[0], a[1]);
+    if (kind == "sub") return op("arith.subf", a[0], a[1]);
+    if (kind == "mul") return op("arith.mulf", a[0], a[1]);
+    if (kind == "div") return op("arith.divf", a[0], a[1]);
+    if (kind == "neg") return op("arith.negf", a[0]);
+    if (kind == "scale") return op("arith.mulf", a[0], constF(step.value("factor", 1.0)));
+    if (kind == "exp") return op("math.exp", a[0]);
+    if (kind == "tanh") return tanh(a[0]);
+    if (kind == "rsqrt") return op("math.rsqrt", a[0]);
+    if (kind == "relu") {
+      std::string positive = tmp();
+      line(positive + " = arith.cmpf ogt, " + a[0] + ", " + constF(0) + " : f32");
+      std::string t = tmp();
+      line(t + " = arith.select " + positive + ", " + a[0] + ", " + constF(0) + " : f32");
+      return t;
+    }
+    if (kind == "silu") return op("arith.mulf", a[0], sigmoid(a[0]));
+    if (kind == "gelu") {
+      std::string half = op("arith.mulf", constF(0.5), a[0]);
+      std::string t = step.value("approximate", false)
+                          ? geluTanhInner(a[0])
+                          : op("math.erf", op("arith.mulf", a[0], constF(0.70710678118654752)));
+      return op("arith.mulf", half, op("arith.addf", constF(1), t));
+    }
+    // unary_grad(x, y, dy) = dy * f'(x)
+    std::string fn = step.value("fn", std::string()), x = a[0], y = a[1], d;
+    if (fn == "gelu") {
+      std::string cdf = op("arith.mulf", constF(0.5),
+                           op("arith.addf", constF(1), op("math.erf", op("arith.mulf", x, constF(0.70710678118654752)))));
+      std::string pdf = op("math.exp", op("arith.mulf", constF(-0.5), op("arith.mulf", x, x)));
+      d = op("arith.addf", cdf, op("arith.mulf", op("arith.mulf", x, constF(0.39894228040143268)), pdf));
+    } else if (fn == "gelu_tanh") {
+      std::string t = geluTanhInner(x);
+      std::string left = op("arith.mulf", constF(0.5), op("arith.addf", constF(1), t));
+      std::string sech2 = op("arith.subf", constF(1), op("arith.mulf", t, t));
+      std::string poly = op("arith.addf", constF(1), op("arith.mulf", constF(3 * 0.044715), op("arith.mulf", x, x)));
+      std::string right = op("arith.mulf", op("arith.mulf", op("arith.mulf", constF(0.5), x), sech2),
+                             op("arith.mulf", constF(0.79788456080286536), poly));
+      d = op("arith.addf", left, right);
+    } else if (fn == "silu") {
+      std::string s = sigmoid(x);
+      d = op("arith.mulf", s, op("arith.addf", constF(1), op("arith.mulf", x, op("arith.subf", constF(1), s))));
+    } else if (fn == "relu") {
+      std::string positive = tmp();
+      line(positive + " = arith.cmpf ogt, " + x + ", " + constF(0) + " : f32");
+      d = tmp();
+      line(d + " = arith.select " + positive + ", " + constF(1) + ", " + constF(0) + " : f32");
+    } else if (fn == "tanh") {
+      d = op("arith.subf", constF(1), op("arith.mulf", y, y));
+    } else if (fn == "exp") {
+      d = y;
+    } else { // rsqrt
+      d = op("arith.mulf", constF(-0.5), op("arith.mulf", op("arith.mulf", y, y), y));
+    }
+    return op("arith.mulf", a[2], d);
+  }
+
+  const rt::RankProgram &r;
+  const rt::Instruction &ins;
+  std::ostringstream os;
+  int counter = 0;
+};
+
+} // namespace
+
+FailureOr<std::string> mlir::loom::fusedKernelsPtx(const std::vector<rt::RankProgram> &ranks,
+                                                   std::string &error) {
+  std::string text = "module attributes {gpu.container_module} {\n"
+                     "  gpu.module @loom_kernels [#nvvm.target<chip = \"sm_90a\", features = \"+ptx80\">] {\n";
+  int kernels = 0;
+  for (const rt::RankProgram &rank : ranks)
+    for (const auto &[name, list] : rank.programs)
+      for (const rt::Instruction &ins : list)
+        if (ins.op == "fused") {
+          text += KernelWriter(rank, ins).write();
+          ++kernels;
+        }
+  text += "  }\n}\n";
+  if (kernels == 0)
+    return std::string();
+  // Its own context with every dialect, extension and translation the
+  // gpu -> NVVM -> PTX pipeline needs.
+  static std::once_flag passes;
+  std::call_once(passes, [] { registerAllPasses(); });
+  DialectRegistry registry;
+  registerAllDialects(registry);
+  registerAllExtensions(registry);
+  registerAllToLLVMIRTranslations(registry);
+  MLIRContext context(registry);
+  context.loadAllAvailableDialects();
+  std::string diagnostics;
+  llvm::raw_string_ostream diag(diagnostics);
+  ScopedDiagnosticHandler handler(&context, [&](Diagnostic &d) {
+    diag << d << "\n";
+    return success();
+  });
+  OwningOpRef<ModuleOp> module = parseSourceString<ModuleOp>(text, &context);
+  if (!module) {
+    error = "internal error: the generated kernels do not parse: " + diagnostics;
+    return failure();
+  }
+  PassManager pm(&context);
+  if (failed(parsePassPipeline("gpu.module(convert-scf-to-cf,convert-gpu-to-nvvm{"
+                               "index-bitwidth=64 use-bare-ptr-memref-call-conv=1},canonicalize),"
+                               "gpu-module-to-binary{format=isa}",
+                               pm))) {
+    error = "internal error: the gpu pipeline does not parse";
+    return failure();
+  }
+  if (failed(pm.run(*module))) {
+    error = "generating PTX failed: " + diagnostics;
+    return failure();
+  }
+  for (auto binary : module->getOps<gpu::BinaryOp>())
+    for (Attribute a : binary.getObjects())
+      if (auto object = dyn_cast<gpu::ObjectAttr>(a))
+        return object.getObject().getValue().str();
+  std::string dump;
+  llvm::raw_string_ostream os(dump);
+  module->print(os);
+  error = "internal error: no PTX came out of the gpu pipeline: " + dump.substr(0, 2000);
+  return failure();
+}
