@@ -1036,7 +1036,7 @@ void placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &prog
     bytes += r.buffers[ready[i].second].bytes;
     if (bytes >= bucketBytes || i + 1 == ready.size()) {
       after[ready[i].first].push_back(
-          {"all_reduce", bucket, bucket, json{{"reduction", "mean"}, {"group", "dp"}}});
+          {"all_reduce", bucket, bucket, json{{"reduction", "mean"}, {"group", "dp"}, {"async", true}}});
       bucket.clear();
       bytes = 0;
     }
@@ -1294,6 +1294,8 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
     if (pp > 1) // every rank reports the loss
       reduce.push_back({"broadcast_from", {r.outputs[0].buffer}, {r.outputs[0].buffer},
                         json{{"root", lossStage}, {"group", "pp"}}});
+    if (dp > 1) // the buckets issued during backward are done before anything reads them
+      reduce.insert(reduce.begin(), rt::Instruction{"comm_wait", {}, {}, json::object()});
     std::string normGroup = tp * pp > 1 ? "mp" : "";
     if (options.zero1)
       buildUpdate(r, options.training, std::move(reduce), normCounts, normGroup,

@@ -209,3 +209,32 @@ INSTANTIATE_TEST_SUITE_P(Plans, Parallel,
 
 } // namespace
 
+
+namespace {
+TEST(ParallelBuckets, GradientBucketsGoOutDuringBackward) {
+  MLIRContext context;
+  context.loadDialect<mlir::loom::LoomDialect, func::FuncDialect>();
+  auto module = parseSourceFile<ModuleOp>(std::string(LOOM_MODELS_DIR) + "/gpt-tiny.mlir", &context);
+  mlir::loom::BundleOptions o;
+  o.batch = 4, o.train = true, o.dataParallel = 2;
+  o.bucketBytes = 64 << 10;
+  FailureOr<rt::Manifest> m = mlir::loom::lowerForward(*module, o);
+  ASSERT_TRUE(succeeded(m));
+  const auto &backward = m->ranks[0].programs.at("backward");
+  std::vector<size_t> at;
+  for (size_t i = 0; i < backward.size(); ++i)
+    if (backward[i].op == "all_reduce" && backward[i].attrs.value("async", false))
+      at.push_back(i);
+  ASSERT_GE(at.size(), 3u) << "expected several buckets of 64 KiB";
+  // The first buckets go out while most of backward is still to run.
+  EXPECT_LT(at.front(), backward.size() / 2);
+  EXPECT_EQ(m->ranks[0].programs.at("update").front().op, "comm_wait");
+  size_t reduced = 0;
+  for (size_t i : at)
+    reduced += backward[i].in.size();
+  size_t grads = 0;
+  for (const rt::Parameter &p : m->ranks[0].params)
+    grads += p.grad >= 0;
+  EXPECT_EQ(reduced, grads) << "every gradient in exactly one bucket";
+}
+} // namespace

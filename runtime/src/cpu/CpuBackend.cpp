@@ -29,6 +29,7 @@ struct Ctx {
   /// bf16 buffers of this instruction, computed on through f32 copies.
   const std::map<int64_t, float *> &widened;
   Communicator *comm;
+  AsyncComm *async = nullptr; // null: "async" collectives run in place
 
   const Buffer &in(size_t i) const { return rank.buffers[ins.in[i]]; }
   const Buffer &out(size_t i = 0) const { return rank.buffers[ins.out[i]]; }
@@ -1377,7 +1378,7 @@ Kernel buildAllReduce(const Ctx &c) {
     c.bad("reduction must be sum, mean or max, got '" + kind + "'");
   Reduction op = kind == "sum" ? Reduction::Sum : kind == "mean" ? Reduction::Mean : Reduction::Max;
   int64_t rank = c.rank.rank;
-  if (c.ins.in.size() == 1) {
+  if (c.ins.in.size() == 1 && !(c.attrFlag("async") && c.ins.in[0] == c.ins.out[0])) {
     c.needF32(c.in(0)), c.needF32(c.out());
     c.sameShape(c.in(0), c.out());
     float *in = c.f32(c.in(0)), *out = c.f32(c.out());
@@ -1397,7 +1398,7 @@ Kernel buildAllReduce(const Ctx &c) {
     parts.push_back({c.f32(c.in(i)), count(c.in(i).shape)});
     total += parts.back().second;
   }
-  return [=] {
+  auto reduce = [=] {
     std::vector<float> bucket(static_cast<size_t>(total));
     float *p = bucket.data();
     for (auto [data, n] : parts)
@@ -1406,6 +1407,24 @@ Kernel buildAllReduce(const Ctx &c) {
     p = bucket.data();
     for (auto [data, n] : parts)
       std::copy(p, p + n, data), p += n;
+  };
+  // "async": the bucket goes out on the communication thread while the
+  // program goes on; a later comm_wait joins it. Its buffers are final
+  // gradients that nothing writes before then.
+  if (c.attrFlag("async") && c.async) {
+    AsyncComm *async = c.async;
+    return [=] { async->submit(reduce); };
+  }
+  return reduce;
+}
+
+/// Waits for the collectives submitted with "async" (no-op when none).
+Kernel buildCommWait(const Ctx &c) {
+  c.arity(0, 0);
+  AsyncComm *async = c.async;
+  return [=] {
+    if (async)
+      async->wait();
   };
 }
 
@@ -1736,6 +1755,7 @@ const std::map<std::string, Builder> &builders() {
       {"all_reduce", buildAllReduce},
       {"broadcast_from", buildBroadcast1},
       {"send", buildSend},
+      {"comm_wait", buildCommWait},
       {"recv", buildRecv},
       {"global_norm", buildGlobalNorm},
       {"adamw", buildAdamW},
@@ -1747,6 +1767,59 @@ const std::map<std::string, Builder> &builders() {
 
 } // namespace
 
+AsyncComm::AsyncComm() : worker([this] { loop(); }) {}
+
+AsyncComm::~AsyncComm() {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    stopping = true;
+  }
+  cv.notify_all();
+  worker.join();
+}
+
+void AsyncComm::submit(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    tasks.push_back(std::move(task));
+  }
+  cv.notify_all();
+}
+
+void AsyncComm::wait() {
+  std::unique_lock<std::mutex> lock(mutex);
+  cv.wait(lock, [&] { return tasks.empty() && running == 0; });
+  if (error) {
+    std::exception_ptr e = error;
+    error = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+void AsyncComm::loop() {
+  std::unique_lock<std::mutex> lock(mutex);
+  for (;;) {
+    cv.wait(lock, [&] { return stopping || !tasks.empty(); });
+    if (tasks.empty())
+      return; // stopping
+    std::function<void()> task = std::move(tasks.front());
+    tasks.pop_front();
+    ++running;
+    lock.unlock();
+    try {
+      if (!error)
+        task();
+    } catch (...) {
+      std::lock_guard<std::mutex> relock(mutex);
+      if (!error)
+        error = std::current_exception();
+    }
+    lock.lock();
+    --running;
+    cv.notify_all();
+  }
+}
+
 std::vector<std::string> cpuSupportedOps() {
   std::vector<std::string> ops;
   for (auto &[name, _] : builders())
@@ -1756,7 +1829,7 @@ std::vector<std::string> cpuSupportedOps() {
 
 CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &instrs,
                        char *arena, ThreadPool &pool, const std::string &programName,
-                       bool allocate, Communicator *comm) {
+                       bool allocate, Communicator *comm, AsyncComm *async) {
   for (size_t i = 0; i < instrs.size(); ++i) {
     const Instruction &ins = instrs[i];
     std::string where = cat("instruction ", programName, "[", i, "] '", ins.op, "'");
@@ -1795,7 +1868,7 @@ CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &
       for (int64_t id : ins.out)
         add(id, narrow);
     }
-    Ctx ctx{ins, rank, arena, pool, where, widened, comm};
+    Ctx ctx{ins, rank, arena, pool, where, widened, comm, async};
     std::function<void()> kernel = it->second(ctx);
     if (!widened.empty())
       kernel = [kernel, widen, narrow] {
@@ -1883,7 +1956,7 @@ public:
   }
   void prepare(const std::string &program, const std::vector<Instruction> &instrs) override {
     programs[program] =
-        std::make_unique<CpuProgram>(rank, instrs, arena.get(), pool, program, true, comm);
+        std::make_unique<CpuProgram>(rank, instrs, arena.get(), pool, program, true, comm, &async);
     programFlops[program].clear();
     for (const Instruction &ins : instrs)
       programFlops[program][ins.op] += denseInstructionFlops(rank, ins);
@@ -1906,6 +1979,7 @@ private:
   const RankProgram &rank;
   ThreadPool pool;
   Communicator *comm;
+  AsyncComm async;
   std::unique_ptr<char, decltype(&std::free)> arena{nullptr, &std::free};
   std::map<std::string, std::unique_ptr<CpuProgram>> programs;
   std::map<std::string, std::map<std::string, double>> programFlops; // program -> op -> FLOPs

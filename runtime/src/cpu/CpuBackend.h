@@ -13,13 +13,40 @@
 #include "runtime/src/Communicator.h"
 #include "runtime/src/ThreadPool.h"
 
+#include <condition_variable>
+#include <deque>
+#include <exception>
 #include <functional>
 #include <map>
+#include <mutex>
+#include <thread>
 #include <memory>
 #include <string>
 #include <vector>
 
 namespace loom::rt {
+
+/// Collectives that run beside the computation: a worker thread takes them
+/// in the order they are submitted (every rank submits in the same order),
+/// and `comm_wait` blocks until all are done, rethrowing the first failure.
+/// Data-parallel gradient buckets go out this way while backward goes on.
+class AsyncComm {
+public:
+  AsyncComm();
+  ~AsyncComm();
+  void submit(std::function<void()> task);
+  void wait();
+
+private:
+  void loop();
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> tasks;
+  int64_t running = 0;
+  bool stopping = false;
+  std::exception_ptr error;
+  std::thread worker;
+};
 
 class CpuProgram {
 public:
@@ -28,7 +55,7 @@ public:
   /// `allocate` false only validates (no scratch memory; never run it).
   CpuProgram(const RankProgram &rank, const std::vector<Instruction> &instrs, char *arena,
              ThreadPool &pool, const std::string &programName, bool allocate = true,
-             Communicator *comm = nullptr);
+             Communicator *comm = nullptr, AsyncComm *async = nullptr);
   /// Runs every instruction in order; throws Error naming the instruction
   /// when a run-time check fails (a token id outside the vocabulary, say).
   void run();
