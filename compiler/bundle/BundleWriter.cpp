@@ -601,32 +601,17 @@ private:
 
 /// The update program: step counter, global gradient norm, and one in-place
 /// optimizer instruction per parameter with its state buffers.
-/// ZeRO-1 ownership: parameters dealt to ranks largest first, each to the
-/// rank holding the fewest bytes so far, so optimizer state splits evenly.
-std::vector<int64_t> assignOwners(const rt::RankProgram &rank, int64_t ranks) {
-  std::vector<size_t> order(rank.params.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return rank.buffers[rank.params[a].buffer].bytes > rank.buffers[rank.params[b].buffer].bytes;
-  });
-  std::vector<int64_t> owner(rank.params.size(), 0), load(ranks, 0);
-  for (size_t i : order) {
-    int64_t least = std::min_element(load.begin(), load.end()) - load.begin();
-    owner[i] = least;
-    load[least] += rank.buffers[rank.params[i].buffer].bytes;
-  }
-  return owner;
-}
-
-/// With ZeRO-1 (`owners` given) this rank keeps optimizer state for, and
-/// updates, only the parameters it owns; each owner then broadcasts its
-/// updated parameters to the others.
 /// `prefix` (gradient reductions) runs first. The global gradient norm
 /// counts the parameters marked in `normCounts` (each element of a split or
 /// replicated model counted once) and sums over `normGroup` when set.
+///
+/// With ZeRO-1 (`zeroShards` maps parameter buffers to the gradient shards
+/// that reduce_scatter produced), each rank updates its 1/dp slice of every
+/// such parameter, keeping optimizer state for that slice only, and
+/// all_gather puts the updated slices back together on every rank.
 void buildUpdate(rt::RankProgram &rank, const TrainOptions &t, std::vector<rt::Instruction> prefix,
                  const std::vector<bool> &normCounts, const std::string &normGroup,
-                 const std::vector<int64_t> &owners = {}, int64_t self = 0) {
+                 const std::map<int64_t, int64_t> &zeroShards = {}) {
   auto state = [&](const std::string &name, const std::vector<int64_t> &shape) {
     rt::Buffer b;
     b.id = static_cast<int64_t>(rank.buffers.size());
@@ -646,12 +631,16 @@ void buildUpdate(rt::RankProgram &rank, const TrainOptions &t, std::vector<rt::I
   }
   int64_t step = state("step", {});
   update.push_back({"step_increment", {step}, {step}, json::object()});
+  auto gradOf = [&](const rt::Parameter &p) {
+    auto it = zeroShards.find(p.buffer);
+    return it == zeroShards.end() ? p.grad : it->second;
+  };
   std::vector<int64_t> allGrads, skip;
   for (size_t i = 0; i < rank.params.size(); ++i)
     if (rank.params[i].grad >= 0) {
       if (i < normCounts.size() && !normCounts[i])
         skip.push_back(static_cast<int64_t>(allGrads.size()));
-      allGrads.push_back(rank.params[i].grad);
+      allGrads.push_back(gradOf(rank.params[i]));
     }
   rt::Buffer norm;
   norm.id = static_cast<int64_t>(rank.buffers.size());
@@ -664,29 +653,41 @@ void buildUpdate(rt::RankProgram &rank, const TrainOptions &t, std::vector<rt::I
   if (!skip.empty())
     normAttrs["skip"] = skip;
   update.push_back({"global_norm", allGrads, {norm.id}, normAttrs});
+  std::vector<rt::Instruction> gathers;
   for (size_t index = 0; index < rank.params.size(); ++index) {
     const rt::Parameter &p = rank.params[index];
-    if (p.grad < 0 || (!owners.empty() && owners[index] != self))
+    if (p.grad < 0)
       continue;
     const std::vector<int64_t> &shape = rank.buffers[p.buffer].shape;
     json attrs = {{"lr", t.lr},        {"min_lr", t.minLr},   {"clip", t.clip},
                   {"warmup", double(t.warmup)}, {"total_steps", double(t.totalSteps)},
                   {"weight_decay", shape.size() >= 2 ? t.weightDecay : 0.0}};
+    int64_t param = p.buffer, grad = p.grad;
+    std::vector<int64_t> stateShape = shape;
+    if (auto it = zeroShards.find(p.buffer); it != zeroShards.end()) {
+      // This rank's slice of the parameter: taken, updated, gathered back.
+      grad = it->second;
+      stateShape = rank.buffers[grad].shape;
+      rt::Buffer slice = rank.buffers[grad];
+      slice.id = static_cast<int64_t>(rank.buffers.size());
+      slice.name = p.name + ".shard";
+      slice.role = rt::BufferRole::Activation;
+      rank.buffers.push_back(slice);
+      update.push_back({"shard_of", {p.buffer}, {slice.id}, json{{"group", "dp"}}});
+      gathers.push_back({"all_gather", {slice.id}, {p.buffer}, json{{"group", "dp"}}});
+      param = slice.id;
+    }
     if (t.optimizer == "adamw") {
-      int64_t m = state(p.name + ".adam_m", shape), v = state(p.name + ".adam_v", shape);
+      int64_t m = state(p.name + ".adam_m", stateShape), v = state(p.name + ".adam_v", stateShape);
       attrs["beta1"] = t.beta1, attrs["beta2"] = t.beta2, attrs["eps"] = t.eps;
-      update.push_back({"adamw", {p.buffer, p.grad, m, v, step, norm.id}, {p.buffer, m, v}, attrs});
+      update.push_back({"adamw", {param, grad, m, v, step, norm.id}, {param, m, v}, attrs});
     } else {
-      int64_t m = state(p.name + ".momentum", shape);
+      int64_t m = state(p.name + ".momentum", stateShape);
       attrs["momentum"] = t.momentum;
-      update.push_back({"sgd", {p.buffer, p.grad, m, step, norm.id}, {p.buffer, m}, attrs});
+      update.push_back({"sgd", {param, grad, m, step, norm.id}, {param, m}, attrs});
     }
   }
-  if (!owners.empty())
-    for (size_t index = 0; index < rank.params.size(); ++index)
-      if (rank.params[index].grad >= 0)
-        update.push_back({"broadcast_from", {rank.params[index].buffer}, {rank.params[index].buffer},
-                          json{{"root", owners[index]}, {"group", "dp"}}});
+  update.insert(update.end(), gathers.begin(), gathers.end());
   rank.programs["update"] = std::move(update);
 }
 
@@ -803,7 +804,10 @@ struct Grid {
     for (int64_t i = 0; i < pp; ++i) // every rank of this data-parallel replica
       for (int64_t j = 0; j < tp; ++j)
         mpG.push_back(rankOf(d, j, i));
-    r.groups = {{"dp", dpG}, {"tp", tpG}, {"pp", ppG}, {"mp", mpG}};
+    std::vector<int64_t> allG;
+    for (int64_t i = 0; i < size(); ++i)
+      allG.push_back(i);
+    r.groups = {{"dp", dpG}, {"tp", tpG}, {"pp", ppG}, {"mp", mpG}, {"all", allG}};
   }
 };
 
@@ -1014,7 +1018,8 @@ private:
 /// packed into buckets of about `bucketBytes`, each bucket issued right
 /// after its last gradient is done.
 void placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &program,
-                          const std::vector<int64_t> &grads, int64_t bucketBytes) {
+                          const std::vector<int64_t> &grads, int64_t bucketBytes,
+                          const std::map<int64_t, int64_t> &shards = {}) {
   auto root = [&](int64_t id) {
     while (r.buffers[id].viewOf >= 0)
       id = r.buffers[id].viewOf;
@@ -1035,8 +1040,16 @@ void placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &prog
     bucket.push_back(ready[i].second);
     bytes += r.buffers[ready[i].second].bytes;
     if (bytes >= bucketBytes || i + 1 == ready.size()) {
-      after[ready[i].first].push_back(
-          {"all_reduce", bucket, bucket, json{{"reduction", "mean"}, {"group", "dp"}, {"async", true}}});
+      if (shards.empty()) {
+        after[ready[i].first].push_back(
+            {"all_reduce", bucket, bucket, json{{"reduction", "mean"}, {"group", "dp"}, {"async", true}}});
+      } else { // ZeRO-1: each rank keeps the mean of its slice of every gradient
+        std::vector<int64_t> outs;
+        for (int64_t g : bucket)
+          outs.push_back(shards.at(g));
+        after[ready[i].first].push_back(
+            {"reduce_scatter", bucket, outs, json{{"reduction", "mean"}, {"group", "dp"}, {"async", true}}});
+      }
       bucket.clear();
       bytes = 0;
     }
@@ -1277,16 +1290,39 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
       r.groups[name] = members;
       reduce.push_back({"all_reduce", {p.grad}, {p.grad}, json{{"reduction", "sum"}, {"group", name}}});
     }
+    std::map<int64_t, int64_t> zeroShards; // parameter buffer -> its gradient slice
     if (dp > 1) {
+      // ZeRO-1: a slice of ceil(n / dp) elements of every gradient per rank.
+      std::map<int64_t, int64_t> shardOfGrad;
+      if (options.zero1)
+        for (const rt::Parameter &p : r.params)
+          if (p.grad >= 0) {
+            rt::Buffer slice;
+            slice.id = static_cast<int64_t>(r.buffers.size());
+            slice.name = p.name + ".grad_shard";
+            int64_t n = rt::numElements(r.buffers[p.grad].shape).value_or(0);
+            slice.shape = {(n + dp - 1) / dp};
+            slice.bytes = slice.shape[0] * 4;
+            r.buffers.push_back(slice);
+            zeroShards[p.buffer] = slice.id;
+            shardOfGrad[p.grad] = slice.id;
+          }
       // Gradients held by one stage are averaged over the replicas as soon
       // as backward finishes them; shared ones after their stages' sum.
       std::vector<int64_t> early;
-      for (const rt::Parameter &p : r.params)
-        if (p.grad >= 0 && stagesOf[p.buffer].size() < 2)
+      for (const rt::Parameter &p : r.params) {
+        if (p.grad < 0)
+          continue;
+        if (stagesOf[p.buffer].size() < 2)
           early.push_back(p.grad);
-        else if (p.grad >= 0)
+        else if (options.zero1)
+          reduce.push_back({"reduce_scatter", {p.grad}, {shardOfGrad[p.grad]},
+                            json{{"reduction", "mean"}, {"group", "dp"}}});
+        else
           reduce.push_back({"all_reduce", {p.grad}, {p.grad}, json{{"reduction", "mean"}, {"group", "dp"}}});
-      placeGradientBuckets(r, r.programs[pipelined ? "step" : "backward"], early, options.bucketBytes);
+      }
+      placeGradientBuckets(r, r.programs[pipelined ? "step" : "backward"], early, options.bucketBytes,
+                           shardOfGrad);
       if (stage == lossStage)
         reduce.push_back({"all_reduce", {r.outputs[0].buffer}, {r.outputs[0].buffer},
                           json{{"reduction", "mean"}, {"group", "dp"}}});
@@ -1296,12 +1332,10 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
                         json{{"root", lossStage}, {"group", "pp"}}});
     if (dp > 1) // the buckets issued during backward are done before anything reads them
       reduce.insert(reduce.begin(), rt::Instruction{"comm_wait", {}, {}, json::object()});
-    std::string normGroup = tp * pp > 1 ? "mp" : "";
-    if (options.zero1)
-      buildUpdate(r, options.training, std::move(reduce), normCounts, normGroup,
-                  assignOwners(r, dp), grid.dpOf(g));
-    else
-      buildUpdate(r, options.training, std::move(reduce), normCounts, normGroup);
+    // The clipping norm sums over the ranks that hold distinct parts: the
+    // model-parallel ranks, and with ZeRO-1 the gradient slices of every replica.
+    std::string normGroup = options.zero1 ? "all" : tp * pp > 1 ? "mp" : "";
+    buildUpdate(r, options.training, std::move(reduce), normCounts, normGroup, zeroShards);
     if (options.fuse)
       fuseElementwise(r, nextKernel);
     if (pipelined || grid.size() > 1)

@@ -452,7 +452,8 @@ int inspectBundle() {
       std::map<std::string, std::map<std::string, int>> comms;
       for (const auto &ins : instrs) {
         std::string kind = ins.op;
-        if (kind == "all_reduce" || kind == "broadcast_from")
+        if (kind == "all_reduce" || kind == "broadcast_from" || kind == "reduce_scatter" ||
+            kind == "all_gather")
           kind += " " + ins.attrs.value("group", std::string("dp"));
         else if (kind == "send" || kind == "recv")
           kind += " rank " + std::to_string(ins.attrs.value("peer", int64_t(-1)));

@@ -190,6 +190,7 @@ std::vector<Config> configs() {
       {"accumulate4", 1, 1, 1, 1, 4},
       {"dp2-zero1", 2, 1, 1, 1, 1, "1f1b", true},
       {"dp2pp2-zero1", 2, 1, 2, 1, 2, "gpipe", true},
+      {"dp2tp2-zero1", 2, 2, 1, 1, 1, "1f1b", true},
   };
 }
 

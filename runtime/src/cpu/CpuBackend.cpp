@@ -1418,6 +1418,88 @@ Kernel buildAllReduce(const Ctx &c) {
   return reduce;
 }
 
+/// This rank's index in a group and the group's size.
+std::pair<int64_t, int64_t> placeIn(const Ctx &c, const std::vector<int> &group) {
+  int64_t index = std::find(group.begin(), group.end(), int(c.rank.rank)) - group.begin();
+  return {index, int64_t(group.size())};
+}
+
+/// ZeRO-1: the mean over the group of each gradient (n elements, padded with
+/// zeros to parts x k), of which this rank keeps slice `index` of k =
+/// ceil(n / parts) elements. On one process the exchange is an all-reduce.
+Kernel buildReduceScatter(const Ctx &c) {
+  if (c.ins.in.empty() || c.ins.in.size() != c.ins.out.size())
+    c.bad("expects one slice per gradient");
+  Communicator *comm = needComm(c);
+  std::vector<int> group = groupOf(c, attrString(c, "group", "dp"));
+  auto [index, parts] = placeIn(c, group);
+  struct Part {
+    float *in, *out;
+    int64_t n, k;
+  };
+  std::vector<Part> list;
+  for (size_t i = 0; i < c.ins.in.size(); ++i) {
+    c.needF32(c.in(i)), c.needF32(c.out(i));
+    int64_t n = count(c.in(i).shape), k = count(c.out(i).shape);
+    if (k != (n + parts - 1) / parts)
+      c.bad(cat("slice ", i, " has ", k, " elements but ", n, " over ", parts, " ranks needs ",
+                (n + parts - 1) / parts));
+    list.push_back({c.f32(c.in(i)), c.f32(c.out(i)), n, k});
+  }
+  int64_t rank = c.rank.rank, at = index;
+  Reduction op = attrString(c, "reduction", "mean") == "sum" ? Reduction::Sum : Reduction::Mean;
+  auto work = [=] {
+    for (const Part &p : list) {
+      std::vector<float> padded(static_cast<size_t>(p.k * parts), 0.0f);
+      std::copy(p.in, p.in + p.n, padded.begin());
+      comm->allReduce(int(rank), group, padded.data(), int64_t(padded.size()), op);
+      std::copy(padded.begin() + at * p.k, padded.begin() + (at + 1) * p.k, p.out);
+    }
+  };
+  if (c.attrFlag("async") && c.async) {
+    AsyncComm *async = c.async;
+    return [=] { async->submit(work); };
+  }
+  return work;
+}
+
+/// The rank's slice of a parameter (zero-padded), as reduce_scatter cuts it.
+Kernel buildShardOf(const Ctx &c) {
+  c.arity(1, 1);
+  c.needF32(c.in(0)), c.needF32(c.out());
+  std::vector<int> group = groupOf(c, attrString(c, "group", "dp"));
+  auto [index, parts] = placeIn(c, group);
+  int64_t n = count(c.in(0).shape), k = count(c.out().shape);
+  if (k != (n + parts - 1) / parts)
+    c.bad(cat("the slice has ", k, " elements but ", n, " over ", parts, " ranks needs ", (n + parts - 1) / parts));
+  float *in = c.f32(c.in(0)), *out = c.f32(c.out());
+  int64_t begin = index * k;
+  return [=] {
+    for (int64_t j = 0; j < k; ++j)
+      out[j] = begin + j < n ? in[begin + j] : 0.0f;
+  };
+}
+
+/// Every rank's slice put back into the whole parameter.
+Kernel buildAllGather(const Ctx &c) {
+  c.arity(1, 1);
+  c.needF32(c.in(0)), c.needF32(c.out());
+  Communicator *comm = needComm(c);
+  std::vector<int> group = groupOf(c, attrString(c, "group", "dp"));
+  auto [index, parts] = placeIn(c, group);
+  int64_t k = count(c.in(0).shape), n = count(c.out().shape);
+  if (k != (n + parts - 1) / parts)
+    c.bad(cat("the slice has ", k, " elements but ", n, " over ", parts, " ranks needs ", (n + parts - 1) / parts));
+  float *in = c.f32(c.in(0)), *out = c.f32(c.out());
+  int64_t rank = c.rank.rank, at = index;
+  return [=] {
+    std::vector<float> whole(static_cast<size_t>(k * parts), 0.0f);
+    std::copy(in, in + k, whole.begin() + at * k);
+    comm->allReduce(int(rank), group, whole.data(), int64_t(whole.size()), Reduction::Sum);
+    std::copy(whole.begin(), whole.begin() + n, out);
+  };
+}
+
 /// Waits for the collectives submitted with "async" (no-op when none).
 Kernel buildCommWait(const Ctx &c) {
   c.arity(0, 0);
@@ -1756,6 +1838,9 @@ const std::map<std::string, Builder> &builders() {
       {"broadcast_from", buildBroadcast1},
       {"send", buildSend},
       {"comm_wait", buildCommWait},
+      {"reduce_scatter", buildReduceScatter},
+      {"all_gather", buildAllGather},
+      {"shard_of", buildShardOf},
       {"recv", buildRecv},
       {"global_norm", buildGlobalNorm},
       {"adamw", buildAdamW},

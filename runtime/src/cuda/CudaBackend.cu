@@ -1313,6 +1313,7 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
   if (op == "comm_wait") // collectives run in stream order here: nothing to wait for
     return [](cudaStream_t) {};
   if (op == "all_reduce" || op == "broadcast_from" || op == "send" || op == "recv" ||
+      op == "reduce_scatter" || op == "all_gather" || op == "shard_of" ||
       (op == "global_norm" && ins.attrs.contains("group")))
     return buildCommunication(ins);
   if (op == "global_norm") {
@@ -1376,6 +1377,7 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
 #else
   const std::string &op = ins.op;
   auto n = [&](int64_t id) { return count(buf(id).shape); };
+  auto n_ = n;
   // The communicator of a named group (null for a group of one).
   auto commOf = [&](const std::string &name) -> ncclComm_t {
     auto g = rank.groups.find(name);
@@ -1405,6 +1407,65 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
       for (auto [in, out, cnt] : parts)
         LOOM_NCCL_CHECK(ncclAllReduce(out, out, size_t(cnt), ncclFloat32, red, comm, s));
       LOOM_NCCL_CHECK(ncclGroupEnd());
+    };
+  }
+  // ZeRO-1: slice `index` of k = ceil(n / parts) elements of each tensor.
+  auto place = [&]() {
+    const std::vector<int64_t> &members = rank.groups.at(group);
+    int64_t index = std::find(members.begin(), members.end(), rank.rank) - members.begin();
+    return std::make_pair(index, int64_t(members.size()));
+  };
+  if (op == "shard_of") {
+    auto [index, parts] = place();
+    float *in = f(ins.in[0]), *out = f(ins.out[0]);
+    int64_t n = n_(ins.in[0]), k = n_(ins.out[0]), begin = index * k;
+    int64_t have = std::max<int64_t>(0, std::min(k, n - begin));
+    return [=](cudaStream_t s) {
+      if (have > 0)
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(out, in + begin, have * sizeof(float), cudaMemcpyDeviceToDevice, s));
+      if (have < k)
+        LOOM_CUDA_CHECK(cudaMemsetAsync(out + have, 0, (k - have) * sizeof(float), s));
+    };
+  }
+  if (op == "reduce_scatter") {
+    auto [index, parts] = place();
+    ncclComm_t comm = commOf(group);
+    bool mean = ins.attrs.value("reduction", std::string("mean")) == "mean";
+    std::vector<std::tuple<float *, float *, int64_t, int64_t>> list;
+    size_t widest = 0;
+    for (size_t i = 0; i < ins.in.size(); ++i) {
+      int64_t n = n_(ins.in[i]), k = n_(ins.out[i]);
+      list.push_back({f(ins.in[i]), f(ins.out[i]), n, k});
+      widest = std::max<size_t>(widest, size_t(k * parts));
+    }
+    reserve(widest * sizeof(float));
+    int64_t self = index;
+    return [=](cudaStream_t s) {
+      float *padded = reinterpret_cast<float *>(workspace);
+      for (auto [in, out, n, k] : list) { // one at a time through the padded workspace
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(padded, in, n * sizeof(float), cudaMemcpyDeviceToDevice, s));
+        if (k * parts > n)
+          LOOM_CUDA_CHECK(cudaMemsetAsync(padded + n, 0, (k * parts - n) * sizeof(float), s));
+        if (comm)
+          LOOM_NCCL_CHECK(ncclReduceScatter(padded, out, size_t(k), ncclFloat32, mean ? ncclAvg : ncclSum, comm, s));
+        else
+          LOOM_CUDA_CHECK(cudaMemcpyAsync(out, padded + self * k, k * sizeof(float), cudaMemcpyDeviceToDevice, s));
+      }
+    };
+  }
+  if (op == "all_gather") {
+    auto [index, parts] = place();
+    ncclComm_t comm = commOf(group);
+    float *in = f(ins.in[0]), *out = f(ins.out[0]);
+    int64_t k = n_(ins.in[0]), n = n_(ins.out[0]);
+    reserve(size_t(k * parts) * sizeof(float));
+    return [=](cudaStream_t s) {
+      float *whole = reinterpret_cast<float *>(workspace);
+      if (comm)
+        LOOM_NCCL_CHECK(ncclAllGather(in, whole, size_t(k), ncclFloat32, comm, s));
+      else
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(whole, in, k * sizeof(float), cudaMemcpyDeviceToDevice, s));
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(out, whole, n * sizeof(float), cudaMemcpyDeviceToDevice, s));
     };
   }
   if (op == "broadcast_from") {
