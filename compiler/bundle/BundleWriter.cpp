@@ -653,7 +653,7 @@ void buildUpdate(rt::RankProgram &rank, const TrainOptions &t, std::vector<rt::I
   if (!skip.empty())
     normAttrs["skip"] = skip;
   update.push_back({"global_norm", allGrads, {norm.id}, normAttrs});
-  std::vector<rt::Instruction> gathers;
+  std::vector<int64_t> gatherIn, gatherOut;
   for (size_t index = 0; index < rank.params.size(); ++index) {
     const rt::Parameter &p = rank.params[index];
     if (p.grad < 0)
@@ -674,7 +674,7 @@ void buildUpdate(rt::RankProgram &rank, const TrainOptions &t, std::vector<rt::I
       slice.role = rt::BufferRole::Activation;
       rank.buffers.push_back(slice);
       update.push_back({"shard_of", {p.buffer}, {slice.id}, json{{"group", "dp"}}});
-      gathers.push_back({"all_gather", {slice.id}, {p.buffer}, json{{"group", "dp"}}});
+      gatherIn.push_back(slice.id), gatherOut.push_back(p.buffer);
       param = slice.id;
     }
     if (t.optimizer == "adamw") {
@@ -687,7 +687,8 @@ void buildUpdate(rt::RankProgram &rank, const TrainOptions &t, std::vector<rt::I
       update.push_back({"sgd", {param, grad, m, step, norm.id}, {param, m}, attrs});
     }
   }
-  update.insert(update.end(), gathers.begin(), gathers.end());
+  if (!gatherIn.empty()) // every updated slice back to every rank, as one collective
+    update.push_back({"all_gather", gatherIn, gatherOut, json{{"group", "dp"}}});
   rank.programs["update"] = std::move(update);
 }
 

@@ -1480,23 +1480,43 @@ Kernel buildShardOf(const Ctx &c) {
   };
 }
 
-/// Every rank's slice put back into the whole parameter.
+/// Every rank's slices put back into the whole parameters (pairs of
+/// slice and whole, one collective for all of them).
 Kernel buildAllGather(const Ctx &c) {
-  c.arity(1, 1);
-  c.needF32(c.in(0)), c.needF32(c.out());
+  if (c.ins.in.empty() || c.ins.in.size() != c.ins.out.size())
+    c.bad("expects one whole tensor per slice");
   Communicator *comm = needComm(c);
   std::vector<int> group = groupOf(c, attrString(c, "group", "dp"));
   auto [index, parts] = placeIn(c, group);
-  int64_t k = count(c.in(0).shape), n = count(c.out().shape);
-  if (k != (n + parts - 1) / parts)
-    c.bad(cat("the slice has ", k, " elements but ", n, " over ", parts, " ranks needs ", (n + parts - 1) / parts));
-  float *in = c.f32(c.in(0)), *out = c.f32(c.out());
+  struct Part {
+    float *in, *out;
+    int64_t k, n;
+  };
+  std::vector<Part> list;
+  int64_t total = 0;
+  for (size_t i = 0; i < c.ins.in.size(); ++i) {
+    c.needF32(c.in(i)), c.needF32(c.out(i));
+    int64_t k = count(c.in(i).shape), n = count(c.out(i).shape);
+    if (k != (n + parts - 1) / parts)
+      c.bad(cat("slice ", i, " has ", k, " elements but ", n, " over ", parts, " ranks needs ",
+                (n + parts - 1) / parts));
+    list.push_back({c.f32(c.in(i)), c.f32(c.out(i)), k, n});
+    total += k * parts;
+  }
   int64_t rank = c.rank.rank, at = index;
   return [=] {
-    std::vector<float> whole(static_cast<size_t>(k * parts), 0.0f);
-    std::copy(in, in + k, whole.begin() + at * k);
-    comm->allReduce(int(rank), group, whole.data(), int64_t(whole.size()), Reduction::Sum);
-    std::copy(whole.begin(), whole.begin() + n, out);
+    std::vector<float> whole(static_cast<size_t>(total), 0.0f);
+    int64_t offset = 0;
+    for (const Part &p : list) {
+      std::copy(p.in, p.in + p.k, whole.begin() + offset + at * p.k);
+      offset += p.k * parts;
+    }
+    comm->allReduce(int(rank), group, whole.data(), total, Reduction::Sum);
+    offset = 0;
+    for (const Part &p : list) {
+      std::copy(whole.begin() + offset, whole.begin() + offset + p.n, p.out);
+      offset += p.k * parts;
+    }
   };
 }
 

@@ -1453,19 +1453,32 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
       }
     };
   }
-  if (op == "all_gather") {
+  if (op == "all_gather") { // pairs of slice and whole tensor, gathered as one NCCL group
     auto [index, parts] = place();
     ncclComm_t comm = commOf(group);
-    float *in = f(ins.in[0]), *out = f(ins.out[0]);
-    int64_t k = n_(ins.in[0]), n = n_(ins.out[0]);
-    reserve(size_t(k * parts) * sizeof(float));
+    std::vector<std::tuple<float *, float *, int64_t, int64_t, int64_t>> list; // in, out, k, n, offset
+    int64_t total = 0;
+    for (size_t i = 0; i < ins.in.size(); ++i) {
+      int64_t k = n_(ins.in[i]), n = n_(ins.out[i]);
+      list.push_back({f(ins.in[i]), f(ins.out[i]), k, n, total});
+      total += k * parts;
+    }
+    reserve(size_t(total) * sizeof(float));
+    int64_t self = index;
     return [=](cudaStream_t s) {
       float *whole = reinterpret_cast<float *>(workspace);
-      if (comm)
-        LOOM_NCCL_CHECK(ncclAllGather(in, whole, size_t(k), ncclFloat32, comm, s));
-      else
-        LOOM_CUDA_CHECK(cudaMemcpyAsync(whole, in, k * sizeof(float), cudaMemcpyDeviceToDevice, s));
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(out, whole, n * sizeof(float), cudaMemcpyDeviceToDevice, s));
+      if (comm) {
+        LOOM_NCCL_CHECK(ncclGroupStart());
+        for (auto [in, out, k, n, offset] : list)
+          LOOM_NCCL_CHECK(ncclAllGather(in, whole + offset, size_t(k), ncclFloat32, comm, s));
+        LOOM_NCCL_CHECK(ncclGroupEnd());
+      } else {
+        for (auto [in, out, k, n, offset] : list)
+          LOOM_CUDA_CHECK(cudaMemcpyAsync(whole + offset + self * k, in, k * sizeof(float),
+                                          cudaMemcpyDeviceToDevice, s));
+      }
+      for (auto [in, out, k, n, offset] : list)
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(out, whole + offset, n * sizeof(float), cudaMemcpyDeviceToDevice, s));
     };
   }
   if (op == "broadcast_from") {
