@@ -54,8 +54,12 @@ std::unique_ptr<Backend> makeCpuBackend(const RankProgram &rank, int threads,
 /// NCCL communicators for every group and pipeline transfer of a bundle
 /// whose ranks all run in this process, rank r on GPU devices[r].
 class NcclWorld;
+class Communicator;
 /// Throws Error with the reason (built without CUDA or NCCL, too few GPUs).
-std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &manifest, const std::vector<int> &devices);
+/// Under mpirun, `self` is this process's rank (only its communicators are
+/// made, devices[self] its GPU) and `bootstrap` spreads NCCL's unique ids.
+std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &manifest, const std::vector<int> &devices,
+                                         int self = -1, Communicator *bootstrap = nullptr);
 /// Aborts every communicator (a rank failed): ranks blocked in NCCL return.
 void abortNcclWorld(NcclWorld &world);
 

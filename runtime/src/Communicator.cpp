@@ -154,6 +154,10 @@ void InProcessCommunicator::recv(int rank, int peer, int64_t tag, void *data, in
   std::memcpy(data, message.data(), message.size());
 }
 
+void Communicator::broadcastBytes(int, int, void *, int64_t) {
+  fail(LOOM_INTERNAL, "broadcastBytes is for communicators that span processes (MPI)");
+}
+
 namespace {
 class ValidationCommunicator : public Communicator {
 public:

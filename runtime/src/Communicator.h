@@ -47,6 +47,9 @@ public:
   virtual void recv(int rank, int peer, int64_t tag, void *data, int64_t bytes) = 0;
   /// Stops every rank: those waiting (or arriving later) fail with `message`.
   virtual void abort(int rank, const std::string &message) = 0;
+  /// Copies `bytes` bytes from `root` to every rank (all ranks call it);
+  /// bootstraps NCCL across processes. Only the MPI communicator has it.
+  virtual void broadcastBytes(int rank, int root, void *data, int64_t bytes);
 };
 
 /// A communicator for checking instructions without running them (another

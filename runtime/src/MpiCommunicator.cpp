@@ -104,6 +104,12 @@ public:
            " but got ", got, " (the ranks' programs disagree)");
   }
 
+  void broadcastBytes(int rank, int root, void *data, int64_t bytes) override {
+    MPI_Request request;
+    check(MPI_Ibcast(data, int(bytes), MPI_BYTE, root, MPI_COMM_WORLD, &request), "MPI_Ibcast");
+    wait(rank, request, cat("for bytes broadcast from rank ", root));
+  }
+
   void abort(int rank, const std::string &message) override {
     std::fprintf(stderr, "loom-run: rank %d failed: %s; stopping every rank\n", rank, message.c_str());
     std::fflush(stderr);

@@ -411,6 +411,16 @@ int run(int argc, char **argv) {
     options.comm = comm;
     if (threads == 0)
       options.threads = 1;
+    if (backend == "cuda") { // NCCL between the processes' GPUs, bootstrapped over MPI
+      const char *localRank = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+      if (!localRank)
+        localRank = std::getenv("MPI_LOCALRANKID");
+      options.device = localRank ? std::atoi(localRank) : mpiRank;
+      std::vector<int> devices(static_cast<size_t>(numRanks), -1);
+      devices[mpiRank] = options.device;
+      options.nccl = makeNcclWorld(readManifest(bundle), devices, mpiRank, comm.get());
+      ncclWorld = options.nccl.get();
+    }
   } else if (backend == "cuda" && numRanks > 1) {
     // One thread per GPU, rank k on GPU k, connected by NCCL.
     std::vector<int> devices;
@@ -439,7 +449,7 @@ int run(int argc, char **argv) {
       loaders.emplace_back([&, i] {
         SessionOptions mine = options;
         mine.rank = static_cast<int>(local[i]);
-        if (mine.nccl)
+        if (mine.nccl && !mpiComm)
           mine.device = static_cast<int>(local[i]);
         try {
           ranks[i] = std::make_unique<Session>(bundle, mine);

@@ -599,21 +599,39 @@ public:
   std::atomic<bool> aborted{false};
 
 #ifdef LOOM_HAVE_NCCL
-  /// Creates a communicator over `members` (global ranks), all in this process.
-  std::map<int, ncclComm_t> create(const std::vector<int> &members) {
-    ncclUniqueId id;
-    LOOM_NCCL_CHECK(ncclGetUniqueId(&id));
-    std::vector<ncclComm_t> comms(members.size());
+  /// Unique ids for every communicator, then every communicator this process
+  /// holds, created together (one NCCL group, so no order among them can
+  /// deadlock). One process: all ranks; under mpirun: `self` only, with ids
+  /// broadcast from each group's first member over `bootstrap`.
+  void createAll(const std::vector<std::vector<int>> &lists, int self, Communicator *bootstrap,
+                 std::vector<std::map<int, ncclComm_t> *> targets) {
+    std::vector<ncclUniqueId> ids(lists.size());
+    for (size_t g = 0; g < lists.size(); ++g) {
+      if (self < 0 || self == lists[g][0])
+        LOOM_NCCL_CHECK(ncclGetUniqueId(&ids[g]));
+      if (self >= 0)
+        bootstrap->broadcastBytes(self, lists[g][0], &ids[g], sizeof(ncclUniqueId));
+    }
+    struct Pending {
+      size_t list;
+      int member;
+      ncclComm_t comm;
+    };
+    std::vector<Pending> pending;
+    for (size_t g = 0; g < lists.size(); ++g)
+      for (size_t i = 0; i < lists[g].size(); ++i)
+        if (self < 0 || lists[g][i] == self)
+          pending.push_back({g, lists[g][i], nullptr});
     LOOM_NCCL_CHECK(ncclGroupStart());
-    for (size_t i = 0; i < members.size(); ++i) {
-      LOOM_CUDA_CHECK(cudaSetDevice(devices[members[i]]));
-      LOOM_NCCL_CHECK(ncclCommInitRank(&comms[i], int(members.size()), id, int(i)));
+    for (Pending &p : pending) {
+      const std::vector<int> &members = lists[p.list];
+      int index = int(std::find(members.begin(), members.end(), p.member) - members.begin());
+      LOOM_CUDA_CHECK(cudaSetDevice(devices[p.member]));
+      LOOM_NCCL_CHECK(ncclCommInitRank(&p.comm, int(members.size()), ids[p.list], index));
     }
     LOOM_NCCL_CHECK(ncclGroupEnd());
-    std::map<int, ncclComm_t> out;
-    for (size_t i = 0; i < members.size(); ++i)
-      out[members[i]] = comms[i];
-    return out;
+    for (Pending &p : pending)
+      (*targets[p.list])[p.member] = p.comm;
   }
 #endif
   ~NcclWorld() {
@@ -629,9 +647,10 @@ public:
   }
 };
 
-std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<int> &devices) {
+std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<int> &devices, int self,
+                                         Communicator *bootstrap) {
 #ifndef LOOM_HAVE_NCCL
-  (void)m, (void)devices;
+  (void)m, (void)devices, (void)self, (void)bootstrap;
   fail(LOOM_UNSUPPORTED, "this runtime was built without NCCL (nccl.h was not found when it was "
        "configured), so multi-GPU bundles cannot run; install NCCL and rebuild, or use --backend cpu");
 #else
@@ -640,8 +659,8 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<in
          " GPUs are given");
   int count = 0;
   LOOM_CUDA_CHECK(cudaGetDeviceCount(&count));
-  for (int d : devices)
-    if (d < 0 || d >= count)
+  for (size_t r = 0; r < devices.size(); ++r)
+    if (int d = devices[r]; (self < 0 || int(r) == self) && (d < 0 || d >= count))
       fail(LOOM_INVALID_ARGUMENT, "the bundle has ", m.ranks.size(), " ranks, one per GPU, but ", count,
            " GPU(s) are visible; run it on a machine with ", m.ranks.size(),
            " GPUs, or compile for fewer ranks");
@@ -675,10 +694,13 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<in
            " does not receive in (NCCL matches transfers in order); this schedule runs on CPU "
            "ranks only for now: use 1f1b or gpipe on GPUs");
   }
+  std::vector<std::vector<int>> lists;
+  std::vector<std::map<int, ncclComm_t> *> targets;
   for (const auto &g : groups)
-    world->groups[g] = world->create(g);
+    lists.push_back(g), targets.push_back(&world->groups[g]);
   for (auto [from, to] : links)
-    world->links[{from, to}] = world->create({from, to});
+    lists.push_back({from, to}), targets.push_back(&world->links[{from, to}]);
+  world->createAll(lists, self, bootstrap, targets);
   return world;
 #endif
 }
