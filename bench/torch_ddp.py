@@ -8,14 +8,13 @@ and ms per step, after warm-up.
 usage: torchrun --nproc_per_node=N bench/torch_ddp.py [--layers 24 --hidden 1024
        --heads 16 --batch 8 --steps 10 --modes ddp-fp32,fsdp2-fp32]
 """
-import argparse
 import os
 import time
 
 import torch
 import torch.distributed as dist
 
-from torch_gpt import GPT
+from torch_gpt import GPT, arguments
 
 
 def run(mode, a, rank, world):
@@ -65,16 +64,7 @@ def run(mode, a, rank, world):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=50304)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--modes", default="ddp-fp32,fsdp2-fp32")
-    a = p.parse_args()
+    a = arguments("ddp-fp32,fsdp2-fp32")
     rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")

@@ -98,7 +98,8 @@ def run(mode, a):
     torch.cuda.empty_cache()
 
 
-if __name__ == "__main__":
+def arguments(modes):
+    """The model, batch and timing options both benchmarks take."""
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=1024)
@@ -107,8 +108,12 @@ if __name__ == "__main__":
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--modes", default="eager-fp32,compile-fp32,eager-bf16,compile-bf16")
-    a = p.parse_args()
+    p.add_argument("--modes", default=modes)
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    a = arguments("eager-fp32,compile-fp32,eager-bf16,compile-bf16")
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     for mode in a.modes.split(","):
         try:

@@ -261,23 +261,9 @@ RankProgram parseRank(const Field &f, size_t index) {
 
 } // namespace
 
-void extractShard(const ParamShard &s, size_t es, const char *full, char *part) {
-  // Rows before the axis, the axis split into blocks x parts x piece, bytes after it.
-  int64_t outer = 1, inner = static_cast<int64_t>(es);
-  for (int64_t d = 0; d < s.axis; ++d)
-    outer *= s.fullShape[d];
-  for (size_t d = s.axis + 1; d < s.fullShape.size(); ++d)
-    inner *= s.fullShape[d];
-  int64_t block = s.fullShape[s.axis] / s.blocks, piece = block / s.parts;
-  for (int64_t o = 0; o < outer; ++o)
-    for (int64_t b = 0; b < s.blocks; ++b) {
-      const char *src = full + ((o * s.blocks + b) * block + s.index * piece) * inner;
-      char *dst = part + ((o * s.blocks + b) * piece) * inner;
-      std::memcpy(dst, src, piece * inner);
-    }
-}
-
-void insertShard(const ParamShard &s, size_t es, const char *part, char *full) {
+/// Calls copy(fullOffset, partOffset, bytes) for each contiguous piece of a
+/// rank's part: rows before the axis, the axis as blocks x parts x piece.
+template <typename Copy> static void forEachShardPiece(const ParamShard &s, size_t es, Copy copy) {
   int64_t outer = 1, inner = static_cast<int64_t>(es);
   for (int64_t d = 0; d < s.axis; ++d)
     outer *= s.fullShape[d];
@@ -286,8 +272,16 @@ void insertShard(const ParamShard &s, size_t es, const char *part, char *full) {
   int64_t block = s.fullShape[s.axis] / s.blocks, piece = block / s.parts;
   for (int64_t o = 0; o < outer; ++o)
     for (int64_t b = 0; b < s.blocks; ++b)
-      std::memcpy(full + ((o * s.blocks + b) * block + s.index * piece) * inner,
-                  part + ((o * s.blocks + b) * piece) * inner, piece * inner);
+      copy(((o * s.blocks + b) * block + s.index * piece) * inner, (o * s.blocks + b) * piece * inner,
+           piece * inner);
+}
+
+void extractShard(const ParamShard &s, size_t es, const char *full, char *part) {
+  forEachShardPiece(s, es, [&](int64_t f, int64_t p, int64_t n) { std::memcpy(part + p, full + f, n); });
+}
+
+void insertShard(const ParamShard &s, size_t es, const char *part, char *full) {
+  forEachShardPiece(s, es, [&](int64_t f, int64_t p, int64_t n) { std::memcpy(full + f, part + p, n); });
 }
 
 Manifest parseManifest(const json &doc, const std::string &where) {

@@ -45,6 +45,26 @@ std::vector<std::unique_ptr<rt::Session>> open(const std::string &dir,
   }
   return ranks;
 }
+
+/// One training step on every rank, each in its own thread; a rank that
+/// fails aborts the communicator. Returns each rank's error ("" if none).
+std::vector<std::string> stepAll(std::vector<std::unique_ptr<rt::Session>> &ranks,
+                                 const std::shared_ptr<rt::InProcessCommunicator> &comm) {
+  std::vector<std::string> errors(ranks.size());
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < ranks.size(); ++r)
+    threads.emplace_back([&, r] {
+      try {
+        ranks[r]->trainStep();
+      } catch (const rt::Error &e) {
+        errors[r] = e.what();
+        comm->abort(int(r), e.what());
+      }
+    });
+  for (auto &t : threads)
+    t.join(); // reaching here at all means nothing hung
+  return errors;
+}
 } // namespace
 
 TEST(MultiRank, AFailingRankStopsTheOthers) {
@@ -57,19 +77,7 @@ TEST(MultiRank, AFailingRankStopsTheOthers) {
   ranks[0]->bindInput("targets", good.data(), good.size() * 4);
   ranks[1]->bindInput("tokens", bad.data(), bad.size() * 4);
   ranks[1]->bindInput("targets", good.data(), good.size() * 4);
-  std::string errors[2];
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        ranks[r]->trainStep();
-      } catch (const rt::Error &e) {
-        errors[r] = e.what();
-        comm->abort(r, e.what());
-      }
-    });
-  for (auto &t : threads)
-    t.join(); // reaching here at all means nothing hung
+  std::vector<std::string> errors = stepAll(ranks, comm);
   EXPECT_NE(errors[1].find("token id in 'tokens' 9999 at position 7"), std::string::npos) << errors[1];
   EXPECT_NE(errors[0].find("rank 1 failed"), std::string::npos) << errors[0];
   EXPECT_NE(errors[0].find("'embedding'"), std::string::npos) << "should name the instruction: " << errors[0];
@@ -154,19 +162,7 @@ TEST(MultiRank, AFailingTensorParallelRankStopsItsPartner) {
   ranks[1]->bindInput("tokens", bad.data(), bad.size() * 4);
   for (auto &r : ranks)
     r->bindInput("targets", good.data(), good.size() * 4);
-  std::string errors[2];
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        ranks[r]->trainStep();
-      } catch (const rt::Error &e) {
-        errors[r] = e.what();
-        comm->abort(r, e.what());
-      }
-    });
-  for (auto &t : threads)
-    t.join();
+  std::vector<std::string> errors = stepAll(ranks, comm);
   EXPECT_NE(errors[1].find("token id in 'tokens' 300 at position 5 is outside [0, 256)"), std::string::npos) << errors[1];
   EXPECT_NE(errors[0].find("rank 1 failed"), std::string::npos) << errors[0];
   std::filesystem::remove_all(dir);
