@@ -185,7 +185,8 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
   const Link &tpLink = t <= machines.devicesPerNode ? intra : inter;
   const Link &dpLink = t * d <= machines.devicesPerNode ? intra : inter;
   const Link &ppLink = t * d * p <= machines.devicesPerNode ? intra : inter;
-  double flopRate = machines.peakFlops("bf16") * options.matmulEfficiency;
+  double flopRate = machines.peakFlops(options.matmulDtype) * options.matmulEfficiency;
+  double width = options.activationBytes / 2.0; // activations are counted at 16 bits
   double memRate = dev.memoryBandwidth * options.memoryEfficiency;
 
   // Per-layer costs for one microbatch.
@@ -196,7 +197,6 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     const LayerSpec &l = spec.layers[i];
     int64_t lt = (t > 1 && l.tpDivisor % t == 0) ? t : 1; // no rule: replicate
     double flops = b * (l.shardedFlops / lt + (l.flops - l.shardedFlops));
-    double width = options.activationBytes / 2.0; // traffic is counted at 16 bits
     double traffic = b * l.memoryTraffic / lt * width;
     double scores = 0;
     if (options.materializedAttention && l.isTransformer)
@@ -216,7 +216,7 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     }
     if (lt > 1) {
       int reductions = l.tpAllReduces * (plan.recompute == Recompute::Full ? 3 : 2);
-      lt_.tpComm = reductions * allReduceTime(b * l.boundaryBytes, lt, tpLink);
+      lt_.tpComm = reductions * allReduceTime(b * l.boundaryBytes * width, lt, tpLink);
     }
     weightBytes[i] = (l.shardedParams / lt + (l.params - l.shardedParams)) * perParam;
     if (l.isTransformer)
@@ -346,7 +346,7 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
   double boundary = 0;
   for (const LayerSpec &l : spec.layers)
     boundary = std::max(boundary, l.boundaryBytes);
-  double p2p = p > 1 ? 2 * v * p2pTime(b * boundary / t, ppLink) : 0;
+  double p2p = p > 1 ? 2 * v * p2pTime(b * boundary * width / t, ppLink) : 0;
   double perMicrobatch = slowest + p2p;
   double steady = m * perMicrobatch;
   double bubble = bubbleFraction(plan.schedule, p, m, v) * steady;
@@ -360,7 +360,7 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     dpComm = plan.zero ? reduceScatterTime(4 * stageParams, d, dpLink) +
                              allGatherTime(2 * stageParams, d, dpLink)
                        : allReduceTime(4 * stageParams, d, dpLink);
-  if (options.overlapGradientReduce) {
+  if (options.overlapGradientReduce && options.overlapCollectives) {
     // Buckets go out while the last microbatch's backward runs; the last
     // bucket (about 1/16 of the gradients) is always exposed.
     double window = 0;
@@ -653,8 +653,11 @@ bool loadProfile(const std::string &path, CostOptions &options, const Cluster &c
     std::string dtype = doc.value("matmul_dtype", "bf16");
     options.matmulEfficiency =
         std::min(1.0, doc["matmul_flops_per_s"].get<double>() / cluster.peakFlops(dtype));
+    options.matmulDtype = dtype; // the rate is the achieved one, in the dtype it ran in
     if (dtype == "tf32" || dtype == "f32")
       options.activationBytes = 4; // the run kept activations in f32
+    // A runtime whose collectives run in stream order exposes them all.
+    options.overlapCollectives = doc.value("overlaps_collectives", false);
   }
   options.profile = path;
   return true;

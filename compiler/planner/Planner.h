@@ -55,7 +55,8 @@ struct ModelSpec {
 /// Knobs of the cost model. Defaults describe Loom's own runtime (fused
 /// flash attention); the Megatron comparison sets materializedAttention.
 struct CostOptions {
-  double matmulEfficiency = 0.72;   // fraction of peak a large bf16 GEMM reaches
+  double matmulEfficiency = 0.72;   // fraction of peak a large GEMM reaches
+  std::string matmulDtype = "bf16"; // whose peak that fraction is of (tf32 for today's CUDA runtime)
   double memoryEfficiency = 0.80;   // fraction of HBM bandwidth memory-bound kernels reach
   double linkEfficiency = 0.80;     // fraction of link bandwidth NCCL collectives reach
   bool materializedAttention = false; // scores written to HBM (no flash attention)
@@ -67,6 +68,9 @@ struct CostOptions {
   /// (the default), 4 when the runtime keeps activations in f32.
   double activationBytes = 2;
   bool tpAcrossNodes = false;
+  /// Whether the runtime overlaps collectives with computation (data-parallel
+  /// buckets during backward). A runtime profile may say it does not.
+  bool overlapCollectives = true;
   /// Optional calibration profile (loom-run --profile), overriding the above.
   std::string profile;
 };

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <fstream>
 
 using namespace loom::planner;
 
@@ -263,4 +264,36 @@ TEST(Planner, MatchesPublishedMegatronRuns) {
     EXPECT_LE(r.chosenStepS, r.predictedStepS * (1 + 1e-9)) << r.model;
     EXPECT_LT(r.searchSeconds, 20.0) << r.model; // a blow-up guard, not a timing gate
   }
+}
+
+TEST(Planner, RuntimeProfileSetsRatesWidthsAndExposure) {
+  // A profile written by loom-run --profile on the CUDA backend (TF32 GEMMs,
+  // f32 activations, collectives in stream order).
+  std::string path = ::testing::TempDir() + "/loom-profile-test.json";
+  {
+    std::ofstream out(path);
+    out << R"({"backend": "cuda", "matmul_dtype": "tf32", "matmul_flops_per_s": 1.5e14})";
+  }
+  Cluster c = cluster("h100:4");
+  CostOptions options;
+  std::string error;
+  ASSERT_TRUE(loadProfile(path, options, c, error)) << error;
+  EXPECT_EQ(options.matmulDtype, "tf32");
+  EXPECT_NEAR(options.matmulEfficiency, 1.5e14 / c.peakFlops("tf32"), 1e-12);
+  EXPECT_EQ(options.activationBytes, 4);
+  EXPECT_FALSE(options.overlapCollectives);
+
+  ModelSpec model = handModel(24, 1024, 1024, 16, 50304);
+  Plan plan;
+  plan.dp = 4, plan.microbatchSize = 2;
+  Plan exposed = Planner(model, c, options).evaluate(8, plan);
+  options.overlapCollectives = true;
+  Plan hidden = Planner(model, c, options).evaluate(8, plan);
+  ASSERT_TRUE(exposed.feasible && hidden.feasible) << exposed.reason << hidden.reason;
+  // Exposed, the whole gradient all-reduce adds to the step; overlapped, a bucket's worth.
+  EXPECT_NEAR(exposed.dpCommTime, 16 * hidden.dpCommTime, 1e-9);
+  // Computation runs at the achieved TF32 rate: the dense FLOPs of a step over it bound
+  // the compute time from below.
+  double dense = model.trainingFlopsPerExample * 8 / 4; // per device
+  EXPECT_GE(exposed.computeTime, 0.9 * dense / 1.5e14);
 }
