@@ -239,4 +239,57 @@ TEST_F(BundleCorruptionTest, AtomicWriteLeavesNoTemporaryFiles) {
   loom_session_destroy(session);
 }
 
+TEST_F(BundleCorruptionTest, ShardThatDoesNotFitItsParameter) {
+  std::string dir = copy();
+  json m = manifest(dir);
+  json &param = m["ranks"][0]["parameters"][0]; // wte, f32[256, 64]
+  param["shard"] = {{"full_shape", {256, 64}}, {"axis", 0}, {"parts", 3}, {"index", 0}, {"blocks", 1}};
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "field 'ranks[0].parameters[0].shard' does not describe a part");
+}
+
+TEST_F(BundleCorruptionTest, GroupWithoutTheRankItself) {
+  std::string dir = copy();
+  json m = manifest(dir);
+  m["ranks"][0]["groups"] = {{"tp", {1, 2}}};
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "does not contain the rank itself");
+}
+
+TEST_F(BundleCorruptionTest, FusedKernelWithForwardReference) {
+  std::string dir = copy();
+  json m = manifest(dir);
+  json &forward = m["ranks"][0]["programs"]["forward"];
+  // Replace the first add by a fused kernel whose step reads a value not yet defined.
+  for (json &ins : forward)
+    if (ins["op"] == "add") {
+      ins["op"] = "fused";
+      ins["attrs"] = {{"kernel", "fused_0"},
+                      {"steps", {{{"op", "add"}, {"args", {0, 5}}}}},
+                      {"results", {2}}};
+      break;
+    }
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "step argument 5 is not a value defined before it");
+}
+
+TEST_F(BundleCorruptionTest, KernelsFileOutsideTheBundle) {
+  std::string dir = copy();
+  json m = manifest(dir);
+  m["kernels"] = "../elsewhere.ptx";
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "field 'kernels' must be a file name inside the bundle");
+}
+
+TEST_F(BundleCorruptionTest, CollectiveOutsideLoomRun) {
+  std::string dir = copy();
+  json m = manifest(dir);
+  json &forward = m["ranks"][0]["programs"]["forward"];
+  json first = forward[0];
+  forward.insert(forward.begin(), json{{"op", "all_reduce"}, {"in", first["out"]}, {"out", first["out"]},
+                                       {"attrs", {{"group", "dp"}}}});
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_UNSUPPORTED, "needs the other ranks; run multi-rank bundles with loom-run");
+}
+
 } // namespace
