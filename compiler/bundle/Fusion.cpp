@@ -133,6 +133,41 @@ int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
     }
     list = std::move(out);
   }
+  readers.clear();
+  for (const auto &[name, list] : r.programs)
+    for (size_t i = 0; i < list.size(); ++i)
+      for (int64_t id : list[i].in)
+        readers[rootOf(r, id)].push_back({name, i});
+  // GEMM epilogues: a matmul whose result only a following bias add reads
+  // (a bias add no elementwise chain took, such as q|k|v's before its
+  // slices) becomes a matmul with epilogue "bias".
+  for (auto &[name, list] : r.programs) {
+    std::vector<rt::Instruction> out;
+    for (size_t i = 0; i < list.size(); ++i) {
+      rt::Instruction &mm = list[i];
+      if (mm.op == "matmul" && i + 1 < list.size() && !mm.attrs.contains("epilogue") &&
+          mm.out.size() == 1 && r.buffers[mm.out[0]].dtype == LOOM_F32 &&
+          r.buffers[mm.out[0]].role == rt::BufferRole::Activation) {
+        rt::Instruction &add = list[i + 1];
+        int64_t c = mm.out[0];
+        const rt::Shape &shape = r.buffers[c].shape;
+        bool onlyReader = readers[c].size() == 1 && !kept.count(c);
+        if (add.op == "add" && onlyReader && add.in.size() == 2 && add.in[0] == c &&
+            r.buffers[add.out[0]].shape == shape && r.buffers[add.in[1]].dtype == LOOM_F32 &&
+            r.buffers[add.in[1]].shape == rt::Shape{shape.back()}) {
+          mm.in.push_back(add.in[1]);
+          mm.out = add.out;
+          mm.attrs["epilogue"] = "bias";
+          out.push_back(std::move(mm));
+          ++i, ++removed;
+          continue;
+        }
+      }
+      out.push_back(std::move(list[i]));
+    }
+    list = std::move(out);
+  }
+
   return removed;
 }
 

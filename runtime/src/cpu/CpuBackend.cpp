@@ -229,8 +229,13 @@ Kernel buildScale(const Ctx &c) {
 // Matmul
 //===--------------------------------------------------------------------===//
 
+/// C = op(A) op(B), then the epilogue: "bias" adds a third input of C's
+/// last dimension to every row (the sum a separate add would compute).
 Kernel buildMatmul(const Ctx &c) {
-  c.arity(2, 1);
+  std::string epilogue = c.ins.attrs.value("epilogue", std::string());
+  if (!epilogue.empty() && epilogue != "bias")
+    c.bad("unknown epilogue '" + epilogue + "'; the matmul epilogues are: bias");
+  c.arity(epilogue.empty() ? 2 : 3, 1);
   const Buffer &a = c.in(0), &b = c.in(1), &o = c.out();
   c.needF32(a), c.needF32(b), c.needF32(o);
   if (a.shape.size() < 2 || b.shape.size() < 2 || o.shape.size() < 2)
@@ -254,6 +259,13 @@ Kernel buildMatmul(const Ctx &c) {
     offB.push_back(ib * k * n);
   });
   float *pa = c.f32(a), *pb = c.f32(b), *po = c.f32(o);
+  float *bias = nullptr;
+  if (!epilogue.empty()) {
+    c.needF32(c.in(2));
+    if (c.in(2).shape != Shape{n})
+      c.bad(cat("the bias must be [", n, "], got ", shapeStr(c.in(2).shape)));
+    bias = c.f32(c.in(2));
+  }
   ThreadPool *pool = &c.pool;
   int64_t batches = static_cast<int64_t>(offA.size());
   return [=] {
@@ -283,6 +295,9 @@ Kernel buildMatmul(const Ctx &c) {
               C[j] += av * brow[j];
           }
         }
+        if (bias)
+          for (int64_t j = 0; j < n; ++j)
+            C[j] = C[j] + bias[j];
       }
     });
   };

@@ -908,6 +908,7 @@ private:
 
   Launch build(const Instruction &ins);
   Launch buildMatmul(const Instruction &ins);
+  Launch buildGemm(const Instruction &ins);
   Launch buildAttention(const Instruction &ins, bool grad);
 
   Launch buildCommunication(const Instruction &ins);
@@ -955,7 +956,21 @@ private:
   std::map<std::string, std::vector<Step>> programs;
 };
 
+/// The GEMM, then its epilogue ("bias": added to every row in place; a
+/// cuBLASLt epilogue will fold it into the GEMM).
 Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
+  Launch gemm = buildGemm(ins);
+  if (ins.attrs.value("epilogue", std::string()).empty())
+    return gemm;
+  float *po = f(ins.out[0]), *bias = f(ins.in[2]);
+  int64_t cnt = count(buf(ins.out[0]).shape), n = buf(ins.out[0]).shape.back();
+  return [=](cudaStream_t s) {
+    gemm(s);
+    binaryContiguousKernel<<<blocksFor(cnt), kThreads, 0, s>>>(kAdd, po, bias, po, cnt, cnt, n);
+  };
+}
+
+Launch CudaBackendImpl::buildGemm(const Instruction &ins) {
   const Buffer &a = buf(ins.in[0]), &b = buf(ins.in[1]), &o = buf(ins.out[0]);
   bool ta = flag(ins, "transpose_a"), tb = flag(ins, "transpose_b");
   size_t ra = a.shape.size(), rb = b.shape.size();
