@@ -232,7 +232,8 @@ Kernel buildScale(const Ctx &c) {
 /// C = op(A) op(B), then the epilogue: "bias" adds a third input of C's
 /// last dimension to every row (the sum a separate add would compute).
 Kernel buildMatmul(const Ctx &c) {
-  std::string epilogue = c.ins.attrs.value("epilogue", std::string());
+  auto found = c.ins.attrs.find("epilogue");
+  std::string epilogue = found != c.ins.attrs.end() && found->is_string() ? found->get<std::string>() : "";
   if (!epilogue.empty() && epilogue != "bias")
     c.bad("unknown epilogue '" + epilogue + "'; the matmul epilogues are: bias");
   c.arity(epilogue.empty() ? 2 : 3, 1);

@@ -960,7 +960,8 @@ private:
 /// cuBLASLt epilogue will fold it into the GEMM).
 Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
   Launch gemm = buildGemm(ins);
-  if (ins.attrs.value("epilogue", std::string()).empty())
+  auto epilogue = ins.attrs.find("epilogue");
+  if (epilogue == ins.attrs.end() || !epilogue->is_string())
     return gemm;
   float *po = f(ins.out[0]), *bias = f(ins.in[2]);
   int64_t cnt = count(buf(ins.out[0]).shape), n = buf(ins.out[0]).shape.back();
