@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 B=${LOOM_BUILD_DIR:-build}
-prof=bench/data/profile-h100-gpt2-350m.json
+prof=${PROFILE:-bench/data/calibration-h200-4gpu.json}
 "$B/compiler/loomc" models gpt --layers 24 --hidden 2048 --heads 16 --seq 1024 --vocab 50304 \
     -o /tmp/gpt-1.3b.mlir
 predict() { # model devices force
@@ -18,9 +18,10 @@ for row in "gpt2-350m 1 dp=1" "gpt2-350m 2 dp=2,mb=4,zero=0" "gpt2-350m 2 tp=2,m
            "gpt2-350m 2 pp=2,mb=4,schedule=1f1b,zero=0" "gpt2-350m 4 dp=4,mb=1,zero=0" \
            "gpt2-350m 4 tp=4,mb=1,zero=0" "gpt2-350m 4 pp=4,mb=8,schedule=1f1b,zero=0" \
            "gpt2-350m 4 dp=2,tp=2,mb=1,zero=0" "gpt2-350m 4 tp=2,pp=2,mb=4,schedule=1f1b,zero=0" \
-           "gpt2-350m 4 dp=2,pp=2,vpp=2,mb=4,schedule=interleaved,zero=0" "gpt2-350m 4 " \
+           "gpt2-350m 4 dp=2,pp=2,vpp=2,mb=4,schedule=interleaved,zero=0" "gpt2-350m 4 dp=4,mb=2,zero=1" \
            "gpt-1.3b 1 dp=1" "gpt-1.3b 4 dp=4,mb=1,zero=0" "gpt-1.3b 4 tp=4,mb=1,zero=0" \
-           "gpt-1.3b 4 tp=2,pp=2,mb=4,schedule=1f1b,zero=0" "gpt-1.3b 4 "; do
+           "gpt-1.3b 4 tp=2,pp=2,mb=4,schedule=1f1b,zero=0" "gpt-1.3b 4 dp=4,mb=2,zero=1" \
+           "gpt2-350m 4 " "gpt-1.3b 4 "; do
   set -- $row
   printf '%-10s %d GPU(s) %-50s predicted %s ms\n' "$1" "$2" "${3:-(the planner picks)}" "$(predict "$1" "$2" "${3:-}")"
 done

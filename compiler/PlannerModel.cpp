@@ -40,6 +40,8 @@ public:
     };
     double flops = denseFlops(&op);
     layer.flops += flops;
+    if (!isa<GetOp, ReshapeOp, GradAllReduceOp>(op)) // views and parameter reads launch nothing
+      layer.instructions += 1;
 
     if (auto mm = dyn_cast<MatmulOp>(op)) {
       Value x = mm.getLhs(), w = mm.getRhs();

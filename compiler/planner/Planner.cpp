@@ -203,8 +203,10 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
       scores = b * 4.0 * 2.0 * l.heads * l.seq * l.seq / lt * width; // write, read, write, read
     LayerTimes &lt_ = times[i];
     double fwdCompute = flops / flopRate, fwdMemory = (traffic + scores) / memRate;
-    lt_.forward = fwdCompute + fwdMemory;
-    lt_.backward = 2 * fwdCompute + 2 * fwdMemory;
+    // Launch cost per microbatch pass (tensor parallelism adds its collectives).
+    double launches = (l.instructions + (lt > 1 ? l.tpAllReduces : 0)) * options.launchSeconds;
+    lt_.forward = fwdCompute + fwdMemory + launches;
+    lt_.backward = 2 * fwdCompute + 2 * fwdMemory + 1.4 * launches;
     lt_.compute = 3 * fwdCompute;
     if (plan.recompute == Recompute::Full) {
       lt_.recompute = lt_.forward;
@@ -658,6 +660,13 @@ bool loadProfile(const std::string &path, CostOptions &options, const Cluster &c
       options.activationBytes = 4; // the run kept activations in f32
     // A runtime whose collectives run in stream order exposes them all.
     options.overlapCollectives = doc.value("overlaps_collectives", false);
+  }
+  if (doc.contains("launch_seconds")) {
+    if (!doc["launch_seconds"].is_number() || doc["launch_seconds"].get<double>() < 0) {
+      error = path + ": 'launch_seconds' must be a non-negative number";
+      return false;
+    }
+    options.launchSeconds = doc["launch_seconds"].get<double>();
   }
   options.profile = path;
   return true;

@@ -41,6 +41,9 @@ struct LayerSpec {
   double seq = 0, hidden = 0, heads = 0;
   /// Bytes of an output kept in fp32 for the loss (logits), split by tp.
   double lossBytes = 0;
+  /// Instructions (kernel launches) of the layer's forward pass; backward
+  /// launches about 1.4 times as many (the gradient rules' kernels).
+  double instructions = 0;
 };
 
 struct ModelSpec {
@@ -71,6 +74,10 @@ struct CostOptions {
   /// Whether the runtime overlaps collectives with computation (data-parallel
   /// buckets during backward). A runtime profile may say it does not.
   bool overlapCollectives = true;
+  /// Host time per instruction launched (seconds), paid by every microbatch
+  /// pass: it dominates when microbatches or tensor parallelism make the
+  /// kernels small. 0 unless a runtime profile measured it.
+  double launchSeconds = 0;
   /// Optional calibration profile (loom-run --profile), overriding the above.
   std::string profile;
 };

@@ -140,6 +140,10 @@ private:
 
 /// Prints where the time went by op and writes the calibration profile the
 /// planner reads (loomc plan --profile): achieved matrix FLOP/s.
+/// Wall time and steps of the last training run, for the profile's launch cost.
+double runSeconds = 0;
+int64_t runSteps = 0;
+
 void reportProfile(const Session &s, const std::string &path) {
   double total = 0, mmSeconds = 0, mmFlops = 0;
   std::vector<std::pair<std::string, Backend::OpTime>> ops(s.profile().begin(), s.profile().end());
@@ -165,6 +169,18 @@ void reportProfile(const Session &s, const std::string &path) {
                         {"ops", nlohmann::json::object()}};
   for (auto &[op, t] : ops)
     doc["ops"][op] = {{"count", t.count}, {"seconds", t.seconds}, {"flops", t.flops}};
+  // Wall time the instructions' own times do not account for, per launch:
+  // what the planner charges every instruction of every microbatch pass.
+  int64_t instructions = 0;
+  for (auto &[name, list] : s.rank().programs)
+    instructions += static_cast<int64_t>(list.size());
+  if (runSteps > 0 && instructions > 0) {
+    double launch = std::max(0.0, (runSeconds - total) / double(runSteps * instructions));
+    doc["launch_seconds"] = launch;
+    doc["instructions_per_step"] = instructions;
+    std::printf("  %.2f us per instruction outside the kernels (%lld instructions per step)\n",
+                launch * 1e6, (long long)instructions);
+  }
   std::string text = doc.dump(1);
   writeFileAtomically(path, text.data(), text.size());
   std::printf("wrote %s\n", path.c_str());
@@ -300,6 +316,7 @@ int train(std::vector<std::unique_ptr<Session>> &ranks,
     float loss = stepAllRanks(ranks, comm);
     auto t1 = std::chrono::steady_clock::now();
     double stepSeconds = std::chrono::duration<double>(t1 - t0).count();
+    runSeconds += stepSeconds, ++runSteps;
     double elapsed = std::chrono::duration<double>(t1 - start).count();
     std::printf("step %lld/%d  loss %.6f  %.0f %s/s  elapsed %.2fs\n", (long long)t, steps, loss,
                 numRanks * batch * seq / stepSeconds, languageModel ? "tokens" : "examples", elapsed);

@@ -297,3 +297,21 @@ TEST(Planner, RuntimeProfileSetsRatesWidthsAndExposure) {
   double dense = model.trainingFlopsPerExample * 8 / 4; // per device
   EXPECT_GE(exposed.computeTime, 0.9 * dense / 1.5e14);
 }
+
+TEST(Planner, LaunchCostChargesEveryMicrobatchPass) {
+  ModelSpec model = handModel(8, 1024, 1024, 16, 50304);
+  for (LayerSpec &l : model.layers)
+    l.instructions = 20;
+  Cluster c = cluster("h100:1");
+  CostOptions quiet, loud;
+  loud.launchSeconds = 1e-5;
+  for (int64_t m : {1, 4}) {
+    Plan plan;
+    plan.microbatchSize = 8 / m;
+    Plan a = Planner(model, c, quiet).evaluate(8, plan), b = Planner(model, c, loud).evaluate(8, plan);
+    ASSERT_TRUE(a.feasible && b.feasible);
+    // Every layer's 20 forward and 28 backward launches, once per microbatch.
+    double expected = double(m) * double(model.layers.size()) * 20 * 2.4 * 1e-5;
+    EXPECT_NEAR(b.stepTime - a.stepTime, expected, 1e-9) << m << " microbatches";
+  }
+}
