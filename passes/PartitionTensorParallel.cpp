@@ -55,7 +55,8 @@ struct Shard {
 
 class Partitioner {
 public:
-  Partitioner(ModuleOp module, int64_t tp) : module(module), tp(tp) {}
+  Partitioner(ModuleOp module, int64_t tp, bool gatherOutputs)
+      : module(module), tp(tp), gatherOutputs(gatherOutputs) {}
 
   LogicalResult run() {
     if (failed(forEachFunction(module, [&](FunctionOpInterface fn) { return analyse(fn); })))
@@ -65,6 +66,9 @@ public:
         return where->emitError() << "uses parameter @" << param.getSymName()
                                   << " whole, but tensor parallelism splits it elsewhere";
     rewrite();
+    if (gatherOutputs) // inference: what @forward returns split comes back whole
+      if (auto forward = module.lookupSymbol<func::FuncOp>("forward"))
+        gatherReturns(forward);
     if (failed(forEachFunction(module, [&](FunctionOpInterface fn) { return refresh(fn); })))
       return failure();
     return verify(module);
@@ -319,6 +323,23 @@ private:
     module->setAttr("loom.mesh", MeshAttr::get(ctx, {group}, {tp}));
   }
 
+  void gatherReturns(func::FuncOp fn) {
+    auto ret = cast<func::ReturnOp>(fn.getBody().front().getTerminator());
+    OpBuilder b(ret);
+    for (OpOperand &operand : ret->getOpOperands()) {
+      Value v = operand.get();
+      if (!state.lookup(v).split)
+        continue;
+      auto type = cast<RankedTensorType>(v.getType());
+      SmallVector<int64_t> shape(type.getShape());
+      shape.back() *= tp;
+      auto gathered = b.create<AllGatherOp>(v.getLoc(), RankedTensorType::get(shape, type.getElementType()), v,
+                                            b.getStringAttr("tp"), b.getI64IntegerAttr(type.getRank() - 1),
+                                            b.getI64IntegerAttr(tp));
+      operand.set(gathered);
+    }
+  }
+
   static LogicalResult refresh(FunctionOpInterface fn) {
     Block &entry = fn.getFunctionBody().front();
     if (failed(refreshResultTypes(fn.getFunctionBody())))
@@ -330,6 +351,7 @@ private:
 
   ModuleOp module;
   int64_t tp;
+  bool gatherOutputs;
   DenseMap<Value, State> state;
   llvm::MapVector<ParamOp, Shard> shards;
   llvm::MapVector<ParamOp, Operation *> replicatedUse;
@@ -340,7 +362,7 @@ private:
 
 } // namespace
 
-LogicalResult mlir::loom::partitionTensorParallel(ModuleOp module, int64_t tp) {
+LogicalResult mlir::loom::partitionTensorParallel(ModuleOp module, int64_t tp, bool gatherOutputs) {
   if (tp < 1)
     return module.emitError() << "tp must be at least 1, got " << tp;
   if (tp == 1)
@@ -350,7 +372,7 @@ LogicalResult mlir::loom::partitionTensorParallel(ModuleOp module, int64_t tp) {
       if (auto tensor = dyn_cast<RankedTensorType>(t); tensor && !tensor.hasStaticShape())
         return fn.emitError() << "specialise the batch (loom-specialize-batch) before "
                                  "partitioning: argument type " << t << " is dynamic";
-  return Partitioner(module, tp).run();
+  return Partitioner(module, tp, gatherOutputs).run();
 }
 
 namespace mlir::loom {
@@ -359,7 +381,7 @@ struct PartitionTensorParallelPass
     : public impl::PartitionTensorParallelBase<PartitionTensorParallelPass> {
   using PartitionTensorParallelBase::PartitionTensorParallelBase;
   void runOnOperation() override {
-    if (failed(partitionTensorParallel(getOperation(), tp)))
+    if (failed(partitionTensorParallel(getOperation(), tp, gatherOutputs)))
       signalPassFailure();
   }
 };

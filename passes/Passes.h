@@ -29,8 +29,9 @@ LogicalResult specializeBatch(ModuleOp module, int64_t batch);
 LogicalResult applyMixedPrecision(ModuleOp module);
 
 /// Rewrites `module` (static shapes) into the program of one of `tp`
-/// tensor-parallel ranks (the loom-partition-tp pass).
-LogicalResult partitionTensorParallel(ModuleOp module, int64_t tp);
+/// tensor-parallel ranks (the loom-partition-tp pass). With `gatherOutputs`
+/// (inference), split results of @forward are all-gathered whole.
+LogicalResult partitionTensorParallel(ModuleOp module, int64_t tp, bool gatherOutputs = false);
 
 #define GEN_PASS_REGISTRATION
 #include "passes/Passes.h.inc"

@@ -42,7 +42,9 @@ def PartitionTensorParallel : Pass<"loom-partition-tp", "::mlir::ModuleOp"> {
     loom-specialize-batch: partitioning needs static shapes.
   }];
   let options = [
-    Option<"tp", "tp", "int64_t", /*default=*/"2", "Tensor-parallel degree (>= 1)">
+    Option<"tp", "tp", "int64_t", /*default=*/"2", "Tensor-parallel degree (>= 1)">,
+    Option<"gatherOutputs", "gather-outputs", "bool", /*default=*/"false",
+           "All-gather what @forward returns split (inference bundles)">
   ];
 }
 

@@ -1148,9 +1148,9 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
   if (options.batch % (dp * m) != 0)
     return original.emitError() << "the batch (" << options.batch << ") must divide evenly over "
                                 << dp << " data-parallel ranks x " << m << " microbatches";
-  if (!options.train && (dp > 1 || tp > 1 || pp > 1 || m > 1))
-    return original.emitError() << "parallel plans apply to training bundles (--train) for now; "
-                                   "inference bundles run on one rank";
+  if (!options.train && (dp > 1 || pp > 1 || m > 1))
+    return original.emitError() << "inference bundles split over tensor parallelism only (tp); "
+                                   "data and pipeline parallelism apply to training bundles (--train)";
   planner::Schedule schedule;
   if (!planner::parseSchedule(options.schedule, schedule))
     return original.emitError() << "unknown schedule '" << options.schedule
@@ -1169,7 +1169,7 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
     return failure();
   if (options.bf16 && failed(applyMixedPrecision(*module)))
     return failure();
-  if (failed(partitionTensorParallel(*module, tp)))
+  if (failed(partitionTensorParallel(*module, tp, /*gatherOutputs=*/!options.train)))
     return failure();
   const char *entryName = options.train ? "loss" : "forward";
   auto entry = module->lookupSymbol<func::FuncOp>(entryName);
@@ -1190,11 +1190,21 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
   manifest.seed = options.seed;
   manifest.plan = options.plan;
   int64_t nextKernel = 0;
-  if (!options.train) {
-    if (options.fuse)
-      fuseElementwise(*rank, nextKernel);
-    planMemory(*rank, {"forward"});
-    manifest.ranks.push_back(std::move(*rank));
+  if (!options.train) { // one rank, or the tensor-parallel ranks of one replica
+    Grid grid{1, tp, 1};
+    for (int64_t g = 0; g < tp; ++g) {
+      rt::RankProgram r = *rank;
+      r.rank = g;
+      if (tp > 1)
+        grid.describe(r);
+      for (rt::Parameter &p : r.params)
+        if (p.shard.axis >= 0)
+          p.shard.index = g;
+      if (options.fuse)
+        fuseElementwise(r, nextKernel);
+      planMemory(r, {"forward"});
+      manifest.ranks.push_back(std::move(r));
+    }
     return manifest;
   }
   if (rank->outputs.size() != 1 || !rank->buffers[rank->outputs[0].buffer].shape.empty())

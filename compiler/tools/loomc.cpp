@@ -271,9 +271,16 @@ int runCompile() {
     if (plan.value("batch", int64_t(0)) != compileBatch)
       return fail(compilePlan + " is a plan for batch " + std::to_string(plan.value("batch", int64_t(0))) +
                   "; compile with --batch " + std::to_string(plan.value("batch", int64_t(0))));
+  } else if (!compileTrain && (cluster.numDevices() > 1 || !compileForce.empty())) {
+    // Inference splits over tensor parallelism only; the planner's costs are a training step's.
+    if (!force.tp || *force.tp != cluster.numDevices() || force.dp.value_or(1) != 1 ||
+        force.pp.value_or(1) != 1)
+      return fail("inference bundles split over tensor parallelism: give --force tp=" +
+                  std::to_string(cluster.numDevices()) + " for --cluster " + compileCluster +
+                  " (data and pipeline parallelism apply to training bundles, --train)");
+    plan = {{"format", "loom-plan"}, {"devices", cluster.numDevices()}, {"batch", int64_t(compileBatch)},
+            {"dp", 1}, {"tp", *force.tp}, {"pp", 1}, {"vpp", 1}, {"microbatches", 1}};
   } else if (cluster.numDevices() > 1 || !compileForce.empty()) {
-    if (!compileTrain)
-      return fail("parallel plans apply to training bundles (--train) for now");
     auto spec = mlir::loom::buildModelSpec(*module, llvm::sys::path::stem(compileInput));
     if (failed(spec))
       return 1;

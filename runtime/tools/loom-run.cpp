@@ -512,28 +512,55 @@ int run(int argc, char **argv) {
   if (steps < 0)
     steps = 1;
 
-  if (!input.empty()) {
-    SafetensorsFile in = readSafetensors(input);
-    for (const NamedBuffer &nb : r.inputs) {
-      auto it = in.tensors.find(nb.name);
-      if (it == in.tensors.end())
-        fail(LOOM_INVALID_ARGUMENT, input, ": has no tensor for input '", nb.name, "'");
-      const Buffer &b = r.buffers[nb.buffer];
-      if (it->second.dtype != b.dtype || it->second.shape != b.shape)
-        fail(LOOM_INVALID_ARGUMENT, input, ": input '", nb.name, "' is ", dtypeName(it->second.dtype),
-             shapeStr(it->second.shape), " but the bundle expects ", dtypeName(b.dtype), shapeStr(b.shape));
-      s.bindInput(nb.name, in.data.data() + it->second.offset, it->second.bytes);
+  // Every rank (the tensor-parallel parts of one model) sees the same inputs.
+  for (auto &rank : ranks) {
+    if (!input.empty()) {
+      SafetensorsFile in = readSafetensors(input);
+      for (const NamedBuffer &nb : r.inputs) {
+        auto it = in.tensors.find(nb.name);
+        if (it == in.tensors.end())
+          fail(LOOM_INVALID_ARGUMENT, input, ": has no tensor for input '", nb.name, "'");
+        const Buffer &b = r.buffers[nb.buffer];
+        if (it->second.dtype != b.dtype || it->second.shape != b.shape)
+          fail(LOOM_INVALID_ARGUMENT, input, ": input '", nb.name, "' is ", dtypeName(it->second.dtype),
+               shapeStr(it->second.shape), " but the bundle expects ", dtypeName(b.dtype), shapeStr(b.shape));
+        rank->bindInput(nb.name, in.data.data() + it->second.offset, it->second.bytes);
+      }
+    } else {
+      std::mt19937_64 rng(seed);
+      for (const NamedBuffer &nb : r.inputs)
+        fillSynthetic(*rank, nb, rng);
     }
-  } else {
-    std::mt19937_64 rng(seed);
-    for (const NamedBuffer &nb : r.inputs)
-      fillSynthetic(s, nb, rng);
   }
-
-  s.runForward(); // warm-up
+  auto forwardAll = [&] {
+    if (ranks.size() == 1)
+      return s.runForward();
+    std::vector<std::thread> threads;
+    std::mutex mutex;
+    std::optional<Error> first;
+    for (size_t k = 0; k < ranks.size(); ++k)
+      threads.emplace_back([&, k] {
+        try {
+          ranks[k]->runForward();
+        } catch (const Error &e) {
+          std::lock_guard<std::mutex> lock(mutex);
+          if (!first)
+            first = Error(e.code, cat("rank ", ranks[k]->rank().rank, ": ", e.what()));
+          if (comm)
+            comm->abort(static_cast<int>(ranks[k]->rank().rank), e.what());
+          if (ncclWorld)
+            abortNcclWorld(*ncclWorld);
+        }
+      });
+    for (std::thread &t : threads)
+      t.join();
+    if (first)
+      throw *first;
+  };
+  forwardAll(); // warm-up
   auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < steps; ++i)
-    s.runForward();
+    forwardAll();
   double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 
   std::vector<SafetensorsTensorRef> refs;

@@ -444,3 +444,44 @@ func.func @yield_outside() {
   // expected-error @+1 {{'loom.yield' op expects parent op 'loom.block'}}
   loom.yield
 }
+
+// -----
+
+func.func @bad_reduction(%x: tensor<4xf32>) -> tensor<4xf32> {
+  // expected-error @+1 {{'loom.all_reduce' op reduction must be "sum", "mean" or "max", got "prod"}}
+  %0 = loom.all_reduce %x {group = "tp", reduction = "prod"} : tensor<4xf32>
+  return %0 : tensor<4xf32>
+}
+
+// -----
+
+func.func @no_group(%x: tensor<4xf32>) -> tensor<4xf32> {
+  // expected-error @+1 {{'loom.all_reduce' op needs a group (a mesh axis such as "tp")}}
+  %0 = loom.all_reduce %x {group = ""} : tensor<4xf32>
+  return %0 : tensor<4xf32>
+}
+
+// -----
+
+func.func @grad_all_reduce_types(%x: tensor<4xf32>) -> tensor<8xf32> {
+  // expected-error @+1 {{'loom.grad_all_reduce' op failed to verify that all of {x, result} have same type}}
+  %0 = "loom.grad_all_reduce"(%x) {group = "tp"} : (tensor<4xf32>) -> tensor<8xf32>
+  return %0 : tensor<8xf32>
+}
+
+// -----
+
+func.func @gather_axis(%x: tensor<2x8xf32>) {
+  // expected-error @+1 {{'loom.all_gather' op axis 2 is out of range}}
+  %0 = loom.all_gather %x {axis = 2 : i64, group = "tp", parts = 2 : i64} : tensor<2x8xf32>
+  return
+}
+
+// -----
+
+func.func @gather_parts(%x: tensor<2x8xf32>) {
+  // expected-error @+1 {{'loom.all_gather' op needs parts >= 1, got 0}}
+  %0 = loom.all_gather %x {axis = 1 : i64, group = "tp", parts = 0 : i64} : tensor<2x8xf32>
+  return
+}
+

@@ -127,4 +127,17 @@ module attributes {loom.mesh = #loom.mesh<["dp" = 2, "tp" = 4]>} {
     %y = loom.repeat 3 @layer(%x) : (tensor<?x16xf32>) -> tensor<?x16xf32>
     return %y : tensor<?x16xf32>
   }
+
+  // CHECK-LABEL: func.func @communication
+  func.func @communication(%x: tensor<2x8xf32>) -> tensor<2x16xf32> {
+    // CHECK: loom.grad_all_reduce %{{.*}} {group = "tp"} : tensor<2x8xf32>
+    %0 = loom.grad_all_reduce %x {group = "tp"} : tensor<2x8xf32>
+    // CHECK: loom.all_reduce %{{.*}} {group = "tp"} : tensor<2x8xf32>
+    %1 = loom.all_reduce %0 {group = "tp"} : tensor<2x8xf32>
+    // CHECK: loom.all_reduce %{{.*}} {group = "dp", reduction = "max"} : tensor<2x8xf32>
+    %2 = loom.all_reduce %1 {group = "dp", reduction = "max"} : tensor<2x8xf32>
+    // CHECK: loom.all_gather %{{.*}} {axis = 1 : i64, group = "tp", parts = 2 : i64} : tensor<2x8xf32>
+    %3 = loom.all_gather %2 {axis = 1 : i64, group = "tp", parts = 2 : i64} : tensor<2x8xf32>
+    return %3 : tensor<2x16xf32>
+  }
 }

@@ -3,6 +3,7 @@
 // RUN: not loom-opt %models/llama-tiny.mlir --loom-specialize-batch=batch=2 --loom-partition-tp=tp=4 2>&1 | FileCheck %s --check-prefix=HEADS
 // RUN: not loom-opt %models/mlp.mlir --loom-specialize-batch=batch=2 --loom-partition-tp=tp=2 2>&1 | FileCheck %s --check-prefix=NORULE
 // RUN: not loom-opt %models/gpt-tiny.mlir --loom-partition-tp=tp=2 2>&1 | FileCheck %s --check-prefix=DYNAMIC
+// RUN: loom-opt %models/gpt-tiny.mlir --loom-specialize-batch=batch=2 --loom-partition-tp="tp=2 gather-outputs=1" | FileCheck %s --check-prefix=GATHER
 
 // Megatron's pattern: the vocabulary-parallel embedding and head, the fused
 // q|k|v projection split per block, column- then row-parallel pairs.
@@ -68,3 +69,9 @@
 // HEADS: error: has 2 heads; tp = 4 must divide them
 // NORULE: error: has no tensor-parallel rule for an input split over tp
 // DYNAMIC: error: specialise the batch (loom-specialize-batch) before partitioning
+
+// For inference the split logits come back whole.
+// GATHER-LABEL: func.func @forward
+// GATHER: %[[L:.*]] = loom.matmul {{.*}}transpose_b
+// GATHER-NEXT: %[[G:.*]] = loom.all_gather %[[L]] {axis = 2 : i64, group = "tp", parts = 2 : i64} : tensor<2x32x128xf32>
+// GATHER-NEXT: return %[[G]] : tensor<2x32x256xf32>

@@ -297,6 +297,10 @@ LogicalResult AllReduceOp::buildGradient(GradientBuilder &b) {
   return success();
 }
 
+LogicalResult AllGatherOp::buildGradient(GradientBuilder &) {
+  return emitOpError() << "has no gradient rule yet: gathered outputs are for inference bundles";
+}
+
 LogicalResult GradAllReduceOp::buildGradient(GradientBuilder &b) {
   H dy = b.resultGrad();
   if (dy >= 0 && b.needsGrad(0))

@@ -760,6 +760,25 @@ LOOM_INFER_WITH_ADAPTOR(AttentionOp)
 LOOM_INFER_WITH_ADAPTOR(CrossEntropyOp)
 LOOM_INFER_WITH_ADAPTOR(TransposeOp)
 LOOM_INFER_WITH_ADAPTOR(SliceOp)
+
+static LogicalResult inferAllGatherOp(MLIRContext *, std::optional<Location> loc,
+                                      AllGatherOp::Adaptor adaptor, SmallVectorImpl<Type> &inferred) {
+  StringRef name = "loom.all_gather";
+  auto x = rankedOperand(loc, name, "input", adaptor.getX());
+  if (failed(x))
+    return failure();
+  auto axis = normaliseAxis(adaptor.getAxis(), x->getRank());
+  if (failed(axis))
+    return inferError(loc, name, "axis ", adaptor.getAxis(), " is out of range for ", *x);
+  if (adaptor.getParts() < 1)
+    return inferError(loc, name, "needs parts >= 1, got ", adaptor.getParts());
+  SmallVector<int64_t> shape(x->getShape());
+  if (!isDyn(shape[*axis]))
+    shape[*axis] *= adaptor.getParts();
+  inferred.push_back(RankedTensorType::get(shape, x->getElementType()));
+  return success();
+}
+LOOM_INFER_WITH_ADAPTOR(AllGatherOp)
 LOOM_INFER_WITH_ADAPTOR(ConcatOp)
 LOOM_INFER_WITH_ADAPTOR(Conv2DOp)
 LOOM_INFER_WITH_ADAPTOR(MaxPool2DOp)

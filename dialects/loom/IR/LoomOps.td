@@ -337,6 +337,19 @@ def Loom_GradAllReduceOp : Loom_Op<"grad_all_reduce", [AllTypesMatch<["x", "resu
   let assemblyFormat = "$x attr-dict `:` type($x)";
 }
 
+def Loom_AllGatherOp : Loom_Op<"all_gather", [DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
+  let summary = "Concatenates the parts of a tensor held by a group of ranks";
+  let description = [{
+    Every rank of `group` holds `parts` equal slices along `axis`; each
+    receives all of them, in the group's order. The partitioner gathers a
+    model's split outputs with it when compiling for inference (the
+    vocabulary-parallel logits). It has no gradient rule yet.
+  }];
+  let arguments = (ins Loom_FloatTensor:$x, StrAttr:$group, I64Attr:$axis, I64Attr:$parts);
+  let results = (outs Loom_FloatTensor:$result);
+  let assemblyFormat = "$x attr-dict `:` type($x)";
+}
+
 //===----------------------------------------------------------------------===//
 // Shape manipulation
 //===----------------------------------------------------------------------===//

@@ -1499,6 +1499,34 @@ Kernel buildShardOf(const Ctx &c) {
 /// Every rank's slices put back into the whole parameters (pairs of
 /// slice and whole, one collective for all of them).
 Kernel buildAllGather(const Ctx &c) {
+  if (c.ins.attrs.contains("axis")) { // parts along an axis, concatenated in group order
+    c.arity(1, 1);
+    c.needF32(c.in(0)), c.needF32(c.out());
+    Communicator *comm = needComm(c);
+    std::vector<int> group = groupOf(c, attrString(c, "group", "tp"));
+    auto [index, parts] = placeIn(c, group);
+    const Shape &in = c.in(0).shape, &out = c.out().shape;
+    int64_t axis = c.axis(c.attrInt("axis"), in.size());
+    Shape want = in;
+    want[axis] *= parts;
+    if (out != want)
+      c.bad(cat("gathering ", parts, " parts of ", shapeStr(in), " along axis ", axis, " gives ",
+                shapeStr(want), ", not ", shapeStr(out)));
+    int64_t outer = 1, inner = 1;
+    for (int64_t d = 0; d < axis; ++d)
+      outer *= in[d];
+    for (size_t d = axis; d < in.size(); ++d)
+      inner *= in[d]; // the part's contiguous run per outer index
+    float *src = c.f32(c.in(0)), *dst = c.f32(c.out());
+    int64_t rank = c.rank.rank, total = count(out), at = index;
+    return [=] {
+      std::vector<float> whole(static_cast<size_t>(total), 0.0f);
+      for (int64_t o = 0; o < outer; ++o)
+        std::copy(src + o * inner, src + (o + 1) * inner, whole.begin() + (o * parts + at) * inner);
+      comm->allReduce(int(rank), group, whole.data(), total, Reduction::Sum);
+      std::copy(whole.begin(), whole.end(), dst);
+    };
+  }
   if (c.ins.in.empty() || c.ins.in.size() != c.ins.out.size())
     c.bad("expects one whole tensor per slice");
   Communicator *comm = needComm(c);

@@ -1491,6 +1491,33 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
       }
     };
   }
+  if (op == "all_gather" && ins.attrs.contains("axis")) { // parts along an axis, in group order
+    auto [index, parts] = place();
+    (void)index;
+    ncclComm_t comm = commOf(ins.attrs.value("group", std::string("tp")));
+    const Shape &in = buf(ins.in[0]).shape;
+    int64_t axis = ins.attrs.at("axis").get<int64_t>();
+    axis = axis < 0 ? axis + int64_t(in.size()) : axis;
+    int64_t outer = 1, inner = 1;
+    for (int64_t d = 0; d < axis; ++d)
+      outer *= in[d];
+    for (size_t d = axis; d < in.size(); ++d)
+      inner *= in[d];
+    float *src = f(ins.in[0]), *dst = f(ins.out[0]);
+    reserve(size_t(outer * inner * parts) * sizeof(float));
+    int64_t count = parts;
+    return [=](cudaStream_t s) {
+      float *whole = reinterpret_cast<float *>(workspace); // [parts][outer][inner]
+      if (comm)
+        LOOM_NCCL_CHECK(ncclAllGather(src, whole, size_t(outer * inner), ncclFloat32, comm, s));
+      else
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(whole, src, outer * inner * sizeof(float), cudaMemcpyDeviceToDevice, s));
+      for (int64_t r = 0; r < count; ++r) // into [outer][parts][inner]
+        LOOM_CUDA_CHECK(cudaMemcpy2DAsync(dst + r * inner, count * inner * sizeof(float), whole + r * outer * inner,
+                                          inner * sizeof(float), inner * sizeof(float), outer,
+                                          cudaMemcpyDeviceToDevice, s));
+    };
+  }
   if (op == "all_gather") { // pairs of slice and whole tensor, gathered as one NCCL group
     auto [index, parts] = place();
     ncclComm_t comm = commOf(group);
