@@ -424,6 +424,32 @@ int inspectBundle() {
                  << m.plan.value("microbatches", 1) << " microbatch(es), schedule "
                  << m.plan.value("schedule", std::string("1f1b")) << ", ZeRO-"
                  << m.plan.value("zero", 0) << "\n";
+  // How tensor parallelism splits the parameters (rank 0's view; a block's
+  // parameters once, as "layer.*").
+  if (!m.ranks.empty()) {
+    std::map<std::string, std::string> rows;
+    for (const auto &p : m.ranks[0].params) {
+      if (p.shard.axis < 0)
+        continue;
+      std::string name = p.name;
+      llvm::SmallVector<llvm::StringRef, 3> parts;
+      llvm::StringRef(name).split(parts, '.', 2);
+      if (parts.size() == 3 && llvm::all_of(parts[1], [](char c) { return isdigit(static_cast<unsigned char>(c)); }))
+        name = (parts[0] + ".*." + parts[2]).str();
+      const auto &local = m.ranks[0].buffers[p.buffer].shape;
+      std::string row = ::loom::rt::shapeStr(p.shard.fullShape) + " -> " + ::loom::rt::shapeStr(local) +
+                        " per rank: dimension " + std::to_string(p.shard.axis) + " split over " +
+                        std::to_string(p.shard.parts) + " ranks";
+      if (p.shard.blocks > 1)
+        row += " in each of its " + std::to_string(p.shard.blocks) + " blocks";
+      rows[name] = row;
+    }
+    if (!rows.empty()) {
+      llvm::outs() << "  tensor-parallel parameters (the rest are replicated):\n";
+      for (const auto &[name, row] : rows)
+        llvm::outs() << "    " << llvm::left_justify(name, 22) << " " << row << "\n";
+    }
+  }
   for (const auto &r : m.ranks) {
     int64_t params = 0;
     for (const auto &p : r.params)
