@@ -53,6 +53,10 @@ int main(int argc, char **argv) {
   }
   if (!rc)
     rc = check(loom_session_run_forward(session), "loom_session_run_forward");
+  if (loom_session_num_ranks(session) > 1 && loom_session_rank(session) != 0) {
+    loom_session_destroy(session); /* rank 0 reports for the job */
+    return rc;
+  }
   for (int32_t i = 0; i < loom_session_num_outputs(session) && !rc; ++i) {
     loom_tensor_info_t info;
     rc = check(loom_session_output_info(session, i, &info), "loom_session_output_info");

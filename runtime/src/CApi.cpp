@@ -2,6 +2,7 @@
 
 #include "loom/runtime.h"
 #include "runtime/src/Error.h"
+#include "runtime/src/MpiCommunicator.h"
 #include "runtime/src/Session.h"
 
 #include <new>
@@ -51,6 +52,20 @@ loom_tensor_info_t infoOf(const loom::rt::NamedBuffer &nb, const loom::rt::Buffe
 }
 } // namespace
 
+namespace {
+/// Runs `work`; if it fails on one rank of a multi-rank bundle, the other
+/// ranks are stopped too (they would wait for this one until the timeout).
+template <typename Work> void stopPeersOnError(loom::rt::Session &s, Work work) {
+  try {
+    work();
+  } catch (const loom::rt::Error &e) {
+    s.abortPeers(e.what());
+    throw;
+  }
+}
+
+} // namespace
+
 extern "C" {
 
 loom_status_code_t loom_status_code(const loom_status_t *status) {
@@ -84,6 +99,29 @@ loom_status_t *loom_session_create(const char *bundle_path, const loom_session_o
         opts.backend = options->backend;
       opts.threads = options->num_threads;
     }
+    // A multi-rank bundle in a job started by mpirun: this process is the
+    // rank MPI gave it, connected to the others over MPI (and NCCL on GPUs).
+    int64_t ranks = static_cast<int64_t>(loom::rt::readManifest(bundle_path).ranks.size());
+    if (ranks > 1 && loom::rt::launchedByMpi()) {
+      static std::shared_ptr<loom::rt::Communicator> mpi;
+      static int rank = 0, size = 1;
+      if (!mpi) {
+        mpi = loom::rt::makeMpiCommunicator(rank, size);
+        std::atexit(loom::rt::finalizeMpi);
+      }
+      if (size != ranks)
+        loom::rt::fail(LOOM_INVALID_ARGUMENT, bundle_path, " has ", ranks, " ranks but mpirun started ",
+                       size, " processes; run mpirun -np ", ranks);
+      opts.rank = rank;
+      opts.comm = mpi;
+      if (opts.backend == "cuda") {
+        const char *local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+        opts.device = local ? std::atoi(local) : rank;
+        std::vector<int> devices(static_cast<size_t>(ranks), -1);
+        devices[rank] = opts.device;
+        opts.nccl = loom::rt::makeNcclWorld(loom::rt::readManifest(bundle_path), devices, rank, mpi.get());
+      }
+    }
     auto s = std::make_unique<loom_session_t>();
     s->session = std::make_unique<loom::rt::Session>(bundle_path, opts);
     *out_session = s.release();
@@ -91,6 +129,14 @@ loom_status_t *loom_session_create(const char *bundle_path, const loom_session_o
 }
 
 void loom_session_destroy(loom_session_t *session) { delete session; }
+
+int32_t loom_session_rank(const loom_session_t *session) {
+  return session ? static_cast<int32_t>(session->session->rank().rank) : -1;
+}
+
+int32_t loom_session_num_ranks(const loom_session_t *session) {
+  return session ? static_cast<int32_t>(session->session->manifest().ranks.size()) : 0;
+}
 
 int32_t loom_session_num_inputs(const loom_session_t *session) {
   return session ? static_cast<int32_t>(session->session->rank().inputs.size()) : 0;
@@ -136,7 +182,7 @@ loom_status_t *loom_session_bind_input(loom_session_t *session, const char *name
 loom_status_t *loom_session_run_forward(loom_session_t *session) {
   if (!session)
     return nullArgument("session");
-  return guarded([&] { session->session->runForward(); });
+  return guarded([&] { stopPeersOnError(*session->session, [&] { session->session->runForward(); }); });
 }
 
 loom_status_t *loom_session_read_output(loom_session_t *session, const char *name, void *data,
@@ -150,7 +196,8 @@ loom_status_t *loom_session_train_step(loom_session_t *session, float *out_loss)
   if (!session)
     return nullArgument("session");
   return guarded([&] {
-    float loss = session->session->trainStep();
+    float loss = 0;
+    stopPeersOnError(*session->session, [&] { loss = session->session->trainStep(); });
     if (out_loss)
       *out_loss = loss;
   });

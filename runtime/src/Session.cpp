@@ -84,6 +84,13 @@ char *Session::data(const Buffer &b) const {
   return p;
 }
 
+void Session::abortPeers(const std::string &message) {
+  if (comm)
+    comm->abort(static_cast<int>(rank().rank), message);
+  if (nccl)
+    abortNcclWorld(*nccl);
+}
+
 bool Session::canTrain() const { return backend->has("backward") || backend->has("step"); }
 
 void Session::runProgram(const std::string &name) {

@@ -44,6 +44,8 @@ public:
   /// Parameters, optimizer state and step, atomically, with a checksum.
   void saveCheckpoint(const std::string &path) const;
   void loadCheckpoint(const std::string &path);
+  /// Stops the other ranks of a multi-rank bundle after this one failed.
+  void abortPeers(const std::string &message);
   /// Runs one program by name ("forward", "backward", "update").
   void runProgram(const std::string &name);
   float loss() const;

@@ -69,11 +69,18 @@ typedef struct loom_session_options_t {
 void loom_session_options_init(loom_session_options_t *options);
 
 /* Opens the bundle directory at `bundle_path`, validates it and loads its
- * weights. `options` may be NULL for the defaults. */
+ * weights. `options` may be NULL for the defaults. A bundle of several ranks
+ * opens in a job started with `mpirun -np N` (N = its rank count): each
+ * process is the rank MPI numbers it, connected to the others (NCCL between
+ * GPUs with the "cuda" backend, GPU = the local rank). */
 loom_status_t *loom_session_create(const char *bundle_path,
                                    const loom_session_options_t *options,
                                    loom_session_t **out_session);
 void loom_session_destroy(loom_session_t *session);
+
+/* This session's rank in its bundle, and the bundle's rank count. */
+int32_t loom_session_rank(const loom_session_t *session);
+int32_t loom_session_num_ranks(const loom_session_t *session);
 
 int32_t loom_session_num_inputs(const loom_session_t *session);
 int32_t loom_session_num_outputs(const loom_session_t *session);
