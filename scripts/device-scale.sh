@@ -36,6 +36,13 @@ grep -h "^  data\|^  tensor\|^  pipeline" $R/gpt-1.3b-planned.txt | tr -s ' ' | 
 for p in planned dp4 tp4 pp4 dp2tp2 tp2pp2; do
   run $R/gpt-1.3b-$p.loom 8 /tmp/13-$p.log && report /tmp/13-one.log /tmp/13-$p.log "1.3B $p"
 done
+echo "== calibration profiles for the planner (one GPU, per model): loomc plan --profile"
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr -cd 'A-Za-z0-9')
+for m in gpt2-350m gpt-1.3b; do
+  b=$R/$m-one.loom; [ "$m" = gpt2-350m ] && b=$R/gpt2-350m-train.loom
+  timeout 120 $B/loom-run "$b" --backend cuda --steps 6 --profile "${OUT:-/tmp}/profile-$card-$m.json" \
+    | grep -E "per instruction|matmul" | head -3
+done
 echo "== PyTorch (f32 weights, TF32 matmuls, as Loom), same models and cards"
 cd bench
 timeout 120 python3 torch_gpt.py --steps 8 --modes eager-fp32 2>&1 | grep "^torch" | sed 's/^/350M 1 GPU /'
