@@ -23,6 +23,10 @@ if [ "$set_name" = multi ]; then
   for plan in dp=2 tp=2 pp=2,mb=4,schedule=1f1b; do
     c models/gpt-tiny.mlir --batch 8 --train --lr 1e-3 --cluster h100:2 --force $plan -o $out/gpt-tiny-${plan%%=*}2.loom
   done
+  # ZeRO-1 over NCCL (reduce-scatter, slices, all-gather) and tensor-parallel inference.
+  c models/gpt-tiny.mlir --batch 8 --train --lr 1e-3 --cluster h100:2 --force dp=2,zero=1,mb=1 -o $out/gpt-tiny-zero2.loom
+  c models/gpt-tiny.mlir --batch 2 -o $out/gpt-tiny-infer1.loom
+  c models/gpt-tiny.mlir --batch 2 --cluster h100:2 --force tp=2 -o $out/gpt-tiny-infer-tp2.loom
   for plan in dp=2 tp=2 pp=2,mb=4,schedule=1f1b; do
     c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --cluster h100:2 --force $plan,zero=0 -o $out/gpt2-350m-${plan%%=*}2.loom
   done

@@ -28,9 +28,13 @@ run() { # bundle steps log
 }
 echo "== gpt-tiny, batch 8: one GPU vs 2 GPUs"
 run $R/gpt-tiny-one.loom 20 /tmp/tiny-one.log
-for p in dp2 tp2 pp2; do
+for p in dp2 tp2 pp2 zero2; do
   run "$R/gpt-tiny-$p.loom" 20 "/tmp/tiny-$p.log" && compare /tmp/tiny-one.log "/tmp/tiny-$p.log" "gpt-tiny $p"
 done
+echo "== gpt-tiny inference, tp2 against one GPU"
+$B/loom-run $R/gpt-tiny-infer1.loom --backend cuda --seed 3 --output /tmp/infer1.safetensors > /dev/null &&
+  $B/loom-run $R/gpt-tiny-infer-tp2.loom --backend cuda --seed 3 --output /tmp/infer2.safetensors > /dev/null &&
+  $B/loom-compare /tmp/infer2.safetensors /tmp/infer1.safetensors --tolerance 1e-3
 echo "== GPT-2 350M, batch 8, AdamW, f32 storage / TF32 GEMMs: one GPU vs several"
 run $R/gpt2-350m-train.loom 10 /tmp/350-one.log
 grep "trained:" /tmp/350-one.log | sed 's/^/one GPU: /'
