@@ -3,7 +3,8 @@
 # writes a small GPT with `loomc models`, verifies it and prints its summary,
 # compiles it and runs its forward pass on the CPU backend, plans GPT-2 350M for
 # a node of 8 H100s (plan.json, plan.svg), trains the small GPT for 40 steps on
-# the CPU backend with checkpoints, and lists the GPUs the runtime can use.
+# the CPU backend with checkpoints, trains it again split over two CPU ranks
+# (tensor parallelism, same losses), and lists the GPUs the runtime can use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
@@ -26,6 +27,12 @@ python3 -c "import struct,sys; ids=[(i % 16) + 1 for i in range(20000)]; open(sy
 "$B/compiler/loomc" compile "$model" --train --batch 4 --lr 1e-3 --warmup 10 --total-steps 40 -o "$B/quickstart/gpt-small-train.loom"
 "$B/runtime/loom-run" "$B/quickstart/gpt-small-train.loom" --steps 40 --data "$B/quickstart/tokens.bin" \
   --save-every 20 --checkpoint "$B/quickstart/checkpoint" | awk 'NR <= 3 || /step (10|20|30|40)\// || /saved|trained/' 
+echo "== the same training split over 2 CPU ranks by tensor parallelism: the losses of one device"
+"$B/compiler/loomc" compile "$model" --train --batch 4 --lr 1e-3 --warmup 10 --total-steps 40 \
+  --cluster cpu:2 --force tp=2,mb=1 -o "$B/quickstart/gpt-small-tp2.loom"
+"$B/compiler/loomc" inspect "$B/quickstart/gpt-small-tp2.loom" | sed -n '3,6p'
+"$B/runtime/loom-run" "$B/quickstart/gpt-small-tp2.loom" --steps 10 --data "$B/quickstart/tokens.bin" \
+  | awk 'NR == 1 || /step 10\//'
 if [ -x "$B/runtime/loom-devices" ]; then
   "$B/runtime/loom-devices" || echo "(no GPU here: the CPU backend is the reference)"
 fi
