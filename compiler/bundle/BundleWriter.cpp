@@ -1018,9 +1018,11 @@ private:
 /// ordered by when they are finished (the last instruction writing them),
 /// packed into buckets of about `bucketBytes`, each bucket issued right
 /// after its last gradient is done.
-void placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &program,
-                          const std::vector<int64_t> &grads, int64_t bucketBytes,
-                          const std::map<int64_t, int64_t> &shards = {}) {
+/// Returns the last event recorded (-1 when no bucket).
+int64_t placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &program,
+                             const std::vector<int64_t> &grads, int64_t bucketBytes,
+                             const std::map<int64_t, int64_t> &shards = {}) {
+  int64_t lastEvent = -1;
   auto root = [&](int64_t id) {
     while (r.buffers[id].viewOf >= 0)
       id = r.buffers[id].viewOf;
@@ -1041,15 +1043,15 @@ void placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &prog
     bucket.push_back(ready[i].second);
     bytes += r.buffers[ready[i].second].bytes;
     if (bytes >= bucketBytes || i + 1 == ready.size()) {
+      // On the communication stream; each bucket records event `lastEvent`.
+      json attrs = {{"reduction", "mean"}, {"group", "dp"}, {"async", true}, {"event", ++lastEvent}};
       if (shards.empty()) {
-        after[ready[i].first].push_back(
-            {"all_reduce", bucket, bucket, json{{"reduction", "mean"}, {"group", "dp"}, {"async", true}}});
+        after[ready[i].first].push_back({"all_reduce", bucket, bucket, attrs});
       } else { // ZeRO-1: each rank keeps the mean of its slice of every gradient
         std::vector<int64_t> outs;
         for (int64_t g : bucket)
           outs.push_back(shards.at(g));
-        after[ready[i].first].push_back(
-            {"reduce_scatter", bucket, outs, json{{"reduction", "mean"}, {"group", "dp"}, {"async", true}}});
+        after[ready[i].first].push_back({"reduce_scatter", bucket, outs, attrs});
       }
       bucket.clear();
       bytes = 0;
@@ -1064,6 +1066,7 @@ void placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &prog
       out.insert(out.end(), it->second.begin(), it->second.end());
   }
   program = std::move(out);
+  return lastEvent;
 }
 
 /// Drops the buffers and parameters a rank's programs never touch (other
@@ -1302,6 +1305,7 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
       reduce.push_back({"all_reduce", {p.grad}, {p.grad}, json{{"reduction", "sum"}, {"group", name}}});
     }
     std::map<int64_t, int64_t> zeroShards; // parameter buffer -> its gradient slice
+    int64_t lastBucketEvent = -1;
     if (dp > 1) {
       // ZeRO-1: a slice of ceil(n / dp) elements of every gradient per rank.
       std::map<int64_t, int64_t> shardOfGrad;
@@ -1332,8 +1336,8 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
         else
           reduce.push_back({"all_reduce", {p.grad}, {p.grad}, json{{"reduction", "mean"}, {"group", "dp"}}});
       }
-      placeGradientBuckets(r, r.programs[pipelined ? "step" : "backward"], early, options.bucketBytes,
-                           shardOfGrad);
+      lastBucketEvent = placeGradientBuckets(r, r.programs[pipelined ? "step" : "backward"], early,
+                                             options.bucketBytes, shardOfGrad);
       if (stage == lossStage)
         reduce.push_back({"all_reduce", {r.outputs[0].buffer}, {r.outputs[0].buffer},
                           json{{"reduction", "mean"}, {"group", "dp"}}});
@@ -1341,8 +1345,8 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
     if (pp > 1) // every rank reports the loss
       reduce.push_back({"broadcast_from", {r.outputs[0].buffer}, {r.outputs[0].buffer},
                         json{{"root", lossStage}, {"group", "pp"}}});
-    if (dp > 1) // the buckets issued during backward are done before anything reads them
-      reduce.insert(reduce.begin(), rt::Instruction{"comm_wait", {}, {}, json::object()});
+    if (lastBucketEvent >= 0) // the buckets issued during backward are done before anything reads them
+      reduce.insert(reduce.begin(), rt::Instruction{"event_wait", {}, {}, json{{"event", lastBucketEvent}}});
     // The clipping norm sums over the ranks that hold distinct parts: the
     // model-parallel ranks, and with ZeRO-1 the gradient slices of every replica.
     std::string normGroup = options.zero1 ? "all" : tp * pp > 1 ? "mp" : "";

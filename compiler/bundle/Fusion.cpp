@@ -125,7 +125,11 @@ int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
       fused.op = "fused";
       fused.in = inputs;
       fused.out = outputs;
-      fused.attrs = {{"kernel", "fused_" + std::to_string(nextKernel++)}, {"steps", steps},
+      // One thread per output element, in blocks of 256.
+      int64_t elements = rt::numElements(shape).value_or(0);
+      fused.attrs = {{"kernel", "fused_" + std::to_string(nextKernel++)},
+                     {"launch", {{"grid", (elements + 255) / 256}, {"block", 256}}},
+                     {"steps", steps},
                      {"results", results}};
       out.push_back(std::move(fused));
       removed += static_cast<int64_t>(j - i) - 1;

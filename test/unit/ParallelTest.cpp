@@ -229,7 +229,7 @@ TEST(ParallelBuckets, GradientBucketsGoOutDuringBackward) {
   ASSERT_GE(at.size(), 3u) << "expected several buckets of 64 KiB";
   // The first buckets go out while most of backward is still to run.
   EXPECT_LT(at.front(), backward.size() / 2);
-  EXPECT_EQ(m->ranks[0].programs.at("update").front().op, "comm_wait");
+  EXPECT_EQ(m->ranks[0].programs.at("update").front().op, "event_wait");
   size_t reduced = 0;
   for (size_t i : at)
     reduced += backward[i].in.size();

@@ -1425,11 +1425,12 @@ Kernel buildAllReduce(const Ctx &c) {
       std::copy(p, p + n, data), p += n;
   };
   // "async": the bucket goes out on the communication thread while the
-  // program goes on; a later comm_wait joins it. Its buffers are final
+  // program goes on; a later event_wait joins it. Its buffers are final
   // gradients that nothing writes before then.
   if (c.attrFlag("async") && c.async) {
     AsyncComm *async = c.async;
-    return [=] { async->submit(reduce); };
+    int64_t event = c.attrInt("event", -1);
+    return [=] { async->submit(reduce, event); };
   }
   return reduce;
 }
@@ -1474,7 +1475,8 @@ Kernel buildReduceScatter(const Ctx &c) {
   };
   if (c.attrFlag("async") && c.async) {
     AsyncComm *async = c.async;
-    return [=] { async->submit(work); };
+    int64_t event = c.attrInt("event", -1);
+    return [=] { async->submit(work, event); };
   }
   return work;
 }
@@ -1564,13 +1566,15 @@ Kernel buildAllGather(const Ctx &c) {
   };
 }
 
-/// Waits for the collectives submitted with "async" (no-op when none).
-Kernel buildCommWait(const Ctx &c) {
+/// Waits until event `event` of the communication stream has happened: the
+/// async collective that records it, and every one before it, is done.
+Kernel buildEventWait(const Ctx &c) {
   c.arity(0, 0);
   AsyncComm *async = c.async;
+  int64_t event = c.attrInt("event");
   return [=] {
     if (async)
-      async->wait();
+      async->wait(event);
   };
 }
 
@@ -1901,7 +1905,7 @@ const std::map<std::string, Builder> &builders() {
       {"all_reduce", buildAllReduce},
       {"broadcast_from", buildBroadcast1},
       {"send", buildSend},
-      {"comm_wait", buildCommWait},
+      {"event_wait", buildEventWait},
       {"reduce_scatter", buildReduceScatter},
       {"all_gather", buildAllGather},
       {"shard_of", buildShardOf},
@@ -1927,17 +1931,25 @@ AsyncComm::~AsyncComm() {
   worker.join();
 }
 
-void AsyncComm::submit(std::function<void()> task) {
+void AsyncComm::submit(std::function<void()> task, int64_t event) {
   {
     std::lock_guard<std::mutex> lock(mutex);
-    tasks.push_back(std::move(task));
+    tasks.push_back({std::move(task), event});
+    ++submitted;
+    if (event >= 0)
+      eventAt[event] = submitted;
   }
   cv.notify_all();
 }
 
-void AsyncComm::wait() {
+void AsyncComm::wait(int64_t event) {
   std::unique_lock<std::mutex> lock(mutex);
-  cv.wait(lock, [&] { return tasks.empty() && running == 0; });
+  int64_t until = submitted;
+  if (event >= 0) {
+    auto it = eventAt.find(event);
+    until = it == eventAt.end() ? 0 : it->second; // never recorded: nothing to wait for
+  }
+  cv.wait(lock, [&] { return completed >= until; });
   if (error) {
     std::exception_ptr e = error;
     error = nullptr;
@@ -1951,12 +1963,13 @@ void AsyncComm::loop() {
     cv.wait(lock, [&] { return stopping || !tasks.empty(); });
     if (tasks.empty())
       return; // stopping
-    std::function<void()> task = std::move(tasks.front());
+    std::function<void()> task = std::move(tasks.front().first);
     tasks.pop_front();
     ++running;
+    bool failed = error != nullptr;
     lock.unlock();
     try {
-      if (!error)
+      if (!failed)
         task();
     } catch (...) {
       std::lock_guard<std::mutex> relock(mutex);
@@ -1965,6 +1978,7 @@ void AsyncComm::loop() {
     }
     lock.lock();
     --running;
+    ++completed;
     cv.notify_all();
   }
 }

@@ -26,22 +26,28 @@
 
 namespace loom::rt {
 
-/// Collectives that run beside the computation: a worker thread takes them
-/// in the order they are submitted (every rank submits in the same order),
-/// and `comm_wait` blocks until all are done, rethrowing the first failure.
-/// Data-parallel gradient buckets go out this way while backward goes on.
+/// Collectives that run beside the computation (the bundle's communication
+/// stream): a worker thread takes them in the order they are submitted
+/// (every rank submits in the same order); a task may record an event when
+/// it is done, and `event_wait` blocks until that event (hence every task
+/// before it) has happened, rethrowing the first failure. Data-parallel
+/// gradient buckets go out this way while backward goes on.
 class AsyncComm {
 public:
   AsyncComm();
   ~AsyncComm();
-  void submit(std::function<void()> task);
-  void wait();
+  /// Queues `task`; when it is done, event `event` (if >= 0) is recorded.
+  void submit(std::function<void()> task, int64_t event = -1);
+  /// Waits for `event` (-1: for everything submitted).
+  void wait(int64_t event = -1);
 
 private:
   void loop();
   std::mutex mutex;
   std::condition_variable cv;
-  std::deque<std::function<void()>> tasks;
+  std::deque<std::pair<std::function<void()>, int64_t>> tasks;
+  std::map<int64_t, int64_t> eventAt; // event -> the submission that records it
+  int64_t submitted = 0, completed = 0;
   int64_t running = 0;
   bool stopping = false;
   std::exception_ptr error;

@@ -1348,7 +1348,7 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
   }
   if (op == "fused")
     return buildFused(ins);
-  if (op == "comm_wait") // collectives run in stream order here: nothing to wait for
+  if (op == "event_wait") // collectives run in stream order here: nothing to wait for
     return [](cudaStream_t) {};
   if (op == "all_reduce" || op == "broadcast_from" || op == "send" || op == "recv" ||
       op == "reduce_scatter" || op == "all_gather" || op == "shard_of" ||
@@ -1398,13 +1398,20 @@ Launch CudaBackendImpl::buildFused(const Instruction &ins) {
     pointers.push_back(ptr(buf(id)));
   for (int64_t id : ins.out)
     pointers.push_back(ptr(buf(id)));
+  // The launch shape the compiler chose (a thread per output element).
   int64_t n = count(buf(ins.out[0]).shape);
-  unsigned blocks = static_cast<unsigned>((n + kThreads - 1) / kThreads);
+  unsigned block = kThreads, grid = static_cast<unsigned>((n + kThreads - 1) / kThreads);
+  if (auto launch = ins.attrs.find("launch"); launch != ins.attrs.end() && launch->is_object()) {
+    block = launch->value("block", unsigned(kThreads));
+    grid = launch->value("grid", grid);
+    if (block == 0 || uint64_t(block) * grid < uint64_t(n))
+      fail(LOOM_INVALID_BUNDLE, where, ": launch ", grid, " x ", block, " does not cover ", n, " elements");
+  }
   return [=](cudaStream_t s) mutable {
     std::vector<void *> args;
     for (void *&p : pointers)
       args.push_back(&p);
-    LOOM_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void *>(fn), dim3(blocks), dim3(kThreads),
+    LOOM_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void *>(fn), dim3(grid), dim3(block),
                                      args.data(), 0, s));
   };
 }
