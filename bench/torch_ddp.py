@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from torch_gpt import GPT, arguments
+from torch_gpt import GPT, arguments, training_step
 
 
 def run(mode, a, rank, world):
@@ -37,14 +37,7 @@ def run(mode, a, rank, world):
     tokens = torch.randint(0, a.vocab, (local, a.seq), device="cuda", generator=g)
     targets = torch.roll(tokens, -1, 1)
 
-    def step():
-        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
-            loss = model(tokens, targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    step = training_step(model, model, opt, dtype, tokens, targets)
 
     for _ in range(3):
         step()

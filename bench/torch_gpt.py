@@ -59,6 +59,21 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
 
+def training_step(step_fn, model, opt, dtype, tokens, targets):
+    """One AdamW step with gradient clipping at 1.0, as Loom's bundles take it."""
+
+    def step():
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+            loss = step_fn(tokens, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
 def run(mode, a):
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -74,14 +89,7 @@ def run(mode, a):
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq), device="cuda")
     targets = torch.roll(tokens, -1, 1)
 
-    def step():
-        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
-            loss = step_fn(tokens, targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    step = training_step(step_fn, model, opt, dtype, tokens, targets)
 
     for _ in range(3):
         step()

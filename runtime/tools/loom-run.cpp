@@ -186,41 +186,45 @@ void reportProfile(const Session &s, const std::string &path) {
   std::printf("wrote %s\n", path.c_str());
 }
 
-/// One training step on every rank, each in its own thread; the first rank
-/// to fail stops the others through the communicator, and its error is the
-/// one reported.
-float stepAllRanks(std::vector<std::unique_ptr<Session>> &ranks,
-                   const std::shared_ptr<Communicator> &comm) {
-  if (ranks.size() == 1) {
-    try {
-      return ranks[0]->trainStep();
-    } catch (const Error &e) {
-      if (comm) // the other processes stop too
-        comm->abort(static_cast<int>(ranks[0]->rank().rank), e.what());
-      throw;
-    }
-  }
-  std::vector<std::thread> threads;
+/// Runs `work` on every rank of this process, each in its own thread; the
+/// first rank to fail stops the others (through the communicator, and NCCL
+/// aborts), and its error, naming the rank, is the one thrown.
+template <typename Work>
+void onEveryRank(std::vector<std::unique_ptr<Session>> &ranks, const std::shared_ptr<Communicator> &comm,
+                 Work work) {
   std::mutex mutex;
   std::optional<Error> first;
-  for (size_t r = 0; r < ranks.size(); ++r)
-    threads.emplace_back([&, r] {
-      try {
-        ranks[r]->trainStep();
-      } catch (const Error &e) {
-        std::lock_guard<std::mutex> lock(mutex);
-        if (!first)
-          first = Error(e.code, cat("rank ", r, ": ", e.what()));
-        if (comm)
-          comm->abort(static_cast<int>(r), e.what());
-        if (ncclWorld) // ranks blocked in NCCL return once their communicators abort
-          abortNcclWorld(*ncclWorld);
-      }
-    });
-  for (std::thread &t : threads)
-    t.join();
+  auto guarded = [&](size_t r) {
+    try {
+      work(*ranks[r]);
+    } catch (const Error &e) {
+      std::lock_guard<std::mutex> lock(mutex);
+      int64_t rank = ranks[r]->rank().rank;
+      if (!first)
+        first = ranks.size() > 1 ? Error(e.code, cat("rank ", rank, ": ", e.what())) : e;
+      if (comm) // the other ranks (threads or processes) stop too
+        comm->abort(static_cast<int>(rank), e.what());
+      if (ncclWorld) // ranks blocked in NCCL return once their communicators abort
+        abortNcclWorld(*ncclWorld);
+    }
+  };
+  if (ranks.size() == 1) {
+    guarded(0);
+  } else {
+    std::vector<std::thread> threads;
+    for (size_t r = 0; r < ranks.size(); ++r)
+      threads.emplace_back(guarded, r);
+    for (std::thread &t : threads)
+      t.join();
+  }
   if (first)
     throw *first;
+}
+
+/// One training step on every rank; the loss (the same on every rank).
+float stepAllRanks(std::vector<std::unique_ptr<Session>> &ranks,
+                   const std::shared_ptr<Communicator> &comm) {
+  onEveryRank(ranks, comm, [](Session &s) { s.trainStep(); });
   return ranks[0]->loss();
 }
 
@@ -532,31 +536,7 @@ int run(int argc, char **argv) {
         fillSynthetic(*rank, nb, rng);
     }
   }
-  auto forwardAll = [&] {
-    if (ranks.size() == 1)
-      return s.runForward();
-    std::vector<std::thread> threads;
-    std::mutex mutex;
-    std::optional<Error> first;
-    for (size_t k = 0; k < ranks.size(); ++k)
-      threads.emplace_back([&, k] {
-        try {
-          ranks[k]->runForward();
-        } catch (const Error &e) {
-          std::lock_guard<std::mutex> lock(mutex);
-          if (!first)
-            first = Error(e.code, cat("rank ", ranks[k]->rank().rank, ": ", e.what()));
-          if (comm)
-            comm->abort(static_cast<int>(ranks[k]->rank().rank), e.what());
-          if (ncclWorld)
-            abortNcclWorld(*ncclWorld);
-        }
-      });
-    for (std::thread &t : threads)
-      t.join();
-    if (first)
-      throw *first;
-  };
+  auto forwardAll = [&] { onEveryRank(ranks, comm, [](Session &rank) { rank.runForward(); }); };
   forwardAll(); // warm-up
   auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < steps; ++i)
