@@ -658,7 +658,10 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<in
     fail(LOOM_INVALID_ARGUMENT, "the bundle has ", m.ranks.size(), " ranks but only ", devices.size(),
          " GPUs are given");
   int count = 0;
-  LOOM_CUDA_CHECK(cudaGetDeviceCount(&count));
+  if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0)
+    fail(LOOM_UNSUPPORTED, "no usable CUDA device for this ", m.ranks.size(), "-rank bundle (cudaGetDeviceCount: ",
+         e == cudaSuccess ? "0 devices" : cudaGetErrorString(e),
+         "); check nvidia-smi and CUDA_VISIBLE_DEVICES, or run it on CPU ranks with --backend cpu");
   for (size_t r = 0; r < devices.size(); ++r)
     if (int d = devices[r]; (self < 0 || int(r) == self) && (d < 0 || d >= count))
       fail(LOOM_INVALID_ARGUMENT, "the bundle has ", m.ranks.size(), " ranks, one per GPU, but ", count,
