@@ -101,27 +101,9 @@ loom_status_t *loom_session_create(const char *bundle_path, const loom_session_o
     }
     // A multi-rank bundle in a job started by mpirun: this process is the
     // rank MPI gave it, connected to the others over MPI (and NCCL on GPUs).
-    int64_t ranks = static_cast<int64_t>(loom::rt::readManifest(bundle_path).ranks.size());
-    if (ranks > 1 && loom::rt::launchedByMpi()) {
-      static std::shared_ptr<loom::rt::Communicator> mpi;
-      static int rank = 0, size = 1;
-      if (!mpi) {
-        mpi = loom::rt::makeMpiCommunicator(rank, size);
-        std::atexit(loom::rt::finalizeMpi);
-      }
-      if (size != ranks)
-        loom::rt::fail(LOOM_INVALID_ARGUMENT, bundle_path, " has ", ranks, " ranks but mpirun started ",
-                       size, " processes; run mpirun -np ", ranks);
-      opts.rank = rank;
-      opts.comm = mpi;
-      if (opts.backend == "cuda") {
-        const char *local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
-        opts.device = local ? std::atoi(local) : rank;
-        std::vector<int> devices(static_cast<size_t>(ranks), -1);
-        devices[rank] = opts.device;
-        opts.nccl = loom::rt::makeNcclWorld(loom::rt::readManifest(bundle_path), devices, rank, mpi.get());
-      }
-    }
+    loom::rt::Manifest manifest = loom::rt::readManifest(bundle_path);
+    if (manifest.ranks.size() > 1 && loom::rt::launchedByMpi())
+      loom::rt::joinMpiJob(manifest, bundle_path, opts);
     auto s = std::make_unique<loom_session_t>();
     s->session = std::make_unique<loom::rt::Session>(bundle_path, opts);
     *out_session = s.release();

@@ -21,6 +21,13 @@ struct SessionOptions {
   std::shared_ptr<NcclWorld> nccl;
 };
 
+/// Under mpirun: makes `options` this process's rank of the bundle at
+/// `bundleDir` (`manifest`: one rank per process), connected to the others
+/// over MPI, and with the cuda backend over NCCL between the processes' GPUs
+/// (GPU = the local rank). MPI starts once per process and finalises at exit.
+/// Returns the rank; throws when the process count is not the rank count.
+int joinMpiJob(const Manifest &manifest, const std::string &bundleDir, SessionOptions &options);
+
 class Session {
 public:
   /// Reads and validates the bundle, sets up the backend, loads (or

@@ -415,39 +415,27 @@ int run(int argc, char **argv) {
   options.backend = backend;
   // Every rank of the bundle runs in this process, one thread each; under
   // mpirun, each process runs one rank and MPI connects them.
-  int64_t numRanks = static_cast<int64_t>(readManifest(bundle).ranks.size());
+  Manifest manifest = readManifest(bundle);
+  int64_t numRanks = static_cast<int64_t>(manifest.ranks.size());
   std::shared_ptr<Communicator> comm;
   std::vector<int64_t> local;
   if (launchedByMpi()) {
-    int mpiRank = 0, mpiSize = 1;
-    comm = makeMpiCommunicator(mpiRank, mpiSize);
+    if (threads == 0)
+      options.threads = 1;
+    int mpiRank = joinMpiJob(manifest, bundle, options);
+    comm = options.comm;
     mpiComm = comm.get();
     mpiRankOfProcess = mpiRank;
-    if (mpiSize != numRanks)
-      fail(LOOM_INVALID_ARGUMENT, bundle, " has ", numRanks, " ranks but mpirun started ", mpiSize,
-           " processes; run mpirun -np ", numRanks, " (one rank per process)");
+    ncclWorld = options.nccl.get();
     if (mpiRank != 0) // rank 0 reports; the others speak only on error
       std::freopen("/dev/null", "w", stdout);
     local = {mpiRank};
-    options.comm = comm;
-    if (threads == 0)
-      options.threads = 1;
-    if (backend == "cuda") { // NCCL between the processes' GPUs, bootstrapped over MPI
-      const char *localRank = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
-      if (!localRank)
-        localRank = std::getenv("MPI_LOCALRANKID");
-      options.device = localRank ? std::atoi(localRank) : mpiRank;
-      std::vector<int> devices(static_cast<size_t>(numRanks), -1);
-      devices[mpiRank] = options.device;
-      options.nccl = makeNcclWorld(readManifest(bundle), devices, mpiRank, comm.get());
-      ncclWorld = options.nccl.get();
-    }
   } else if (backend == "cuda" && numRanks > 1) {
     // One thread per GPU, rank k on GPU k, connected by NCCL.
     std::vector<int> devices;
     for (int64_t k = 0; k < numRanks; ++k)
       local.push_back(k), devices.push_back(static_cast<int>(k));
-    options.nccl = makeNcclWorld(readManifest(bundle), devices);
+    options.nccl = makeNcclWorld(manifest, devices);
     ncclWorld = options.nccl.get();
   } else {
     for (int64_t k = 0; k < numRanks; ++k)

@@ -1441,6 +1441,13 @@ std::pair<int64_t, int64_t> placeIn(const Ctx &c, const std::vector<int> &group)
   return {index, int64_t(group.size())};
 }
 
+/// A ZeRO-1 slice of a tensor of n elements over `parts` ranks has ceil(n / parts).
+void checkSlice(const Ctx &c, int64_t k, int64_t n, int64_t parts) {
+  if (k != (n + parts - 1) / parts)
+    c.bad(cat("a slice of ", k, " elements does not fit ", n, " over ", parts, " ranks, which needs ",
+              (n + parts - 1) / parts));
+}
+
 /// ZeRO-1: the mean over the group of each gradient (n elements, padded with
 /// zeros to parts x k), of which this rank keeps slice `index` of k =
 /// ceil(n / parts) elements. On one process the exchange is an all-reduce.
@@ -1458,9 +1465,7 @@ Kernel buildReduceScatter(const Ctx &c) {
   for (size_t i = 0; i < c.ins.in.size(); ++i) {
     c.needF32(c.in(i)), c.needF32(c.out(i));
     int64_t n = count(c.in(i).shape), k = count(c.out(i).shape);
-    if (k != (n + parts - 1) / parts)
-      c.bad(cat("slice ", i, " has ", k, " elements but ", n, " over ", parts, " ranks needs ",
-                (n + parts - 1) / parts));
+    checkSlice(c, k, n, parts);
     list.push_back({c.f32(c.in(i)), c.f32(c.out(i)), n, k});
   }
   int64_t rank = c.rank.rank, at = index;
@@ -1488,8 +1493,7 @@ Kernel buildShardOf(const Ctx &c) {
   std::vector<int> group = groupOf(c, attrString(c, "group", "dp"));
   auto [index, parts] = placeIn(c, group);
   int64_t n = count(c.in(0).shape), k = count(c.out().shape);
-  if (k != (n + parts - 1) / parts)
-    c.bad(cat("the slice has ", k, " elements but ", n, " over ", parts, " ranks needs ", (n + parts - 1) / parts));
+  checkSlice(c, k, n, parts);
   float *in = c.f32(c.in(0)), *out = c.f32(c.out());
   int64_t begin = index * k;
   return [=] {
@@ -1543,9 +1547,7 @@ Kernel buildAllGather(const Ctx &c) {
   for (size_t i = 0; i < c.ins.in.size(); ++i) {
     c.needF32(c.in(i)), c.needF32(c.out(i));
     int64_t k = count(c.in(i).shape), n = count(c.out(i).shape);
-    if (k != (n + parts - 1) / parts)
-      c.bad(cat("slice ", i, " has ", k, " elements but ", n, " over ", parts, " ranks needs ",
-                (n + parts - 1) / parts));
+    checkSlice(c, k, n, parts);
     list.push_back({c.f32(c.in(i)), c.f32(c.out(i)), k, n});
     total += k * parts;
   }

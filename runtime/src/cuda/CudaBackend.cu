@@ -400,6 +400,21 @@ __global__ void softmaxGradRowsKernel(const float *p, float *dp, int64_t len, fl
     dr[j] = pr[j] * (dr[j] - dot) * scale;
 }
 
+/// Maximum of a row of v values, and the sum of exp(x - max) over it, by
+/// one block (every thread gets the result).
+__device__ float rowMax(const float *lr, int64_t v, float *shared) {
+  float mx = -INFINITY;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
+    mx = fmaxf(mx, lr[j]);
+  return blockMax(mx, shared);
+}
+__device__ float rowSumExp(const float *lr, int64_t v, float mx, float *shared) {
+  float sum = 0;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
+    sum += expf(lr[j] - mx);
+  return blockSum(sum, shared);
+}
+
 __global__ void crossEntropyRowsKernel(const float *logits, const void *targets, bool wide,
                                        float *rowLoss, int64_t v, long long *err) {
   __shared__ float shared[32];
@@ -411,14 +426,7 @@ __global__ void crossEntropyRowsKernel(const float *logits, const void *targets,
       raise(err, 2, row, t);
     return;
   }
-  float mx = -INFINITY;
-  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
-    mx = fmaxf(mx, lr[j]);
-  mx = blockMax(mx, shared);
-  float sum = 0;
-  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
-    sum += expf(lr[j] - mx);
-  sum = blockSum(sum, shared);
+  float mx = rowMax(lr, v, shared), sum = rowSumExp(lr, v, mx, shared);
   if (threadIdx.x == 0)
     rowLoss[row] = logf(sum) + mx - lr[t];
 }
@@ -440,14 +448,7 @@ __global__ void crossEntropyGradKernel(const float *logits, const void *targets,
   const float *lr = logits + row * v;
   float *out = dl + row * v;
   int64_t t = readIndex(targets, wide, row);
-  float mx = -INFINITY;
-  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
-    mx = fmaxf(mx, lr[j]);
-  mx = blockMax(mx, shared);
-  float sum = 0;
-  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
-    sum += expf(lr[j] - mx);
-  sum = blockSum(sum, shared);
+  float mx = rowMax(lr, v, shared), sum = rowSumExp(lr, v, mx, shared);
   float scale = *dloss / rows;
   for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
     out[j] = (expf(lr[j] - mx) / sum - (j == t ? 1.0f : 0.0f)) * scale;
@@ -468,15 +469,11 @@ __global__ void sqrtFloatKernel(float *x) { *x = sqrtf(*x); }
 /// Vocabulary-parallel cross-entropy, in three steps around two all-reduces:
 /// the row maxima of the local logits; then each row's sum of exp(l - max)
 /// and its target logit (0 where another rank holds the target).
-__global__ void rowMaxKernel(const float *logits, float *rowMax, int64_t v) {
+__global__ void rowMaxKernel(const float *logits, float *rowMaxOut, int64_t v) {
   __shared__ float shared[32];
-  const float *lr = logits + blockIdx.x * v;
-  float mx = -INFINITY;
-  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
-    mx = fmaxf(mx, lr[j]);
-  mx = blockMax(mx, shared);
+  float mx = rowMax(logits + blockIdx.x * v, v, shared);
   if (threadIdx.x == 0)
-    rowMax[blockIdx.x] = mx;
+    rowMaxOut[blockIdx.x] = mx;
 }
 __global__ void rowSumTargetKernel(const float *logits, const void *targets, bool wide,
                                    const float *rowMax, float *stats, int64_t rows, int64_t v,
@@ -490,10 +487,7 @@ __global__ void rowSumTargetKernel(const float *logits, const void *targets, boo
       raise(err, 2, row, t);
     return;
   }
-  float mx = rowMax[row], sum = 0;
-  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
-    sum += expf(lr[j] - mx);
-  sum = blockSum(sum, shared);
+  float mx = rowMax[row], sum = rowSumExp(lr, v, mx, shared);
   if (threadIdx.x == 0) {
     stats[row] = sum;
     stats[rows + row] = t >= start && t < start + v ? lr[t - start] : 0.0f;
