@@ -71,4 +71,15 @@ c models/bert-tiny.mlir --batch 4 --fuse -o $out/bert-tiny-fused-infer.loom
 c models/gpt2-124m.mlir --batch 2 -o $out/gpt2-124m-infer.loom
 c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --weight-decay 0.1 --clip 1.0 -o $out/gpt2-350m-train.loom
 c models/gpt2-350m.mlir --batch 1 --train --lr 3e-4 -o $out/gpt2-350m-b1-train.loom
+# bf16 activations and gradients, f32 master weights (--precision bf16): checked
+# against the CPU backend's bf16 and timed against PyTorch's bf16 autocast.
+for m in gpt-tiny llama-tiny bert-tiny mlp; do
+  c models/$m.mlir --batch 4 --precision bf16 -o $out/$m-bf16-infer.loom
+done
+for m in gpt-tiny llama-tiny; do
+  c models/$m.mlir --batch 4 --train --lr 1e-3 --precision bf16 -o $out/$m-bf16-train.loom
+done
+c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --weight-decay 0.1 --clip 1.0 --precision bf16 \
+    -o $out/gpt2-350m-bf16-train.loom
+c models/gpt2-350m.mlir --batch 1 --train --lr 3e-4 --precision bf16 -o $out/gpt2-350m-bf16-b1-train.loom
 du -sh "$out"

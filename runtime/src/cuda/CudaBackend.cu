@@ -15,8 +15,10 @@
 #include "runtime/src/Backend.h"
 #include "runtime/src/Error.h"
 #include "runtime/src/cpu/CpuBackend.h"
+#include "runtime/src/cuda/FlashAttention.h"
 
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #ifdef LOOM_HAVE_NCCL
 #include <nccl.h>
@@ -93,36 +95,59 @@ __device__ inline void offsets(const Strided &s, int64_t i, int64_t &oa, int64_t
   }
 }
 
+/// A float tensor in device memory, f32 or bf16: kernels load and store
+/// through it, computing in f32 (bf16 results rounded to nearest even, as
+/// the CPU backend rounds them). The dtype test is uniform across a launch.
+struct DPtr {
+  void *p = nullptr;
+  bool bf = false;
+  __host__ __device__ DPtr operator+(int64_t off) const {
+    return {static_cast<char *>(p) + off * (bf ? 2 : 4), bf};
+  }
+  __device__ float operator[](int64_t i) const {
+    return bf ? __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i]) : static_cast<const float *>(p)[i];
+  }
+  __device__ void st(int64_t i, float v) const {
+    if (bf)
+      static_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(v);
+    else
+      static_cast<float *>(p)[i] = v;
+  }
+  __host__ __device__ explicit operator bool() const { return p != nullptr; }
+};
+
 #define GRID_LOOP(i, n) for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); i += int64_t(gridDim.x) * blockDim.x)
 
 //===--- Kernels ----------------------------------------------------------===//
 
-__global__ void fillKernel(float *y, int64_t n, float v) { GRID_LOOP(i, n) y[i] = v; }
+__global__ void fillKernel(DPtr y, int64_t n, float v) { GRID_LOOP(i, n) y.st(i, v); }
+__global__ void castKernel(DPtr x, DPtr y, int64_t n) { GRID_LOOP(i, n) y.st(i, x[i]); }
+/// Sums of f32 accumulators rounded into the result's dtype.
+__global__ void storeKernel(const float *x, DPtr y, int64_t n) { GRID_LOOP(i, n) y.st(i, x[i]); }
 __global__ void stepKernel(float *s) { *s += 1.0f; }
 
 enum BinaryOp { kAdd, kSub, kMul, kDiv };
-__global__ void binaryKernel(int op, const float *A, const float *B, float *C, int64_t n, Strided s) {
+__global__ void binaryKernel(int op, DPtr A, DPtr B, DPtr C, int64_t n, Strided s) {
   GRID_LOOP(i, n) {
     int64_t oa, ob;
     offsets(s, i, oa, ob);
     float a = A[oa], b = B[ob];
-    C[i] = op == kAdd ? a + b : op == kSub ? a - b : op == kMul ? a * b : a / b;
+    C.st(i, op == kAdd ? a + b : op == kSub ? a - b : op == kMul ? a * b : a / b);
   }
 }
 
 /// Same-shape operands, or a second operand repeating over leading dims (a bias).
-__global__ void binaryContiguousKernel(int op, const float *A, const float *B, float *C, int64_t n,
-                                       int64_t na, int64_t nb) {
+__global__ void binaryContiguousKernel(int op, DPtr A, DPtr B, DPtr C, int64_t n, int64_t na, int64_t nb) {
   GRID_LOOP(i, n) {
     float a = A[na == n ? i : i % na], b = B[nb == n ? i : i % nb];
-    C[i] = op == kAdd ? a + b : op == kSub ? a - b : op == kMul ? a * b : a / b;
+    C.st(i, op == kAdd ? a + b : op == kSub ? a - b : op == kMul ? a * b : a / b);
   }
 }
 
 /// Column sums of a [rows, cols] matrix in two deterministic passes: each
 /// block sums a chunk of rows for 32 columns into `partial[chunk][col]`.
-__global__ void columnPartialKernel(const float *x, const float *mean, const float *rstd,
-                                    const float *dy, float *partial, float *partialB, int64_t rows,
+__global__ void columnPartialKernel(DPtr x, const float *mean, const float *rstd,
+                                    DPtr dy, float *partial, float *partialB, int64_t rows,
                                     int64_t cols, int64_t rowsPerChunk) {
   __shared__ float tile[8][33], tileB[8][33];
   int64_t col = blockIdx.x * 32 + threadIdx.x, chunk = blockIdx.y;
@@ -150,12 +175,12 @@ __global__ void columnPartialKernel(const float *x, const float *mean, const flo
       partialB[chunk * cols + col] = sb;
   }
 }
-__global__ void columnFinishKernel(const float *partial, float *out, int64_t chunks, int64_t cols, float scale) {
+__global__ void columnFinishKernel(const float *partial, DPtr out, int64_t chunks, int64_t cols, float scale) {
   GRID_LOOP(c, cols) {
     float s = 0;
     for (int64_t k = 0; k < chunks; ++k)
       s += partial[k * cols + c];
-    out[c] = s * scale;
+    out.st(c, s * scale);
   }
 }
 
@@ -173,10 +198,10 @@ __device__ inline float applyUnary(int op, float x, float f) {
   default: return x * f;
   }
 }
-__global__ void unaryKernel(int op, const float *x, float *y, int64_t n, float f) {
-  GRID_LOOP(i, n) y[i] = applyUnary(op, x[i], f);
+__global__ void unaryKernel(int op, DPtr x, DPtr y, int64_t n, float f) {
+  GRID_LOOP(i, n) y.st(i, applyUnary(op, x[i], f));
 }
-__global__ void unaryGradKernel(int op, const float *x, const float *y, const float *dy, float *dx, int64_t n) {
+__global__ void unaryGradKernel(int op, DPtr x, DPtr y, DPtr dy, DPtr dx, int64_t n) {
   GRID_LOOP(i, n) {
     float v = x[i], out = y[i], d;
     switch (op) {
@@ -193,12 +218,13 @@ __global__ void unaryGradKernel(int op, const float *x, const float *y, const fl
     case kExp: d = out; break;
     default: d = -0.5f * out * out * out; break; // rsqrt
     }
-    dx[i] = dy[i] * d;
+    dx.st(i, dy[i] * d);
   }
 }
 
-/// out[i] = in[base + offset(i)]: slices, transposes, broadcasts (4-byte elements).
-__global__ void gatherKernel(const uint32_t *in, uint32_t *out, int64_t n, int64_t base, Strided s) {
+/// out[i] = in[base + offset(i)]: slices, transposes, broadcasts (E: an
+/// unsigned integer as wide as an element).
+template <typename E> __global__ void gatherKernel(const E *in, E *out, int64_t n, int64_t base, Strided s) {
   GRID_LOOP(i, n) {
     int64_t oa, ob;
     offsets(s, i, oa, ob);
@@ -206,7 +232,7 @@ __global__ void gatherKernel(const uint32_t *in, uint32_t *out, int64_t n, int64
   }
 }
 /// out[base + offset(i)] = in[i]: slice gradients and concatenation.
-__global__ void scatterKernel(const uint32_t *in, uint32_t *out, int64_t n, int64_t base, Strided s) {
+template <typename E> __global__ void scatterKernel(const E *in, E *out, int64_t n, int64_t base, Strided s) {
   GRID_LOOP(i, n) {
     int64_t oa, ob;
     offsets(s, i, oa, ob);
@@ -216,7 +242,7 @@ __global__ void scatterKernel(const uint32_t *in, uint32_t *out, int64_t n, int6
 
 /// One thread per output: sums (or maxes) the reduced subspace. `s` maps the
 /// kept index to the input offset in .a; `r` walks the reduced dims in .a.
-__global__ void reduceKernel(int op, const float *x, float *y, int64_t nOut, Strided s, Strided r,
+__global__ void reduceKernel(int op, DPtr x, DPtr y, int64_t nOut, Strided s, Strided r,
                              int64_t nRed, float scale) {
   GRID_LOOP(o, nOut) {
     int64_t base, unused;
@@ -228,7 +254,7 @@ __global__ void reduceKernel(int op, const float *x, float *y, int64_t nOut, Str
       float v = x[base + off];
       acc = op == 1 ? fmaxf(acc, v) : acc + v;
     }
-    y[o] = op == 1 ? acc : acc * scale;
+    y.st(o, op == 1 ? acc : acc * scale);
   }
 }
 
@@ -261,11 +287,11 @@ __device__ inline float blockMax(float v, float *shared) {
 }
 
 /// LayerNorm / RMSNorm over rows of h; saves mean and 1/std per row.
-__global__ void normKernel(const float *x, const float *g, const float *b, float *y, int64_t h,
-                           float eps, bool rms, float *meanOut, float *rstdOut) {
+__global__ void normKernel(DPtr x, DPtr g, DPtr b, DPtr y, int64_t h, float eps, bool rms, float *meanOut,
+                           float *rstdOut) {
   __shared__ float shared[32];
   int64_t row = blockIdx.x;
-  const float *xr = x + row * h;
+  DPtr xr = x + row * h;
   float sum = 0;
   if (!rms)
     for (int64_t j = threadIdx.x; j < h; j += blockDim.x)
@@ -276,18 +302,18 @@ __global__ void normKernel(const float *x, const float *g, const float *b, float
     sq += (xr[j] - mean) * (xr[j] - mean);
   float rstd = rsqrtf(blockSum(sq, shared) / h + eps);
   for (int64_t j = threadIdx.x; j < h; j += blockDim.x)
-    y[row * h + j] = (xr[j] - mean) * rstd * g[j] + (b ? b[j] : 0.0f);
+    y.st(row * h + j, (xr[j] - mean) * rstd * g[j] + (b.p ? b[j] : 0.0f));
   if (threadIdx.x == 0 && meanOut) {
     meanOut[row] = mean;
     rstdOut[row] = rstd;
   }
 }
 
-__global__ void normGradDxKernel(const float *x, const float *g, const float *dy, float *dx,
-                                 int64_t h, float eps, bool rms, float *meanOut, float *rstdOut) {
+__global__ void normGradDxKernel(DPtr x, DPtr g, DPtr dy, DPtr dx, int64_t h, float eps, bool rms,
+                                 float *meanOut, float *rstdOut) {
   __shared__ float shared[32];
   int64_t row = blockIdx.x;
-  const float *xr = x + row * h, *dyr = dy + row * h;
+  DPtr xr = x + row * h, dyr = dy + row * h;
   float sum = 0;
   if (!rms)
     for (int64_t j = threadIdx.x; j < h; j += blockDim.x)
@@ -307,7 +333,7 @@ __global__ void normGradDxKernel(const float *x, const float *g, const float *dy
   sdx = blockSum(sdx, shared);
   for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
     float xh = (xr[j] - mean) * rstd, d = dyr[j] * g[j];
-    dx[row * h + j] = rstd * (d - (rms ? 0.0f : sd / h) - xh * sdx / h);
+    dx.st(row * h + j, rstd * (d - (rms ? 0.0f : sd / h) - xh * sdx / h));
   }
   if (threadIdx.x == 0) {
     meanOut[row] = mean;
@@ -329,7 +355,7 @@ __device__ inline int64_t readIndex(const void *ids, bool wide, int64_t i) {
 
 /// Rows [start, start + vocab) of a vocabulary of `full` ids live here (the
 /// whole table unless tensor parallelism splits it): other ids give zeros.
-__global__ void embeddingKernel(const float *table, const void *ids, bool wide, float *y, int64_t n,
+__global__ void embeddingKernel(DPtr table, const void *ids, bool wide, DPtr y, int64_t n,
                                 int64_t h, int64_t vocab, long long *err, int64_t start, int64_t full) {
   GRID_LOOP(i, n * h) {
     int64_t t = i / h, id = readIndex(ids, wide, t);
@@ -338,11 +364,11 @@ __global__ void embeddingKernel(const float *table, const void *ids, bool wide, 
       continue;
     }
     int64_t row = id - start;
-    y[i] = row >= 0 && row < vocab ? table[row * h + i % h] : 0.0f;
+    y.st(i, row >= 0 && row < vocab ? table[row * h + i % h] : 0.0f);
   }
 }
 
-__global__ void embeddingGradKernel(const void *ids, bool wide, const float *dy, float *dt, int64_t n,
+__global__ void embeddingGradKernel(const void *ids, bool wide, DPtr dy, float *dt, int64_t n,
                                     int64_t h, int64_t vocab, long long *err, int64_t start, int64_t full) {
   GRID_LOOP(i, n * h) {
     int64_t t = i / h, id = readIndex(ids, wide, t);
@@ -356,14 +382,14 @@ __global__ void embeddingGradKernel(const void *ids, bool wide, const float *dy,
   }
 }
 
-__global__ void rotaryKernel(const float *x, float *y, int64_t pairs, int64_t s, int64_t w,
+__global__ void rotaryKernel(DPtr x, DPtr y, int64_t pairs, int64_t s, int64_t w,
                              int64_t d, double theta, float sign) {
   GRID_LOOP(p, pairs) {
     int64_t at = p * 2, pos = (at / w) % s, i = (at % d) / 2;
     float angle = sign * pos * static_cast<float>(pow(theta, -2.0 * i / d));
     float cs = cosf(angle), sn = sinf(angle), x0 = x[at], x1 = x[at + 1];
-    y[at] = x0 * cs - x1 * sn;
-    y[at + 1] = x0 * sn + x1 * cs;
+    y.st(at, x0 * cs - x1 * sn);
+    y.st(at + 1, x0 * sn + x1 * cs);
   }
 }
 
@@ -402,24 +428,24 @@ __global__ void softmaxGradRowsKernel(const float *p, float *dp, int64_t len, fl
 
 /// Maximum of a row of v values, and the sum of exp(x - max) over it, by
 /// one block (every thread gets the result).
-__device__ float rowMax(const float *lr, int64_t v, float *shared) {
+__device__ float rowMax(DPtr lr, int64_t v, float *shared) {
   float mx = -INFINITY;
   for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
     mx = fmaxf(mx, lr[j]);
   return blockMax(mx, shared);
 }
-__device__ float rowSumExp(const float *lr, int64_t v, float mx, float *shared) {
+__device__ float rowSumExp(DPtr lr, int64_t v, float mx, float *shared) {
   float sum = 0;
   for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
     sum += expf(lr[j] - mx);
   return blockSum(sum, shared);
 }
 
-__global__ void crossEntropyRowsKernel(const float *logits, const void *targets, bool wide,
-                                       float *rowLoss, int64_t v, long long *err) {
+__global__ void crossEntropyRowsKernel(DPtr logits, const void *targets, bool wide, float *rowLoss, int64_t v,
+                                       long long *err) {
   __shared__ float shared[32];
   int64_t row = blockIdx.x;
-  const float *lr = logits + row * v;
+  DPtr lr = logits + row * v;
   int64_t t = readIndex(targets, wide, row);
   if (t < 0 || t >= v) {
     if (threadIdx.x == 0)
@@ -441,20 +467,19 @@ __global__ void meanKernel(const float *x, int64_t n, float *out) {
     *out = s / n;
 }
 
-__global__ void crossEntropyGradKernel(const float *logits, const void *targets, bool wide,
-                                       const float *dloss, float *dl, int64_t rows, int64_t v) {
+__global__ void crossEntropyGradKernel(DPtr logits, const void *targets, bool wide, const float *dloss, DPtr dl,
+                                       int64_t rows, int64_t v) {
   __shared__ float shared[32];
   int64_t row = blockIdx.x;
-  const float *lr = logits + row * v;
-  float *out = dl + row * v;
+  DPtr lr = logits + row * v, out = dl + row * v;
   int64_t t = readIndex(targets, wide, row);
   float mx = rowMax(lr, v, shared), sum = rowSumExp(lr, v, mx, shared);
   float scale = *dloss / rows;
   for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
-    out[j] = (expf(lr[j] - mx) / sum - (j == t ? 1.0f : 0.0f)) * scale;
+    out.st(j, (expf(lr[j] - mx) / sum - (j == t ? 1.0f : 0.0f)) * scale);
 }
 
-__global__ void sumSquaresKernel(const float *g, int64_t n, double *acc) {
+__global__ void sumSquaresKernel(DPtr g, int64_t n, double *acc) {
   __shared__ float shared[32];
   float s = 0;
   GRID_LOOP(i, n) s += g[i] * g[i];
@@ -469,18 +494,18 @@ __global__ void sqrtFloatKernel(float *x) { *x = sqrtf(*x); }
 /// Vocabulary-parallel cross-entropy, in three steps around two all-reduces:
 /// the row maxima of the local logits; then each row's sum of exp(l - max)
 /// and its target logit (0 where another rank holds the target).
-__global__ void rowMaxKernel(const float *logits, float *rowMaxOut, int64_t v) {
+__global__ void rowMaxKernel(DPtr logits, float *rowMaxOut, int64_t v) {
   __shared__ float shared[32];
   float mx = rowMax(logits + blockIdx.x * v, v, shared);
   if (threadIdx.x == 0)
     rowMaxOut[blockIdx.x] = mx;
 }
-__global__ void rowSumTargetKernel(const float *logits, const void *targets, bool wide,
-                                   const float *rowMax, float *stats, int64_t rows, int64_t v,
-                                   int64_t start, int64_t full, long long *err) {
+__global__ void rowSumTargetKernel(DPtr logits, const void *targets, bool wide, const float *rowMax,
+                                   float *stats, int64_t rows, int64_t v, int64_t start, int64_t full,
+                                   long long *err) {
   __shared__ float shared[32];
   int64_t row = blockIdx.x;
-  const float *lr = logits + row * v;
+  DPtr lr = logits + row * v;
   int64_t t = readIndex(targets, wide, row);
   if (t < 0 || t >= full) {
     if (threadIdx.x == 0)
@@ -496,16 +521,15 @@ __global__ void rowSumTargetKernel(const float *logits, const void *targets, boo
 __global__ void splitLossRowsKernel(const float *rowMax, const float *stats, float *rowLoss, int64_t rows) {
   GRID_LOOP(r, rows) rowLoss[r] = logf(stats[r]) + rowMax[r] - stats[rows + r];
 }
-__global__ void splitCrossEntropyGradKernel(const float *logits, const void *targets, bool wide,
-                                            const float *rowMax, const float *stats, const float *dloss,
-                                            float *dl, int64_t rows, int64_t v, int64_t start) {
+__global__ void splitCrossEntropyGradKernel(DPtr logits, const void *targets, bool wide, const float *rowMax,
+                                            const float *stats, const float *dloss, DPtr dl, int64_t rows,
+                                            int64_t v, int64_t start) {
   int64_t row = blockIdx.x;
-  const float *lr = logits + row * v;
-  float *out = dl + row * v;
+  DPtr lr = logits + row * v, out = dl + row * v;
   int64_t t = readIndex(targets, wide, row) - start;
   float scale = *dloss / rows, mx = rowMax[row], sum = stats[row];
   for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
-    out[j] = (expf(lr[j] - mx) / sum - (j == t ? 1.0f : 0.0f)) * scale;
+    out.st(j, (expf(lr[j] - mx) / sum - (j == t ? 1.0f : 0.0f)) * scale);
 }
 
 __device__ inline double scheduledRate(double lr, double minLr, double warmup, double total, double t) {
@@ -855,7 +879,27 @@ public:
 
 private:
   char *ptr(const Buffer &b) { return arena + b.offset; }
-  float *f(int64_t id) { return reinterpret_cast<float *>(arena + rank.buffers[id].offset); }
+  static char *ptr(DPtr p) { return static_cast<char *>(p.p); }
+#ifdef LOOM_HAVE_NCCL
+  ncclDataType_t ncclType(int64_t id) { return fp(id).bf ? ncclBfloat16 : ncclFloat32; }
+#endif
+  /// An f32 tensor (optimizer state, losses, workspaces of reductions).
+  float *f(int64_t id) {
+    if (buf(id).dtype != LOOM_F32)
+      fail(LOOM_UNSUPPORTED, where, ": buffer '", buf(id).name, "' is ", dtypeName(buf(id).dtype),
+           "; the CUDA backend runs this operation on f32 only");
+    return reinterpret_cast<float *>(arena + rank.buffers[id].offset);
+  }
+  /// A floating-point tensor of either dtype the kernels read and write.
+  DPtr fp(int64_t id) {
+    const Buffer &b = buf(id);
+    if (b.dtype != LOOM_F32 && b.dtype != LOOM_BF16)
+      fail(LOOM_UNSUPPORTED, where, ": buffer '", b.name, "' is ", dtypeName(b.dtype),
+           "; the CUDA backend computes on f32 and bf16 tensors only");
+    return {arena + b.offset, b.dtype == LOOM_BF16};
+  }
+  static bool isBf16(const Buffer &b) { return b.dtype == LOOM_BF16; }
+  static int64_t elementSize(const Buffer &b) { return dtypeSize(b.dtype); }
   const Buffer &buf(int64_t id) const { return rank.buffers[id]; }
   static int64_t count(const Shape &s) { return numElements(s).value_or(0); }
 
@@ -886,13 +930,31 @@ private:
     return a < 0 ? a + static_cast<int64_t>(rank) : a;
   }
 
+  /// Element types of a GEMM: f32 operands run on TF32 tensor cores, bf16
+  /// operands on bf16 tensor cores; both accumulate in f32.
+  struct GemmTypes {
+    cudaDataType ab = CUDA_R_32F, c = CUDA_R_32F;
+    cublasComputeType_t compute = CUBLAS_COMPUTE_32F_FAST_TF32;
+    int64_t abSize = 4, cSize = 4;
+  };
+  GemmTypes gemmTypes(const Buffer &a, const Buffer &b, const Buffer &c) {
+    if (a.dtype != b.dtype)
+      fail(LOOM_UNSUPPORTED, where, ": a matrix product of ", dtypeName(a.dtype), " and ", dtypeName(b.dtype),
+           " (cast one operand first)");
+    GemmTypes t;
+    fp(a.id), fp(c.id); // f32 or bf16
+    if (isBf16(a))
+      t.ab = CUDA_R_16BF, t.abSize = 2, t.compute = CUBLAS_COMPUTE_32F;
+    if (isBf16(c))
+      t.c = CUDA_R_16BF, t.cSize = 2;
+    return t;
+  }
   /// Row-major C[M,N] = op(A) op(B) (+ beta C) through column-major cuBLAS.
-  void gemm(cudaStream_t, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
-            const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+  void gemm(const GemmTypes &t, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const void *a,
+            int64_t lda, const void *b, int64_t ldb, float beta, void *c, int64_t ldc) {
     LOOM_CUBLAS_CHECK(cublasGemmEx(blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                   int(n), int(m), int(k), &alpha, b, CUDA_R_32F, int(ldb), a, CUDA_R_32F,
-                                   int(lda), &beta, c, CUDA_R_32F, int(ldc), CUBLAS_COMPUTE_32F_FAST_TF32,
-                                   CUBLAS_GEMM_DEFAULT));
+                                   int(n), int(m), int(k), &alpha, b, t.ab, int(ldb), a, t.ab, int(lda), &beta, c,
+                                   t.c, int(ldc), t.compute, CUBLAS_GEMM_DEFAULT));
   }
   void gemmBatched(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float **a,
                    int64_t lda, const float **b, int64_t ldb, float beta, float **c, int64_t ldc, int64_t count) {
@@ -960,7 +1022,7 @@ Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
   auto epilogue = ins.attrs.find("epilogue");
   if (epilogue == ins.attrs.end() || !epilogue->is_string())
     return gemm;
-  float *po = f(ins.out[0]), *bias = f(ins.in[2]);
+  DPtr po = fp(ins.out[0]), bias = fp(ins.in[2]);
   int64_t cnt = count(buf(ins.out[0]).shape), n = buf(ins.out[0]).shape.back();
   return [=](cudaStream_t s) {
     gemm(s);
@@ -975,20 +1037,22 @@ Launch CudaBackendImpl::buildGemm(const Instruction &ins) {
   int64_t m = o.shape[o.shape.size() - 2], n = o.shape.back();
   int64_t k = ta ? a.shape[ra - 2] : a.shape[ra - 1];
   int64_t lda = a.shape[ra - 1], ldb = b.shape[rb - 1];
-  float *pa = f(ins.in[0]), *pb = f(ins.in[1]), *po = f(ins.out[0]);
+  GemmTypes t = gemmTypes(a, b, o);
+  char *pa = ptr(a), *pb = ptr(b), *po = ptr(o);
+  int64_t sz = t.abSize, osz = t.cSize;
   int64_t batch = count(o.shape) / (m * n);
   int64_t batchA = count(a.shape) / (a.shape[ra - 1] * a.shape[ra - 2]);
   int64_t batchB = count(b.shape) / (b.shape[rb - 1] * b.shape[rb - 2]);
   if (batchB == 1 && !ta) // fold A's batch into rows: one GEMM
-    return [=](cudaStream_t s) { gemm(s, false, tb, batch * m, n, k, 1.0f, pa, lda, pb, ldb, 0.0f, po, n); };
+    return [=](cudaStream_t) { gemm(t, false, tb, batch * m, n, k, 1.0f, pa, lda, pb, ldb, 0.0f, po, n); };
   if (batchA == batch && batchB == batch) {
     int64_t sa = count(a.shape) / batch, sb = count(b.shape) / batch, so = m * n;
     return [=](cudaStream_t) {
       float one = 1.0f, zero = 0.0f;
       LOOM_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
           blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, int(n), int(m), int(k), &one, pb,
-          CUDA_R_32F, int(ldb), sb, pa, CUDA_R_32F, int(lda), sa, &zero, po, CUDA_R_32F, int(n), so, int(batch),
-          CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT));
+          t.ab, int(ldb), sb, pa, t.ab, int(lda), sa, &zero, po, t.c, int(n), so, int(batch), t.compute,
+          CUBLAS_GEMM_DEFAULT));
     };
   }
   // Other broadcasts: one GEMM per batch with the operands' own offsets.
@@ -1007,9 +1071,9 @@ Launch CudaBackendImpl::buildGemm(const Instruction &ins) {
     offA.push_back(oa * a.shape[ra - 1] * a.shape[ra - 2]);
     offB.push_back(obb * b.shape[rb - 1] * b.shape[rb - 2]);
   }
-  return [=](cudaStream_t s) {
+  return [=](cudaStream_t) {
     for (int64_t i = 0; i < batch; ++i)
-      gemm(s, ta, tb, m, n, k, 1.0f, pa + offA[i], lda, pb + offB[i], ldb, 0.0f, po + i * m * n, n);
+      gemm(t, ta, tb, m, n, k, 1.0f, pa + offA[i] * sz, lda, pb + offB[i] * sz, ldb, 0.0f, po + i * m * n * osz, n);
   };
 }
 
@@ -1021,6 +1085,34 @@ Launch CudaBackendImpl::buildAttention(const Instruction &ins, bool grad) {
   bool causal = flag(ins, "causal");
   float scale = static_cast<float>(num(ins, "scale", 1.0 / std::sqrt(double(D))));
   int64_t ldq = heads * D, ldk = kv * D;
+  if (isBf16(q)) { // fused flash attention on bf16 tensor cores
+    for (size_t i = 0; i < ins.in.size(); ++i)
+      if (!isBf16(buf(ins.in[i])))
+        fail(LOOM_UNSUPPORTED, where, ": mixes bf16 and ", dtypeName(buf(ins.in[i]).dtype), " operands");
+    for (int64_t id : ins.out)
+      if (!isBf16(buf(id)))
+        fail(LOOM_UNSUPPORTED, where, ": bf16 attention with a ", dtypeName(buf(id).dtype), " result");
+    if (!flash::supported(D))
+      fail(LOOM_UNSUPPORTED, where, ": bf16 attention has kernels for head dimensions 16, 32, 64 and 128, not ", D,
+           "; compile with --precision f32 for this model");
+    flash::Params p;
+    p.q = ptr(q), p.k = ptr(k), p.v = ptr(buf(ins.in[2]));
+    p.batch = B, p.s = S, p.t = T, p.heads = heads, p.kvHeads = kv, p.headDim = D, p.causal = causal, p.scale = scale;
+    std::string what = where;
+    if (!grad) {
+      char *po = ptr(buf(ins.out[0]));
+      return [=](cudaStream_t st) {
+        if (cudaError_t e = flash::forward(p, po, nullptr, st); e != cudaSuccess)
+          fail(LOOM_INTERNAL, what, ": flash attention forward failed: ", cudaGetErrorString(e));
+      };
+    }
+    reserve(flash::backwardWorkspace(p));
+    char *pdo = ptr(buf(ins.in[3])), *gq = ptr(buf(ins.out[0])), *gk = ptr(buf(ins.out[1])), *gv = ptr(buf(ins.out[2]));
+    return [=](cudaStream_t st) {
+      if (cudaError_t e = flash::backward(p, pdo, gq, gk, gv, workspace, st); e != cudaSuccess)
+        fail(LOOM_INTERNAL, what, ": flash attention backward failed: ", cudaGetErrorString(e));
+    };
+  }
   float *pq = f(ins.in[0]), *pk = f(ins.in[1]), *pv = f(ins.in[2]);
   size_t scoreBytes = size_t(B * heads * S * T) * sizeof(float);
   reserve(grad ? 2 * scoreBytes : scoreBytes);
@@ -1125,7 +1217,7 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
   const std::string &op = ins.op;
   auto n = [&](int64_t id) { return count(buf(id).shape); };
   if (op == "fill") {
-    float *y = f(ins.out[0]);
+    DPtr y = fp(ins.out[0]);
     int64_t cnt = n(ins.out[0]);
     float v = static_cast<float>(num(ins, "value", 0));
     return [=](cudaStream_t s) { fillKernel<<<blocksFor(cnt), kThreads, 0, s>>>(y, cnt, v); };
@@ -1141,12 +1233,12 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
       return t.size() <= o.shape.size() && std::equal(t.rbegin(), t.rend(), o.shape.rbegin());
     };
     if (trailing(buf(ins.in[0]).shape) && trailing(buf(ins.in[1]).shape)) {
-      float *a = f(ins.in[0]), *b = f(ins.in[1]), *y = f(ins.out[0]);
+      DPtr a = fp(ins.in[0]), b = fp(ins.in[1]), y = fp(ins.out[0]);
       int64_t cnt = count(o.shape), na = n(ins.in[0]), nb = n(ins.in[1]);
       return [=](cudaStream_t s) { binaryContiguousKernel<<<blocksFor(cnt), kThreads, 0, s>>>(code, a, b, y, cnt, na, nb); };
     }
     Strided st = strided(o.shape, broadcastTo(buf(ins.in[0]).shape, o.shape), broadcastTo(buf(ins.in[1]).shape, o.shape));
-    float *a = f(ins.in[0]), *b = f(ins.in[1]), *y = f(ins.out[0]);
+    DPtr a = fp(ins.in[0]), b = fp(ins.in[1]), y = fp(ins.out[0]);
     int64_t cnt = count(o.shape);
     return [=](cudaStream_t s) { binaryKernel<<<blocksFor(cnt), kThreads, 0, s>>>(code, a, b, y, cnt, st); };
   }
@@ -1155,7 +1247,7 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
   if (op == "gelu" || unaries.count(op)) {
     int code = op == "gelu" ? (flag(ins, "approximate") ? kGeluTanh : kGelu) : unaries.at(op);
     float factor = static_cast<float>(num(ins, "factor", 1.0));
-    float *x = f(ins.in[0]), *y = f(ins.out[0]);
+    DPtr x = fp(ins.in[0]), y = fp(ins.out[0]);
     int64_t cnt = n(ins.out[0]);
     return [=](cudaStream_t s) { unaryKernel<<<blocksFor(cnt), kThreads, 0, s>>>(code, x, y, cnt, factor); };
   }
@@ -1164,7 +1256,7 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     static const std::map<std::string, int> fns = {{"gelu", kGelu}, {"gelu_tanh", kGeluTanh}, {"silu", kSilu},
                                                    {"relu", kRelu}, {"tanh", kTanh}, {"exp", kExp}, {"rsqrt", kRsqrt}};
     int code = fns.at(fn);
-    float *x = f(ins.in[0]), *y = f(ins.in[1]), *dy = f(ins.in[2]), *dx = f(ins.out[0]);
+    DPtr x = fp(ins.in[0]), y = fp(ins.in[1]), dy = fp(ins.in[2]), dx = fp(ins.out[0]);
     int64_t cnt = n(ins.out[0]);
     return [=](cudaStream_t s) { unaryGradKernel<<<blocksFor(cnt), kThreads, 0, s>>>(code, x, y, dy, dx, cnt); };
   }
@@ -1187,12 +1279,12 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
       int64_t rows = count(redShape), cols = count(keptShape);
       int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(rows / 64, 512)), per = (rows + chunks - 1) / chunks;
       float scale = op == "reduce_mean" ? 1.0f / float(rows) : 1.0f;
-      float *px = f(ins.in[0]), *py = f(ins.out[0]);
+      DPtr px = fp(ins.in[0]), py = fp(ins.out[0]);
       reserve(size_t(chunks * cols) * sizeof(float));
       return [=](cudaStream_t s) {
         float *partial = reinterpret_cast<float *>(workspace);
         dim3 grid(unsigned((cols + 31) / 32), unsigned(chunks)), block(32, 8);
-        columnPartialKernel<<<grid, block, 0, s>>>(px, nullptr, nullptr, nullptr, partial, nullptr, rows, cols, per);
+        columnPartialKernel<<<grid, block, 0, s>>>(px, nullptr, nullptr, DPtr{}, partial, nullptr, rows, cols, per);
         columnFinishKernel<<<blocksFor(cols), kThreads, 0, s>>>(partial, py, chunks, cols, scale);
       };
     }
@@ -1202,7 +1294,7 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     int64_t nOut = count(keptShape), nRed = count(redShape);
     int code = op == "reduce_max" ? 1 : 0;
     float scale = op == "reduce_mean" ? 1.0f / float(nRed) : 1.0f;
-    float *px = f(ins.in[0]), *py = f(ins.out[0]);
+    DPtr px = fp(ins.in[0]), py = fp(ins.out[0]);
     return [=](cudaStream_t s) { reduceKernel<<<blocksFor(nOut), kThreads, 0, s>>>(code, px, py, nOut, ks, rs, nRed, scale); };
   }
   if (op == "layernorm" || op == "rmsnorm") {
@@ -1210,7 +1302,7 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     const Buffer &x = buf(ins.in[0]);
     int64_t h = x.shape.back(), rows = count(x.shape) / h;
     float eps = static_cast<float>(num(ins, "eps", 1e-5));
-    float *px = f(ins.in[0]), *g = f(ins.in[1]), *b = rms ? nullptr : f(ins.in[2]), *y = f(ins.out[0]);
+    DPtr px = fp(ins.in[0]), g = fp(ins.in[1]), b = rms ? DPtr{} : fp(ins.in[2]), y = fp(ins.out[0]);
     return [=](cudaStream_t s) { normKernel<<<int(rows), kThreads, 0, s>>>(px, g, b, y, h, eps, rms, nullptr, nullptr); };
   }
   if (op == "layernorm_grad" || op == "rmsnorm_grad") {
@@ -1218,8 +1310,8 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     const Buffer &x = buf(ins.in[0]);
     int64_t h = x.shape.back(), rows = count(x.shape) / h;
     float eps = static_cast<float>(num(ins, "eps", 1e-5));
-    float *px = f(ins.in[0]), *g = f(ins.in[1]), *dy = f(ins.in[2]), *dx = f(ins.out[0]), *dg = f(ins.out[1]);
-    float *db = rms ? nullptr : f(ins.out[2]);
+    DPtr px = fp(ins.in[0]), g = fp(ins.in[1]), dy = fp(ins.in[2]), dx = fp(ins.out[0]), dg = fp(ins.out[1]);
+    DPtr db = rms ? DPtr{} : fp(ins.out[2]);
     int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(rows / 64, 512)), per = (rows + chunks - 1) / chunks;
     reserve((2 * rows + 2 * chunks * h) * sizeof(float));
     return [=](cudaStream_t s) {
@@ -1242,13 +1334,19 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     long long *err = errorWord;
     int64_t parts = 1, start = startOf(ins, vocab, parts), full = vocab * parts;
     if (!grad) {
-      float *pt = f(ins.in[0]), *y = f(ins.out[0]);
+      DPtr pt = fp(ins.in[0]), y = fp(ins.out[0]);
       return [=](cudaStream_t s) { embeddingKernel<<<blocksFor(cnt * h), kThreads, 0, s>>>(pt, pid, wide, y, cnt, h, vocab, err, start, full); };
     }
-    float *dy = f(ins.in[1]), *dt = f(ins.out[0]);
+    // Accumulates in f32 (in the workspace for a bf16 table), rounding once.
+    DPtr dy = fp(ins.in[1]), dt = fp(ins.out[0]);
+    if (dt.bf)
+      reserve(size_t(vocab * h) * sizeof(float));
     return [=](cudaStream_t s) {
-      LOOM_CUDA_CHECK(cudaMemsetAsync(dt, 0, vocab * h * sizeof(float), s));
-      embeddingGradKernel<<<blocksFor(cnt * h), kThreads, 0, s>>>(pid, wide, dy, dt, cnt, h, vocab, err, start, full);
+      float *acc = dt.bf ? reinterpret_cast<float *>(workspace) : static_cast<float *>(dt.p);
+      LOOM_CUDA_CHECK(cudaMemsetAsync(acc, 0, vocab * h * sizeof(float), s));
+      embeddingGradKernel<<<blocksFor(cnt * h), kThreads, 0, s>>>(pid, wide, dy, acc, cnt, h, vocab, err, start, full);
+      if (dt.bf)
+        storeKernel<<<blocksFor(vocab * h), kThreads, 0, s>>>(acc, dt, vocab * h);
     };
   }
   if (op == "rotary") {
@@ -1257,7 +1355,7 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     int64_t sLen = x.shape[1], w = x.shape[2], d = w / heads, pairs = count(x.shape) / 2;
     double theta = num(ins, "theta", 10000.0);
     float sign = flag(ins, "inverse") ? -1.0f : 1.0f;
-    float *px = f(ins.in[0]), *y = f(ins.out[0]);
+    DPtr px = fp(ins.in[0]), y = fp(ins.out[0]);
     return [=](cudaStream_t s) { rotaryKernel<<<blocksFor(pairs), kThreads, 0, s>>>(px, y, pairs, sLen, w, d, theta, sign); };
   }
   if (op == "attention")
@@ -1269,7 +1367,7 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     int64_t v = logits.shape.back(), rows = count(targets.shape);
     bool wide = targets.dtype == LOOM_I64;
     void *pt = ptr(targets);
-    float *pl = f(ins.in[0]);
+    DPtr pl = fp(ins.in[0]);
     long long *err = errorWord;
     if (ins.attrs.contains("vocab_group"))
       return buildCommunication(ins);
@@ -1282,7 +1380,8 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
         meanKernel<<<1, 1024, 0, s>>>(rowLoss, rows, out);
       };
     }
-    float *dl = f(ins.in[2]), *out = f(ins.out[0]);
+    float *dl = f(ins.in[2]);
+    DPtr out = fp(ins.out[0]);
     return [=](cudaStream_t s) { crossEntropyGradKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, dl, out, rows, v); };
   }
   if (op == "slice" || op == "transpose" || op == "broadcast") {
@@ -1301,24 +1400,41 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
       st = broadcastTo(x.shape, o.shape);
     }
     Strided sd = strided(o.shape, st);
-    auto *pi = reinterpret_cast<uint32_t *>(ptr(x));
-    auto *po = reinterpret_cast<uint32_t *>(ptr(o));
+    char *pi = ptr(x), *po = ptr(o);
     int64_t cnt = count(o.shape);
-    return [=](cudaStream_t s) { gatherKernel<<<blocksFor(cnt), kThreads, 0, s>>>(pi, po, cnt, base, sd); };
+    int64_t size = elementSize(x);
+    return [=](cudaStream_t s) {
+      if (size == 2)
+        gatherKernel<<<blocksFor(cnt), kThreads, 0, s>>>(reinterpret_cast<uint16_t *>(pi), reinterpret_cast<uint16_t *>(po), cnt, base, sd);
+      else if (size == 4)
+        gatherKernel<<<blocksFor(cnt), kThreads, 0, s>>>(reinterpret_cast<uint32_t *>(pi), reinterpret_cast<uint32_t *>(po), cnt, base, sd);
+      else
+        gatherKernel<<<blocksFor(cnt), kThreads, 0, s>>>(reinterpret_cast<uint64_t *>(pi), reinterpret_cast<uint64_t *>(po), cnt, base, sd);
+    };
   }
   if (op == "slice_grad" || op == "concat") {
     const Buffer &o = buf(ins.out[0]);
     int64_t axis = axisOf(ins, "axis", o.shape.size(), 0);
     std::vector<int64_t> ost = stridesOf(o.shape);
-    auto *po = reinterpret_cast<uint32_t *>(ptr(o));
+    char *po = ptr(o);
+    int64_t size = elementSize(o);
     std::vector<Launch> parts;
     int64_t offset = op == "slice_grad" ? static_cast<int64_t>(num(ins, "start", 0)) : 0;
     for (int64_t id : ins.in) {
       const Buffer &x = buf(id);
       Strided sd = strided(x.shape, ost);
-      auto *pi = reinterpret_cast<uint32_t *>(ptr(x));
+      char *pi = ptr(x);
+      if (x.dtype != o.dtype)
+        fail(LOOM_INVALID_BUNDLE, where, ": joins ", dtypeName(x.dtype), " into ", dtypeName(o.dtype));
       int64_t cnt = count(x.shape), base = offset * ost[axis];
-      parts.push_back([=](cudaStream_t s) { scatterKernel<<<blocksFor(cnt), kThreads, 0, s>>>(pi, po, cnt, base, sd); });
+      parts.push_back([=](cudaStream_t s) {
+        if (size == 2)
+          scatterKernel<<<blocksFor(cnt), kThreads, 0, s>>>(reinterpret_cast<uint16_t *>(pi), reinterpret_cast<uint16_t *>(po), cnt, base, sd);
+        else if (size == 4)
+          scatterKernel<<<blocksFor(cnt), kThreads, 0, s>>>(reinterpret_cast<uint32_t *>(pi), reinterpret_cast<uint32_t *>(po), cnt, base, sd);
+        else
+          scatterKernel<<<blocksFor(cnt), kThreads, 0, s>>>(reinterpret_cast<uint64_t *>(pi), reinterpret_cast<uint64_t *>(po), cnt, base, sd);
+      });
       offset += x.shape[axis];
     }
     bool zero = op == "slice_grad";
@@ -1332,9 +1448,11 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
   }
   if (op == "cast") {
     const Buffer &x = buf(ins.in[0]), &o = buf(ins.out[0]);
-    if (x.dtype != o.dtype)
-      fail(LOOM_UNSUPPORTED, where, ": the CUDA backend converts no dtypes yet (", dtypeName(x.dtype), " to ",
-           dtypeName(o.dtype), "); use --backend cpu");
+    if (x.dtype != o.dtype) { // f32 <-> bf16
+      DPtr in = fp(ins.in[0]), out = fp(ins.out[0]);
+      int64_t cnt = count(o.shape);
+      return [=](cudaStream_t s) { castKernel<<<blocksFor(cnt), kThreads, 0, s>>>(in, out, cnt); };
+    }
     char *pi = ptr(x), *po = ptr(o);
     int64_t bytes = o.bytes;
     return [=](cudaStream_t s) { LOOM_CUDA_CHECK(cudaMemcpyAsync(po, pi, bytes, cudaMemcpyDeviceToDevice, s)); };
@@ -1352,9 +1470,9 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
       (op == "global_norm" && ins.attrs.contains("group")))
     return buildCommunication(ins);
   if (op == "global_norm") {
-    std::vector<std::pair<float *, int64_t>> grads;
+    std::vector<std::pair<DPtr, int64_t>> grads;
     for (int64_t id : ins.in)
-      grads.push_back({f(id), n(id)});
+      grads.push_back({fp(id), n(id)});
     float *out = f(ins.out[0]);
     reserve(sizeof(double));
     return [=](cudaStream_t s) {
@@ -1436,18 +1554,18 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     std::string kind = ins.attrs.value("reduction", std::string("sum"));
     ncclRedOp_t red = kind == "max" ? ncclMax : kind == "mean" ? ncclAvg : ncclSum;
     ncclComm_t comm = commOf(group);
-    std::vector<std::tuple<float *, float *, int64_t>> parts;
+    std::vector<std::tuple<char *, char *, int64_t, ncclDataType_t, int64_t>> parts;
     for (size_t i = 0; i < ins.in.size(); ++i)
-      parts.push_back({f(ins.in[i]), f(ins.out[i]), n(ins.in[i])});
+      parts.push_back({ptr(fp(ins.in[i])), ptr(fp(ins.out[i])), n(ins.in[i]), ncclType(ins.in[i]), buf(ins.in[i]).bytes});
     return [=](cudaStream_t s) {
-      for (auto [in, out, cnt] : parts)
+      for (auto [in, out, cnt, type, bytes] : parts)
         if (in != out)
-          LOOM_CUDA_CHECK(cudaMemcpyAsync(out, in, cnt * sizeof(float), cudaMemcpyDeviceToDevice, s));
+          LOOM_CUDA_CHECK(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, s));
       if (!comm)
         return;
       LOOM_NCCL_CHECK(ncclGroupStart()); // a bucket goes out as one group
-      for (auto [in, out, cnt] : parts)
-        LOOM_NCCL_CHECK(ncclAllReduce(out, out, size_t(cnt), ncclFloat32, red, comm, s));
+      for (auto [in, out, cnt, type, bytes] : parts)
+        LOOM_NCCL_CHECK(ncclAllReduce(out, out, size_t(cnt), type, red, comm, s));
       LOOM_NCCL_CHECK(ncclGroupEnd());
     };
   }
@@ -1553,11 +1671,12 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
   if (op == "broadcast_from") {
     ncclComm_t comm = commOf(group);
     int root = int(ins.attrs.value("root", int64_t(0)));
-    float *x = f(ins.in[0]);
+    char *x = ptr(fp(ins.in[0]));
     int64_t cnt = n(ins.in[0]);
+    ncclDataType_t type = ncclType(ins.in[0]);
     return [=](cudaStream_t s) {
       if (comm)
-        LOOM_NCCL_CHECK(ncclBroadcast(x, x, size_t(cnt), ncclFloat32, root, comm, s));
+        LOOM_NCCL_CHECK(ncclBroadcast(x, x, size_t(cnt), type, root, comm, s));
     };
   }
   if (op == "send" || op == "recv") {
@@ -1604,10 +1723,10 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     if (ins.attrs.contains("skip"))
       for (auto &v : ins.attrs.at("skip"))
         skip.insert(v.get<int64_t>());
-    std::vector<std::pair<float *, int64_t>> grads;
+    std::vector<std::pair<DPtr, int64_t>> grads;
     for (size_t i = 0; i < ins.in.size(); ++i)
       if (!skip.count(int64_t(i)))
-        grads.push_back({f(ins.in[i]), n(ins.in[i])});
+        grads.push_back({fp(ins.in[i]), n(ins.in[i])});
     float *out = f(ins.out[0]);
     reserve(sizeof(double));
     return [=](cudaStream_t s) {
@@ -1628,10 +1747,11 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
   ncclComm_t comm = commOf(ins.attrs.at("vocab_group").get<std::string>());
   bool wide = targets.dtype == LOOM_I64;
   void *pt = ptr(targets);
-  float *pl = f(ins.in[0]);
+  DPtr pl = fp(ins.in[0]);
   long long *err = errorWord;
   bool grad = op == "cross_entropy_grad";
-  float *dl = grad ? f(ins.in[2]) : nullptr, *out = f(ins.out[0]);
+  float *dl = grad ? f(ins.in[2]) : nullptr;
+  DPtr out = fp(ins.out[0]);
   reserve(4 * rows * sizeof(float));
   return [=](cudaStream_t s) {
     float *rowMax = reinterpret_cast<float *>(workspace), *stats = rowMax + rows, *rowLoss = stats + 2 * rows;
@@ -1645,7 +1765,7 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
       splitCrossEntropyGradKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowMax, stats, dl, out, rows, v, start);
     } else {
       splitLossRowsKernel<<<blocksFor(rows), kThreads, 0, s>>>(rowMax, stats, rowLoss, rows);
-      meanKernel<<<1, 1024, 0, s>>>(rowLoss, rows, out);
+      meanKernel<<<1, 1024, 0, s>>>(rowLoss, rows, static_cast<float *>(out.p));
     }
   };
 #endif

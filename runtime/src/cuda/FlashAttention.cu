@@ -1,0 +1,394 @@
+//===- FlashAttention.cu - Fused bf16 attention on tensor cores -----------===//
+//
+// Fragment layouts are those of PTX's mma.m16n8k16 (row.col, bf16 -> f32):
+// with g = lane / 4 and c = lane % 4, a thread holds
+//   A (16x16): a0 = (g, 2c..2c+1), a1 = (g+8, 2c..), a2 = (g, 2c+8..), a3 = (g+8, 2c+8..)
+//   B (16x8):  b0 = (k 2c..2c+1, n g), b1 = (k 2c+8..2c+9, n g)
+//   C (16x8):  c0, c1 = (g, 2c), (g, 2c+1); c2, c3 = (g+8, 2c), (g+8, 2c+1)
+// so two adjacent C tiles of a score block, rounded to bf16, are exactly the
+// A fragment of the next product (no shuffle through shared memory). B
+// operands are read from shared memory as pairs along k, so a matrix used as
+// B with k along its columns is stored transposed there.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/src/cuda/FlashAttention.h"
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace loom::rt::flash {
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr int kWarps = 4, kThreads = kWarps * 32;
+constexpr int kRows = 64; // queries per forward block, keys per backward block
+constexpr int kCols = 64; // keys per forward step, queries per backward step
+
+__device__ inline void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+               "{%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ inline uint32_t pack(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t *>(&v);
+}
+__device__ inline uint32_t ld32(const bf16 *p) { return *reinterpret_cast<const uint32_t *>(p); }
+__device__ inline void st32(bf16 *p, uint32_t v) { *reinterpret_cast<uint32_t *>(p) = v; }
+/// An A fragment of rows [r0, r0+16) and columns [c0, c0+16) of a row-major tile.
+__device__ inline void loadA(uint32_t a[4], const bf16 *tile, int ld, int r0, int c0, int g, int c) {
+  for (int i = 0; i < 4; ++i)
+    a[i] = ld32(tile + (r0 + g + (i & 1) * 8) * ld + c0 + 2 * c + (i >> 1) * 8);
+}
+
+/// Copies rows [row0, row0 + rows) of a [*, D] head slice (row stride `ld`
+/// elements) into shared memory, row-major (stride D + 8) and/or transposed
+/// ([D][rows + 8]); rows past `limit` are zeros.
+template <int D>
+__device__ void stage(const bf16 *src, int64_t ld, int row0, int limit, int rows, bf16 *rowMajor, bf16 *transposed) {
+  constexpr int pairs = D / 2;
+  for (int idx = threadIdx.x; idx < rows * pairs; idx += kThreads) {
+    int r = idx / pairs, col = (idx % pairs) * 2;
+    uint32_t v = row0 + r < limit ? ld32(src + int64_t(row0 + r) * ld + col) : 0u;
+    if (rowMajor)
+      st32(rowMajor + r * (D + 8) + col, v);
+    if (transposed) {
+      __nv_bfloat162 two = *reinterpret_cast<__nv_bfloat162 *>(&v);
+      transposed[col * (rows + 8) + r] = two.x;
+      transposed[(col + 1) * (rows + 8) + r] = two.y;
+    }
+  }
+}
+
+struct Shape {
+  int s, t, heads, kvHeads;
+  int64_t ldq, ldk;
+  float scaleLog2; // softmax scale times log2(e): exp(x * scale) = exp2(x * scaleLog2)
+  bool causal;
+};
+
+/// One block: 64 queries of one (batch, head), a warp per 16 of them.
+template <int D>
+__global__ void __launch_bounds__(kThreads) forwardKernel(const bf16 *Q, const bf16 *K, const bf16 *V, bf16 *O,
+                                                          float *lse, Shape sh) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16 *Ks = reinterpret_cast<bf16 *>(smem); // [kCols][D + 8]
+  bf16 *Vt = Ks + kCols * (D + 8);           // [D][kCols + 8]
+  constexpr int ldk = D + 8, ldv = kCols + 8;
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  int bh = blockIdx.y, b = bh / sh.heads, h = bh % sh.heads, kvh = h / (sh.heads / sh.kvHeads);
+  int q0 = blockIdx.x * kRows + warp * 16;
+  const bf16 *Qb = Q + int64_t(b) * sh.s * sh.ldq + h * D;
+  const bf16 *Kb = K + int64_t(b) * sh.t * sh.ldk + kvh * D, *Vb = V + int64_t(b) * sh.t * sh.ldk + kvh * D;
+
+  uint32_t qa[D / 16][4];
+  for (int ks = 0; ks < D / 16; ++ks)
+    for (int i = 0; i < 4; ++i) {
+      int row = q0 + g + (i & 1) * 8, col = ks * 16 + 2 * c + (i >> 1) * 8;
+      qa[ks][i] = row < sh.s ? ld32(Qb + int64_t(row) * sh.ldq + col) : 0u;
+    }
+  float o[D / 8][4] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0, 0};
+  int shift = sh.t - sh.s; // causal: query i sees keys <= i + shift
+  int end = sh.causal ? min(sh.t, int(blockIdx.x) * kRows + kRows + shift) : sh.t;
+  for (int k0 = 0; k0 < end; k0 += kCols) {
+    __syncthreads();
+    stage<D>(Kb, sh.ldk, k0, sh.t, kCols, Ks, nullptr);
+    stage<D>(Vb, sh.ldk, k0, sh.t, kCols, nullptr, Vt);
+    __syncthreads();
+    float s[kCols / 8][4] = {};
+    for (int j = 0; j < kCols / 8; ++j)
+      for (int ks = 0; ks < D / 16; ++ks) {
+        const bf16 *kr = Ks + (j * 8 + g) * ldk + ks * 16 + 2 * c;
+        mma(s[j], qa[ks], ld32(kr), ld32(kr + 8));
+      }
+    float mx[2] = {m[0], m[1]};
+    for (int j = 0; j < kCols / 8; ++j)
+      for (int i = 0; i < 4; ++i) {
+        int row = q0 + g + (i >> 1) * 8, col = k0 + j * 8 + 2 * c + (i & 1);
+        float x = s[j][i] * sh.scaleLog2;
+        if (col >= sh.t || (sh.causal && col > row + shift))
+          x = -INFINITY;
+        s[j][i] = x;
+        mx[i >> 1] = fmaxf(mx[i >> 1], x);
+      }
+    float ref[2], alpha[2];
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
+      ref[r] = mx[r] == -INFINITY ? 0.0f : mx[r]; // a row masked so far stays all zeros
+      alpha[r] = exp2f(m[r] - ref[r]);
+      m[r] = mx[r];
+      l[r] *= alpha[r];
+    }
+    for (int j = 0; j < kCols / 8; ++j)
+      for (int i = 0; i < 4; ++i) {
+        float p = exp2f(s[j][i] - ref[i >> 1]);
+        s[j][i] = p;
+        l[i >> 1] += p;
+      }
+    for (int dn = 0; dn < D / 8; ++dn)
+      for (int i = 0; i < 4; ++i)
+        o[dn][i] *= alpha[i >> 1];
+    for (int kk = 0; kk < kCols / 16; ++kk) {
+      uint32_t pa[4] = {pack(s[2 * kk][0], s[2 * kk][1]), pack(s[2 * kk][2], s[2 * kk][3]),
+                        pack(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      for (int dn = 0; dn < D / 8; ++dn) {
+        const bf16 *vr = Vt + (dn * 8 + g) * ldv + kk * 16 + 2 * c;
+        mma(o[dn], pa, ld32(vr), ld32(vr + 8));
+      }
+    }
+  }
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
+  }
+  bf16 *Ob = O + int64_t(b) * sh.s * sh.ldq + h * D;
+  for (int r = 0; r < 2; ++r) {
+    int row = q0 + g + r * 8;
+    if (row >= sh.s)
+      continue;
+    float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+    for (int dn = 0; dn < D / 8; ++dn)
+      st32(Ob + int64_t(row) * sh.ldq + dn * 8 + 2 * c, pack(o[dn][2 * r] * inv, o[dn][2 * r + 1] * inv));
+    if (lse && c == 0)
+      lse[int64_t(bh) * sh.s + row] = l[r] > 0 ? m[r] + log2f(l[r]) : INFINITY;
+  }
+}
+
+/// Di = rowsum(dO * O) per (batch, head, query): a warp per row.
+template <int D>
+__global__ void rowDotKernel(const bf16 *dO, const bf16 *O, float *di, int64_t rows, Shape sh) {
+  int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; // (b * heads + h) * s + i
+  if (row >= rows)
+    return;
+  int64_t i = row % sh.s, bh = row / sh.s, b = bh / sh.heads, h = bh % sh.heads;
+  int64_t at = (b * sh.s + i) * sh.ldq + h * D;
+  float acc = 0;
+  for (int d = threadIdx.x % 32; d < D; d += 32)
+    acc += __bfloat162float(dO[at + d]) * __bfloat162float(O[at + d]);
+  for (int off = 16; off > 0; off >>= 1)
+    acc += __shfl_xor_sync(0xffffffff, acc, off);
+  if (threadIdx.x % 32 == 0)
+    di[row] = acc;
+}
+
+/// One block: 64 keys of one (batch, K/V head), a warp per 16 of them,
+/// streaming 64 queries at a time of every query head that reads them. dK
+/// and dV stay in registers; dQ is accumulated in f32 with atomics.
+template <int D>
+__global__ void __launch_bounds__(kThreads)
+    backwardKernel(const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO, const float *lse, const float *di,
+                   float *dQ, bf16 *dK, bf16 *dV, Shape sh, float scale) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int ld = D + 8, ldt = kCols + 8, lds = kRows + 8;
+  bf16 *Qs = reinterpret_cast<bf16 *>(smem); // [kCols][ld]
+  bf16 *Qt = Qs + kCols * ld;                // [D][ldt]
+  bf16 *dOs = Qt + D * ldt;                  // [kCols][ld]
+  bf16 *dOt = dOs + kCols * ld;              // [D][ldt]
+  bf16 *Ks = dOt + D * ldt;                  // [kRows][ld]
+  bf16 *Vs = Ks + kRows * ld;                // [kRows][ld]
+  bf16 *Kt = Vs + kRows * ld;                // [D][lds]
+  bf16 *dSs = Kt + D * lds;                  // [kCols][lds]: dS with queries as rows
+  float *lseS = reinterpret_cast<float *>(dSs + kCols * lds), *diS = lseS + kCols;
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  int bk = blockIdx.y, b = bk / sh.kvHeads, kvh = bk % sh.kvHeads, group = sh.heads / sh.kvHeads;
+  int k0 = blockIdx.x * kRows, kw = warp * 16; // the warp's keys: k0 + kw + [0, 16)
+  int shift = sh.t - sh.s;
+  const bf16 *Kb = K + int64_t(b) * sh.t * sh.ldk + kvh * D, *Vb = V + int64_t(b) * sh.t * sh.ldk + kvh * D;
+  stage<D>(Kb, sh.ldk, k0, sh.t, kRows, Ks, Kt);
+  stage<D>(Vb, sh.ldk, k0, sh.t, kRows, Vs, nullptr);
+
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  // Queries before `first` see none of this block's keys.
+  int first = sh.causal ? max(0, k0 - shift) / kCols * kCols : 0;
+  for (int hq = 0; hq < group; ++hq) {
+    int h = kvh * group + hq;
+    const bf16 *Qb = Q + int64_t(b) * sh.s * sh.ldq + h * D, *dOb = dO + int64_t(b) * sh.s * sh.ldq + h * D;
+    for (int q0 = first; q0 < sh.s; q0 += kCols) {
+      __syncthreads();
+      stage<D>(Qb, sh.ldq, q0, sh.s, kCols, Qs, Qt);
+      stage<D>(dOb, sh.ldq, q0, sh.s, kCols, dOs, dOt);
+      for (int i = threadIdx.x; i < kCols; i += kThreads) {
+        bool in = q0 + i < sh.s;
+        int64_t at = (int64_t(b) * sh.heads + h) * sh.s + q0 + i;
+        lseS[i] = in ? lse[at] : INFINITY;
+        diS[i] = in ? di[at] : 0.0f;
+      }
+      __syncthreads();
+      // S^T and dP^T for the warp's 16 keys x 64 queries.
+      float p[kCols / 8][4] = {}, dp[kCols / 8][4] = {};
+      for (int ks = 0; ks < D / 16; ++ks) {
+        uint32_t ka[4], va[4];
+        loadA(ka, Ks, ld, kw, ks * 16, g, c);
+        loadA(va, Vs, ld, kw, ks * 16, g, c);
+        for (int j = 0; j < kCols / 8; ++j) {
+          const bf16 *qr = Qs + (j * 8 + g) * ld + ks * 16 + 2 * c, *dr = dOs + (j * 8 + g) * ld + ks * 16 + 2 * c;
+          mma(p[j], ka, ld32(qr), ld32(qr + 8));
+          mma(dp[j], va, ld32(dr), ld32(dr + 8));
+        }
+      }
+      // P^T = exp2(S^T scale - lse), dS^T = P^T (dP^T - Di).
+      for (int j = 0; j < kCols / 8; ++j)
+        for (int i = 0; i < 4; ++i) {
+          int key = k0 + kw + g + (i >> 1) * 8, ql = j * 8 + 2 * c + (i & 1), query = q0 + ql;
+          bool masked = key >= sh.t || (sh.causal && key > query + shift);
+          float pv = masked ? 0.0f : exp2f(p[j][i] * sh.scaleLog2 - lseS[ql]);
+          p[j][i] = pv;
+          dp[j][i] = pv * (dp[j][i] - diS[ql]);
+        }
+      // dV += P^T dO and dK += dS^T Q (scaled at the end).
+      for (int kk = 0; kk < kCols / 16; ++kk) {
+        uint32_t pa[4] = {pack(p[2 * kk][0], p[2 * kk][1]), pack(p[2 * kk][2], p[2 * kk][3]),
+                          pack(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+        uint32_t sa[4] = {pack(dp[2 * kk][0], dp[2 * kk][1]), pack(dp[2 * kk][2], dp[2 * kk][3]),
+                          pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]), pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+        for (int dn = 0; dn < D / 8; ++dn) {
+          const bf16 *dr = dOt + (dn * 8 + g) * ldt + kk * 16 + 2 * c, *qr = Qt + (dn * 8 + g) * ldt + kk * 16 + 2 * c;
+          mma(dv[dn], pa, ld32(dr), ld32(dr + 8));
+          mma(dk[dn], sa, ld32(qr), ld32(qr + 8));
+        }
+      }
+      // dS (queries x keys) to shared memory for dQ = dS K.
+      for (int j = 0; j < kCols / 8; ++j)
+        for (int i = 0; i < 4; ++i)
+          dSs[(j * 8 + 2 * c + (i & 1)) * lds + kw + g + (i >> 1) * 8] = __float2bfloat16_rn(dp[j][i]);
+      __syncthreads();
+      float dq[D / 8][4] = {};
+      for (int kk = 0; kk < kRows / 16; ++kk) {
+        uint32_t a[4];
+        loadA(a, dSs, lds, warp * 16, kk * 16, g, c);
+        for (int dn = 0; dn < D / 8; ++dn) {
+          const bf16 *kr = Kt + (dn * 8 + g) * lds + kk * 16 + 2 * c;
+          mma(dq[dn], a, ld32(kr), ld32(kr + 8));
+        }
+      }
+      float *dQb = dQ + int64_t(b) * sh.s * sh.ldq + h * D;
+      for (int dn = 0; dn < D / 8; ++dn)
+        for (int i = 0; i < 4; ++i) {
+          int query = q0 + warp * 16 + g + (i >> 1) * 8;
+          if (query < sh.s)
+            atomicAdd(dQb + int64_t(query) * sh.ldq + dn * 8 + 2 * c + (i & 1), dq[dn][i] * scale);
+        }
+    }
+  }
+  bf16 *dKb = dK + int64_t(b) * sh.t * sh.ldk + kvh * D, *dVb = dV + int64_t(b) * sh.t * sh.ldk + kvh * D;
+  for (int r = 0; r < 2; ++r) {
+    int key = k0 + kw + g + r * 8;
+    if (key >= sh.t)
+      continue;
+    for (int dn = 0; dn < D / 8; ++dn) {
+      int64_t at = int64_t(key) * sh.ldk + dn * 8 + 2 * c;
+      st32(dKb + at, pack(dk[dn][2 * r] * scale, dk[dn][2 * r + 1] * scale));
+      st32(dVb + at, pack(dv[dn][2 * r], dv[dn][2 * r + 1]));
+    }
+  }
+}
+
+__global__ void toBf16Kernel(const float *x, bf16 *y, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = __float2bfloat16_rn(x[i]);
+}
+
+template <int D> constexpr size_t forwardSmem() { return (kCols * (D + 8) + D * (kCols + 8)) * sizeof(bf16); }
+template <int D> constexpr size_t backwardSmem() {
+  return (2 * kCols * (D + 8) + 2 * D * (kCols + 8) + 2 * kRows * (D + 8) + D * (kRows + 8) + kCols * (kRows + 8)) *
+             sizeof(bf16) +
+         2 * kCols * sizeof(float);
+}
+
+Shape shapeOf(const Params &p) {
+  return {int(p.s), int(p.t), int(p.heads), int(p.kvHeads), p.heads * p.headDim, p.kvHeads * p.headDim,
+          float(p.scale * 1.4426950408889634), p.causal};
+}
+
+template <int D> cudaError_t forwardD(const Params &p, void *o, float *lse, cudaStream_t stream) {
+  // Per launch: the opt-in to large shared memory is per device.
+  if (cudaError_t e = cudaFuncSetAttribute(forwardKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(forwardSmem<D>()));
+      e != cudaSuccess)
+    return e;
+  dim3 grid(unsigned((p.s + kRows - 1) / kRows), unsigned(p.batch * p.heads));
+  forwardKernel<D><<<grid, kThreads, forwardSmem<D>(), stream>>>(
+      static_cast<const bf16 *>(p.q), static_cast<const bf16 *>(p.k), static_cast<const bf16 *>(p.v),
+      static_cast<bf16 *>(o), lse, shapeOf(p));
+  return cudaGetLastError();
+}
+
+struct Workspace {
+  bf16 *o;
+  float *lse, *di, *dq;
+};
+Workspace carve(const Params &p, void *base) {
+  auto align = [](size_t n) { return (n + 255) / 256 * 256; };
+  size_t qElems = size_t(p.batch * p.s * p.heads * p.headDim), rows = size_t(p.batch * p.heads * p.s);
+  char *at = static_cast<char *>(base);
+  Workspace w;
+  w.o = reinterpret_cast<bf16 *>(at), at += align(qElems * sizeof(bf16));
+  w.lse = reinterpret_cast<float *>(at), at += align(rows * sizeof(float));
+  w.di = reinterpret_cast<float *>(at), at += align(rows * sizeof(float));
+  w.dq = reinterpret_cast<float *>(at);
+  return w;
+}
+
+template <int D>
+cudaError_t backwardD(const Params &p, const void *dO, void *dQ, void *dK, void *dV, void *workspace,
+                      cudaStream_t stream) {
+  if (cudaError_t e = cudaFuncSetAttribute(backwardKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(backwardSmem<D>()));
+      e != cudaSuccess)
+    return e;
+  Workspace w = carve(p, workspace);
+  Shape sh = shapeOf(p);
+  if (cudaError_t e = forwardD<D>(p, w.o, w.lse, stream); e != cudaSuccess)
+    return e;
+  int64_t rows = p.batch * p.heads * p.s, qElems = p.batch * p.s * p.heads * p.headDim;
+  rowDotKernel<D><<<unsigned((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(static_cast<const bf16 *>(dO), w.o,
+                                                                                   w.di, rows, sh);
+  if (cudaError_t e = cudaMemsetAsync(w.dq, 0, qElems * sizeof(float), stream); e != cudaSuccess)
+    return e;
+  dim3 grid(unsigned((p.t + kRows - 1) / kRows), unsigned(p.batch * p.kvHeads));
+  backwardKernel<D><<<grid, kThreads, backwardSmem<D>(), stream>>>(
+      static_cast<const bf16 *>(p.q), static_cast<const bf16 *>(p.k), static_cast<const bf16 *>(p.v),
+      static_cast<const bf16 *>(dO), w.lse, w.di, w.dq, static_cast<bf16 *>(dK), static_cast<bf16 *>(dV), sh, p.scale);
+  toBf16Kernel<<<unsigned(std::min<int64_t>((qElems + 255) / 256, 65535)), 256, 0, stream>>>(
+      w.dq, static_cast<bf16 *>(dQ), qElems);
+  return cudaGetLastError();
+}
+
+} // namespace
+
+bool supported(int64_t headDim) { return headDim == 16 || headDim == 32 || headDim == 64 || headDim == 128; }
+
+cudaError_t forward(const Params &p, void *o, float *lse, cudaStream_t stream) {
+  switch (p.headDim) {
+  case 16: return forwardD<16>(p, o, lse, stream);
+  case 32: return forwardD<32>(p, o, lse, stream);
+  case 64: return forwardD<64>(p, o, lse, stream);
+  case 128: return forwardD<128>(p, o, lse, stream);
+  default: return cudaErrorInvalidValue;
+  }
+}
+
+size_t backwardWorkspace(const Params &p) {
+  size_t qElems = size_t(p.batch * p.s * p.heads * p.headDim), rows = size_t(p.batch * p.heads * p.s);
+  auto align = [](size_t n) { return (n + 255) / 256 * 256; };
+  return align(qElems * sizeof(bf16)) + 2 * align(rows * sizeof(float)) + align(qElems * sizeof(float));
+}
+
+cudaError_t backward(const Params &p, const void *dO, void *dQ, void *dK, void *dV, void *workspace,
+                     cudaStream_t stream) {
+  switch (p.headDim) {
+  case 16: return backwardD<16>(p, dO, dQ, dK, dV, workspace, stream);
+  case 32: return backwardD<32>(p, dO, dQ, dK, dV, workspace, stream);
+  case 64: return backwardD<64>(p, dO, dQ, dK, dV, workspace, stream);
+  case 128: return backwardD<128>(p, dO, dQ, dK, dV, workspace, stream);
+  default: return cudaErrorInvalidValue;
+  }
+}
+
+} // namespace loom::rt::flash
