@@ -201,10 +201,10 @@ __device__ inline float applyUnary(int op, float x, float f) {
 __global__ void unaryKernel(int op, DPtr x, DPtr y, int64_t n, float f) {
   GRID_LOOP(i, n) y.st(i, applyUnary(op, x[i], f));
 }
-__global__ void unaryGradKernel(int op, DPtr x, DPtr y, DPtr dy, DPtr dx, int64_t n) {
-  GRID_LOOP(i, n) {
-    float v = x[i], out = y[i], d;
-    switch (op) {
+/// d op(v) / dv, given v and out = op(v).
+__device__ inline float unaryDerivative(int op, float v, float out) {
+  float d;
+  switch (op) {
     case kGelu: d = 0.5f * (1.0f + erff(v * 0.70710678118654752f)) + v * 0.39894228040143268f * expf(-0.5f * v * v); break;
     case kGeluTanh: {
       const float k = 0.79788456080286536f, a = 0.044715f;
@@ -217,8 +217,73 @@ __global__ void unaryGradKernel(int op, DPtr x, DPtr y, DPtr dy, DPtr dx, int64_
     case kTanh: d = 1 - out * out; break;
     case kExp: d = out; break;
     default: d = -0.5f * out * out * out; break; // rsqrt
+  }
+  return d;
+}
+__global__ void unaryGradKernel(int op, DPtr x, DPtr y, DPtr dy, DPtr dx, int64_t n) {
+  GRID_LOOP(i, n) dx.st(i, dy[i] * unaryDerivative(op, x[i], y[i]));
+}
+
+//===--- Vectorised elementwise kernels -----------------------------------===//
+// 16-byte loads and stores (8 bf16 or 4 f32 per thread) and 32-bit index
+// arithmetic, for operands of one dtype whose sizes and addresses allow it
+// (the host checks); the general kernels above handle everything else.
+
+template <typename T> __device__ inline float toF(T v);
+template <> __device__ inline float toF(float v) { return v; }
+template <> __device__ inline float toF(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ inline T fromF(float v);
+template <> __device__ inline float fromF(float v) { return v; }
+template <> __device__ inline __nv_bfloat16 fromF(float v) { return __float2bfloat16_rn(v); }
+template <typename T> struct alignas(16) Pack {
+  static constexpr int N = 16 / sizeof(T);
+  T v[N];
+};
+template <typename T> __device__ inline Pack<T> load(const T *p) { return *reinterpret_cast<const Pack<T> *>(p); }
+#define VEC_LOOP(i, T, n)                                                                                        \
+  for (uint32_t i = (blockIdx.x * blockDim.x + threadIdx.x) * Pack<T>::N; i < (n);                               \
+       i += gridDim.x * blockDim.x * Pack<T>::N)
+
+/// C = A op B where B (or A) repeats over leading dims: na, nb divide n.
+template <typename T>
+__global__ void binaryVecKernel(int op, const T *A, const T *B, T *C, uint32_t n, uint32_t na, uint32_t nb) {
+  VEC_LOOP(i, T, n) {
+    Pack<T> a = load(A + (na == n ? i : i % na)), b = load(B + (nb == n ? i : i % nb)), c;
+    for (int k = 0; k < Pack<T>::N; ++k) {
+      float x = toF(a.v[k]), y = toF(b.v[k]);
+      c.v[k] = fromF<T>(op == kAdd ? x + y : op == kSub ? x - y : op == kMul ? x * y : x / y);
     }
-    dx.st(i, dy[i] * d);
+    *reinterpret_cast<Pack<T> *>(C + i) = c;
+  }
+}
+template <typename T> __global__ void unaryVecKernel(int op, const T *X, T *Y, uint32_t n, float f) {
+  VEC_LOOP(i, T, n) {
+    Pack<T> x = load(X + i), y;
+    for (int k = 0; k < Pack<T>::N; ++k)
+      y.v[k] = fromF<T>(applyUnary(op, toF(x.v[k]), f));
+    *reinterpret_cast<Pack<T> *>(Y + i) = y;
+  }
+}
+template <typename T>
+__global__ void unaryGradVecKernel(int op, const T *X, const T *Y, const T *DY, T *DX, uint32_t n) {
+  VEC_LOOP(i, T, n) {
+    Pack<T> x = load(X + i), y = load(Y + i), dy = load(DY + i), dx;
+    for (int k = 0; k < Pack<T>::N; ++k)
+      dx.v[k] = fromF<T>(toF(dy.v[k]) * unaryDerivative(op, toF(x.v[k]), toF(y.v[k])));
+    *reinterpret_cast<Pack<T> *>(DX + i) = dx;
+  }
+}
+/// f32 <-> bf16, 8 elements per thread.
+template <typename From, typename To> __global__ void castVecKernel(const From *X, To *Y, uint32_t n) {
+  for (uint32_t i = (blockIdx.x * blockDim.x + threadIdx.x) * 8; i < n; i += gridDim.x * blockDim.x * 8) {
+    From x[8];
+    To y[8];
+    for (int h = 0; h < 8; h += Pack<From>::N)
+      *reinterpret_cast<Pack<From> *>(x + h) = load(X + i + h);
+    for (int k = 0; k < 8; ++k)
+      y[k] = fromF<To>(toF(x[k]));
+    for (int h = 0; h < 8; h += Pack<To>::N)
+      *reinterpret_cast<Pack<To> *>(Y + i + h) = *reinterpret_cast<Pack<To> *>(y + h);
   }
 }
 
@@ -229,14 +294,6 @@ template <typename E> __global__ void gatherKernel(const E *in, E *out, int64_t 
     int64_t oa, ob;
     offsets(s, i, oa, ob);
     out[i] = in[base + oa];
-  }
-}
-/// out[base + offset(i)] = in[i]: slice gradients and concatenation.
-template <typename E> __global__ void scatterKernel(const E *in, E *out, int64_t n, int64_t base, Strided s) {
-  GRID_LOOP(i, n) {
-    int64_t oa, ob;
-    offsets(s, i, oa, ob);
-    out[base + oa] = in[i];
   }
 }
 
@@ -568,13 +625,28 @@ __global__ void adamwKernel(float *p, const float *g, float *m, float *v, const 
   StepScalars s = stepScalars(step, norm, a);
   float b1 = static_cast<float>(a.b1), b2 = static_cast<float>(a.b2), eps = static_cast<float>(a.eps);
   float wd = static_cast<float>(a.wd);
-  GRID_LOOP(i, n) {
-    float gi = g[i] * s.scale;
-    float mi = b1 * m[i] + (1 - b1) * gi, vi = b2 * v[i] + (1 - b2) * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    p[i] -= s.rate * ((mi / s.c1) / (sqrtf(vi / s.c2) + eps) + wd * p[i]);
+  auto update = [&](float &pi, float gi, float &mi, float &vi) {
+    gi *= s.scale;
+    mi = b1 * mi + (1 - b1) * gi;
+    vi = b2 * vi + (1 - b2) * gi * gi;
+    pi -= s.rate * ((mi / s.c1) / (sqrtf(vi / s.c2) + eps) + wd * pi);
+  };
+  if (n % 4 == 0 && ((reinterpret_cast<uintptr_t>(p) | reinterpret_cast<uintptr_t>(g) | reinterpret_cast<uintptr_t>(m) |
+                      reinterpret_cast<uintptr_t>(v)) % 16) == 0) {
+    GRID_LOOP(q, n / 4) { // four at a time with 16-byte accesses
+      float4 pq = reinterpret_cast<float4 *>(p)[q], gq = reinterpret_cast<const float4 *>(g)[q];
+      float4 mq = reinterpret_cast<float4 *>(m)[q], vq = reinterpret_cast<float4 *>(v)[q];
+      update(pq.x, gq.x, mq.x, vq.x);
+      update(pq.y, gq.y, mq.y, vq.y);
+      update(pq.z, gq.z, mq.z, vq.z);
+      update(pq.w, gq.w, mq.w, vq.w);
+      reinterpret_cast<float4 *>(p)[q] = pq;
+      reinterpret_cast<float4 *>(m)[q] = mq;
+      reinterpret_cast<float4 *>(v)[q] = vq;
+    }
+    return;
   }
+  GRID_LOOP(i, n) update(p[i], g[i], m[i], v[i]);
 }
 
 __global__ void sgdKernel(float *p, const float *g, float *m, const float *step, const float *norm,
@@ -900,6 +972,24 @@ private:
   }
   static bool isBf16(const Buffer &b) { return b.dtype == LOOM_BF16; }
   static int64_t elementSize(const Buffer &b) { return dtypeSize(b.dtype); }
+  /// Whether the 16-byte vector kernels apply to these tensors: one float
+  /// dtype, 16-byte aligned, every count a multiple of the pack and n < 2^31.
+  bool vectorizable(std::initializer_list<int64_t> ids, std::initializer_list<int64_t> counts) {
+    loom_dtype_t dt = buf(*ids.begin()).dtype;
+    if (dt != LOOM_F32 && dt != LOOM_BF16)
+      return false;
+    int64_t pack = 16 / dtypeSize(dt);
+    for (int64_t id : ids)
+      if (buf(id).dtype != dt || reinterpret_cast<uintptr_t>(ptr(buf(id))) % 16 != 0)
+        return false;
+    for (int64_t c : counts)
+      if (c % pack != 0 || c <= 0 || c >= (int64_t(1) << 31))
+        return false;
+    return true;
+  }
+  static unsigned vecBlocks(int64_t n, int pack) {
+    return unsigned(std::min<int64_t>((n / pack + kThreads - 1) / kThreads, 65535 * 8));
+  }
   const Buffer &buf(int64_t id) const { return rank.buffers[id]; }
   static int64_t count(const Shape &s) { return numElements(s).value_or(0); }
 
@@ -1235,6 +1325,17 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     if (trailing(buf(ins.in[0]).shape) && trailing(buf(ins.in[1]).shape)) {
       DPtr a = fp(ins.in[0]), b = fp(ins.in[1]), y = fp(ins.out[0]);
       int64_t cnt = count(o.shape), na = n(ins.in[0]), nb = n(ins.in[1]);
+      if (vectorizable({ins.in[0], ins.in[1], ins.out[0]}, {cnt, na, nb})) {
+        uint32_t un = uint32_t(cnt), ua = uint32_t(na), ub = uint32_t(nb);
+        if (y.bf)
+          return [=](cudaStream_t s) {
+            using T = __nv_bfloat16;
+            binaryVecKernel<<<vecBlocks(un, 8), kThreads, 0, s>>>(code, (const T *)a.p, (const T *)b.p, (T *)y.p, un, ua, ub);
+          };
+        return [=](cudaStream_t s) {
+          binaryVecKernel<<<vecBlocks(un, 4), kThreads, 0, s>>>(code, (const float *)a.p, (const float *)b.p, (float *)y.p, un, ua, ub);
+        };
+      }
       return [=](cudaStream_t s) { binaryContiguousKernel<<<blocksFor(cnt), kThreads, 0, s>>>(code, a, b, y, cnt, na, nb); };
     }
     Strided st = strided(o.shape, broadcastTo(buf(ins.in[0]).shape, o.shape), broadcastTo(buf(ins.in[1]).shape, o.shape));
@@ -1249,6 +1350,17 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     float factor = static_cast<float>(num(ins, "factor", 1.0));
     DPtr x = fp(ins.in[0]), y = fp(ins.out[0]);
     int64_t cnt = n(ins.out[0]);
+    if (vectorizable({ins.in[0], ins.out[0]}, {cnt})) {
+      uint32_t un = uint32_t(cnt);
+      if (y.bf)
+        return [=](cudaStream_t s) {
+          using T = __nv_bfloat16;
+          unaryVecKernel<<<vecBlocks(un, 8), kThreads, 0, s>>>(code, (const T *)x.p, (T *)y.p, un, factor);
+        };
+      return [=](cudaStream_t s) {
+        unaryVecKernel<<<vecBlocks(un, 4), kThreads, 0, s>>>(code, (const float *)x.p, (float *)y.p, un, factor);
+      };
+    }
     return [=](cudaStream_t s) { unaryKernel<<<blocksFor(cnt), kThreads, 0, s>>>(code, x, y, cnt, factor); };
   }
   if (op == "unary_grad") {
@@ -1258,6 +1370,19 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     int code = fns.at(fn);
     DPtr x = fp(ins.in[0]), y = fp(ins.in[1]), dy = fp(ins.in[2]), dx = fp(ins.out[0]);
     int64_t cnt = n(ins.out[0]);
+    if (vectorizable({ins.in[0], ins.in[1], ins.in[2], ins.out[0]}, {cnt})) {
+      uint32_t un = uint32_t(cnt);
+      if (dx.bf)
+        return [=](cudaStream_t s) {
+          using T = __nv_bfloat16;
+          unaryGradVecKernel<<<vecBlocks(un, 8), kThreads, 0, s>>>(code, (const T *)x.p, (const T *)y.p, (const T *)dy.p,
+                                                                    (T *)dx.p, un);
+        };
+      return [=](cudaStream_t s) {
+        unaryGradVecKernel<<<vecBlocks(un, 4), kThreads, 0, s>>>(code, (const float *)x.p, (const float *)y.p,
+                                                                  (const float *)dy.p, (float *)dx.p, un);
+      };
+    }
     return [=](cudaStream_t s) { unaryGradKernel<<<blocksFor(cnt), kThreads, 0, s>>>(code, x, y, dy, dx, cnt); };
   }
   if (op == "matmul")
@@ -1384,15 +1509,50 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     DPtr out = fp(ins.out[0]);
     return [=](cudaStream_t s) { crossEntropyGradKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, dl, out, rows, v); };
   }
-  if (op == "slice" || op == "transpose" || op == "broadcast") {
+  if (op == "slice" || op == "slice_grad" || op == "concat") { // blocks of rows: 2-D copies
+    const Buffer &x = buf(ins.in[0]), &o = buf(ins.out[0]);
+    const Buffer &whole = op == "slice" ? x : o;
+    int64_t axis = axisOf(ins, "axis", whole.shape.size(), 0);
+    int64_t outer = 1, inner = elementSize(whole);
+    for (int64_t d = 0; d < axis; ++d)
+      outer *= whole.shape[d];
+    for (size_t d = axis + 1; d < whole.shape.size(); ++d)
+      inner *= whole.shape[d];
+    int64_t dim = whole.shape[axis], pitch = dim * inner;
+    char *po = ptr(o);
+    if (op == "slice") {
+      int64_t start = static_cast<int64_t>(num(ins, "start", 0)), width = o.shape[axis] * inner;
+      char *pi = ptr(x) + start * inner;
+      return [=](cudaStream_t s) {
+        LOOM_CUDA_CHECK(cudaMemcpy2DAsync(po, width, pi, pitch, width, outer, cudaMemcpyDeviceToDevice, s));
+      };
+    }
+    std::vector<std::tuple<char *, int64_t, int64_t>> parts; // source, first byte of a row, width
+    int64_t offset = op == "slice_grad" ? static_cast<int64_t>(num(ins, "start", 0)) : 0;
+    for (int64_t id : ins.in) {
+      const Buffer &part = buf(id);
+      if (part.dtype != o.dtype)
+        fail(LOOM_INVALID_BUNDLE, where, ": joins ", dtypeName(part.dtype), " into ", dtypeName(o.dtype));
+      parts.push_back({ptr(part), offset * inner, part.shape[axis] * inner});
+      offset += part.shape[axis];
+    }
+    // A slice's gradient is zero outside the slice: clear only that.
+    int64_t start = std::get<1>(parts.front()), end = start + std::get<2>(parts.front());
+    bool grad = op == "slice_grad";
+    return [=](cudaStream_t s) {
+      if (grad && start > 0)
+        LOOM_CUDA_CHECK(cudaMemset2DAsync(po, pitch, 0, start, outer, s));
+      if (grad && end < pitch)
+        LOOM_CUDA_CHECK(cudaMemset2DAsync(po + end, pitch, 0, pitch - end, outer, s));
+      for (auto [src, at, width] : parts)
+        LOOM_CUDA_CHECK(cudaMemcpy2DAsync(po + at, pitch, src, width, width, outer, cudaMemcpyDeviceToDevice, s));
+    };
+  }
+  if (op == "transpose" || op == "broadcast") {
     const Buffer &x = buf(ins.in[0]), &o = buf(ins.out[0]);
     std::vector<int64_t> st;
     int64_t base = 0;
-    if (op == "slice") {
-      int64_t axis = axisOf(ins, "axis", x.shape.size(), 0);
-      st = stridesOf(x.shape);
-      base = static_cast<int64_t>(num(ins, "start", 0)) * st[axis];
-    } else if (op == "transpose") {
+    if (op == "transpose") {
       std::vector<int64_t> in = stridesOf(x.shape);
       for (auto &p : ins.attrs.at("permutation"))
         st.push_back(in[p.get<int64_t>()]);
@@ -1412,45 +1572,19 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
         gatherKernel<<<blocksFor(cnt), kThreads, 0, s>>>(reinterpret_cast<uint64_t *>(pi), reinterpret_cast<uint64_t *>(po), cnt, base, sd);
     };
   }
-  if (op == "slice_grad" || op == "concat") {
-    const Buffer &o = buf(ins.out[0]);
-    int64_t axis = axisOf(ins, "axis", o.shape.size(), 0);
-    std::vector<int64_t> ost = stridesOf(o.shape);
-    char *po = ptr(o);
-    int64_t size = elementSize(o);
-    std::vector<Launch> parts;
-    int64_t offset = op == "slice_grad" ? static_cast<int64_t>(num(ins, "start", 0)) : 0;
-    for (int64_t id : ins.in) {
-      const Buffer &x = buf(id);
-      Strided sd = strided(x.shape, ost);
-      char *pi = ptr(x);
-      if (x.dtype != o.dtype)
-        fail(LOOM_INVALID_BUNDLE, where, ": joins ", dtypeName(x.dtype), " into ", dtypeName(o.dtype));
-      int64_t cnt = count(x.shape), base = offset * ost[axis];
-      parts.push_back([=](cudaStream_t s) {
-        if (size == 2)
-          scatterKernel<<<blocksFor(cnt), kThreads, 0, s>>>(reinterpret_cast<uint16_t *>(pi), reinterpret_cast<uint16_t *>(po), cnt, base, sd);
-        else if (size == 4)
-          scatterKernel<<<blocksFor(cnt), kThreads, 0, s>>>(reinterpret_cast<uint32_t *>(pi), reinterpret_cast<uint32_t *>(po), cnt, base, sd);
-        else
-          scatterKernel<<<blocksFor(cnt), kThreads, 0, s>>>(reinterpret_cast<uint64_t *>(pi), reinterpret_cast<uint64_t *>(po), cnt, base, sd);
-      });
-      offset += x.shape[axis];
-    }
-    bool zero = op == "slice_grad";
-    int64_t bytes = o.bytes;
-    return [=](cudaStream_t s) {
-      if (zero)
-        LOOM_CUDA_CHECK(cudaMemsetAsync(po, 0, bytes, s));
-      for (const Launch &l : parts)
-        l(s);
-    };
-  }
   if (op == "cast") {
     const Buffer &x = buf(ins.in[0]), &o = buf(ins.out[0]);
     if (x.dtype != o.dtype) { // f32 <-> bf16
       DPtr in = fp(ins.in[0]), out = fp(ins.out[0]);
       int64_t cnt = count(o.shape);
+      if (cnt % 8 == 0 && cnt < (int64_t(1) << 31) && reinterpret_cast<uintptr_t>(in.p) % 16 == 0 &&
+          reinterpret_cast<uintptr_t>(out.p) % 16 == 0) {
+        uint32_t un = uint32_t(cnt);
+        using T = __nv_bfloat16;
+        if (out.bf)
+          return [=](cudaStream_t s) { castVecKernel<<<vecBlocks(un, 8), kThreads, 0, s>>>((const float *)in.p, (T *)out.p, un); };
+        return [=](cudaStream_t s) { castVecKernel<<<vecBlocks(un, 8), kThreads, 0, s>>>((const T *)in.p, (float *)out.p, un); };
+      }
       return [=](cudaStream_t s) { castKernel<<<blocksFor(cnt), kThreads, 0, s>>>(in, out, cnt); };
     }
     char *pi = ptr(x), *po = ptr(o);

@@ -6,9 +6,10 @@
 //   B (16x8):  b0 = (k 2c..2c+1, n g), b1 = (k 2c+8..2c+9, n g)
 //   C (16x8):  c0, c1 = (g, 2c), (g, 2c+1); c2, c3 = (g+8, 2c), (g+8, 2c+1)
 // so two adjacent C tiles of a score block, rounded to bf16, are exactly the
-// A fragment of the next product (no shuffle through shared memory). B
-// operands are read from shared memory as pairs along k, so a matrix used as
-// B with k along its columns is stored transposed there.
+// A fragment of the next product (no shuffle through shared memory). Tiles
+// sit row-major in shared memory (rows padded by 8 elements, so ldmatrix's
+// eight 16-byte rows fall in distinct banks) and fragments come out with
+// ldmatrix, transposing (.trans) where a B operand has k along its rows.
 //
 //===----------------------------------------------------------------------===//
 
@@ -39,28 +40,43 @@ __device__ inline uint32_t pack(float lo, float hi) {
 }
 __device__ inline uint32_t ld32(const bf16 *p) { return *reinterpret_cast<const uint32_t *>(p); }
 __device__ inline void st32(bf16 *p, uint32_t v) { *reinterpret_cast<uint32_t *>(p) = v; }
-/// An A fragment of rows [r0, r0+16) and columns [c0, c0+16) of a row-major tile.
-__device__ inline void loadA(uint32_t a[4], const bf16 *tile, int ld, int r0, int c0, int g, int c) {
-  for (int i = 0; i < 4; ++i)
-    a[i] = ld32(tile + (r0 + g + (i & 1) * 8) * ld + c0 + 2 * c + (i >> 1) * 8);
+__device__ inline void ldsm(uint32_t r[4], const bf16 *p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+}
+__device__ inline void ldsmT(uint32_t r[4], const bf16 *p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+}
+/// The A fragment of rows [r0, r0+16), columns [c0, c0+16) of a row-major tile.
+__device__ inline void loadA(uint32_t a[4], const bf16 *tile, int ld, int r0, int c0) {
+  int lane = threadIdx.x % 32, m = lane / 8;
+  ldsm(a, tile + (r0 + (m & 1) * 8 + lane % 8) * ld + c0 + (m >> 1) * 8);
+}
+/// B fragments for n-tiles [n0, n0+8) (b[0], b[1]) and [n0+8, n0+16) (b[2],
+/// b[3]), k in [k0, k0+16), of a tile stored [n][k] (keys by features: B = tile^T).
+__device__ inline void loadBt(uint32_t b[4], const bf16 *tile, int ld, int n0, int k0) {
+  int lane = threadIdx.x % 32, m = lane / 8;
+  ldsm(b, tile + (n0 + (m >> 1) * 8 + lane % 8) * ld + k0 + (m & 1) * 8);
+}
+/// The same from a tile stored [k][n] (B itself row-major), transposing.
+__device__ inline void loadB(uint32_t b[4], const bf16 *tile, int ld, int k0, int n0) {
+  int lane = threadIdx.x % 32, m = lane / 8;
+  ldsmT(b, tile + (k0 + (m & 1) * 8 + lane % 8) * ld + n0 + (m >> 1) * 8);
 }
 
 /// Copies rows [row0, row0 + rows) of a [*, D] head slice (row stride `ld`
-/// elements) into shared memory, row-major (stride D + 8) and/or transposed
-/// ([D][rows + 8]); rows past `limit` are zeros.
+/// elements) into shared memory, row-major with stride D + 8, 16 bytes at a
+/// time; rows past `limit` are zeros.
 template <int D>
-__device__ void stage(const bf16 *src, int64_t ld, int row0, int limit, int rows, bf16 *rowMajor, bf16 *transposed) {
-  constexpr int pairs = D / 2;
-  for (int idx = threadIdx.x; idx < rows * pairs; idx += kThreads) {
-    int r = idx / pairs, col = (idx % pairs) * 2;
-    uint32_t v = row0 + r < limit ? ld32(src + int64_t(row0 + r) * ld + col) : 0u;
-    if (rowMajor)
-      st32(rowMajor + r * (D + 8) + col, v);
-    if (transposed) {
-      __nv_bfloat162 two = *reinterpret_cast<__nv_bfloat162 *>(&v);
-      transposed[col * (rows + 8) + r] = two.x;
-      transposed[(col + 1) * (rows + 8) + r] = two.y;
-    }
+__device__ void stage(const bf16 *src, int64_t ld, int row0, int limit, int rows, bf16 *dst) {
+  constexpr int chunks = D / 8;
+  for (int idx = threadIdx.x; idx < rows * chunks; idx += kThreads) {
+    int r = idx / chunks, col = (idx % chunks) * 8;
+    uint4 v = row0 + r < limit ? *reinterpret_cast<const uint4 *>(src + int64_t(row0 + r) * ld + col) : uint4{};
+    *reinterpret_cast<uint4 *>(dst + r * (D + 8) + col) = v;
   }
 }
 
@@ -76,9 +92,9 @@ template <int D>
 __global__ void __launch_bounds__(kThreads) forwardKernel(const bf16 *Q, const bf16 *K, const bf16 *V, bf16 *O,
                                                           float *lse, Shape sh) {
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16 *Ks = reinterpret_cast<bf16 *>(smem); // [kCols][D + 8]
-  bf16 *Vt = Ks + kCols * (D + 8);           // [D][kCols + 8]
-  constexpr int ldk = D + 8, ldv = kCols + 8;
+  constexpr int ld = D + 8;
+  bf16 *Ks = reinterpret_cast<bf16 *>(smem); // [kCols][ld]
+  bf16 *Vs = Ks + kCols * ld;                // [kCols][ld]
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   int bh = blockIdx.y, b = bh / sh.heads, h = bh % sh.heads, kvh = h / (sh.heads / sh.kvHeads);
   int q0 = blockIdx.x * kRows + warp * 16;
@@ -97,14 +113,16 @@ __global__ void __launch_bounds__(kThreads) forwardKernel(const bf16 *Q, const b
   int end = sh.causal ? min(sh.t, int(blockIdx.x) * kRows + kRows + shift) : sh.t;
   for (int k0 = 0; k0 < end; k0 += kCols) {
     __syncthreads();
-    stage<D>(Kb, sh.ldk, k0, sh.t, kCols, Ks, nullptr);
-    stage<D>(Vb, sh.ldk, k0, sh.t, kCols, nullptr, Vt);
+    stage<D>(Kb, sh.ldk, k0, sh.t, kCols, Ks);
+    stage<D>(Vb, sh.ldk, k0, sh.t, kCols, Vs);
     __syncthreads();
     float s[kCols / 8][4] = {};
-    for (int j = 0; j < kCols / 8; ++j)
+    for (int j = 0; j < kCols / 8; j += 2)
       for (int ks = 0; ks < D / 16; ++ks) {
-        const bf16 *kr = Ks + (j * 8 + g) * ldk + ks * 16 + 2 * c;
-        mma(s[j], qa[ks], ld32(kr), ld32(kr + 8));
+        uint32_t kb[4];
+        loadBt(kb, Ks, ld, j * 8, ks * 16);
+        mma(s[j], qa[ks], kb[0], kb[1]);
+        mma(s[j + 1], qa[ks], kb[2], kb[3]);
       }
     float mx[2] = {m[0], m[1]};
     for (int j = 0; j < kCols / 8; ++j)
@@ -137,9 +155,11 @@ __global__ void __launch_bounds__(kThreads) forwardKernel(const bf16 *Q, const b
     for (int kk = 0; kk < kCols / 16; ++kk) {
       uint32_t pa[4] = {pack(s[2 * kk][0], s[2 * kk][1]), pack(s[2 * kk][2], s[2 * kk][3]),
                         pack(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-      for (int dn = 0; dn < D / 8; ++dn) {
-        const bf16 *vr = Vt + (dn * 8 + g) * ldv + kk * 16 + 2 * c;
-        mma(o[dn], pa, ld32(vr), ld32(vr + 8));
+      for (int dn = 0; dn < D / 8; dn += 2) {
+        uint32_t vb[4];
+        loadB(vb, Vs, ld, kk * 16, dn * 8);
+        mma(o[dn], pa, vb[0], vb[1]);
+        mma(o[dn + 1], pa, vb[2], vb[3]);
       }
     }
   }
@@ -185,23 +205,20 @@ __global__ void __launch_bounds__(kThreads)
     backwardKernel(const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO, const float *lse, const float *di,
                    float *dQ, bf16 *dK, bf16 *dV, Shape sh, float scale) {
   extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int ld = D + 8, ldt = kCols + 8, lds = kRows + 8;
+  constexpr int ld = D + 8, lds = kRows + 8;
   bf16 *Qs = reinterpret_cast<bf16 *>(smem); // [kCols][ld]
-  bf16 *Qt = Qs + kCols * ld;                // [D][ldt]
-  bf16 *dOs = Qt + D * ldt;                  // [kCols][ld]
-  bf16 *dOt = dOs + kCols * ld;              // [D][ldt]
-  bf16 *Ks = dOt + D * ldt;                  // [kRows][ld]
+  bf16 *dOs = Qs + kCols * ld;               // [kCols][ld]
+  bf16 *Ks = dOs + kCols * ld;               // [kRows][ld]
   bf16 *Vs = Ks + kRows * ld;                // [kRows][ld]
-  bf16 *Kt = Vs + kRows * ld;                // [D][lds]
-  bf16 *dSs = Kt + D * lds;                  // [kCols][lds]: dS with queries as rows
+  bf16 *dSs = Vs + kRows * ld;               // [kCols][lds]: dS with queries as rows
   float *lseS = reinterpret_cast<float *>(dSs + kCols * lds), *diS = lseS + kCols;
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   int bk = blockIdx.y, b = bk / sh.kvHeads, kvh = bk % sh.kvHeads, group = sh.heads / sh.kvHeads;
   int k0 = blockIdx.x * kRows, kw = warp * 16; // the warp's keys: k0 + kw + [0, 16)
   int shift = sh.t - sh.s;
   const bf16 *Kb = K + int64_t(b) * sh.t * sh.ldk + kvh * D, *Vb = V + int64_t(b) * sh.t * sh.ldk + kvh * D;
-  stage<D>(Kb, sh.ldk, k0, sh.t, kRows, Ks, Kt);
-  stage<D>(Vb, sh.ldk, k0, sh.t, kRows, Vs, nullptr);
+  stage<D>(Kb, sh.ldk, k0, sh.t, kRows, Ks);
+  stage<D>(Vb, sh.ldk, k0, sh.t, kRows, Vs);
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   // Queries before `first` see none of this block's keys.
@@ -211,8 +228,8 @@ __global__ void __launch_bounds__(kThreads)
     const bf16 *Qb = Q + int64_t(b) * sh.s * sh.ldq + h * D, *dOb = dO + int64_t(b) * sh.s * sh.ldq + h * D;
     for (int q0 = first; q0 < sh.s; q0 += kCols) {
       __syncthreads();
-      stage<D>(Qb, sh.ldq, q0, sh.s, kCols, Qs, Qt);
-      stage<D>(dOb, sh.ldq, q0, sh.s, kCols, dOs, dOt);
+      stage<D>(Qb, sh.ldq, q0, sh.s, kCols, Qs);
+      stage<D>(dOb, sh.ldq, q0, sh.s, kCols, dOs);
       for (int i = threadIdx.x; i < kCols; i += kThreads) {
         bool in = q0 + i < sh.s;
         int64_t at = (int64_t(b) * sh.heads + h) * sh.s + q0 + i;
@@ -224,12 +241,16 @@ __global__ void __launch_bounds__(kThreads)
       float p[kCols / 8][4] = {}, dp[kCols / 8][4] = {};
       for (int ks = 0; ks < D / 16; ++ks) {
         uint32_t ka[4], va[4];
-        loadA(ka, Ks, ld, kw, ks * 16, g, c);
-        loadA(va, Vs, ld, kw, ks * 16, g, c);
-        for (int j = 0; j < kCols / 8; ++j) {
-          const bf16 *qr = Qs + (j * 8 + g) * ld + ks * 16 + 2 * c, *dr = dOs + (j * 8 + g) * ld + ks * 16 + 2 * c;
-          mma(p[j], ka, ld32(qr), ld32(qr + 8));
-          mma(dp[j], va, ld32(dr), ld32(dr + 8));
+        loadA(ka, Ks, ld, kw, ks * 16);
+        loadA(va, Vs, ld, kw, ks * 16);
+        for (int j = 0; j < kCols / 8; j += 2) {
+          uint32_t qb[4], db[4];
+          loadBt(qb, Qs, ld, j * 8, ks * 16);
+          loadBt(db, dOs, ld, j * 8, ks * 16);
+          mma(p[j], ka, qb[0], qb[1]);
+          mma(p[j + 1], ka, qb[2], qb[3]);
+          mma(dp[j], va, db[0], db[1]);
+          mma(dp[j + 1], va, db[2], db[3]);
         }
       }
       // P^T = exp2(S^T scale - lse), dS^T = P^T (dP^T - Di).
@@ -247,10 +268,14 @@ __global__ void __launch_bounds__(kThreads)
                           pack(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack(p[2 * kk + 1][2], p[2 * kk + 1][3])};
         uint32_t sa[4] = {pack(dp[2 * kk][0], dp[2 * kk][1]), pack(dp[2 * kk][2], dp[2 * kk][3]),
                           pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]), pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
-        for (int dn = 0; dn < D / 8; ++dn) {
-          const bf16 *dr = dOt + (dn * 8 + g) * ldt + kk * 16 + 2 * c, *qr = Qt + (dn * 8 + g) * ldt + kk * 16 + 2 * c;
-          mma(dv[dn], pa, ld32(dr), ld32(dr + 8));
-          mma(dk[dn], sa, ld32(qr), ld32(qr + 8));
+        for (int dn = 0; dn < D / 8; dn += 2) {
+          uint32_t db[4], qb[4];
+          loadB(db, dOs, ld, kk * 16, dn * 8);
+          loadB(qb, Qs, ld, kk * 16, dn * 8);
+          mma(dv[dn], pa, db[0], db[1]);
+          mma(dv[dn + 1], pa, db[2], db[3]);
+          mma(dk[dn], sa, qb[0], qb[1]);
+          mma(dk[dn + 1], sa, qb[2], qb[3]);
         }
       }
       // dS (queries x keys) to shared memory for dQ = dS K.
@@ -261,10 +286,12 @@ __global__ void __launch_bounds__(kThreads)
       float dq[D / 8][4] = {};
       for (int kk = 0; kk < kRows / 16; ++kk) {
         uint32_t a[4];
-        loadA(a, dSs, lds, warp * 16, kk * 16, g, c);
-        for (int dn = 0; dn < D / 8; ++dn) {
-          const bf16 *kr = Kt + (dn * 8 + g) * lds + kk * 16 + 2 * c;
-          mma(dq[dn], a, ld32(kr), ld32(kr + 8));
+        loadA(a, dSs, lds, warp * 16, kk * 16);
+        for (int dn = 0; dn < D / 8; dn += 2) {
+          uint32_t kb[4];
+          loadB(kb, Ks, ld, kk * 16, dn * 8);
+          mma(dq[dn], a, kb[0], kb[1]);
+          mma(dq[dn + 1], a, kb[2], kb[3]);
         }
       }
       float *dQb = dQ + int64_t(b) * sh.s * sh.ldq + h * D;
@@ -294,11 +321,9 @@ __global__ void toBf16Kernel(const float *x, bf16 *y, int64_t n) {
     y[i] = __float2bfloat16_rn(x[i]);
 }
 
-template <int D> constexpr size_t forwardSmem() { return (kCols * (D + 8) + D * (kCols + 8)) * sizeof(bf16); }
+template <int D> constexpr size_t forwardSmem() { return 2 * kCols * (D + 8) * sizeof(bf16); }
 template <int D> constexpr size_t backwardSmem() {
-  return (2 * kCols * (D + 8) + 2 * D * (kCols + 8) + 2 * kRows * (D + 8) + D * (kRows + 8) + kCols * (kRows + 8)) *
-             sizeof(bf16) +
-         2 * kCols * sizeof(float);
+  return (2 * kCols * (D + 8) + 2 * kRows * (D + 8) + kCols * (kRows + 8)) * sizeof(bf16) + 2 * kCols * sizeof(float);
 }
 
 Shape shapeOf(const Params &p) {
