@@ -162,9 +162,16 @@ void reportProfile(const Session &s, const std::string &path) {
       std::printf(" %12.1f", t.flops / t.seconds / 1e12);
     std::printf("\n");
   }
+  // The dtype the products ran in: bf16 operands on bf16 tensor cores, f32
+  // ones on TF32 (CUDA) or f32 (CPU).
+  std::string mmDtype = s.backendName() == "cuda" ? "tf32" : "f32";
+  for (auto &[name, list] : s.rank().programs)
+    for (const Instruction &ins : list)
+      if (ins.op == "matmul" && !ins.in.empty() && s.rank().buffers[ins.in[0]].dtype == LOOM_BF16)
+        mmDtype = "bf16";
   nlohmann::json doc = {{"backend", s.backendName()},
                         {"matmul_flops_per_s", mmSeconds > 0 ? mmFlops / mmSeconds : 0.0},
-                        {"matmul_dtype", s.backendName() == "cuda" ? "tf32" : "f32"},
+                        {"matmul_dtype", mmDtype},
                         {"matmul_share", total > 0 ? mmSeconds / total : 0.0},
                         {"ops", nlohmann::json::object()}};
   for (auto &[op, t] : ops)

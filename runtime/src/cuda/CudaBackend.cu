@@ -17,6 +17,7 @@
 #include "runtime/src/cpu/CpuBackend.h"
 #include "runtime/src/cuda/FlashAttention.h"
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -25,6 +26,7 @@
 #endif
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <atomic>
 #include <functional>
@@ -398,6 +400,120 @@ __global__ void normGradDxKernel(DPtr x, DPtr g, DPtr dy, DPtr dx, int64_t h, fl
   }
 }
 
+//===--- Normalisation by warps -------------------------------------------===//
+// A warp per row, two adjacent elements per lane access, reductions by
+// shuffles only (rows of a multiple of 64 elements; blocks of 8 rows).
+
+__device__ inline float2 ld2(DPtr p, int64_t i) { // i even
+  return p.bf ? __bfloat1622float2(reinterpret_cast<const __nv_bfloat162 *>(p.p)[i / 2])
+              : reinterpret_cast<const float2 *>(p.p)[i / 2];
+}
+__device__ inline void st2(DPtr p, int64_t i, float a, float b) {
+  if (p.bf)
+    reinterpret_cast<__nv_bfloat162 *>(p.p)[i / 2] = __floats2bfloat162_rn(a, b);
+  else
+    reinterpret_cast<float2 *>(p.p)[i / 2] = make_float2(a, b);
+}
+__device__ inline float warpSum(float v) {
+  for (int o = 16; o > 0; o >>= 1)
+    v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
+}
+/// Mean (0 for RMSNorm) and 1/std of row `xr`, for every lane.
+__device__ inline void rowMoments(DPtr xr, int h, bool rms, float eps, float &mean, float &rstd) {
+  int lane = threadIdx.x % 32;
+  float sum = 0;
+  if (!rms)
+    for (int j = 2 * lane; j < h; j += 64) {
+      float2 v = ld2(xr, j);
+      sum += v.x + v.y;
+    }
+  mean = rms ? 0.0f : warpSum(sum) / h;
+  float sq = 0;
+  for (int j = 2 * lane; j < h; j += 64) {
+    float2 v = ld2(xr, j);
+    sq += (v.x - mean) * (v.x - mean) + (v.y - mean) * (v.y - mean);
+  }
+  rstd = rsqrtf(warpSum(sq) / h + eps);
+}
+__global__ void normRowsKernel(DPtr x, DPtr g, DPtr b, DPtr y, int64_t rows, int h, float eps, bool rms) {
+  int64_t row = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
+  if (row >= rows)
+    return;
+  DPtr xr = x + row * h, yr = y + row * h;
+  float mean, rstd;
+  rowMoments(xr, h, rms, eps, mean, rstd);
+  for (int j = 2 * (threadIdx.x % 32); j < h; j += 64) {
+    float2 v = ld2(xr, j), gg = ld2(g, j), bb = b.p ? ld2(b, j) : make_float2(0, 0);
+    st2(yr, j, (v.x - mean) * rstd * gg.x + bb.x, (v.y - mean) * rstd * gg.y + bb.y);
+  }
+}
+__global__ void normGradRowsKernel(DPtr x, DPtr g, DPtr dy, DPtr dx, int64_t rows, int h, float eps, bool rms,
+                                   float *meanOut, float *rstdOut) {
+  int64_t row = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
+  if (row >= rows)
+    return;
+  int lane = threadIdx.x % 32;
+  DPtr xr = x + row * h, dyr = dy + row * h, dxr = dx + row * h;
+  float mean, rstd;
+  rowMoments(xr, h, rms, eps, mean, rstd);
+  float sd = 0, sdx = 0;
+  for (int j = 2 * lane; j < h; j += 64) {
+    float2 v = ld2(xr, j), d = ld2(dyr, j), gg = ld2(g, j);
+    sd += d.x * gg.x + d.y * gg.y;
+    sdx += d.x * gg.x * (v.x - mean) * rstd + d.y * gg.y * (v.y - mean) * rstd;
+  }
+  sd = warpSum(sd), sdx = warpSum(sdx);
+  for (int j = 2 * lane; j < h; j += 64) {
+    float2 v = ld2(xr, j), d = ld2(dyr, j), gg = ld2(g, j);
+    float a = rstd * (d.x * gg.x - (rms ? 0.0f : sd / h) - (v.x - mean) * rstd * sdx / h);
+    float c = rstd * (d.y * gg.y - (rms ? 0.0f : sd / h) - (v.y - mean) * rstd * sdx / h);
+    st2(dxr, j, a, c);
+  }
+  if (lane == 0) {
+    meanOut[row] = mean;
+    rstdOut[row] = rstd;
+  }
+}
+/// columnPartialKernel with two adjacent columns per thread (64 per block).
+__global__ void columnPartial2Kernel(DPtr x, const float *mean, const float *rstd, DPtr dy, float *partial,
+                                     float *partialB, int64_t rows, int64_t cols, int64_t rowsPerChunk) {
+  __shared__ float2 tile[8][33], tileB[8][33];
+  int64_t col = blockIdx.x * 64 + threadIdx.x * 2, chunk = blockIdx.y;
+  int64_t r0 = chunk * rowsPerChunk, r1 = min(rows, r0 + rowsPerChunk);
+  float2 acc = make_float2(0, 0), accB = make_float2(0, 0);
+  if (col < cols)
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) {
+      if (dy) {
+        float2 d = ld2(dy, r * cols + col), v = ld2(x, r * cols + col);
+        acc.x += d.x * (v.x - mean[r]) * rstd[r];
+        acc.y += d.y * (v.y - mean[r]) * rstd[r];
+        accB.x += d.x;
+        accB.y += d.y;
+      } else {
+        float2 v = ld2(x, r * cols + col);
+        acc.x += v.x;
+        acc.y += v.y;
+      }
+    }
+  tile[threadIdx.y][threadIdx.x] = acc;
+  tileB[threadIdx.y][threadIdx.x] = accB;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    float2 sum = make_float2(0, 0), sumB = make_float2(0, 0);
+    for (int k = 0; k < 8; ++k) {
+      sum.x += tile[k][threadIdx.x].x, sum.y += tile[k][threadIdx.x].y;
+      sumB.x += tileB[k][threadIdx.x].x, sumB.y += tileB[k][threadIdx.x].y;
+    }
+    partial[chunk * cols + col] = sum.x;
+    partial[chunk * cols + col + 1] = sum.y;
+    if (partialB) {
+      partialB[chunk * cols + col] = sumB.x;
+      partialB[chunk * cols + col + 1] = sumB.y;
+    }
+  }
+}
+
 /// Device-side error report: [code, position, value].
 __device__ void raise(long long *err, long long code, long long pos, long long value) {
   if (atomicCAS(reinterpret_cast<unsigned long long *>(err), 0ull, static_cast<unsigned long long>(code)) == 0ull) {
@@ -498,9 +614,51 @@ __device__ float rowSumExp(DPtr lr, int64_t v, float mx, float *shared) {
   return blockSum(sum, shared);
 }
 
+/// The same in one pass (an online softmax: the sum rescaled whenever the
+/// maximum grows), each thread over pairs of adjacent values when v is even.
+__device__ inline void onlineAdd(float &m, float &s, float x) {
+  if (x > m) {
+    s = s * expf(m - x) + 1.0f;
+    m = x;
+  } else if (x != -INFINITY) {
+    s += expf(x - m);
+  }
+}
+__device__ inline void onlineMerge(float &m, float &s, float m2, float s2) {
+  float mx = fmaxf(m, m2);
+  if (mx == -INFINITY)
+    return;
+  s = (m == -INFINITY ? 0.0f : s * expf(m - mx)) + (m2 == -INFINITY ? 0.0f : s2 * expf(m2 - mx));
+  m = mx;
+}
+__device__ void rowStats(DPtr lr, int64_t v, float &mx, float &sum) {
+  __shared__ float sm[32], ss[32];
+  float m = -INFINITY, s = 0;
+  if (v % 2 == 0) {
+    for (int64_t j = 2 * threadIdx.x; j < v; j += 2 * blockDim.x) {
+      float2 x = lr.bf ? __bfloat1622float2(reinterpret_cast<const __nv_bfloat162 *>(lr.p)[j / 2])
+                       : reinterpret_cast<const float2 *>(lr.p)[j / 2];
+      onlineAdd(m, s, x.x);
+      onlineAdd(m, s, x.y);
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
+      onlineAdd(m, s, lr[j]);
+  }
+  for (int o = 16; o > 0; o >>= 1)
+    onlineMerge(m, s, __shfl_xor_sync(0xffffffff, m, o), __shfl_xor_sync(0xffffffff, s, o));
+  __syncthreads();
+  if (threadIdx.x % 32 == 0)
+    sm[threadIdx.x / 32] = m, ss[threadIdx.x / 32] = s;
+  __syncthreads();
+  m = -INFINITY, s = 0;
+  for (int w = 0; w < int(blockDim.x + 31) / 32; ++w)
+    onlineMerge(m, s, sm[w], ss[w]);
+  mx = m, sum = s;
+}
+
 __global__ void crossEntropyRowsKernel(DPtr logits, const void *targets, bool wide, float *rowLoss, int64_t v,
                                        long long *err) {
-  __shared__ float shared[32];
   int64_t row = blockIdx.x;
   DPtr lr = logits + row * v;
   int64_t t = readIndex(targets, wide, row);
@@ -509,7 +667,8 @@ __global__ void crossEntropyRowsKernel(DPtr logits, const void *targets, bool wi
       raise(err, 2, row, t);
     return;
   }
-  float mx = rowMax(lr, v, shared), sum = rowSumExp(lr, v, mx, shared);
+  float mx, sum;
+  rowStats(lr, v, mx, sum);
   if (threadIdx.x == 0)
     rowLoss[row] = logf(sum) + mx - lr[t];
 }
@@ -526,14 +685,14 @@ __global__ void meanKernel(const float *x, int64_t n, float *out) {
 
 __global__ void crossEntropyGradKernel(DPtr logits, const void *targets, bool wide, const float *dloss, DPtr dl,
                                        int64_t rows, int64_t v) {
-  __shared__ float shared[32];
   int64_t row = blockIdx.x;
   DPtr lr = logits + row * v, out = dl + row * v;
   int64_t t = readIndex(targets, wide, row);
-  float mx = rowMax(lr, v, shared), sum = rowSumExp(lr, v, mx, shared);
-  float scale = *dloss / rows;
+  float mx, sum;
+  rowStats(lr, v, mx, sum);
+  float scale = *dloss / rows, inv = 1.0f / sum;
   for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
-    out.st(j, (expf(lr[j] - mx) / sum - (j == t ? 1.0f : 0.0f)) * scale);
+    out.st(j, (expf(lr[j] - mx) * inv - (j == t ? 1.0f : 0.0f)) * scale);
 }
 
 __global__ void sumSquaresKernel(DPtr g, int64_t n, double *acc) {
@@ -829,6 +988,10 @@ public:
     LOOM_CUDA_CHECK(cudaSetDevice(device));
     LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     LOOM_CUBLAS_CHECK(cublasCreate(&blas));
+    // cuBLAS's Hopper kernels want a larger workspace than its default.
+    LOOM_CUDA_CHECK(cudaMalloc(&blasWorkspace, kBlasWorkspace));
+    LOOM_CUBLAS_CHECK(cublasSetWorkspace(blas, blasWorkspace, kBlasWorkspace));
+    LOOM_CUBLAS_CHECK(cublasLtCreate(&lt));
     LOOM_CUBLAS_CHECK(cublasSetStream(blas, stream));
     size_t bytes = std::max<int64_t>(rank.arenaBytes, 256);
     LOOM_CUDA_CHECK(cudaMalloc(&arena, bytes));
@@ -867,8 +1030,12 @@ public:
     cudaFree(workspace);
     cudaFree(errorWord);
     cudaFree(arena);
+    gemmPlans.clear();
+    if (lt)
+      cublasLtDestroy(lt);
     if (blas)
       cublasDestroy(blas);
+    cudaFree(blasWorkspace);
     if (stream)
       cudaStreamDestroy(stream);
   }
@@ -889,6 +1056,7 @@ public:
   bool has(const std::string &program) const override { return programs.count(program) > 0; }
 
   void prepare(const std::string &program, const std::vector<Instruction> &instrs) override {
+    LOOM_CUDA_CHECK(cudaSetDevice(device)); // GEMM plans are timed on this rank's GPU
     {
       // The CPU builders check every shape and attribute; they never touch memory.
       ThreadPool validationPool(1);
@@ -899,7 +1067,18 @@ public:
     std::vector<Step> steps;
     for (size_t i = 0; i < instrs.size(); ++i) {
       where = cat("instruction ", program, "[", i, "] '", instrs[i].op, "'");
-      steps.push_back({where, instrs[i].op, denseFlops(instrs[i]), build(instrs[i]), nullptr, nullptr});
+      // LOOM_PROFILE_SHAPES=1: --profile times matrix products by shape.
+      std::string label = instrs[i].op;
+      static const bool byShape = std::getenv("LOOM_PROFILE_SHAPES") != nullptr;
+      if (byShape && (label == "matmul" || label == "attention" || label == "attention_grad")) {
+        for (int64_t id : instrs[i].in)
+          label += " " + shapeStr(buf(id).shape);
+        if (flag(instrs[i], "transpose_a"))
+          label += " Ta";
+        if (flag(instrs[i], "transpose_b"))
+          label += " Tb";
+      }
+      steps.push_back({where, label, denseFlops(instrs[i]), build(instrs[i]), nullptr, nullptr});
     }
     if (workspaceBytes > workspaceAllocated) {
       cudaFree(workspace);
@@ -1039,12 +1218,95 @@ private:
       t.c = CUDA_R_16BF, t.cSize = 2;
     return t;
   }
-  /// Row-major C[M,N] = op(A) op(B) (+ beta C) through column-major cuBLAS.
-  void gemm(const GemmTypes &t, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const void *a,
-            int64_t lda, const void *b, int64_t ldb, float beta, void *c, int64_t ldc) {
-    LOOM_CUBLAS_CHECK(cublasGemmEx(blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                   int(n), int(m), int(k), &alpha, b, t.ab, int(ldb), a, t.ab, int(lda), &beta, c,
-                                   t.c, int(ldc), t.compute, CUBLAS_GEMM_DEFAULT));
+  /// A planned row-major C[M,N] = op(A) op(B): cuBLASLt descriptors and the
+  /// fastest of cuBLASLt's candidate algorithms, timed once per shape on
+  /// this GPU when the program is prepared (C = B^T A^T in column-major).
+  struct GemmPlan {
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+  };
+  std::map<std::string, std::shared_ptr<GemmPlan>> gemmPlans;
+  std::shared_ptr<GemmPlan> planGemm(const GemmTypes &t, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
+                                     const void *a, int64_t lda, const void *b, int64_t ldb, void *c, int64_t ldc,
+                                     int64_t offsetAlign = 256) {
+    // The alignment every pointer the plan will see has (cuBLASLt assumes 256).
+    auto alignOf = [](uint64_t v) { return v == 0 ? uint64_t(256) : std::min<uint64_t>(256, v & (~v + 1)); };
+    uint32_t align[3];
+    const void *ptrs[3] = {b, a, c};
+    for (int i = 0; i < 3; ++i)
+      align[i] = uint32_t(std::min(alignOf(reinterpret_cast<uintptr_t>(ptrs[i])), alignOf(uint64_t(offsetAlign))));
+    std::string key = cat(m, "x", n, "x", k, ta, tb, ":", lda, ",", ldb, ",", ldc, ":", int(t.ab), int(t.c), int(t.compute),
+                          ":", align[0], ",", align[1], ",", align[2]);
+    if (auto it = gemmPlans.find(key); it != gemmPlans.end())
+      return it->second;
+    auto plan = std::shared_ptr<GemmPlan>(new GemmPlan, [](GemmPlan *p) {
+      cublasLtMatrixLayoutDestroy(p->a), cublasLtMatrixLayoutDestroy(p->b), cublasLtMatrixLayoutDestroy(p->c);
+      cublasLtMatmulDescDestroy(p->desc);
+      delete p;
+    });
+    cublasOperation_t opA = tb ? CUBLAS_OP_T : CUBLAS_OP_N, opB = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, t.compute, CUDA_R_32F));
+    LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &opA, sizeof opA));
+    LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &opB, sizeof opB));
+    // Stored shapes (column-major): cuBLAS's A is our B, its B our A.
+    LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, t.ab, tb ? k : n, tb ? n : k, ldb));
+    LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, t.ab, ta ? m : k, ta ? k : m, lda));
+    LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->c, t.c, n, m, ldc));
+    cublasLtMatmulPreference_t pref = nullptr;
+    LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    uint64_t wsBytes = kBlasWorkspace;
+    LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsBytes,
+                                                           sizeof wsBytes));
+    const cublasLtMatmulPreferenceAttributes_t alignAttr[3] = {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                                               CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                               CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES};
+    for (int i = 0; i < 3; ++i)
+      LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, alignAttr[i], &align[i], sizeof align[i]));
+    LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align[2],
+                                                           sizeof align[2]));
+    cublasLtMatmulHeuristicResult_t found[8];
+    int returned = 0;
+    cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt, plan->desc, plan->a, plan->b, plan->c, plan->c, pref, 8,
+                                                       found, &returned);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (st != CUBLAS_STATUS_SUCCESS || returned == 0)
+      fail(LOOM_UNSUPPORTED, where, ": cuBLASLt has no algorithm for a ", m, "x", n, "x", k, " product (",
+           cublasGetStatusName(st), ")");
+    // Time the candidates (the result buffer is overwritten by the real run).
+    float best = INFINITY, alpha = 1.0f, beta = 0.0f;
+    cudaEvent_t e0, e1;
+    LOOM_CUDA_CHECK(cudaEventCreate(&e0));
+    LOOM_CUDA_CHECK(cudaEventCreate(&e1));
+    for (int i = 0; i < returned; ++i) {
+      if (found[i].state != CUBLAS_STATUS_SUCCESS)
+        continue;
+      auto launch = [&] {
+        return cublasLtMatmul(lt, plan->desc, &alpha, b, plan->a, a, plan->b, &beta, c, plan->c, c, plan->c,
+                              &found[i].algo, blasWorkspace, kBlasWorkspace, stream);
+      };
+      if (launch() != CUBLAS_STATUS_SUCCESS)
+        continue;
+      LOOM_CUDA_CHECK(cudaEventRecord(e0, stream));
+      for (int r = 0; r < 3; ++r)
+        launch();
+      LOOM_CUDA_CHECK(cudaEventRecord(e1, stream));
+      LOOM_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (ms < best)
+        best = ms, plan->algo = found[i].algo;
+    }
+    cudaEventDestroy(e0), cudaEventDestroy(e1);
+    if (best == INFINITY)
+      fail(LOOM_INTERNAL, where, ": no cuBLASLt algorithm ran a ", m, "x", n, "x", k, " product");
+    gemmPlans[key] = plan;
+    return plan;
+  }
+  void gemm(const GemmPlan &p, const void *a, const void *b, void *c, cudaStream_t s) {
+    float alpha = 1.0f, beta = 0.0f;
+    LOOM_CUBLAS_CHECK(cublasLtMatmul(lt, p.desc, &alpha, b, p.a, a, p.b, &beta, c, p.c, c, p.c, &p.algo,
+                                     blasWorkspace, kBlasWorkspace, s));
   }
   void gemmBatched(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float **a,
                    int64_t lda, const float **b, int64_t ldb, float beta, float **c, int64_t ldc, int64_t count) {
@@ -1089,6 +1351,9 @@ private:
     return int64_t(std::find(members.begin(), members.end(), rank.rank) - members.begin()) * localRows;
   }
   cublasHandle_t blas = nullptr;
+  cublasLtHandle_t lt = nullptr;
+  static constexpr size_t kBlasWorkspace = 32 << 20;
+  void *blasWorkspace = nullptr;
   char *arena = nullptr;
   long long *errorWord = nullptr;
   char *workspace = nullptr;
@@ -1134,7 +1399,10 @@ Launch CudaBackendImpl::buildGemm(const Instruction &ins) {
   int64_t batchA = count(a.shape) / (a.shape[ra - 1] * a.shape[ra - 2]);
   int64_t batchB = count(b.shape) / (b.shape[rb - 1] * b.shape[rb - 2]);
   if (batchB == 1 && !ta) // fold A's batch into rows: one GEMM
-    return [=](cudaStream_t) { gemm(t, false, tb, batch * m, n, k, 1.0f, pa, lda, pb, ldb, 0.0f, po, n); };
+  {
+    auto plan = planGemm(t, false, tb, batch * m, n, k, pa, lda, pb, ldb, po, n);
+    return [=](cudaStream_t s) { gemm(*plan, pa, pb, po, s); };
+  }
   if (batchA == batch && batchB == batch) {
     int64_t sa = count(a.shape) / batch, sb = count(b.shape) / batch, so = m * n;
     return [=](cudaStream_t) {
@@ -1161,9 +1429,13 @@ Launch CudaBackendImpl::buildGemm(const Instruction &ins) {
     offA.push_back(oa * a.shape[ra - 1] * a.shape[ra - 2]);
     offB.push_back(obb * b.shape[rb - 1] * b.shape[rb - 2]);
   }
-  return [=](cudaStream_t) {
+  int64_t offsets = m * n * osz;
+  for (int64_t i = 0; i < batch; ++i)
+    offsets |= offA[i] * sz | offB[i] * sz;
+  auto plan = planGemm(t, ta, tb, m, n, k, pa, lda, pb, ldb, po, n, offsets);
+  return [=](cudaStream_t s) {
     for (int64_t i = 0; i < batch; ++i)
-      gemm(t, ta, tb, m, n, k, 1.0f, pa + offA[i] * sz, lda, pb + offB[i] * sz, ldb, 0.0f, po + i * m * n * osz, n);
+      gemm(*plan, pa + offA[i] * sz, pb + offB[i] * sz, po + i * m * n * osz, s);
   };
 }
 
@@ -1408,8 +1680,13 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
       reserve(size_t(chunks * cols) * sizeof(float));
       return [=](cudaStream_t s) {
         float *partial = reinterpret_cast<float *>(workspace);
-        dim3 grid(unsigned((cols + 31) / 32), unsigned(chunks)), block(32, 8);
-        columnPartialKernel<<<grid, block, 0, s>>>(px, nullptr, nullptr, DPtr{}, partial, nullptr, rows, cols, per);
+        if (cols % 2 == 0) {
+          dim3 grid(unsigned((cols + 63) / 64), unsigned(chunks)), block(32, 8);
+          columnPartial2Kernel<<<grid, block, 0, s>>>(px, nullptr, nullptr, DPtr{}, partial, nullptr, rows, cols, per);
+        } else {
+          dim3 grid(unsigned((cols + 31) / 32), unsigned(chunks)), block(32, 8);
+          columnPartialKernel<<<grid, block, 0, s>>>(px, nullptr, nullptr, DPtr{}, partial, nullptr, rows, cols, per);
+        }
         columnFinishKernel<<<blocksFor(cols), kThreads, 0, s>>>(partial, py, chunks, cols, scale);
       };
     }
@@ -1428,6 +1705,10 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     int64_t h = x.shape.back(), rows = count(x.shape) / h;
     float eps = static_cast<float>(num(ins, "eps", 1e-5));
     DPtr px = fp(ins.in[0]), g = fp(ins.in[1]), b = rms ? DPtr{} : fp(ins.in[2]), y = fp(ins.out[0]);
+    if (h % 64 == 0 && h < (1 << 30))
+      return [=](cudaStream_t s) {
+        normRowsKernel<<<unsigned((rows + 7) / 8), 256, 0, s>>>(px, g, b, y, rows, int(h), eps, rms);
+      };
     return [=](cudaStream_t s) { normKernel<<<int(rows), kThreads, 0, s>>>(px, g, b, y, h, eps, rms, nullptr, nullptr); };
   }
   if (op == "layernorm_grad" || op == "rmsnorm_grad") {
@@ -1442,9 +1723,15 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     return [=](cudaStream_t s) {
       float *mean = reinterpret_cast<float *>(workspace), *rstd = mean + rows;
       float *partial = rstd + rows, *partialB = partial + chunks * h;
-      normGradDxKernel<<<int(rows), kThreads, 0, s>>>(px, g, dy, dx, h, eps, rms, mean, rstd);
-      dim3 grid(unsigned((h + 31) / 32), unsigned(chunks)), block(32, 8);
-      columnPartialKernel<<<grid, block, 0, s>>>(px, mean, rstd, dy, partial, partialB, rows, h, per);
+      if (h % 64 == 0) {
+        normGradRowsKernel<<<unsigned((rows + 7) / 8), 256, 0, s>>>(px, g, dy, dx, rows, int(h), eps, rms, mean, rstd);
+        dim3 grid(unsigned((h + 63) / 64), unsigned(chunks)), block(32, 8);
+        columnPartial2Kernel<<<grid, block, 0, s>>>(px, mean, rstd, dy, partial, partialB, rows, h, per);
+      } else {
+        normGradDxKernel<<<int(rows), kThreads, 0, s>>>(px, g, dy, dx, h, eps, rms, mean, rstd);
+        dim3 grid(unsigned((h + 31) / 32), unsigned(chunks)), block(32, 8);
+        columnPartialKernel<<<grid, block, 0, s>>>(px, mean, rstd, dy, partial, partialB, rows, h, per);
+      }
       columnFinishKernel<<<blocksFor(h), kThreads, 0, s>>>(partial, dg, chunks, h, 1.0f);
       if (db)
         columnFinishKernel<<<blocksFor(h), kThreads, 0, s>>>(partialB, db, chunks, h, 1.0f);
@@ -1625,9 +1912,12 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     float *p = f(ins.in[0]), *g = f(ins.in[1]), *m = f(ins.in[2]);
     float *v = adam ? f(ins.in[3]) : nullptr, *step = f(ins.in[adam ? 4 : 3]), *norm = f(ins.in[adam ? 5 : 4]);
     int64_t cnt = n(ins.in[0]);
+    // Grid-stride over at most 1024 blocks: each block works out the step's
+    // scalars (in double) once.
+    unsigned blocks = unsigned(std::min<int64_t>((cnt / 4 + kThreads - 1) / kThreads + 1, 1024));
     if (adam)
-      return [=](cudaStream_t s) { adamwKernel<<<blocksFor(cnt), kThreads, 0, s>>>(p, g, m, v, step, norm, cnt, a); };
-    return [=](cudaStream_t s) { sgdKernel<<<blocksFor(cnt), kThreads, 0, s>>>(p, g, m, step, norm, cnt, a); };
+      return [=](cudaStream_t s) { adamwKernel<<<blocks, kThreads, 0, s>>>(p, g, m, v, step, norm, cnt, a); };
+    return [=](cudaStream_t s) { sgdKernel<<<blocks, kThreads, 0, s>>>(p, g, m, step, norm, cnt, a); };
   }
   fail(LOOM_UNSUPPORTED, where, ": the CUDA backend has no kernel for '", op,
        "' yet (convolutions, pooling, batch norm and standalone softmax run on --backend cpu)");
