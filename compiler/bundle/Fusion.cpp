@@ -150,14 +150,16 @@ int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
     for (size_t i = 0; i < list.size(); ++i) {
       rt::Instruction &mm = list[i];
       if (mm.op == "matmul" && i + 1 < list.size() && !mm.attrs.contains("epilogue") &&
-          mm.out.size() == 1 && r.buffers[mm.out[0]].dtype == LOOM_F32 &&
+          mm.out.size() == 1 &&
+          (r.buffers[mm.out[0]].dtype == LOOM_F32 || r.buffers[mm.out[0]].dtype == LOOM_BF16) &&
           r.buffers[mm.out[0]].role == rt::BufferRole::Activation) {
         rt::Instruction &add = list[i + 1];
         int64_t c = mm.out[0];
         const rt::Shape &shape = r.buffers[c].shape;
         bool onlyReader = readers[c].size() == 1 && !kept.count(c);
         if (add.op == "add" && onlyReader && add.in.size() == 2 && add.in[0] == c &&
-            r.buffers[add.out[0]].shape == shape && r.buffers[add.in[1]].dtype == LOOM_F32 &&
+            r.buffers[add.out[0]].shape == shape && r.buffers[add.in[1]].dtype == r.buffers[c].dtype &&
+            r.buffers[add.out[0]].dtype == r.buffers[c].dtype &&
             r.buffers[add.in[1]].shape == rt::Shape{shape.back()}) {
           mm.in.push_back(add.in[1]);
           mm.out = add.out;

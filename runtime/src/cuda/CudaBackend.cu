@@ -1229,7 +1229,7 @@ private:
   std::map<std::string, std::shared_ptr<GemmPlan>> gemmPlans;
   std::shared_ptr<GemmPlan> planGemm(const GemmTypes &t, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
                                      const void *a, int64_t lda, const void *b, int64_t ldb, void *c, int64_t ldc,
-                                     int64_t offsetAlign = 256) {
+                                     int64_t offsetAlign = 256, const void *bias = nullptr) {
     // The alignment every pointer the plan will see has (cuBLASLt assumes 256).
     auto alignOf = [](uint64_t v) { return v == 0 ? uint64_t(256) : std::min<uint64_t>(256, v & (~v + 1)); };
     uint32_t align[3];
@@ -1237,7 +1237,7 @@ private:
     for (int i = 0; i < 3; ++i)
       align[i] = uint32_t(std::min(alignOf(reinterpret_cast<uintptr_t>(ptrs[i])), alignOf(uint64_t(offsetAlign))));
     std::string key = cat(m, "x", n, "x", k, ta, tb, ":", lda, ",", ldb, ",", ldc, ":", int(t.ab), int(t.c), int(t.compute),
-                          ":", align[0], ",", align[1], ",", align[2]);
+                          ":", align[0], ",", align[1], ",", align[2], bias ? ":bias" : "");
     if (auto it = gemmPlans.find(key); it != gemmPlans.end())
       return it->second;
     auto plan = std::shared_ptr<GemmPlan>(new GemmPlan, [](GemmPlan *p) {
@@ -1249,6 +1249,16 @@ private:
     LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, t.compute, CUDA_R_32F));
     LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &opA, sizeof opA));
     LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &opB, sizeof opB));
+    if (bias) { // a vector over the result's columns (cuBLAS's rows), added in the epilogue
+      cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+      cudaDataType biasType = t.c;
+      LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
+                                                       sizeof epilogue));
+      LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &biasType,
+                                                       sizeof biasType));
+      LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                                       sizeof bias));
+    }
     // Stored shapes (column-major): cuBLAS's A is our B, its B our A.
     LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, t.ab, tb ? k : n, tb ? n : k, ldb));
     LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, t.ab, ta ? m : k, ta ? k : m, lda));
@@ -1303,8 +1313,10 @@ private:
     gemmPlans[key] = plan;
     return plan;
   }
-  void gemm(const GemmPlan &p, const void *a, const void *b, void *c, cudaStream_t s) {
+  void gemm(const GemmPlan &p, const void *a, const void *b, void *c, cudaStream_t s, const void *bias = nullptr) {
     float alpha = 1.0f, beta = 0.0f;
+    if (bias) // plans are shared by shape: the bias is this call's
+      LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
     LOOM_CUBLAS_CHECK(cublasLtMatmul(lt, p.desc, &alpha, b, p.a, a, p.b, &beta, c, p.c, c, p.c, &p.algo,
                                      blasWorkspace, kBlasWorkspace, s));
   }
@@ -1373,9 +1385,23 @@ private:
 /// The GEMM, then its epilogue ("bias": added to every row in place; a
 /// cuBLASLt epilogue will fold it into the GEMM).
 Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
-  Launch gemm = buildGemm(ins);
   auto epilogue = ins.attrs.find("epilogue");
-  if (epilogue == ins.attrs.end() || !epilogue->is_string())
+  bool withBias = epilogue != ins.attrs.end() && epilogue->is_string();
+  if (withBias && buf(ins.in[2]).dtype == buf(ins.out[0]).dtype) {
+    const Buffer &a = buf(ins.in[0]), &b = buf(ins.in[1]), &o = buf(ins.out[0]);
+    size_t ra = a.shape.size(), rb = b.shape.size();
+    int64_t batchB = count(b.shape) / (b.shape[rb - 1] * b.shape[rb - 2]);
+    if (batchB == 1 && !flag(ins, "transpose_a")) { // one GEMM, bias in cuBLASLt's epilogue
+      GemmTypes t = gemmTypes(a, b, o);
+      bool tb = flag(ins, "transpose_b");
+      int64_t n = o.shape.back(), k = a.shape[ra - 1], rows = count(o.shape) / n;
+      char *pa = ptr(a), *pb = ptr(b), *po = ptr(o), *pbias = ptr(buf(ins.in[2]));
+      auto plan = planGemm(t, false, tb, rows, n, k, pa, a.shape[ra - 1], pb, b.shape[rb - 1], po, n, 256, pbias);
+      return [=](cudaStream_t s) { gemm(*plan, pa, pb, po, s, pbias); };
+    }
+  }
+  Launch gemm = buildGemm(ins);
+  if (!withBias)
     return gemm;
   DPtr po = fp(ins.out[0]), bias = fp(ins.in[2]);
   int64_t cnt = count(buf(ins.out[0]).shape), n = buf(ins.out[0]).shape.back();
