@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <sys/stat.h>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <set>
@@ -1071,6 +1072,98 @@ int64_t placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &p
 
 /// Drops the buffers and parameters a rank's programs never touch (other
 /// stages' layers) and renumbers the rest densely.
+/// The gradient of an operand that was sliced into parts along one axis
+/// (q|k|v) arrives as one slice_grad per part (zeros outside the part) and
+/// adds summing them. Where the parts tile the axis exactly, a concat of the
+/// parts' gradients computes the same sum: one write instead of zero-filling
+/// and adding full-size tensors.
+int64_t joinSliceGradients(rt::RankProgram &r) {
+  std::map<int64_t, int64_t> reads;
+  for (const auto &[name, list] : r.programs)
+    for (const rt::Instruction &ins : list)
+      for (int64_t id : ins.in)
+        ++reads[id];
+  std::set<int64_t> kept;
+  for (const rt::NamedBuffer &nb : r.outputs)
+    kept.insert(nb.buffer);
+  for (const rt::Parameter &p : r.params)
+    if (p.grad >= 0)
+      kept.insert(p.grad);
+  auto privateValue = [&](int64_t id) {
+    return reads[id] == 1 && !kept.count(id) && r.buffers[id].viewOf < 0;
+  };
+  int64_t joined = 0;
+  for (auto &[name, list] : r.programs) {
+    std::map<int64_t, size_t> producer;
+    for (size_t i = 0; i < list.size(); ++i)
+      for (int64_t id : list[i].out)
+        producer[id] = i;
+    std::vector<bool> dropped(list.size(), false);
+    for (size_t i = list.size(); i-- > 0;) {
+      const rt::Instruction &root = list[i];
+      if (dropped[i] || root.op != "add" || root.in.size() != 2 || root.out.size() != 1)
+        continue;
+      const rt::Buffer &whole = r.buffers[root.out[0]];
+      struct Part {
+        int64_t start, size, source;
+      };
+      std::vector<Part> parts;
+      std::vector<size_t> used = {i};
+      int64_t axis = -1;
+      bool ok = true;
+      std::function<void(int64_t)> collect = [&](int64_t id) {
+        auto at = producer.find(id);
+        if (!ok || at == producer.end() || at->second >= i || !privateValue(id)) {
+          ok = false;
+          return;
+        }
+        const rt::Instruction &ins = list[at->second];
+        used.push_back(at->second);
+        if (ins.op == "add" && ins.in.size() == 2) {
+          collect(ins.in[0]);
+          collect(ins.in[1]);
+          return;
+        }
+        const rt::Buffer &out = r.buffers[id];
+        if (ins.op != "slice_grad" || out.shape != whole.shape || out.dtype != whole.dtype) {
+          ok = false;
+          return;
+        }
+        int64_t a = ins.attrs.value("axis", int64_t(0)), rank = int64_t(whole.shape.size());
+        a = a < 0 ? a + rank : a;
+        if (axis >= 0 && a != axis)
+          ok = false;
+        axis = a;
+        parts.push_back({ins.attrs.value("start", int64_t(0)), r.buffers[ins.in[0]].shape[a], ins.in[0]});
+      };
+      collect(root.in[0]);
+      collect(root.in[1]);
+      if (!ok || axis < 0 || parts.size() < 2)
+        continue;
+      std::sort(parts.begin(), parts.end(), [](const Part &x, const Part &y) { return x.start < y.start; });
+      int64_t next = 0;
+      for (const Part &p : parts)
+        ok &= p.start == next, next += p.size;
+      if (!ok || next != whole.shape[axis])
+        continue;
+      rt::Instruction concat{"concat", {}, root.out, json{{"axis", axis}}};
+      for (const Part &p : parts)
+        concat.in.push_back(p.source);
+      for (size_t u : used)
+        dropped[u] = true;
+      dropped[i] = false;
+      list[i] = std::move(concat);
+      ++joined;
+    }
+    std::vector<rt::Instruction> out;
+    for (size_t i = 0; i < list.size(); ++i)
+      if (!dropped[i])
+        out.push_back(std::move(list[i]));
+    list = std::move(out);
+  }
+  return joined;
+}
+
 void compactRank(rt::RankProgram &r) {
   std::vector<bool> used(r.buffers.size(), false);
   auto mark = [&](int64_t id) {
@@ -1351,6 +1444,7 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
     // model-parallel ranks, and with ZeRO-1 the gradient slices of every replica.
     std::string normGroup = options.zero1 ? "all" : tp * pp > 1 ? "mp" : "";
     buildUpdate(r, options.training, std::move(reduce), normCounts, normGroup, zeroShards);
+    joinSliceGradients(r);
     if (options.fuse)
       fuseElementwise(r, nextKernel);
     if (pipelined || grid.size() > 1)
