@@ -127,17 +127,25 @@ void check(const Case &c) {
   ASSERT_EQ(cudaMalloc(&gK, nk * 2), cudaSuccess);
   ASSERT_EQ(cudaMalloc(&gV, nk * 2), cudaSuccess);
   ASSERT_EQ(cudaMalloc(&ws, flash::backwardWorkspace(p)), cudaSuccess);
+  float *lse = nullptr;
+  ASSERT_EQ(cudaMalloc(&lse, size_t(c.b) * c.heads * c.s * sizeof(float)), cudaSuccess);
   p.q = dQ, p.k = dK, p.v = dV;
-  ASSERT_EQ(flash::forward(p, dO, nullptr, nullptr), cudaSuccess);
-  ASSERT_EQ(flash::backward(p, dDO, gQ, gK, gV, ws, nullptr), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  // bf16 inputs are exact in the reference; what differs is P rounded to
-  // bf16 before its products and the bf16 results (about 2^-9 each).
-  EXPECT_LT(relativeL2(o, download(dO, nq)), 1e-2) << "O";
-  EXPECT_LT(relativeL2(dq, download(gQ, nq)), 2e-2) << "dQ";
-  EXPECT_LT(relativeL2(dk, download(gK, nk)), 2e-2) << "dK";
-  EXPECT_LT(relativeL2(dv, download(gV, nk)), 2e-2) << "dV";
-  for (void *ptr : {dQ, dK, dV, dDO, dO, gQ, gK, gV, ws})
+  // Twice: the backward recomputing the forward, then reusing its O and lse.
+  for (bool reuse : {false, true}) {
+    SCOPED_TRACE(reuse ? "backward with the forward's O and lse" : "backward recomputing the forward");
+    ASSERT_EQ(cudaMemset(gQ, 0xff, nq * 2), cudaSuccess); // NaNs unless written
+    ASSERT_EQ(flash::forward(p, dO, reuse ? lse : nullptr, nullptr), cudaSuccess);
+    ASSERT_EQ(flash::backward(p, dDO, gQ, gK, gV, ws, nullptr, reuse ? dO : nullptr, reuse ? lse : nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    // bf16 inputs are exact in the reference; what differs is P rounded to
+    // bf16 before its products and the bf16 results (about 2^-9 each).
+    EXPECT_LT(relativeL2(o, download(dO, nq)), 1e-2) << "O";
+    EXPECT_LT(relativeL2(dq, download(gQ, nq)), 2e-2) << "dQ";
+    EXPECT_LT(relativeL2(dk, download(gK, nk)), 2e-2) << "dK";
+    EXPECT_LT(relativeL2(dv, download(gV, nk)), 2e-2) << "dV";
+  }
+  for (void *ptr : {dQ, dK, dV, dDO, dO, gQ, gK, gV, ws, static_cast<void *>(lse)})
     cudaFree(ptr);
 }
 

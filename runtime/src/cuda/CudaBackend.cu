@@ -1065,8 +1065,10 @@ public:
                            &validationCommunicator());
     }
     std::vector<Step> steps;
+    instructions[program] = instrs;
     for (size_t i = 0; i < instrs.size(); ++i) {
       where = cat("instruction ", program, "[", i, "] '", instrs[i].op, "'");
+      building = {program, i};
       // LOOM_PROFILE_SHAPES=1: --profile times matrix products by shape.
       std::string label = instrs[i].op;
       static const bool byShape = std::getenv("LOOM_PROFILE_SHAPES") != nullptr;
@@ -1380,6 +1382,45 @@ private:
   };
   double denseFlops(const Instruction &ins) const { return denseInstructionFlops(rank, ins); }
   std::map<std::string, std::vector<Step>> programs;
+
+  /// What a bf16 attention forward leaves its backward: the rows'
+  /// log-sum-exps (ours) and which buffer holds its output. `fresh` is set by
+  /// the forward's launch and cleared by the backward's, on the host thread
+  /// that issues both.
+  struct AttentionSave {
+    float *lse = nullptr;
+    int64_t out = -1;
+    std::pair<std::string, size_t> at;
+    bool fresh = false;
+  };
+  std::map<std::tuple<int64_t, int64_t, int64_t>, std::shared_ptr<AttentionSave>> attentionSaves;
+  std::map<std::string, std::vector<Instruction>> instructions; // as prepared
+  std::pair<std::string, size_t> building;                      // the instruction being built
+  /// Whether the save's output buffer still holds the forward's result when
+  /// the instruction at `use` runs: nothing between them (in program order:
+  /// one program, or "forward" then "backward") writes over its bytes.
+  bool outputIntact(const AttentionSave &save, const std::pair<std::string, size_t> &use) const {
+    std::vector<const Instruction *> between;
+    auto range = [&](const std::string &name, size_t from, size_t to) {
+      const std::vector<Instruction> &list = instructions.at(name);
+      for (size_t i = from; i < std::min(to, list.size()); ++i)
+        between.push_back(&list[i]);
+    };
+    if (save.at.first == use.first && save.at.second < use.second)
+      range(use.first, save.at.second + 1, use.second);
+    else if (save.at.first == "forward" && use.first == "backward")
+      range("forward", save.at.second + 1, SIZE_MAX), range("backward", 0, use.second);
+    else
+      return false;
+    const Buffer &o = rank.buffers[save.out];
+    for (const Instruction *ins : between)
+      for (int64_t id : ins->out) {
+        const Buffer &w = rank.buffers[id];
+        if (w.offset < o.offset + o.bytes && o.offset < w.offset + w.bytes)
+          return false;
+      }
+    return true;
+  }
 };
 
 /// The GEMM, then its epilogue ("bias": added to every row in place; a
@@ -1487,18 +1528,46 @@ Launch CudaBackendImpl::buildAttention(const Instruction &ins, bool grad) {
     p.q = ptr(q), p.k = ptr(k), p.v = ptr(buf(ins.in[2]));
     p.batch = B, p.s = S, p.t = T, p.heads = heads, p.kvHeads = kv, p.headDim = D, p.causal = causal, p.scale = scale;
     std::string what = where;
-    if (!grad) {
+    auto key = std::make_tuple(ins.in[0], ins.in[1], ins.in[2]);
+    if (!grad) { // keeps the rows' log-sum-exps for the backward
       char *po = ptr(buf(ins.out[0]));
+      auto save = std::make_shared<AttentionSave>();
+      save->lse = deviceArray(std::vector<float>(size_t(B * heads * S)));
+      save->out = ins.out[0];
+      save->at = building;
+      attentionSaves[key] = save;
       return [=](cudaStream_t st) {
-        if (cudaError_t e = flash::forward(p, po, nullptr, st); e != cudaSuccess)
+        if (cudaError_t e = flash::forward(p, po, save->lse, st); e != cudaSuccess)
           fail(LOOM_INTERNAL, what, ": flash attention forward failed: ", cudaGetErrorString(e));
+        save->fresh = true;
       };
     }
     reserve(flash::backwardWorkspace(p));
     char *pdo = ptr(buf(ins.in[3])), *gq = ptr(buf(ins.out[0])), *gk = ptr(buf(ins.out[1])), *gv = ptr(buf(ins.out[2]));
+    // The forward's output and statistics are used when they are still there
+    // (decided at the first launch, once every program is prepared);
+    // otherwise the backward recomputes them.
+    struct Reuse {
+      bool decided = false;
+      std::shared_ptr<AttentionSave> save;
+    };
+    auto reuse = std::make_shared<Reuse>();
+    auto use = building;
     return [=](cudaStream_t st) {
-      if (cudaError_t e = flash::backward(p, pdo, gq, gk, gv, workspace, st); e != cudaSuccess)
+      if (!reuse->decided) {
+        reuse->decided = true;
+        auto it = attentionSaves.find(key);
+        if (it != attentionSaves.end() && outputIntact(*it->second, use))
+          reuse->save = it->second;
+      }
+      AttentionSave *save = reuse->save.get();
+      bool saved = save && save->fresh;
+      const void *o = saved ? ptr(buf(save->out)) : nullptr;
+      if (cudaError_t e = flash::backward(p, pdo, gq, gk, gv, workspace, st, o, saved ? save->lse : nullptr);
+          e != cudaSuccess)
         fail(LOOM_INTERNAL, what, ": flash attention backward failed: ", cudaGetErrorString(e));
+      if (save)
+        save->fresh = false;
     };
   }
   float *pq = f(ins.in[0]), *pk = f(ins.in[1]), *pv = f(ins.in[2]);

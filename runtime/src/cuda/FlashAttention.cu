@@ -362,15 +362,19 @@ Workspace carve(const Params &p, void *base) {
 
 template <int D>
 cudaError_t backwardD(const Params &p, const void *dO, void *dQ, void *dK, void *dV, void *workspace,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, const void *savedO, const float *savedLse) {
   if (cudaError_t e = cudaFuncSetAttribute(backwardKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            int(backwardSmem<D>()));
       e != cudaSuccess)
     return e;
   Workspace w = carve(p, workspace);
   Shape sh = shapeOf(p);
-  if (cudaError_t e = forwardD<D>(p, w.o, w.lse, stream); e != cudaSuccess)
+  if (savedO) { // the forward's own output and statistics
+    w.o = static_cast<bf16 *>(const_cast<void *>(savedO));
+    w.lse = const_cast<float *>(savedLse);
+  } else if (cudaError_t e = forwardD<D>(p, w.o, w.lse, stream); e != cudaSuccess) {
     return e;
+  }
   int64_t rows = p.batch * p.heads * p.s, qElems = p.batch * p.s * p.heads * p.headDim;
   rowDotKernel<D><<<unsigned((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(static_cast<const bf16 *>(dO), w.o,
                                                                                    w.di, rows, sh);
@@ -406,12 +410,12 @@ size_t backwardWorkspace(const Params &p) {
 }
 
 cudaError_t backward(const Params &p, const void *dO, void *dQ, void *dK, void *dV, void *workspace,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, const void *o, const float *lse) {
   switch (p.headDim) {
-  case 16: return backwardD<16>(p, dO, dQ, dK, dV, workspace, stream);
-  case 32: return backwardD<32>(p, dO, dQ, dK, dV, workspace, stream);
-  case 64: return backwardD<64>(p, dO, dQ, dK, dV, workspace, stream);
-  case 128: return backwardD<128>(p, dO, dQ, dK, dV, workspace, stream);
+  case 16: return backwardD<16>(p, dO, dQ, dK, dV, workspace, stream, o, lse);
+  case 32: return backwardD<32>(p, dO, dQ, dK, dV, workspace, stream, o, lse);
+  case 64: return backwardD<64>(p, dO, dQ, dK, dV, workspace, stream, o, lse);
+  case 128: return backwardD<128>(p, dO, dQ, dK, dV, workspace, stream, o, lse);
   default: return cudaErrorInvalidValue;
   }
 }

@@ -37,10 +37,10 @@ cudaError_t forward(const Params &p, void *o, float *lse, cudaStream_t stream);
 /// Workspace bytes `backward` needs.
 size_t backwardWorkspace(const Params &p);
 
-/// dQ, dK, dV (bf16, their operands' layouts) from dO; recomputes O and the
-/// row statistics first, so it needs only the forward's inputs.
+/// dQ, dK, dV (bf16, their operands' layouts) from dO. Given the forward's
+/// O and `lse` (unchanged since), uses them; otherwise recomputes both first.
 cudaError_t backward(const Params &p, const void *dO, void *dQ, void *dK, void *dV, void *workspace,
-                     cudaStream_t stream);
+                     cudaStream_t stream, const void *o = nullptr, const float *lse = nullptr);
 
 } // namespace loom::rt::flash
 
