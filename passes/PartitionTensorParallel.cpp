@@ -65,6 +65,11 @@ public:
       if (shards.count(param))
         return where->emitError() << "uses parameter @" << param.getSymName()
                                   << " whole, but tensor parallelism splits it elsewhere";
+    if (shards.empty()) // every rank would compute the whole model: not what tp promises
+      return module.emitError() << "tensor parallelism (tp = " << tp
+                                << ") found no matrix product of a parameter to split; it "
+                                   "splits linear layers that read their weight directly "
+                                   "(run it before loom-mixed-precision), or use tp = 1";
     rewrite();
     if (gatherOutputs) // inference: what @forward returns split comes back whole
       if (auto forward = module.lookupSymbol<func::FuncOp>("forward"))

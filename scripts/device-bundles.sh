@@ -34,6 +34,16 @@ if [ "$set_name" = multi ]; then
     name=$(echo "$plan" | sed 's/,mb=.*//; s/[=,]//g')
     c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --cluster h100:4 --force $plan,zero=0 -o $out/gpt2-350m-$name.loom
   done
+  # bf16 (--precision bf16 --fuse): NCCL on bf16 activations (tensor parallelism) and f32 gradients.
+  bf=(--precision bf16 --fuse)
+  c models/gpt-tiny.mlir --batch 8 --train --lr 1e-3 "${bf[@]}" -o $out/gpt-tiny-bf16-one.loom
+  c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 "${bf[@]}" -o $out/gpt2-350m-bf16-one.loom
+  for plan in dp=2 tp=2 pp=2,mb=4,schedule=1f1b; do
+    c models/gpt-tiny.mlir --batch 8 --train --lr 1e-3 "${bf[@]}" --cluster h100:2 --force $plan,zero=0 \
+        -o $out/gpt-tiny-bf16-${plan%%=*}2.loom
+    c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 "${bf[@]}" --cluster h100:2 --force $plan,zero=0 \
+        -o $out/gpt2-350m-bf16-${plan%%=*}2.loom
+  done
   du -sh "$out"
   exit 0
 fi

@@ -46,4 +46,12 @@ if [ "$gpus" -ge 4 ]; then
     run "$R/gpt2-350m-$p.loom" 10 "/tmp/350-$p.log" && compare /tmp/350-one.log "/tmp/350-$p.log" "350M $p"
   done
 fi
+echo "== bf16 (--precision bf16 --fuse): one GPU vs 2 GPUs, gpt-tiny then GPT-2 350M"
+run $R/gpt-tiny-bf16-one.loom 20 /tmp/tiny16-one.log
+run $R/gpt2-350m-bf16-one.loom 10 /tmp/350b-one.log
+grep "trained:" /tmp/350b-one.log | sed 's/^/one GPU, bf16: /'
+for p in dp2 tp2 pp2; do
+  run "$R/gpt-tiny-bf16-$p.loom" 20 "/tmp/tiny16-$p.log" && compare /tmp/tiny16-one.log "/tmp/tiny16-$p.log" "gpt-tiny bf16 $p"
+  run "$R/gpt2-350m-bf16-$p.loom" 10 "/tmp/350b-$p.log" && compare /tmp/350b-one.log "/tmp/350b-$p.log" "350M bf16 $p"
+done
 cp /tmp/*.log "${OUT:-/tmp}/" 2>/dev/null || true

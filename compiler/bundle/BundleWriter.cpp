@@ -1263,9 +1263,11 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
                                    "ranks: it needs dp >= 2 and an optimizer";
   if (failed(specializeBatch(*module, options.batch / (dp * m))))
     return failure();
-  if (options.bf16 && failed(applyMixedPrecision(*module)))
-    return failure();
+  // Partition first: its rules match parameters read directly, and the
+  // mixed-precision casts then go after each rank's own shards.
   if (failed(partitionTensorParallel(*module, tp, /*gatherOutputs=*/!options.train)))
+    return failure();
+  if (options.bf16 && failed(applyMixedPrecision(*module)))
     return failure();
   const char *entryName = options.train ? "loss" : "forward";
   auto entry = module->lookupSymbol<func::FuncOp>(entryName);

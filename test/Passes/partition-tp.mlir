@@ -4,6 +4,11 @@
 // RUN: not loom-opt %models/mlp.mlir --loom-specialize-batch=batch=2 --loom-partition-tp=tp=2 2>&1 | FileCheck %s --check-prefix=NORULE
 // RUN: not loom-opt %models/gpt-tiny.mlir --loom-partition-tp=tp=2 2>&1 | FileCheck %s --check-prefix=DYNAMIC
 // RUN: loom-opt %models/gpt-tiny.mlir --loom-specialize-batch=batch=2 --loom-partition-tp="tp=2 gather-outputs=1" | FileCheck %s --check-prefix=GATHER
+// RUN: not loom-opt %models/gpt-tiny.mlir --loom-specialize-batch=batch=2 --loom-mixed-precision --loom-partition-tp=tp=2 2>&1 | FileCheck %s --check-prefix=NOTHING
+
+// Nothing to split (here: weights read through mixed precision's casts) is
+// an error, never every rank silently computing the whole model.
+// NOTHING: error: tensor parallelism (tp = 2) found no matrix product of a parameter to split
 
 // Megatron's pattern: the vocabulary-parallel embedding and head, the fused
 // q|k|v projection split per block, column- then row-parallel pairs.
