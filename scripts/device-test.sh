@@ -17,7 +17,10 @@ echo "== forward: CUDA vs CPU (relative L2 error; f32 bundles on TF32 matmuls, b
 for b in $R/*-infer.loom; do
   n=$(basename "$b" .loom)
   tol=2e-3
-  case $n in *bf16*) tol=3e-2 ;; esac # bf16 results: rounding differs with summation order
+  case $n in
+    *bf16*) tol=3e-2 ;;   # bf16 results: rounding differs with summation order
+    resnet50*) tol=5e-3 ;; # 53 TF32 products in a row (batch norm rescales each)
+  esac
   $B/loom-run "$b" --backend cpu --seed 3 --output "$LOG/$n.cpu.safetensors" > /dev/null || status=1
   $B/loom-run "$b" --backend cuda --seed 3 --steps 5 --output "$LOG/$n.cuda.safetensors" | grep forward: || status=1
   $B/loom-compare "$LOG/$n.cuda.safetensors" "$LOG/$n.cpu.safetensors" --tolerance $tol | sed "s/^/$n: /" || status=1
