@@ -88,7 +88,10 @@ cl::opt<std::string> compileForce("force", cl::desc("Fix parts of the parallel p
 cl::opt<std::string> compilePlan("plan", cl::desc("Compile for this plan (loomc plan --json) "
                                                 "instead of planning"),
                                  cl::value_desc("plan.json"), cl::init(""), cl::sub(compileCmd));
-cl::opt<std::string> compileTarget("target", cl::desc("Code generation target: cpu (cuda: issue #8)"),
+cl::opt<std::string> compileTarget("target", cl::desc("cpu (the default), or cuda: NVIDIA GPUs (sm_90a), "
+                                                      "which means --fuse and, unless --precision says "
+                                                      "otherwise, --precision bf16 (every bundle runs on "
+                                                      "either backend)"),
                                    cl::init("cpu"), cl::sub(compileCmd));
 cl::opt<bool> compileInfer("infer", cl::desc("Compile the forward pass (the default)"),
                            cl::sub(compileCmd));
@@ -236,9 +239,9 @@ int runCompile() {
       !(trainBeta1 >= 0 && trainBeta1 < 1) || !(trainBeta2 >= 0 && trainBeta2 < 1) || !(trainEps > 0))
     return fail("training options out of range: need lr > 0, 0 <= beta < 1, eps > 0 and "
                 "non-negative min-lr, warmup, total-steps and clip");
-  if (compileTarget != "cpu")
-    return fail("--target " + compileTarget + " is not available yet (the CUDA backend is "
-                "issue #8); use --target cpu");
+  if (compileTarget != "cpu" && compileTarget != "cuda")
+    return fail("--target must be cpu or cuda (NVIDIA Hopper, sm_90a), got '" + compileTarget + "'");
+  bool cuda = compileTarget == "cuda";
   ::loom::planner::Cluster cluster;
   std::string error;
   if (!::loom::planner::parseCluster(compileCluster, cluster, error))
@@ -300,9 +303,9 @@ int runCompile() {
   options.train = compileTrain;
   if (compilePrecision != "f32" && compilePrecision != "bf16")
     return fail("--precision must be f32 or bf16, got '" + compilePrecision + "'");
-  options.bf16 = compilePrecision == "bf16";
+  options.bf16 = compilePrecision == "bf16" || (cuda && compilePrecision.getNumOccurrences() == 0);
   options.noWeights = compileNoWeights;
-  options.fuse = compileFuse;
+  options.fuse = compileFuse || cuda;
   options.dataParallel = dp;
   options.tensorParallel = tp;
   options.pipelineParallel = pp;
