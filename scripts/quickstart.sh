@@ -4,7 +4,8 @@
 # compiles it and runs its forward pass on the CPU backend, plans GPT-2 350M for
 # a node of 8 H100s (plan.json, plan.svg), trains the small GPT for 40 steps on
 # the CPU backend with checkpoints, trains it again split over two CPU ranks
-# (tensor parallelism, same losses), and lists the GPUs the runtime can use.
+# (tensor parallelism, same losses), and lists the GPUs the runtime can use
+# (where there is one, it trains the small GPT there too, with --target cuda).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
@@ -34,5 +35,13 @@ echo "== the same training split over 2 CPU ranks by tensor parallelism: the los
 "$B/runtime/loom-run" "$B/quickstart/gpt-small-tp2.loom" --steps 10 --data "$B/quickstart/tokens.bin" \
   | awk 'NR == 1 || /step 10\//'
 if [ -x "$B/runtime/loom-devices" ]; then
-  "$B/runtime/loom-devices" || echo "(no GPU here: the CPU backend is the reference)"
+  if "$B/runtime/loom-devices"; then
+    echo "== a GPU is here: the same training on it, compiled for CUDA (bf16, fused kernels)"
+    "$B/compiler/loomc" compile "$model" --train --batch 4 --lr 1e-3 --warmup 10 --total-steps 40 \
+      --target cuda -o "$B/quickstart/gpt-small-cuda.loom"
+    "$B/runtime/loom-run" "$B/quickstart/gpt-small-cuda.loom" --backend cuda --steps 40 \
+      --data "$B/quickstart/tokens.bin" | awk 'NR <= 3 || /step (10|20|30|40)\// || /trained/'
+  else
+    echo "(no GPU here: the CPU backend is the reference)"
+  fi
 fi
