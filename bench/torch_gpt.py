@@ -6,9 +6,16 @@ tokens/s, TFLOP/s (6N + 12 L h s per token) and ms per step, after warm-up.
 
 usage: python3 bench/torch_gpt.py [--layers 24 --hidden 1024 --heads 16 --seq 1024
        --vocab 50304 --batch 8 --steps 10 --modes eager-fp32,compile-fp32,eager-bf16,compile-bf16]
+       [--loom BUNDLE.loom ... [--loom-run build-device/runtime/loom-run]]
+
+With --loom, each bundle (compiled for the same model and batch) trains first with
+`loom-run --backend cuda` in the same invocation, and is reported in the same format,
+FLOPs counted the same way, followed by Loom's speed relative to each PyTorch mode.
 """
 import argparse
 import math
+import re
+import subprocess
 import time
 
 import torch
@@ -104,6 +111,23 @@ def run(mode, a):
           f"{dt * 1e3:8.1f} ms/step  loss {loss.item():.4f}  params {n_params / 1e6:.1f}M", flush=True)
     del model, opt
     torch.cuda.empty_cache()
+    return tps
+
+
+def loom(bundle, a):
+    """Trains a Loom bundle on the GPU; returns (tokens/s, ms/step) as loom-run measured them."""
+    cmd = [a.loom_run, bundle, "--backend", "cuda", "--steps", str(a.steps + 3)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    found = re.search(r"trained: ([\d.]+) ms per step, (\d+) tokens/s", out.stdout)
+    if out.returncode != 0 or not found:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {(out.stderr or out.stdout).strip()[-300:]}")
+    return float(found.group(2)), float(found.group(1))
+
+
+def flops_per_token(a):
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in GPT(a.layers, a.hidden, a.heads, a.seq, a.vocab).parameters())
+    return 6 * n_params + 12 * a.layers * a.hidden * a.seq
 
 
 def arguments(modes):
@@ -117,14 +141,30 @@ def arguments(modes):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--modes", default=modes)
+    p.add_argument("--loom", nargs="*", default=[], help="Loom bundles to train first, same model and batch")
+    p.add_argument("--loom-run", default="build-device/runtime/loom-run")
     return p.parse_args()
 
 
 if __name__ == "__main__":
     a = arguments("eager-fp32,compile-fp32,eager-bf16,compile-bf16")
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    fpt = flops_per_token(a)
+    results = {}
+    for bundle in a.loom:
+        name = "loom " + bundle.rstrip("/").split("/")[-1].removesuffix(".loom")
+        try:
+            tps, ms = loom(bundle, a)
+            results[name] = tps
+            print(f"{name:19s} {tps:10.0f} tokens/s  {tps * fpt / 1e12:6.1f} TFLOP/s  {ms:8.1f} ms/step", flush=True)
+        except Exception as e:
+            print(f"{name}: failed: {e}")
+    torch_rates = {}
     for mode in a.modes.split(","):
         try:
-            run(mode, a)
+            torch_rates[mode] = run(mode, a)
         except Exception as e:  # report and go on: one failing mode should not hide the rest
             print(f"torch {mode}: failed: {type(e).__name__}: {e}")
+    for name, tps in results.items():
+        ratios = ", ".join(f"{tps / r:.2f}x torch {m}" for m, r in torch_rates.items() if r)
+        print(f"{name}: {ratios}")

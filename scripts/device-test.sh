@@ -62,5 +62,7 @@ $B/loom-run $R/gpt2-350m-bf16-fused-train.loom --backend cuda --steps 6 --profil
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 [ "${TORCH_MODES:-}" = none ] && exit $status
 echo "== PyTorch on the same model and card"
-python3 bench/torch_gpt.py --steps 10 --modes "${TORCH_MODES:-eager-fp32,compile-fp32,eager-bf16,compile-bf16}" 2>&1 | grep -v Warning
+# Loom's bundles again inside the benchmark, so one table has both (tokens/s, TFLOP/s, ratios).
+python3 bench/torch_gpt.py --steps 10 --modes "${TORCH_MODES:-eager-fp32,compile-fp32,eager-bf16,compile-bf16}" \
+    --loom $R/gpt2-350m-bf16-fused-train.loom $R/gpt2-350m-train.loom --loom-run $B/loom-run 2>&1 | grep -v Warning
 exit $status
