@@ -125,8 +125,6 @@ struct DPtr {
 
 __global__ void fillKernel(DPtr y, int64_t n, float v) { GRID_LOOP(i, n) y.st(i, v); }
 __global__ void castKernel(DPtr x, DPtr y, int64_t n) { GRID_LOOP(i, n) y.st(i, x[i]); }
-/// Sums of f32 accumulators rounded into the result's dtype.
-__global__ void storeKernel(const float *x, DPtr y, int64_t n) { GRID_LOOP(i, n) y.st(i, x[i]); }
 __global__ void stepKernel(float *s) { *s += 1.0f; }
 
 enum BinaryOp { kAdd, kSub, kMul, kDiv };
@@ -318,9 +316,14 @@ __global__ void reduceKernel(int op, DPtr x, DPtr y, int64_t nOut, Strided s, St
   }
 }
 
-__device__ inline float blockSum(float v, float *shared) {
+__device__ inline float warpSum(float v) {
   for (int o = 16; o > 0; o >>= 1)
     v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
+}
+
+__device__ inline float blockSum(float v, float *shared) {
+  v = warpSum(v);
   int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   __syncthreads();
   if (lane == 0)
@@ -414,11 +417,6 @@ __device__ inline void st2(DPtr p, int64_t i, float a, float b) {
     reinterpret_cast<__nv_bfloat162 *>(p.p)[i / 2] = __floats2bfloat162_rn(a, b);
   else
     reinterpret_cast<float2 *>(p.p)[i / 2] = make_float2(a, b);
-}
-__device__ inline float warpSum(float v) {
-  for (int o = 16; o > 0; o >>= 1)
-    v += __shfl_xor_sync(0xffffffff, v, o);
-  return v;
 }
 /// Mean (0 for RMSNorm) and 1/std of row `xr`, for every lane.
 __device__ inline void rowMoments(DPtr xr, int h, bool rms, float eps, float &mean, float &rstd) {
@@ -1209,7 +1207,6 @@ private:
     return {arena + b.offset, b.dtype == LOOM_BF16};
   }
   static bool isBf16(const Buffer &b) { return b.dtype == LOOM_BF16; }
-  static int64_t elementSize(const Buffer &b) { return dtypeSize(b.dtype); }
   /// Whether the 16-byte vector kernels apply to these tensors: one float
   /// dtype, 16-byte aligned, every count a multiple of the pack and n < 2^31.
   bool vectorizable(std::initializer_list<int64_t> ids, std::initializer_list<int64_t> counts) {
@@ -1396,6 +1393,21 @@ private:
   Launch buildCommunication(const Instruction &ins);
   Launch buildFused(const Instruction &ins);
   Launch buildConv2d(const Instruction &ins);
+  /// The sum of squares of the inputs (but those in `skip`) into a double at
+  /// the workspace's start: global_norm's first half, local or across a group.
+  Launch buildSumOfSquares(const Instruction &ins, const std::set<int64_t> &skip) {
+    std::vector<std::pair<DPtr, int64_t>> grads;
+    for (size_t i = 0; i < ins.in.size(); ++i)
+      if (!skip.count(int64_t(i)))
+        grads.push_back({fp(ins.in[i]), count(buf(ins.in[i]).shape)});
+    reserve(sizeof(double));
+    return [=](cudaStream_t s) {
+      double *acc = reinterpret_cast<double *>(workspace);
+      LOOM_CUDA_CHECK(cudaMemsetAsync(acc, 0, sizeof(double), s));
+      for (auto [g, cnt] : grads)
+        sumSquaresKernel<<<std::min(blocksFor(cnt), 1024), kThreads, 0, s>>>(g, cnt, acc);
+    };
+  }
   std::string kernelsPtx;
   cudaLibrary_t kernelsLibrary = nullptr;
 
@@ -1911,7 +1923,7 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
       LOOM_CUDA_CHECK(cudaMemsetAsync(acc, 0, vocab * h * sizeof(float), s));
       embeddingGradKernel<<<blocksFor(cnt * h), kThreads, 0, s>>>(pid, wide, dy, acc, cnt, h, vocab, err, start, full);
       if (dt.bf)
-        storeKernel<<<blocksFor(vocab * h), kThreads, 0, s>>>(acc, dt, vocab * h);
+        castKernel<<<blocksFor(vocab * h), kThreads, 0, s>>>(DPtr{acc, false}, dt, vocab * h);
     };
   }
   if (op == "rotary") {
@@ -1953,7 +1965,7 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     const Buffer &x = buf(ins.in[0]), &o = buf(ins.out[0]);
     const Buffer &whole = op == "slice" ? x : o;
     int64_t axis = axisOf(ins, "axis", whole.shape.size(), 0);
-    int64_t outer = 1, inner = elementSize(whole);
+    int64_t outer = 1, inner = dtypeSize(whole.dtype);
     for (int64_t d = 0; d < axis; ++d)
       outer *= whole.shape[d];
     for (size_t d = axis + 1; d < whole.shape.size(); ++d)
@@ -2002,7 +2014,7 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     Strided sd = strided(o.shape, st);
     char *pi = ptr(x), *po = ptr(o);
     int64_t cnt = count(o.shape);
-    int64_t size = elementSize(x);
+    int64_t size = dtypeSize(x.dtype);
     return [=](cudaStream_t s) {
       if (size == 2)
         gatherKernel<<<blocksFor(cnt), kThreads, 0, s>>>(reinterpret_cast<uint16_t *>(pi), reinterpret_cast<uint16_t *>(po), cnt, base, sd);
@@ -2044,17 +2056,11 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
       (op == "global_norm" && ins.attrs.contains("group")))
     return buildCommunication(ins);
   if (op == "global_norm") {
-    std::vector<std::pair<DPtr, int64_t>> grads;
-    for (int64_t id : ins.in)
-      grads.push_back({fp(id), n(id)});
+    Launch squares = buildSumOfSquares(ins, {});
     float *out = f(ins.out[0]);
-    reserve(sizeof(double));
     return [=](cudaStream_t s) {
-      double *acc = reinterpret_cast<double *>(workspace);
-      LOOM_CUDA_CHECK(cudaMemsetAsync(acc, 0, sizeof(double), s));
-      for (auto [g, cnt] : grads)
-        sumSquaresKernel<<<std::min(blocksFor(cnt), 1024), kThreads, 0, s>>>(g, cnt, acc);
-      sqrtKernel<<<1, 1, 0, s>>>(acc, out);
+      squares(s);
+      sqrtKernel<<<1, 1, 0, s>>>(reinterpret_cast<double *>(workspace), out);
     };
   }
   if (op == "adamw" || op == "sgd") {
@@ -2359,18 +2365,11 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     if (ins.attrs.contains("skip"))
       for (auto &v : ins.attrs.at("skip"))
         skip.insert(v.get<int64_t>());
-    std::vector<std::pair<DPtr, int64_t>> grads;
-    for (size_t i = 0; i < ins.in.size(); ++i)
-      if (!skip.count(int64_t(i)))
-        grads.push_back({fp(ins.in[i]), n(ins.in[i])});
+    Launch squares = buildSumOfSquares(ins, skip);
     float *out = f(ins.out[0]);
-    reserve(sizeof(double));
     return [=](cudaStream_t s) {
-      double *acc = reinterpret_cast<double *>(workspace);
-      LOOM_CUDA_CHECK(cudaMemsetAsync(acc, 0, sizeof(double), s));
-      for (auto [g, cnt] : grads)
-        sumSquaresKernel<<<std::min(blocksFor(cnt), 1024), kThreads, 0, s>>>(g, cnt, acc);
-      toFloatKernel<<<1, 1, 0, s>>>(acc, out);
+      squares(s);
+      toFloatKernel<<<1, 1, 0, s>>>(reinterpret_cast<double *>(workspace), out);
       if (comm)
         LOOM_NCCL_CHECK(ncclAllReduce(out, out, 1, ncclFloat32, ncclSum, comm, s));
       sqrtFloatKernel<<<1, 1, 0, s>>>(out);

@@ -38,6 +38,14 @@ __device__ inline uint32_t pack(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t *>(&v);
 }
+/// The A fragment (16 x 16) made of C tiles t[2kk] and t[2kk+1], rounded to
+/// bf16: the layouts line up, so this is a conversion, not a shuffle.
+template <int N> __device__ inline void toA(uint32_t a[4], const float (&t)[N][4], int kk) {
+  a[0] = pack(t[2 * kk][0], t[2 * kk][1]);
+  a[1] = pack(t[2 * kk][2], t[2 * kk][3]);
+  a[2] = pack(t[2 * kk + 1][0], t[2 * kk + 1][1]);
+  a[3] = pack(t[2 * kk + 1][2], t[2 * kk + 1][3]);
+}
 __device__ inline uint32_t ld32(const bf16 *p) { return *reinterpret_cast<const uint32_t *>(p); }
 __device__ inline void st32(bf16 *p, uint32_t v) { *reinterpret_cast<uint32_t *>(p) = v; }
 __device__ inline void ldsm(uint32_t r[4], const bf16 *p) {
@@ -153,8 +161,8 @@ __global__ void __launch_bounds__(kThreads) forwardKernel(const bf16 *Q, const b
       for (int i = 0; i < 4; ++i)
         o[dn][i] *= alpha[i >> 1];
     for (int kk = 0; kk < kCols / 16; ++kk) {
-      uint32_t pa[4] = {pack(s[2 * kk][0], s[2 * kk][1]), pack(s[2 * kk][2], s[2 * kk][3]),
-                        pack(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      uint32_t pa[4];
+      toA(pa, s, kk);
       for (int dn = 0; dn < D / 8; dn += 2) {
         uint32_t vb[4];
         loadB(vb, Vs, ld, kk * 16, dn * 8);
@@ -264,10 +272,9 @@ __global__ void __launch_bounds__(kThreads)
         }
       // dV += P^T dO and dK += dS^T Q (scaled at the end).
       for (int kk = 0; kk < kCols / 16; ++kk) {
-        uint32_t pa[4] = {pack(p[2 * kk][0], p[2 * kk][1]), pack(p[2 * kk][2], p[2 * kk][3]),
-                          pack(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack(p[2 * kk + 1][2], p[2 * kk + 1][3])};
-        uint32_t sa[4] = {pack(dp[2 * kk][0], dp[2 * kk][1]), pack(dp[2 * kk][2], dp[2 * kk][3]),
-                          pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]), pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+        uint32_t pa[4], sa[4];
+        toA(pa, p, kk);
+        toA(sa, dp, kk);
         for (int dn = 0; dn < D / 8; dn += 2) {
           uint32_t db[4], qb[4];
           loadB(db, dOs, ld, kk * 16, dn * 8);
