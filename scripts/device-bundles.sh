@@ -3,21 +3,22 @@
 # .deps/bundles/, without weights (the runtime initialises them from the
 # seed) so they stay small enough to carry.
 #
-# usage: scripts/device-bundles.sh [single|multi|scale]
+# usage: scripts/device-bundles.sh [SET...]   (default: single)
 #   single  one-GPU checks and the GPT-2 350M benchmark (scripts/device-test.sh)
 #   multi   2- and 4-GPU plans of tiny GPT and GPT-2 350M (scripts/device-multigpu.sh)
 #   scale   GPT-2 350M and GPT 1.3B on 4 GPUs, planner-chosen and forced (scripts/device-scale.sh)
-# Each set replaces the last: the carried tree must stay under 64 MiB.
+# The named sets replace what was there: the carried tree must stay under 64 MiB
+# (bundles carry no weights; every set together is a few MiB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 B=${LOOM_BUILD_DIR:-build}
 out=.deps/bundles
-set_name=${1:-single}
+sets=("${@:-single}")
 rm -rf "$out" && mkdir -p "$out"
 c() { "$B/compiler/loomc" compile "$@" --no-weights --seed 1 > /dev/null; }
 # One-GPU GPT-2 350M, the baseline every set compares with.
 c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --weight-decay 0.1 --clip 1.0 -o $out/gpt2-350m-train.loom
-if [ "$set_name" = multi ]; then
+multi() {
   # Multi-GPU plans: the same global batch as one GPU.
   c models/gpt-tiny.mlir --batch 8 --train --lr 1e-3 -o $out/gpt-tiny-one.loom
   for plan in dp=2 tp=2 pp=2,mb=4,schedule=1f1b; do
@@ -44,10 +45,8 @@ if [ "$set_name" = multi ]; then
     c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 "${bf[@]}" --cluster h100:2 --force $plan,zero=0 \
         -o $out/gpt2-350m-bf16-${plan%%=*}2.loom
   done
-  du -sh "$out"
-  exit 0
-fi
-if [ "$set_name" = scale ]; then
+}
+scale() {
   prof=bench/data/profile-h100-gpt2-350m.json
   # GPT 1.3B is written on demand (too big to check against the reference on CI's CPU).
   "$B/compiler/loomc" models gpt --layers 24 --hidden 2048 --heads 16 --seq 1024 --vocab 50304 \
@@ -66,9 +65,8 @@ if [ "$set_name" = scale ]; then
     name=$(echo "$plan" | sed 's/,mb=.*//; s/[=,]//g')
     c .deps/gpt-1.3b.mlir --batch 8 --train --lr 3e-4 --cluster h200:4 --force $plan,zero=0 -o $out/gpt-1.3b-$name.loom
   done
-  du -sh "$out"
-  exit 0
-fi
+}
+single() {
 for m in gpt-tiny llama-tiny bert-tiny mlp; do
   c models/$m.mlir --batch 4 -o $out/$m-infer.loom
 done
@@ -97,4 +95,11 @@ c models/gpt2-350m.mlir --batch 1 --train --lr 3e-4 --precision bf16 -o $out/gpt
 c models/gpt-tiny.mlir --batch 4 --train --lr 1e-3 --precision bf16 --fuse -o $out/gpt-tiny-bf16-fused-train.loom
 c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --weight-decay 0.1 --clip 1.0 --precision bf16 --fuse \
     -o $out/gpt2-350m-bf16-fused-train.loom
+}
+for set_name in "${sets[@]}"; do
+  case $set_name in
+    single | multi | scale) "$set_name" ;;
+    *) echo "device-bundles.sh: unknown set '$set_name' (single, multi, scale)" >&2; exit 2 ;;
+  esac
+done
 du -sh "$out"

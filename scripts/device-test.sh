@@ -45,6 +45,9 @@ python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny.fused.cuda.log" "$LO
 echo "== bf16 with --fuse (cuBLASLt bias epilogues) against bf16 unfused, on the GPU"
 $B/loom-run $R/gpt-tiny-bf16-fused-train.loom --backend cuda --steps 20 > "$LOG/gpt-tiny-bf16.fused.cuda.log" || status=1
 python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-bf16.fused.cuda.log" "$LOG/gpt-tiny-bf16.train.cuda.log" 2e-3 || status=1
+echo "== CUDA graphs (the default from the second run of a program) against eager launches (LOOM_CUDA_GRAPHS=0)"
+LOOM_CUDA_GRAPHS=0 $B/loom-run $R/gpt-tiny-bf16-fused-train.loom --backend cuda --steps 20 > "$LOG/gpt-tiny-bf16.eager.log" || status=1
+python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-bf16.fused.cuda.log" "$LOG/gpt-tiny-bf16.eager.log" 1e-4 || status=1
 if [ -z "${LOOM_QUICK:-}" ]; then # the CPU side takes about 3 minutes
 echo "== GPT-2 350M, batch 1, bf16: CUDA vs CPU losses, first 3 steps"
 $B/loom-run $R/gpt2-350m-bf16-b1-train.loom --backend cpu --steps 3 > "$LOG/350m-b1.cpu.log" || status=1
@@ -63,6 +66,7 @@ if [ "${TORCH_MODES:-}" = none ]; then
   for b in gpt2-350m-train gpt2-350m-bf16-fused-train; do
     echo "$b: $($B/loom-run $R/$b.loom --backend cuda --steps 13 2>&1 | tail -1)"
   done
+  echo "gpt2-350m-bf16-fused-train, LOOM_CUDA_GRAPHS=0: $(LOOM_CUDA_GRAPHS=0 $B/loom-run $R/gpt2-350m-bf16-fused-train.loom --backend cuda --steps 13 2>&1 | tail -1)"
   exit $status
 fi
 echo "== Loom and PyTorch on the same model and card"

@@ -834,8 +834,23 @@ __device__ StepScalars stepScalars(const float *step, const float *norm, const O
   return s;
 }
 
-__global__ void adamwKernel(float *p, const float *g, float *m, float *v, const float *step,
-                            const float *norm, int64_t n, OptimizerArgs a) {
+/// One AdamW update over many tensors at once (a run of the program's adamw
+/// instructions with one set of hyperparameters): each block updates one
+/// chunk of one tensor, so a step's hundreds of small biases and norm scales
+/// cost one launch, not one each.
+struct AdamTensor {
+  float *p;
+  const float *g;
+  float *m, *v;
+  int64_t n;
+};
+struct AdamChunk {
+  int64_t tensor, begin, end; // elements [begin, end) of tensors[tensor]
+};
+constexpr int64_t kAdamChunk = 32768; // a multiple of 4: chunks start 16-byte aligned
+
+__global__ void adamwKernel(const AdamTensor *tensors, const AdamChunk *chunks, const float *step,
+                            const float *norm, OptimizerArgs a) {
   StepScalars s = stepScalars(step, norm, a);
   float b1 = static_cast<float>(a.b1), b2 = static_cast<float>(a.b2), eps = static_cast<float>(a.eps);
   float wd = static_cast<float>(a.wd);
@@ -845,22 +860,28 @@ __global__ void adamwKernel(float *p, const float *g, float *m, float *v, const 
     vi = b2 * vi + (1 - b2) * gi * gi;
     pi -= s.rate * ((mi / s.c1) / (sqrtf(vi / s.c2) + eps) + wd * pi);
   };
-  if (n % 4 == 0 && ((reinterpret_cast<uintptr_t>(p) | reinterpret_cast<uintptr_t>(g) | reinterpret_cast<uintptr_t>(m) |
-                      reinterpret_cast<uintptr_t>(v)) % 16) == 0) {
-    GRID_LOOP(q, n / 4) { // four at a time with 16-byte accesses
-      float4 pq = reinterpret_cast<float4 *>(p)[q], gq = reinterpret_cast<const float4 *>(g)[q];
-      float4 mq = reinterpret_cast<float4 *>(m)[q], vq = reinterpret_cast<float4 *>(v)[q];
+  AdamChunk c = chunks[blockIdx.x];
+  AdamTensor t = tensors[c.tensor];
+  int64_t begin = c.begin;
+  bool aligned = ((reinterpret_cast<uintptr_t>(t.p) | reinterpret_cast<uintptr_t>(t.g) |
+                   reinterpret_cast<uintptr_t>(t.m) | reinterpret_cast<uintptr_t>(t.v)) % 16) == 0;
+  if (aligned) { // four at a time with 16-byte accesses, then the chunk's tail
+    int64_t end4 = begin + (c.end - begin) / 4 * 4;
+    for (int64_t q = begin / 4 + threadIdx.x; q < end4 / 4; q += blockDim.x) {
+      float4 pq = reinterpret_cast<float4 *>(t.p)[q], gq = reinterpret_cast<const float4 *>(t.g)[q];
+      float4 mq = reinterpret_cast<float4 *>(t.m)[q], vq = reinterpret_cast<float4 *>(t.v)[q];
       update(pq.x, gq.x, mq.x, vq.x);
       update(pq.y, gq.y, mq.y, vq.y);
       update(pq.z, gq.z, mq.z, vq.z);
       update(pq.w, gq.w, mq.w, vq.w);
-      reinterpret_cast<float4 *>(p)[q] = pq;
-      reinterpret_cast<float4 *>(m)[q] = mq;
-      reinterpret_cast<float4 *>(v)[q] = vq;
+      reinterpret_cast<float4 *>(t.p)[q] = pq;
+      reinterpret_cast<float4 *>(t.m)[q] = mq;
+      reinterpret_cast<float4 *>(t.v)[q] = vq;
     }
-    return;
+    begin = end4;
   }
-  GRID_LOOP(i, n) update(p[i], g[i], m[i], v[i]);
+  for (int64_t i = begin + threadIdx.x; i < c.end; i += blockDim.x)
+    update(t.p[i], t.g[i], t.m[i], t.v[i]);
 }
 
 __global__ void sgdKernel(float *p, const float *g, float *m, const float *step, const float *norm,
@@ -1028,6 +1049,13 @@ void abortNcclWorld(NcclWorld &world) {
 
 namespace {
 
+/// Whether two adamw instructions can share one launch: the same
+/// hyperparameters, step counter and gradient norm.
+static bool sameAdamw(const Instruction &a, const Instruction &b) {
+  return a.op == "adamw" && b.op == "adamw" && a.attrs == b.attrs && a.in.size() == 6 && b.in.size() == 6 &&
+         a.in[4] == b.in[4] && a.in[5] == b.in[5];
+}
+
 class CudaBackendImpl : public Backend {
 public:
   CudaBackendImpl(const RankProgram &rank, int device, NcclWorld *world, const std::string &ptx)
@@ -1071,6 +1099,7 @@ public:
       for (Step &step : steps)
         if (step.start)
           cudaEventDestroy(step.start), cudaEventDestroy(step.end);
+    dropGraphs();
     for (void *p : allocations)
       cudaFree(p);
     if (sendStream)
@@ -1135,9 +1164,25 @@ public:
         if (flag(instrs[i], "transpose_b"))
           label += " Tb";
       }
+      if (instrs[i].op == "adamw") { // a run of updates with one set of hyperparameters: one launch
+        std::vector<const Instruction *> group{&instrs[i]};
+        while (i + group.size() < instrs.size() && sameAdamw(instrs[i], instrs[i + group.size()]))
+          group.push_back(&instrs[i + group.size()]);
+        steps.push_back({where, label, 0, buildAdamw(group), nullptr, nullptr});
+        for (size_t k = 1; k < group.size(); ++k) // the rest ran in the first's launch
+          steps.push_back({cat("instruction ", program, "[", i + k, "] 'adamw'"), label, 0,
+                           [](cudaStream_t) {}, nullptr, nullptr});
+        i += group.size() - 1;
+        continue;
+      }
+      buildCapturable = true, buildReplayable = nullptr, buildReplayed = nullptr;
       steps.push_back({where, label, denseFlops(instrs[i]), build(instrs[i]), nullptr, nullptr});
+      steps.back().capturable = buildCapturable;
+      steps.back().replayable = std::move(buildReplayable);
+      steps.back().replayed = std::move(buildReplayed);
     }
     if (workspaceBytes > workspaceAllocated) {
+      dropGraphs(); // they hold the old workspace's address
       cudaFree(workspace);
       LOOM_CUDA_CHECK(cudaMalloc(&workspace, workspaceBytes));
       workspaceAllocated = workspaceBytes;
@@ -1148,20 +1193,27 @@ public:
   void run(const std::string &program) override {
     LOOM_CUDA_CHECK(cudaSetDevice(device));
     auto &steps = programs.at(program);
-    for (Step &step : steps) {
-      if (profiling) {
-        if (!step.start) {
-          LOOM_CUDA_CHECK(cudaEventCreate(&step.start));
-          LOOM_CUDA_CHECK(cudaEventCreate(&step.end));
-        }
-        LOOM_CUDA_CHECK(cudaEventRecord(step.start, stream));
+    Graph &g = graphs[program];
+    bool graphable = graphsWanted() && !profiling && !g.disabled &&
+                     std::all_of(steps.begin(), steps.end(), [](const Step &s) { return s.capturable; });
+    bool done = false;
+    if (graphable && g.exec) {
+      if (std::all_of(steps.begin(), steps.end(), [](const Step &s) { return !s.replayable || s.replayable(); })) {
+        LOOM_CUDA_CHECK(cudaGraphLaunch(g.exec, stream));
+        for (Step &step : steps)
+          if (step.replayed)
+            step.replayed();
+        done = true;
+      } else { // host state differs from the capture's: run eagerly, capture again next time
+        cudaGraphExecDestroy(g.exec), g.exec = nullptr;
+        g.eagerRuns = 0;
       }
-      step.launch(stream);
-      cudaError_t e = cudaPeekAtLastError();
-      if (e != cudaSuccess)
-        fail(LOOM_INTERNAL, step.what, ": kernel launch failed: ", cudaGetErrorString(e));
-      if (profiling)
-        LOOM_CUDA_CHECK(cudaEventRecord(step.end, stream));
+    } else if (graphable && g.eagerRuns > 0) {
+      done = captureAndLaunch(steps, g);
+    }
+    if (!done) {
+      launchEager(steps);
+      ++g.eagerRuns;
     }
     LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
     LOOM_CUDA_CHECK(cudaStreamSynchronize(sendStream));
@@ -1393,6 +1445,8 @@ private:
   Launch buildCommunication(const Instruction &ins);
   Launch buildFused(const Instruction &ins);
   Launch buildConv2d(const Instruction &ins);
+  Launch buildAdamw(const std::vector<const Instruction *> &group);
+  OptimizerArgs optimizerArgs(const Instruction &ins);
   /// The sum of squares of the inputs (but those in `skip`) into a double at
   /// the workspace's start: global_norm's first half, local or across a group.
   Launch buildSumOfSquares(const Instruction &ins, const std::set<int64_t> &skip) {
@@ -1449,7 +1503,86 @@ private:
     double flops;
     Launch launch;
     cudaEvent_t start, end;
+    // CUDA graphs: whether the launch may be captured (no host-memory
+    // copies, no second stream), whether a captured launch may replay now
+    // (host state it read when captured still holds), and the host state a
+    // replay must update in its stead.
+    bool capturable = true;
+    std::function<bool()> replayable;
+    std::function<void()> replayed;
   };
+  /// What the instruction being built tells its Step (see Step).
+  bool buildCapturable = true;
+  std::function<bool()> buildReplayable;
+  std::function<void()> buildReplayed;
+  /// A program's captured CUDA graph: the steady state replays it in one
+  /// launch. Captured at the second run (the first warms up); off for
+  /// --profile and with LOOM_CUDA_GRAPHS=0.
+  struct Graph {
+    int eagerRuns = 0;
+    bool disabled = false;
+    cudaGraphExec_t exec = nullptr;
+  };
+  std::map<std::string, Graph> graphs;
+  void dropGraphs() {
+    for (auto &[name, g] : graphs)
+      if (g.exec)
+        cudaGraphExecDestroy(g.exec), g.exec = nullptr;
+  }
+  static bool graphsWanted() {
+    static const bool on = [] {
+      const char *e = std::getenv("LOOM_CUDA_GRAPHS");
+      return !(e && std::string(e) == "0");
+    }();
+    return on;
+  }
+  void launchEager(std::vector<Step> &steps) {
+    for (Step &step : steps) {
+      if (profiling) {
+        if (!step.start) {
+          LOOM_CUDA_CHECK(cudaEventCreate(&step.start));
+          LOOM_CUDA_CHECK(cudaEventCreate(&step.end));
+        }
+        LOOM_CUDA_CHECK(cudaEventRecord(step.start, stream));
+      }
+      step.launch(stream);
+      cudaError_t e = cudaPeekAtLastError();
+      if (e != cudaSuccess)
+        fail(LOOM_INTERNAL, step.what, ": kernel launch failed: ", cudaGetErrorString(e));
+      if (profiling)
+        LOOM_CUDA_CHECK(cudaEventRecord(step.end, stream));
+    }
+  }
+  /// Captures the program's launches into a graph and launches it; false
+  /// (nothing launched, graphs off for this program) where capture fails.
+  bool captureAndLaunch(std::vector<Step> &steps, Graph &g) {
+    if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+      cudaGetLastError();
+      g.disabled = true;
+      return false;
+    }
+    bool launched = true;
+    try {
+      for (Step &step : steps)
+        step.launch(stream);
+    } catch (const Error &) {
+      launched = false;
+    }
+    cudaGraph_t graph = nullptr;
+    cudaError_t e = cudaStreamEndCapture(stream, &graph);
+    if (launched && e == cudaSuccess && graph && cudaGraphInstantiate(&g.exec, graph, 0) == cudaSuccess &&
+        cudaGraphLaunch(g.exec, stream) == cudaSuccess) {
+      cudaGraphDestroy(graph);
+      return true;
+    }
+    if (graph)
+      cudaGraphDestroy(graph);
+    if (g.exec)
+      cudaGraphExecDestroy(g.exec), g.exec = nullptr;
+    cudaGetLastError(); // the failed capture's error is not the program's
+    g.disabled = true;
+    return false;
+  }
   double denseFlops(const Instruction &ins) const { return denseInstructionFlops(rank, ins); }
   std::map<std::string, std::vector<Step>> programs;
 
@@ -1606,6 +1739,7 @@ Launch CudaBackendImpl::buildAttention(const Instruction &ins, bool grad) {
       save->out = ins.out[0];
       save->at = building;
       attentionSaves[key] = save;
+      buildReplayed = [save] { save->fresh = true; };
       return [=](cudaStream_t st) {
         if (cudaError_t e = flash::forward(p, po, save->lse, st); e != cudaSuccess)
           fail(LOOM_INTERNAL, what, ": flash attention forward failed: ", cudaGetErrorString(e));
@@ -1620,9 +1754,15 @@ Launch CudaBackendImpl::buildAttention(const Instruction &ins, bool grad) {
     struct Reuse {
       bool decided = false;
       std::shared_ptr<AttentionSave> save;
+      bool usedSave = false; // at the last launch (a captured graph's, when one replays)
     };
     auto reuse = std::make_shared<Reuse>();
     auto use = building;
+    buildReplayable = [reuse] { return reuse->usedSave == (reuse->save && reuse->save->fresh); };
+    buildReplayed = [reuse] {
+      if (reuse->save)
+        reuse->save->fresh = false;
+    };
     return [=](cudaStream_t st) {
       if (!reuse->decided) {
         reuse->decided = true;
@@ -1632,6 +1772,7 @@ Launch CudaBackendImpl::buildAttention(const Instruction &ins, bool grad) {
       }
       AttentionSave *save = reuse->save.get();
       bool saved = save && save->fresh;
+      reuse->usedSave = saved;
       const void *o = saved ? ptr(buf(save->out)) : nullptr;
       if (cudaError_t e = flash::backward(p, pdo, gq, gk, gv, workspace, st, o, saved ? save->lse : nullptr);
           e != cudaSuccess)
@@ -1640,6 +1781,7 @@ Launch CudaBackendImpl::buildAttention(const Instruction &ins, bool grad) {
         save->fresh = false;
     };
   }
+  buildCapturable = false; // copies per-launch pointer tables from host memory
   float *pq = f(ins.in[0]), *pk = f(ins.in[1]), *pv = f(ins.in[2]);
   size_t scoreBytes = size_t(B * heads * S * T) * sizeof(float);
   reserve(grad ? 2 * scoreBytes : scoreBytes);
@@ -2063,19 +2205,15 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
       sqrtKernel<<<1, 1, 0, s>>>(reinterpret_cast<double *>(workspace), out);
     };
   }
-  if (op == "adamw" || op == "sgd") {
-    bool adam = op == "adamw";
-    OptimizerArgs a{num(ins, "lr", 1e-3), num(ins, "min_lr", 0), num(ins, "weight_decay", 0), num(ins, "clip", 0),
-                    num(ins, "warmup", 0), num(ins, "total_steps", 0), num(ins, "beta1", 0.9),
-                    num(ins, "beta2", 0.999), num(ins, "eps", 1e-8), num(ins, "momentum", 0)};
-    float *p = f(ins.in[0]), *g = f(ins.in[1]), *m = f(ins.in[2]);
-    float *v = adam ? f(ins.in[3]) : nullptr, *step = f(ins.in[adam ? 4 : 3]), *norm = f(ins.in[adam ? 5 : 4]);
+  if (op == "adamw")
+    return buildAdamw({&ins});
+  if (op == "sgd") {
+    OptimizerArgs a = optimizerArgs(ins);
+    float *p = f(ins.in[0]), *g = f(ins.in[1]), *m = f(ins.in[2]), *step = f(ins.in[3]), *norm = f(ins.in[4]);
     int64_t cnt = n(ins.in[0]);
     // Grid-stride over at most 1024 blocks: each block works out the step's
     // scalars (in double) once.
     unsigned blocks = unsigned(std::min<int64_t>((cnt / 4 + kThreads - 1) / kThreads + 1, 1024));
-    if (adam)
-      return [=](cudaStream_t s) { adamwKernel<<<blocks, kThreads, 0, s>>>(p, g, m, v, step, norm, cnt, a); };
     return [=](cudaStream_t s) { sgdKernel<<<blocks, kThreads, 0, s>>>(p, g, m, step, norm, cnt, a); };
   }
   if (op == "conv2d")
@@ -2103,6 +2241,36 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
 
 /// A convolution as GEMMs: W_g [Og, Cg*KH*KW] x col [Cg*KH*KW, Ho*Wo] per
 /// image and group, where col is the image itself for 1x1 stride-1 kernels.
+OptimizerArgs CudaBackendImpl::optimizerArgs(const Instruction &ins) {
+  return {num(ins, "lr", 1e-3),      num(ins, "min_lr", 0),  num(ins, "weight_decay", 0), num(ins, "clip", 0),
+          num(ins, "warmup", 0),     num(ins, "total_steps", 0), num(ins, "beta1", 0.9),
+          num(ins, "beta2", 0.999),  num(ins, "eps", 1e-8),  num(ins, "momentum", 0)};
+}
+
+/// AdamW over every tensor of `group` in one launch: a table of tensors and
+/// of fixed-size chunks, made once here.
+Launch CudaBackendImpl::buildAdamw(const std::vector<const Instruction *> &group) {
+  const Instruction &first = *group.front();
+  OptimizerArgs a = optimizerArgs(first);
+  float *step = f(first.in[4]), *norm = f(first.in[5]);
+  std::vector<AdamTensor> tensors;
+  std::vector<AdamChunk> chunks;
+  for (const Instruction *ins : group) {
+    int64_t cnt = count(buf(ins->in[0]).shape);
+    tensors.push_back({f(ins->in[0]), f(ins->in[1]), f(ins->in[2]), f(ins->in[3]), cnt});
+    for (int64_t b = 0; b < cnt; b += kAdamChunk)
+      chunks.push_back({int64_t(tensors.size() - 1), b, std::min(cnt, b + kAdamChunk)});
+  }
+  if (chunks.empty())
+    return [](cudaStream_t) {};
+  if (chunks.size() > (size_t(1) << 31) - 1)
+    fail(LOOM_UNSUPPORTED, where, ": ", chunks.size(), " AdamW chunks exceed one launch's grid");
+  const AdamTensor *dt = deviceArray(tensors);
+  const AdamChunk *dc = deviceArray(chunks);
+  unsigned blocks = unsigned(chunks.size());
+  return [=](cudaStream_t s) { adamwKernel<<<blocks, kThreads, 0, s>>>(dt, dc, step, norm, a); };
+}
+
 Launch CudaBackendImpl::buildConv2d(const Instruction &ins) {
   const Buffer &x = buf(ins.in[0]), &w = buf(ins.in[1]), &o = buf(ins.out[0]);
   ConvShape c{x.shape[0], x.shape[1], x.shape[2], x.shape[3], int64_t(num(ins, "groups", 1)), w.shape[1],
@@ -2174,6 +2342,7 @@ Launch CudaBackendImpl::buildFused(const Instruction &ins) {
 }
 
 Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
+  buildCapturable = false; // NCCL and the second stream stay outside graphs for now
 #ifndef LOOM_HAVE_NCCL
   fail(LOOM_UNSUPPORTED, where, ": this runtime was built without NCCL; use --backend cpu");
 #else
