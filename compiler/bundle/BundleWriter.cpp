@@ -1164,6 +1164,95 @@ int64_t joinSliceGradients(rt::RankProgram &r) {
   return joined;
 }
 
+/// Mixed precision leaves each parameter's gradient in bf16 and casts it to
+/// f32 for the optimizer. Where that f32 copy is read only by the update
+/// (the clipping norm and the optimizer: no all-reduce, no accumulation over
+/// microbatches), they read the bf16 gradient instead: the widening is exact,
+/// so the update is the same, without a cast per parameter per step or the
+/// f32 copies' memory.
+int64_t optimizerReadsBf16Gradients(rt::RankProgram &r) {
+  if (!r.programs.count("backward") || !r.programs.count("update"))
+    return 0;
+  auto root = [&](int64_t id) {
+    while (r.buffers[id].viewOf >= 0)
+      id = r.buffers[id].viewOf;
+    return id;
+  };
+  // By storage: a view's reads and writes count as its root's.
+  std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readers, writers;
+  for (const auto &[name, list] : r.programs)
+    for (size_t i = 0; i < list.size(); ++i) {
+      for (int64_t id : list[i].in)
+        readers[root(id)].push_back({name, i});
+      for (int64_t id : list[i].out)
+        writers[root(id)].push_back({name, i});
+    }
+  std::set<int64_t> outputs;
+  for (const rt::NamedBuffer &nb : r.outputs)
+    outputs.insert(nb.buffer);
+  std::vector<rt::Instruction> &backward = r.programs["backward"];
+  std::vector<bool> dropped(backward.size(), false);
+  int64_t changed = 0;
+  for (rt::Parameter &p : r.params) {
+    int64_t g = p.grad;
+    if (g < 0 || r.buffers[g].dtype != LOOM_F32 || r.buffers[g].viewOf >= 0 || outputs.count(g) ||
+        writers[g].size() != 1 || writers[g][0].first != "backward")
+      continue;
+    size_t at = writers[g][0].second;
+    const rt::Instruction &cast = backward[at];
+    if (cast.op != "cast" || cast.in.size() != 1)
+      continue;
+    int64_t source = cast.in[0], storage = root(source);
+    if (r.buffers[source].dtype != LOOM_BF16 || outputs.count(storage) || readers[storage].size() != 1 ||
+        writers[storage].size() != 1 || writers[storage][0].first != "backward")
+      continue;
+    bool onlyUpdate = !readers[g].empty();
+    for (auto [name, i] : readers[g]) {
+      const std::string &op = r.programs[name][i].op;
+      onlyUpdate &= name == "update" && (op == "global_norm" || op == "adamw" || op == "sgd");
+    }
+    if (!onlyUpdate)
+      continue;
+    for (auto [name, i] : readers[g])
+      for (int64_t &id : r.programs[name][i].in)
+        if (id == g)
+          id = source;
+    dropped[at] = true;
+    p.grad = source;
+    ++changed;
+  }
+  std::vector<rt::Instruction> kept;
+  for (size_t i = 0; i < backward.size(); ++i)
+    if (!dropped[i])
+      kept.push_back(std::move(backward[i]));
+  backward = std::move(kept);
+  return changed;
+}
+
+/// Training bundles cast each f32 master weight to bf16 where the forward
+/// first uses it. The casts of weights the backward reads too (kept from
+/// the forward to the backward anyway) move to the start of the forward,
+/// next to each other, where the runtime converts them in one launch.
+int64_t hoistParameterCasts(rt::RankProgram &r) {
+  if (!r.programs.count("forward") || !r.programs.count("backward"))
+    return 0;
+  std::set<int64_t> params, readInBackward;
+  for (const rt::Parameter &p : r.params)
+    params.insert(p.buffer);
+  for (const rt::Instruction &ins : r.programs["backward"])
+    readInBackward.insert(ins.in.begin(), ins.in.end());
+  std::vector<rt::Instruction> &forward = r.programs["forward"], front, rest;
+  for (rt::Instruction &ins : forward) {
+    bool hoist = ins.op == "cast" && ins.in.size() == 1 && ins.out.size() == 1 && params.count(ins.in[0]) &&
+                 readInBackward.count(ins.out[0]);
+    (hoist ? front : rest).push_back(std::move(ins));
+  }
+  int64_t moved = int64_t(front.size());
+  front.insert(front.end(), std::make_move_iterator(rest.begin()), std::make_move_iterator(rest.end()));
+  forward = std::move(front);
+  return moved;
+}
+
 void compactRank(rt::RankProgram &r) {
   std::vector<bool> used(r.buffers.size(), false);
   auto mark = [&](int64_t id) {
@@ -1447,6 +1536,8 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
     std::string normGroup = options.zero1 ? "all" : tp * pp > 1 ? "mp" : "";
     buildUpdate(r, options.training, std::move(reduce), normCounts, normGroup, zeroShards);
     joinSliceGradients(r);
+    optimizerReadsBf16Gradients(r);
+    hoistParameterCasts(r);
     if (options.fuse)
       fuseElementwise(r, nextKernel);
     if (pipelined || grid.size() > 1)

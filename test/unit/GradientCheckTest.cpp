@@ -356,7 +356,8 @@ TEST(MixedPrecision, Bf16ComputeF32Masters) {
       EXPECT_TRUE(anyBf16) << "no bf16 activations";
       for (const rt::Parameter &p : r.params) {
         EXPECT_EQ(r.buffers[p.buffer].dtype, LOOM_F32) << p.name;
-        EXPECT_EQ(r.buffers[p.grad].dtype, LOOM_F32) << p.name;
+        // Gradients stay bf16: the optimizer widens them (exactly) itself.
+        EXPECT_EQ(r.buffers[p.grad].dtype, LOOM_BF16) << p.name;
       }
       for (const rt::NamedBuffer &st : r.state)
         EXPECT_EQ(r.buffers[st.buffer].dtype, LOOM_F32) << st.name;
@@ -372,8 +373,13 @@ TEST(MixedPrecision, Bf16ComputeF32Masters) {
     losses[bf16] = s.loss();
     for (const rt::Parameter &p : r.params) {
       std::vector<char> bytes = s.read(r.buffers[p.grad]);
-      const float *g = reinterpret_cast<const float *>(bytes.data());
-      grads[bf16].emplace_back(g, g + bytes.size() / 4);
+      std::vector<float> g;
+      if (r.buffers[p.grad].dtype == LOOM_BF16)
+        for (size_t i = 0; i < bytes.size() / 2; ++i)
+          g.push_back(rt::bf16ToFloat(reinterpret_cast<const uint16_t *>(bytes.data())[i]));
+      else
+        g.assign(reinterpret_cast<const float *>(bytes.data()), reinterpret_cast<const float *>(bytes.data()) + bytes.size() / 4);
+      grads[bf16].push_back(std::move(g));
     }
     std::filesystem::remove_all(dir);
   }

@@ -513,6 +513,205 @@ __global__ void columnPartial2Kernel(DPtr x, const float *mean, const float *rst
   }
 }
 
+//===--- bf16 rows and columns with 16-byte accesses ----------------------===//
+// Eight bf16 per access. Norms keep a warp's row in registers (h = 256 P,
+// P <= MaxP) so x is read once; column sums give each thread eight columns.
+
+using bf16 = __nv_bfloat16;
+/// Eight values of p from element i (a multiple of 8): one 16-byte load for
+/// bf16, two for f32.
+__device__ inline void load8(DPtr p, int64_t i, float out[8]) {
+  if (p.bf) {
+    Pack<bf16> v = load(static_cast<const bf16 *>(p.p) + i);
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      out[e] = __bfloat162float(v.v[e]);
+  } else {
+    Pack<float> a = load(static_cast<const float *>(p.p) + i), b = load(static_cast<const float *>(p.p) + i + 4);
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      out[e] = a.v[e], out[e + 4] = b.v[e];
+  }
+}
+__device__ inline void store8(bf16 *p, const float v[8]) {
+  Pack<bf16> o;
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    o.v[e] = __float2bfloat16_rn(v[e]);
+  *reinterpret_cast<Pack<bf16> *>(p) = o;
+}
+
+template <int MaxP>
+__global__ void __launch_bounds__(256) normRowsBf16Kernel(const bf16 *x, DPtr g, DPtr b, bf16 *y, int64_t rows,
+                                                          int P, float eps, bool rms) {
+  int64_t row = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
+  if (row >= rows)
+    return;
+  int lane = threadIdx.x % 32, h = 256 * P;
+  const bf16 *xr = x + row * h;
+  float v[MaxP][8], sum = 0;
+#pragma unroll
+  for (int k = 0; k < MaxP; ++k)
+    if (k < P) {
+      Pack<bf16> pk = load(xr + (k * 32 + lane) * 8);
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        v[k][e] = __bfloat162float(pk.v[e]), sum += v[k][e];
+    }
+  float mean = rms ? 0.0f : warpSum(sum) / h, sq = 0;
+#pragma unroll
+  for (int k = 0; k < MaxP; ++k)
+    if (k < P)
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        sq += (v[k][e] - mean) * (v[k][e] - mean);
+  float rstd = rsqrtf(warpSum(sq) / h + eps);
+#pragma unroll
+  for (int k = 0; k < MaxP; ++k)
+    if (k < P) {
+      int64_t j = (k * 32 + lane) * 8;
+      float gg[8], bb[8] = {0, 0, 0, 0, 0, 0, 0, 0}, o[8];
+      load8(g, j, gg);
+      if (b)
+        load8(b, j, bb);
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        o[e] = (v[k][e] - mean) * rstd * gg[e] + bb[e];
+      store8(y + row * h + j, o);
+    }
+}
+
+template <int MaxP>
+__global__ void __launch_bounds__(256) normGradRowsBf16Kernel(const bf16 *x, DPtr g, const bf16 *dy, bf16 *dx,
+                                                              int64_t rows, int P, float eps, bool rms,
+                                                              float *meanOut, float *rstdOut) {
+  int64_t row = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
+  if (row >= rows)
+    return;
+  int lane = threadIdx.x % 32, h = 256 * P;
+  float v[MaxP][8], d[MaxP][8], sum = 0;
+#pragma unroll
+  for (int k = 0; k < MaxP; ++k)
+    if (k < P) {
+      int64_t j = row * h + (k * 32 + lane) * 8;
+      Pack<bf16> px = load(x + j), pd = load(dy + j);
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        v[k][e] = __bfloat162float(px.v[e]), d[k][e] = __bfloat162float(pd.v[e]), sum += v[k][e];
+    }
+  float mean = rms ? 0.0f : warpSum(sum) / h, sq = 0;
+#pragma unroll
+  for (int k = 0; k < MaxP; ++k)
+    if (k < P)
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        sq += (v[k][e] - mean) * (v[k][e] - mean);
+  float rstd = rsqrtf(warpSum(sq) / h + eps), sd = 0, sdx = 0;
+#pragma unroll
+  for (int k = 0; k < MaxP; ++k)
+    if (k < P) {
+      float gg[8];
+      load8(g, (k * 32 + lane) * 8, gg);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        v[k][e] = (v[k][e] - mean) * rstd; // x-hat from here on
+        d[k][e] *= gg[e];                  // dy * gamma
+        sd += d[k][e], sdx += d[k][e] * v[k][e];
+      }
+    }
+  sd = rms ? 0.0f : warpSum(sd) / h, sdx = warpSum(sdx) / h;
+#pragma unroll
+  for (int k = 0; k < MaxP; ++k)
+    if (k < P) {
+      float o[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        o[e] = rstd * (d[k][e] - sd - v[k][e] * sdx);
+      store8(dx + row * h + (k * 32 + lane) * 8, o);
+    }
+  if (lane == 0) {
+    meanOut[row] = mean;
+    rstdOut[row] = rstd;
+  }
+}
+
+/// Per-chunk column sums of bf16 x (or, with dy, of dy * x-hat and dy: norm
+/// parameter gradients), eight columns per thread; blocks of 32 x 8 threads
+/// cover 256 columns.
+__global__ void __launch_bounds__(256) columnPartial8Kernel(const bf16 *x, const float *mean, const float *rstd,
+                                                            const bf16 *dy, float *partial, float *partialB,
+                                                            int64_t rows, int64_t cols, int64_t rowsPerChunk) {
+  __shared__ float tile[8][256], tileB[8][256];
+  int64_t col = (int64_t(blockIdx.x) * 32 + threadIdx.x) * 8, chunk = blockIdx.y;
+  int64_t r0 = chunk * rowsPerChunk, r1 = min(rows, r0 + rowsPerChunk);
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, accB[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  if (col < cols)
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) {
+      Pack<bf16> pv = load(x + r * cols + col);
+      if (dy) {
+        Pack<bf16> pd = load(dy + r * cols + col);
+        float m = mean[r], rs = rstd[r];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          float dd = __bfloat162float(pd.v[e]);
+          acc[e] += dd * (__bfloat162float(pv.v[e]) - m) * rs;
+          accB[e] += dd;
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          acc[e] += __bfloat162float(pv.v[e]);
+      }
+    }
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    tile[threadIdx.y][threadIdx.x * 8 + e] = acc[e], tileB[threadIdx.y][threadIdx.x * 8 + e] = accB[e];
+  __syncthreads();
+  int t = threadIdx.y * 32 + threadIdx.x; // one column of the block's 256 per thread
+  int64_t c = int64_t(blockIdx.x) * 256 + t;
+  if (c < cols) {
+    float sum = 0, sumB = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      sum += tile[k][t], sumB += tileB[k][t];
+    partial[chunk * cols + c] = sum;
+    if (partialB)
+      partialB[chunk * cols + c] = sumB;
+  }
+}
+
+/// Eight values to p from element i (a multiple of 8), either dtype.
+__device__ inline void store8(DPtr p, int64_t i, const float v[8]) {
+  if (p.bf) {
+    store8(static_cast<bf16 *>(p.p) + i, v);
+  } else {
+    float4 *q = reinterpret_cast<float4 *>(static_cast<float *>(p.p) + i);
+    q[0] = make_float4(v[0], v[1], v[2], v[3]);
+    q[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+}
+/// f32 <-> bf16 conversions of many tensors in one launch (the parameters'
+/// casts at the start of a mixed-precision forward): a block per chunk.
+struct CastChunk {
+  DPtr in, out;
+  int64_t begin, end;
+};
+__global__ void __launch_bounds__(256) castChunksKernel(const CastChunk *chunks) {
+  CastChunk c = chunks[blockIdx.x];
+  int64_t begin = c.begin;
+  if (((reinterpret_cast<uintptr_t>(c.in.p) | reinterpret_cast<uintptr_t>(c.out.p)) % 16) == 0) {
+    int64_t end8 = begin + (c.end - begin) / 8 * 8;
+    for (int64_t i = begin + int64_t(threadIdx.x) * 8; i < end8; i += int64_t(blockDim.x) * 8) {
+      float v[8];
+      load8(c.in, i, v);
+      store8(c.out, i, v);
+    }
+    begin = end8;
+  }
+  for (int64_t i = begin + threadIdx.x; i < c.end; i += blockDim.x)
+    c.out.st(i, c.in[i]);
+}
+
 //===--- Convolutional networks (forward) ---------------------------------===//
 
 /// col[n][g][ci, kh, kw][oh, ow] = x[n][g * Cg + ci][oh * stride - pad + kh][ow * stride - pad + kw]
@@ -689,7 +888,15 @@ __device__ inline void onlineMerge(float &m, float &s, float m2, float s2) {
 __device__ void rowStats(DPtr lr, int64_t v, float &mx, float &sum) {
   __shared__ float sm[32], ss[32];
   float m = -INFINITY, s = 0;
-  if (v % 2 == 0) {
+  if (lr.bf && v % 8 == 0 && reinterpret_cast<uintptr_t>(lr.p) % 16 == 0) { // 16-byte loads
+    for (int64_t j = 8 * threadIdx.x; j < v; j += 8 * blockDim.x) {
+      float x[8];
+      load8(lr, j, x);
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        onlineAdd(m, s, x[e]);
+    }
+  } else if (v % 2 == 0) {
     for (int64_t j = 2 * threadIdx.x; j < v; j += 2 * blockDim.x) {
       float2 x = lr.bf ? __bfloat1622float2(reinterpret_cast<const __nv_bfloat162 *>(lr.p)[j / 2])
                        : reinterpret_cast<const float2 *>(lr.p)[j / 2];
@@ -746,17 +953,70 @@ __global__ void crossEntropyGradKernel(DPtr logits, const void *targets, bool wi
   float mx, sum;
   rowStats(lr, v, mx, sum);
   float scale = *dloss / rows, inv = 1.0f / sum;
+  if (lr.bf && out.bf && v % 8 == 0 && ((reinterpret_cast<uintptr_t>(lr.p) | reinterpret_cast<uintptr_t>(out.p)) % 16) == 0) {
+    for (int64_t j = 8 * threadIdx.x; j < v; j += 8 * blockDim.x) {
+      float x[8];
+      load8(lr, j, x);
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        x[e] = (expf(x[e] - mx) * inv - (j + e == t ? 1.0f : 0.0f)) * scale;
+      store8(static_cast<bf16 *>(out.p) + j, x);
+    }
+    return;
+  }
   for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
     out.st(j, (expf(lr[j] - mx) * inv - (j == t ? 1.0f : 0.0f)) * scale);
 }
 
-__global__ void sumSquaresKernel(DPtr g, int64_t n, double *acc) {
+/// Sums of squares over many tensors: each block sums one chunk (16-byte
+/// loads where aligned) into its own partial; sumPartialsKernel adds them
+/// in a fixed order (deterministic, unlike atomics).
+struct SquareChunk {
+  DPtr g;
+  int64_t begin, end;
+};
+__global__ void __launch_bounds__(256) sumSquaresChunksKernel(const SquareChunk *chunks, double *partial) {
   __shared__ float shared[32];
+  SquareChunk c = chunks[blockIdx.x];
   float s = 0;
-  GRID_LOOP(i, n) s += g[i] * g[i];
+  int64_t begin = c.begin;
+  int pack = c.g.bf ? 8 : 4;
+  if (reinterpret_cast<uintptr_t>(c.g.p) % 16 == 0) {
+    int64_t endV = begin + (c.end - begin) / pack * pack;
+    for (int64_t i = begin + int64_t(threadIdx.x) * pack; i < endV; i += int64_t(blockDim.x) * pack) {
+      float v[8];
+      if (c.g.bf) {
+        load8(c.g, i, v);
+      } else {
+        Pack<float> a = load(static_cast<const float *>(c.g.p) + i);
+        v[0] = a.v[0], v[1] = a.v[1], v[2] = a.v[2], v[3] = a.v[3], v[4] = v[5] = v[6] = v[7] = 0;
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        s += v[e] * v[e];
+    }
+    begin = endV;
+  }
+  for (int64_t i = begin + threadIdx.x; i < c.end; i += blockDim.x)
+    s += c.g[i] * c.g[i];
   s = blockSum(s, shared);
   if (threadIdx.x == 0)
-    atomicAdd(acc, static_cast<double>(s));
+    partial[blockIdx.x] = s;
+}
+__global__ void sumPartialsKernel(const double *partial, int64_t n, double *out) {
+  __shared__ double shared[256];
+  double s = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+    s += partial[i];
+  shared[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (int(threadIdx.x) < w)
+      shared[threadIdx.x] += shared[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0)
+    *out = shared[0];
 }
 __global__ void sqrtKernel(const double *acc, float *out) { *out = static_cast<float>(sqrt(*acc)); }
 __global__ void toFloatKernel(const double *acc, float *out) { *out = static_cast<float>(*acc); }
@@ -840,7 +1100,7 @@ __device__ StepScalars stepScalars(const float *step, const float *norm, const O
 /// cost one launch, not one each.
 struct AdamTensor {
   float *p;
-  const float *g;
+  DPtr g; // f32, or bf16 (mixed precision's gradients, widened exactly here)
   float *m, *v;
   int64_t n;
 };
@@ -849,34 +1109,55 @@ struct AdamChunk {
 };
 constexpr int64_t kAdamChunk = 32768; // a multiple of 4: chunks start 16-byte aligned
 
-__global__ void adamwKernel(const AdamTensor *tensors, const AdamChunk *chunks, const float *step,
-                            const float *norm, OptimizerArgs a) {
-  StepScalars s = stepScalars(step, norm, a);
-  float b1 = static_cast<float>(a.b1), b2 = static_cast<float>(a.b2), eps = static_cast<float>(a.eps);
-  float wd = static_cast<float>(a.wd);
+/// The step's AdamW scalars, once per launch (a one-thread kernel): the
+/// update kernel then holds few registers and streams at full bandwidth.
+__global__ void adamScalarsKernel(const float *step, const float *norm, OptimizerArgs a, StepScalars *out) {
+  double t = *step;
+  out->rate = static_cast<float>(scheduledRate(a.lr, a.minLr, a.warmup, a.total, t - 1));
+  out->scale = a.clip > 0 && *norm > a.clip ? static_cast<float>(a.clip / *norm) : 1.0f;
+  out->c1 = static_cast<float>(1 - pow(a.b1, t));
+  out->c2 = static_cast<float>(1 - pow(a.b2, t));
+}
+
+__global__ void __launch_bounds__(256) adamwKernel(const AdamTensor *tensors, const AdamChunk *chunks,
+                                                   const StepScalars *scalars, float b1, float b2, float eps,
+                                                   float wd) {
+  const StepScalars s = *scalars;
+  // m / c1 / (sqrt(v / c2) + eps) with one division: m / (c1 (sqrt(v) / sqrt(c2) + eps)).
+  const float inv1 = 1.0f / s.c1, invSqrt2 = rsqrtf(s.c2);
   auto update = [&](float &pi, float gi, float &mi, float &vi) {
     gi *= s.scale;
     mi = b1 * mi + (1 - b1) * gi;
     vi = b2 * vi + (1 - b2) * gi * gi;
-    pi -= s.rate * ((mi / s.c1) / (sqrtf(vi / s.c2) + eps) + wd * pi);
+    pi -= s.rate * ((mi * inv1) / (sqrtf(vi) * invSqrt2 + eps) + wd * pi);
   };
   AdamChunk c = chunks[blockIdx.x];
   AdamTensor t = tensors[c.tensor];
   int64_t begin = c.begin;
-  bool aligned = ((reinterpret_cast<uintptr_t>(t.p) | reinterpret_cast<uintptr_t>(t.g) |
+  bool aligned = ((reinterpret_cast<uintptr_t>(t.p) | reinterpret_cast<uintptr_t>(t.g.p) |
                    reinterpret_cast<uintptr_t>(t.m) | reinterpret_cast<uintptr_t>(t.v)) % 16) == 0;
-  if (aligned) { // four at a time with 16-byte accesses, then the chunk's tail
+  if (aligned) { // four at a time with 16-byte accesses (8 for bf16 gradients), then the chunk's tail
     int64_t end4 = begin + (c.end - begin) / 4 * 4;
-    for (int64_t q = begin / 4 + threadIdx.x; q < end4 / 4; q += blockDim.x) {
-      float4 pq = reinterpret_cast<float4 *>(t.p)[q], gq = reinterpret_cast<const float4 *>(t.g)[q];
-      float4 mq = reinterpret_cast<float4 *>(t.m)[q], vq = reinterpret_cast<float4 *>(t.v)[q];
+    float4 *p4 = reinterpret_cast<float4 *>(t.p), *m4 = reinterpret_cast<float4 *>(t.m),
+           *v4 = reinterpret_cast<float4 *>(t.v);
+    for (int q = int(begin / 4) + threadIdx.x, e = int(end4 / 4); q < e; q += blockDim.x) {
+      float4 gq;
+      if (t.g.bf) {
+        uint2 raw = __ldg(reinterpret_cast<const uint2 *>(t.g.p) + q);
+        float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&raw.x));
+        float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&raw.y));
+        gq = make_float4(lo.x, lo.y, hi.x, hi.y);
+      } else {
+        gq = __ldg(reinterpret_cast<const float4 *>(t.g.p) + q);
+      }
+      float4 pq = p4[q], mq = m4[q], vq = v4[q];
       update(pq.x, gq.x, mq.x, vq.x);
       update(pq.y, gq.y, mq.y, vq.y);
       update(pq.z, gq.z, mq.z, vq.z);
       update(pq.w, gq.w, mq.w, vq.w);
-      reinterpret_cast<float4 *>(t.p)[q] = pq;
-      reinterpret_cast<float4 *>(t.m)[q] = mq;
-      reinterpret_cast<float4 *>(t.v)[q] = vq;
+      p4[q] = pq;
+      m4[q] = mq;
+      v4[q] = vq;
     }
     begin = end4;
   }
@@ -884,7 +1165,7 @@ __global__ void adamwKernel(const AdamTensor *tensors, const AdamChunk *chunks, 
     update(t.p[i], t.g[i], t.m[i], t.v[i]);
 }
 
-__global__ void sgdKernel(float *p, const float *g, float *m, const float *step, const float *norm,
+__global__ void sgdKernel(float *p, DPtr g, float *m, const float *step, const float *norm,
                           int64_t n, OptimizerArgs a) {
   StepScalars s = stepScalars(step, norm, a);
   float momentum = static_cast<float>(a.momentum), wd = static_cast<float>(a.wd);
@@ -1056,6 +1337,24 @@ static bool sameAdamw(const Instruction &a, const Instruction &b) {
          a.in[4] == b.in[4] && a.in[5] == b.in[5];
 }
 
+/// A cast between f32 and bf16 (those of a run share one launch).
+static bool isFloatCast(const RankProgram &rank, const Instruction &ins) {
+  if (ins.op != "cast" || ins.in.size() != 1 || ins.out.size() != 1)
+    return false;
+  loom_dtype_t a = rank.buffers[ins.in[0]].dtype, b = rank.buffers[ins.out[0]].dtype;
+  return a != b && (a == LOOM_F32 || a == LOOM_BF16) && (b == LOOM_F32 || b == LOOM_BF16);
+}
+
+/// f32 products run on TF32 tensor cores (10-bit mantissas) unless
+/// LOOM_CUDA_TF32=0 asks for full f32 (slower; for checking numerics).
+static cublasComputeType_t f32Compute() {
+  static const bool tf32 = [] {
+    const char *e = std::getenv("LOOM_CUDA_TF32");
+    return !(e && std::string(e) == "0");
+  }();
+  return tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+}
+
 class CudaBackendImpl : public Backend {
 public:
   CudaBackendImpl(const RankProgram &rank, int device, NcclWorld *world, const std::string &ptx)
@@ -1163,6 +1462,17 @@ public:
           label += " Ta";
         if (flag(instrs[i], "transpose_b"))
           label += " Tb";
+      }
+      if (isFloatCast(rank, instrs[i]) && i + 1 < instrs.size() && isFloatCast(rank, instrs[i + 1])) {
+        size_t j = i;
+        while (j < instrs.size() && isFloatCast(rank, instrs[j]))
+          ++j;
+        steps.push_back({where, label, 0, buildCasts(instrs, i, j), nullptr, nullptr});
+        for (size_t k = i + 1; k < j; ++k) // converted in the first's launch
+          steps.push_back({cat("instruction ", program, "[", k, "] 'cast'"), label, 0, [](cudaStream_t) {},
+                           nullptr, nullptr});
+        i = j - 1;
+        continue;
       }
       if (instrs[i].op == "adamw") { // a run of updates with one set of hyperparameters: one launch
         std::vector<const Instruction *> group{&instrs[i]};
@@ -1274,6 +1584,23 @@ private:
         return false;
     return true;
   }
+  /// Whether a norm's rows take the bf16 register kernels: bf16 tensors
+  /// (the gamma and beta of either dtype), h a multiple of 256 up to 2048,
+  /// every operand 16-byte aligned.
+  bool bf16Rows(const Instruction &ins, int64_t h) {
+    if (h % 256 != 0 || h > 2048)
+      return false;
+    for (int64_t id : ins.in) {
+      const Buffer &b = buf(id);
+      if (reinterpret_cast<uintptr_t>(ptr(b)) % 16 != 0 || (b.dtype != LOOM_BF16 && b.dtype != LOOM_F32))
+        return false;
+    }
+    for (int64_t id : ins.out)
+      if (reinterpret_cast<uintptr_t>(ptr(buf(id))) % 16 != 0)
+        return false;
+    return isBf16(buf(ins.in[0])) && isBf16(buf(ins.out[0])) &&
+           (ins.op.find("_grad") == std::string::npos || isBf16(buf(ins.in[2])));
+  }
   static unsigned vecBlocks(int64_t n, int pack) {
     return unsigned(std::min<int64_t>((n / pack + kThreads - 1) / kThreads, 65535 * 8));
   }
@@ -1311,7 +1638,7 @@ private:
   /// operands on bf16 tensor cores; both accumulate in f32.
   struct GemmTypes {
     cudaDataType ab = CUDA_R_32F, c = CUDA_R_32F;
-    cublasComputeType_t compute = CUBLAS_COMPUTE_32F_FAST_TF32;
+    cublasComputeType_t compute = f32Compute();
     int64_t abSize = 4, cSize = 4;
   };
   GemmTypes gemmTypes(const Buffer &a, const Buffer &b, const Buffer &c) {
@@ -1434,7 +1761,7 @@ private:
         blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, int(n), int(m), int(k), &alpha,
         reinterpret_cast<const void **>(b), CUDA_R_32F, int(ldb), reinterpret_cast<const void **>(a),
         CUDA_R_32F, int(lda), &beta, reinterpret_cast<void **>(c), CUDA_R_32F, int(ldc), int(count),
-        CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT));
+        f32Compute(), CUBLAS_GEMM_DEFAULT));
   }
 
   Launch build(const Instruction &ins);
@@ -1446,20 +1773,29 @@ private:
   Launch buildFused(const Instruction &ins);
   Launch buildConv2d(const Instruction &ins);
   Launch buildAdamw(const std::vector<const Instruction *> &group);
+  Launch buildCasts(const std::vector<Instruction> &instrs, size_t begin, size_t end);
   OptimizerArgs optimizerArgs(const Instruction &ins);
   /// The sum of squares of the inputs (but those in `skip`) into a double at
   /// the workspace's start: global_norm's first half, local or across a group.
+  /// The sum of squares of the instruction's inputs (those not in `skip`),
+  /// as a double at the start of the workspace.
   Launch buildSumOfSquares(const Instruction &ins, const std::set<int64_t> &skip) {
-    std::vector<std::pair<DPtr, int64_t>> grads;
+    std::vector<SquareChunk> chunks;
     for (size_t i = 0; i < ins.in.size(); ++i)
-      if (!skip.count(int64_t(i)))
-        grads.push_back({fp(ins.in[i]), count(buf(ins.in[i]).shape)});
-    reserve(sizeof(double));
+      if (!skip.count(int64_t(i))) {
+        int64_t cnt = count(buf(ins.in[i]).shape);
+        for (int64_t b = 0; b < cnt; b += kAdamChunk)
+          chunks.push_back({fp(ins.in[i]), b, std::min(cnt, b + kAdamChunk)});
+      }
+    reserve(sizeof(double) * (chunks.size() + 1));
+    if (chunks.empty())
+      return [=](cudaStream_t s) { LOOM_CUDA_CHECK(cudaMemsetAsync(workspace, 0, sizeof(double), s)); };
+    const SquareChunk *dc = deviceArray(chunks);
+    int64_t n = int64_t(chunks.size());
     return [=](cudaStream_t s) {
       double *acc = reinterpret_cast<double *>(workspace);
-      LOOM_CUDA_CHECK(cudaMemsetAsync(acc, 0, sizeof(double), s));
-      for (auto [g, cnt] : grads)
-        sumSquaresKernel<<<std::min(blocksFor(cnt), 1024), kThreads, 0, s>>>(g, cnt, acc);
+      sumSquaresChunksKernel<<<unsigned(n), 256, 0, s>>>(dc, acc + 1);
+      sumPartialsKernel<<<1, 256, 0, s>>>(acc + 1, n, acc);
     };
   }
   std::string kernelsPtx;
@@ -1984,10 +2320,15 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
       int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(rows / 64, 512)), per = (rows + chunks - 1) / chunks;
       float scale = op == "reduce_mean" ? 1.0f / float(rows) : 1.0f;
       DPtr px = fp(ins.in[0]), py = fp(ins.out[0]);
+      bool vec8 = px.bf && cols % 8 == 0 && reinterpret_cast<uintptr_t>(px.p) % 16 == 0;
       reserve(size_t(chunks * cols) * sizeof(float));
       return [=](cudaStream_t s) {
         float *partial = reinterpret_cast<float *>(workspace);
-        if (cols % 2 == 0) {
+        if (vec8) {
+          dim3 grid(unsigned((cols + 255) / 256), unsigned(chunks)), block(32, 8);
+          columnPartial8Kernel<<<grid, block, 0, s>>>(static_cast<const bf16 *>(px.p), nullptr, nullptr, nullptr,
+                                                      partial, nullptr, rows, cols, per);
+        } else if (cols % 2 == 0) {
           dim3 grid(unsigned((cols + 63) / 64), unsigned(chunks)), block(32, 8);
           columnPartial2Kernel<<<grid, block, 0, s>>>(px, nullptr, nullptr, DPtr{}, partial, nullptr, rows, cols, per);
         } else {
@@ -2012,6 +2353,14 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     int64_t h = x.shape.back(), rows = count(x.shape) / h;
     float eps = static_cast<float>(num(ins, "eps", 1e-5));
     DPtr px = fp(ins.in[0]), g = fp(ins.in[1]), b = rms ? DPtr{} : fp(ins.in[2]), y = fp(ins.out[0]);
+    if (int P = int(h / 256); bf16Rows(ins, h)) {
+      const bf16 *xb = static_cast<const bf16 *>(px.p);
+      bf16 *yb = static_cast<bf16 *>(y.p);
+      unsigned blocks = unsigned((rows + 7) / 8);
+      if (P <= 4)
+        return [=](cudaStream_t s) { normRowsBf16Kernel<4><<<blocks, 256, 0, s>>>(xb, g, b, yb, rows, P, eps, rms); };
+      return [=](cudaStream_t s) { normRowsBf16Kernel<8><<<blocks, 256, 0, s>>>(xb, g, b, yb, rows, P, eps, rms); };
+    }
     if (h % 64 == 0 && h < (1 << 30))
       return [=](cudaStream_t s) {
         normRowsKernel<<<unsigned((rows + 7) / 8), 256, 0, s>>>(px, g, b, y, rows, int(h), eps, rms);
@@ -2027,10 +2376,21 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     DPtr db = rms ? DPtr{} : fp(ins.out[2]);
     int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(rows / 64, 512)), per = (rows + chunks - 1) / chunks;
     reserve((2 * rows + 2 * chunks * h) * sizeof(float));
+    bool fast = bf16Rows(ins, h);
     return [=](cudaStream_t s) {
       float *mean = reinterpret_cast<float *>(workspace), *rstd = mean + rows;
       float *partial = rstd + rows, *partialB = partial + chunks * h;
-      if (h % 64 == 0) {
+      if (fast) {
+        int P = int(h / 256);
+        const bf16 *xb = static_cast<const bf16 *>(px.p), *dyb = static_cast<const bf16 *>(dy.p);
+        bf16 *dxb = static_cast<bf16 *>(dx.p);
+        if (P <= 4)
+          normGradRowsBf16Kernel<4><<<unsigned((rows + 7) / 8), 256, 0, s>>>(xb, g, dyb, dxb, rows, P, eps, rms, mean, rstd);
+        else
+          normGradRowsBf16Kernel<8><<<unsigned((rows + 7) / 8), 256, 0, s>>>(xb, g, dyb, dxb, rows, P, eps, rms, mean, rstd);
+        dim3 grid(unsigned((h + 255) / 256), unsigned(chunks)), block(32, 8);
+        columnPartial8Kernel<<<grid, block, 0, s>>>(xb, mean, rstd, dyb, partial, partialB, rows, h, per);
+      } else if (h % 64 == 0) {
         normGradRowsKernel<<<unsigned((rows + 7) / 8), 256, 0, s>>>(px, g, dy, dx, rows, int(h), eps, rms, mean, rstd);
         dim3 grid(unsigned((h + 63) / 64), unsigned(chunks)), block(32, 8);
         columnPartial2Kernel<<<grid, block, 0, s>>>(px, mean, rstd, dy, partial, partialB, rows, h, per);
@@ -2209,7 +2569,8 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     return buildAdamw({&ins});
   if (op == "sgd") {
     OptimizerArgs a = optimizerArgs(ins);
-    float *p = f(ins.in[0]), *g = f(ins.in[1]), *m = f(ins.in[2]), *step = f(ins.in[3]), *norm = f(ins.in[4]);
+    float *p = f(ins.in[0]), *m = f(ins.in[2]), *step = f(ins.in[3]), *norm = f(ins.in[4]);
+    DPtr g = fp(ins.in[1]);
     int64_t cnt = n(ins.in[0]);
     // Grid-stride over at most 1024 blocks: each block works out the step's
     // scalars (in double) once.
@@ -2247,6 +2608,23 @@ OptimizerArgs CudaBackendImpl::optimizerArgs(const Instruction &ins) {
           num(ins, "beta2", 0.999),  num(ins, "eps", 1e-8),  num(ins, "momentum", 0)};
 }
 
+/// The casts instrs[begin, end) in one launch (a table of chunks).
+Launch CudaBackendImpl::buildCasts(const std::vector<Instruction> &instrs, size_t begin, size_t end) {
+  std::vector<CastChunk> chunks;
+  for (size_t i = begin; i < end; ++i) {
+    int64_t cnt = count(buf(instrs[i].out[0]).shape);
+    if (count(buf(instrs[i].in[0]).shape) != cnt)
+      fail(LOOM_INVALID_BUNDLE, "instruction [", i, "] 'cast': input and output sizes differ");
+    for (int64_t b = 0; b < cnt; b += kAdamChunk)
+      chunks.push_back({fp(instrs[i].in[0]), fp(instrs[i].out[0]), b, std::min(cnt, b + kAdamChunk)});
+  }
+  if (chunks.empty())
+    return [](cudaStream_t) {};
+  const CastChunk *dc = deviceArray(chunks);
+  unsigned blocks = unsigned(chunks.size());
+  return [=](cudaStream_t s) { castChunksKernel<<<blocks, 256, 0, s>>>(dc); };
+}
+
 /// AdamW over every tensor of `group` in one launch: a table of tensors and
 /// of fixed-size chunks, made once here.
 Launch CudaBackendImpl::buildAdamw(const std::vector<const Instruction *> &group) {
@@ -2257,7 +2635,7 @@ Launch CudaBackendImpl::buildAdamw(const std::vector<const Instruction *> &group
   std::vector<AdamChunk> chunks;
   for (const Instruction *ins : group) {
     int64_t cnt = count(buf(ins->in[0]).shape);
-    tensors.push_back({f(ins->in[0]), f(ins->in[1]), f(ins->in[2]), f(ins->in[3]), cnt});
+    tensors.push_back({f(ins->in[0]), fp(ins->in[1]), f(ins->in[2]), f(ins->in[3]), cnt});
     for (int64_t b = 0; b < cnt; b += kAdamChunk)
       chunks.push_back({int64_t(tensors.size() - 1), b, std::min(cnt, b + kAdamChunk)});
   }
@@ -2267,8 +2645,13 @@ Launch CudaBackendImpl::buildAdamw(const std::vector<const Instruction *> &group
     fail(LOOM_UNSUPPORTED, where, ": ", chunks.size(), " AdamW chunks exceed one launch's grid");
   const AdamTensor *dt = deviceArray(tensors);
   const AdamChunk *dc = deviceArray(chunks);
+  StepScalars *scalars = deviceArray(std::vector<StepScalars>(1));
   unsigned blocks = unsigned(chunks.size());
-  return [=](cudaStream_t s) { adamwKernel<<<blocks, kThreads, 0, s>>>(dt, dc, step, norm, a); };
+  float b1 = float(a.b1), b2 = float(a.b2), eps = float(a.eps), wd = float(a.wd);
+  return [=](cudaStream_t s) {
+    adamScalarsKernel<<<1, 1, 0, s>>>(step, norm, a, scalars);
+    adamwKernel<<<blocks, 256, 0, s>>>(dt, dc, scalars, b1, b2, eps, wd);
+  };
 }
 
 Launch CudaBackendImpl::buildConv2d(const Instruction &ins) {
