@@ -18,6 +18,7 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <optional>
 #include <numeric>
 #include <set>
 
@@ -1164,6 +1165,130 @@ int64_t joinSliceGradients(rt::RankProgram &r) {
   return joined;
 }
 
+/// A fused q|k|v projection feeds attention through three slices, and the
+/// gradients come back through a concat of dq, dk and dv. Where the slices
+/// are read by nothing else, attention reads the columns of the projection
+/// in place (attrs "packed": the starts) and its gradient writes the
+/// concat's result directly: no copies of q, k, v or of their gradients.
+/// bf16 only (the GPU's flash kernels take row strides; f32 keeps slices).
+int64_t attentionReadsPackedQkv(rt::RankProgram &r) {
+  auto fwdIt = r.programs.find("forward");
+  if (fwdIt == r.programs.end())
+    return 0;
+  std::vector<rt::Instruction> &forward = fwdIt->second;
+  std::vector<rt::Instruction> *backward = r.programs.count("backward") ? &r.programs["backward"] : nullptr;
+  std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readers;
+  for (const auto &[name, list] : r.programs)
+    for (size_t i = 0; i < list.size(); ++i)
+      for (int64_t id : list[i].in)
+        readers[id].push_back({name, i});
+  std::set<int64_t> viewed, outputs;
+  for (const rt::Buffer &b : r.buffers)
+    if (b.viewOf >= 0)
+      viewed.insert(b.viewOf);
+  for (const rt::NamedBuffer &nb : r.outputs)
+    outputs.insert(nb.buffer);
+  auto privateTo = [&](int64_t id, std::initializer_list<std::pair<std::string, size_t>> allowed) {
+    if (viewed.count(id) || outputs.count(id) || r.buffers[id].viewOf >= 0)
+      return false;
+    for (const auto &reader : readers[id])
+      if (std::find(allowed.begin(), allowed.end(), reader) == allowed.end())
+        return false;
+    return true;
+  };
+  std::map<int64_t, size_t> producer, backwardProducer;
+  for (size_t i = 0; i < forward.size(); ++i)
+    for (int64_t id : forward[i].out)
+      producer[id] = i;
+  if (backward)
+    for (size_t i = 0; i < backward->size(); ++i)
+      for (int64_t id : (*backward)[i].out)
+        backwardProducer[id] = i;
+  std::vector<bool> dropForward(forward.size(), false), dropBackward(backward ? backward->size() : 0, false);
+  int64_t packed = 0;
+  for (size_t a = 0; a < forward.size(); ++a) {
+    rt::Instruction &attn = forward[a];
+    if (attn.op != "attention" || attn.in.size() != 3 || attn.out.size() != 1 || attn.attrs.contains("packed"))
+      continue;
+    int64_t source = -1;
+    std::vector<int64_t> starts;
+    std::vector<size_t> slices;
+    for (int64_t id : attn.in) {
+      auto it = producer.find(id);
+      if (it == producer.end())
+        break;
+      const rt::Instruction &sl = forward[it->second];
+      const rt::Buffer &x = r.buffers[sl.in.empty() ? 0 : sl.in[0]];
+      int64_t axis = sl.attrs.value("axis", int64_t(-1));
+      if (sl.op != "slice" || sl.in.size() != 1 || x.shape.size() != 3 || (axis != 2 && axis != -1) ||
+          (source >= 0 && sl.in[0] != source))
+        break;
+      source = sl.in[0];
+      starts.push_back(sl.attrs.value("start", int64_t(-1)));
+      slices.push_back(it->second);
+    }
+    if (starts.size() != 3 || r.buffers[source].dtype != LOOM_BF16)
+      continue;
+    const rt::Buffer &x = r.buffers[source];
+    int64_t W = x.shape[2], wq = r.buffers[attn.in[0]].shape[2], wk = r.buffers[attn.in[1]].shape[2];
+    if (W % 8 || wq % 8 || wk % 8 || starts[0] != 0 || starts[1] != wq || starts[2] != wq + wk || W != wq + 2 * wk ||
+        r.buffers[attn.in[0]].shape[1] != x.shape[1] || r.buffers[attn.in[1]].shape[1] != x.shape[1])
+      continue;
+    // The backward's attention_grad of the same operands, and the concat of its results.
+    std::optional<size_t> g, cat;
+    if (backward)
+      for (size_t i = 0; i < backward->size(); ++i) {
+        const rt::Instruction &ins = (*backward)[i];
+        if (ins.op == "attention_grad" && ins.in.size() == 4 && ins.out.size() == 3 &&
+            std::equal(attn.in.begin(), attn.in.end(), ins.in.begin()) && !ins.attrs.contains("packed"))
+          g = i;
+      }
+    std::pair<std::string, size_t> here{"forward", a};
+    bool ok = true;
+    for (int64_t id : attn.in)
+      ok &= g ? privateTo(id, {here, {"backward", *g}}) : privateTo(id, {here});
+    if (!ok)
+      continue;
+    if (g) {
+      const rt::Instruction &grad = (*backward)[*g];
+      for (size_t i = 0; i < backward->size() && !cat; ++i) {
+        const rt::Instruction &ins = (*backward)[i];
+        if (ins.op == "concat" && ins.out.size() == 1 && ins.in == grad.out &&
+            (ins.attrs.value("axis", int64_t(-1)) == 2 || ins.attrs.value("axis", int64_t(-1)) == -1) &&
+            r.buffers[ins.out[0]].shape == x.shape && r.buffers[ins.out[0]].dtype == LOOM_BF16)
+          cat = i;
+      }
+      if (!cat)
+        continue;
+      for (int64_t id : grad.out)
+        ok &= privateTo(id, {{"backward", *cat}});
+      if (!ok)
+        continue;
+      rt::Instruction &gi = (*backward)[*g];
+      gi.in = {source, gi.in[3]};
+      gi.out = {(*backward)[*cat].out[0]};
+      gi.attrs["packed"] = starts;
+      dropBackward[*cat] = true;
+    }
+    attn.in = {source};
+    attn.attrs["packed"] = starts;
+    for (size_t sl : slices)
+      dropForward[sl] = true;
+    ++packed;
+  }
+  auto compact = [](std::vector<rt::Instruction> &list, const std::vector<bool> &drop) {
+    std::vector<rt::Instruction> kept;
+    for (size_t i = 0; i < list.size(); ++i)
+      if (!drop[i])
+        kept.push_back(std::move(list[i]));
+    list = std::move(kept);
+  };
+  compact(forward, dropForward);
+  if (backward)
+    compact(*backward, dropBackward);
+  return packed;
+}
+
 /// Mixed precision leaves each parameter's gradient in bf16 and casts it to
 /// f32 for the optimizer. Where that f32 copy is read only by the update
 /// (the clipping norm and the optimizer: no all-reduce, no accumulation over
@@ -1230,21 +1355,20 @@ int64_t optimizerReadsBf16Gradients(rt::RankProgram &r) {
 }
 
 /// Training bundles cast each f32 master weight to bf16 where the forward
-/// first uses it. The casts of weights the backward reads too (kept from
-/// the forward to the backward anyway) move to the start of the forward,
-/// next to each other, where the runtime converts them in one launch.
+/// first uses it. The casts move to the start of the forward, next to each
+/// other, where the runtime converts them all in one launch. Memory stays
+/// as it was: the matrices' bf16 copies are kept for the backward anyway,
+/// and the rest (biases, norm shifts, tables read once at the start) are
+/// small or first read at the start.
 int64_t hoistParameterCasts(rt::RankProgram &r) {
   if (!r.programs.count("forward") || !r.programs.count("backward"))
     return 0;
-  std::set<int64_t> params, readInBackward;
+  std::set<int64_t> params;
   for (const rt::Parameter &p : r.params)
     params.insert(p.buffer);
-  for (const rt::Instruction &ins : r.programs["backward"])
-    readInBackward.insert(ins.in.begin(), ins.in.end());
   std::vector<rt::Instruction> &forward = r.programs["forward"], front, rest;
   for (rt::Instruction &ins : forward) {
-    bool hoist = ins.op == "cast" && ins.in.size() == 1 && ins.out.size() == 1 && params.count(ins.in[0]) &&
-                 readInBackward.count(ins.out[0]);
+    bool hoist = ins.op == "cast" && ins.in.size() == 1 && ins.out.size() == 1 && params.count(ins.in[0]);
     (hoist ? front : rest).push_back(std::move(ins));
   }
   int64_t moved = int64_t(front.size());
@@ -1536,6 +1660,7 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
     std::string normGroup = options.zero1 ? "all" : tp * pp > 1 ? "mp" : "";
     buildUpdate(r, options.training, std::move(reduce), normCounts, normGroup, zeroShards);
     joinSliceGradients(r);
+    attentionReadsPackedQkv(r);
     optimizerReadsBf16Gradients(r);
     hoistParameterCasts(r);
     if (options.fuse)

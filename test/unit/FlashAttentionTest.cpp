@@ -27,6 +27,7 @@ namespace {
 struct Case {
   int b, s, t, heads, kv, d;
   bool causal;
+  bool packed = false; // q|k|v side by side in one [B, S, W] tensor (self-attention), dq|dk|dv likewise
 };
 
 std::vector<uint16_t> randomBf16(size_t n, std::mt19937 &rng, std::vector<double> &values) {
@@ -64,7 +65,8 @@ std::vector<uint16_t> download(void *p, size_t n) {
 
 void check(const Case &c) {
   SCOPED_TRACE(testing::Message() << "B=" << c.b << " S=" << c.s << " T=" << c.t << " H=" << c.heads
-                                  << " KV=" << c.kv << " D=" << c.d << (c.causal ? " causal" : ""));
+                                  << " KV=" << c.kv << " D=" << c.d << (c.causal ? " causal" : "")
+                                  << (c.packed ? " packed" : ""));
   std::mt19937 rng(c.s * 131 + c.d);
   size_t nq = size_t(c.b) * c.s * c.heads * c.d, nk = size_t(c.b) * c.t * c.kv * c.d;
   std::vector<double> q, k, v, dout;
@@ -120,20 +122,56 @@ void check(const Case &c) {
   flash::Params p;
   p.batch = c.b, p.s = c.s, p.t = c.t, p.heads = c.heads, p.kvHeads = c.kv, p.headDim = c.d, p.causal = c.causal;
   p.scale = float(scale);
-  void *dQ = upload(hq), *dK = upload(hk), *dV = upload(hv), *dDO = upload(hdo);
+  // Packed: one [B, S, W] tensor holds q|k|v per row, another receives dq|dk|dv.
+  int64_t wq = int64_t(c.heads) * c.d, wk = int64_t(c.kv) * c.d, W = wq + 2 * wk;
+  size_t rows = size_t(c.b) * c.s;
+  auto pack = [&](const std::vector<uint16_t> &a, const std::vector<uint16_t> &b, const std::vector<uint16_t> &v) {
+    std::vector<uint16_t> x(rows * W);
+    for (size_t r = 0; r < rows; ++r) {
+      std::copy_n(a.begin() + r * wq, wq, x.begin() + r * W);
+      std::copy_n(b.begin() + r * wk, wk, x.begin() + r * W + wq);
+      std::copy_n(v.begin() + r * wk, wk, x.begin() + r * W + wq + wk);
+    }
+    return x;
+  };
+  auto unpack = [&](const std::vector<uint16_t> &x, int64_t at, int64_t width) {
+    std::vector<uint16_t> out(rows * width);
+    for (size_t r = 0; r < rows; ++r)
+      std::copy_n(x.begin() + r * W + at, width, out.begin() + r * width);
+    return out;
+  };
+  void *dQ, *dK, *dV, *packedX = nullptr, *packedG = nullptr;
+  if (c.packed) {
+    ASSERT_EQ(c.s, c.t);
+    packedX = upload(pack(hq, hk, hv));
+    dQ = packedX, dK = static_cast<uint16_t *>(packedX) + wq, dV = static_cast<uint16_t *>(packedX) + wq + wk;
+    p.ldq = p.ldk = p.lddq = p.lddk = W;
+  } else {
+    dQ = upload(hq), dK = upload(hk), dV = upload(hv);
+  }
+  void *dDO = upload(hdo);
   void *dO = nullptr, *gQ = nullptr, *gK = nullptr, *gV = nullptr, *ws = nullptr;
   ASSERT_EQ(cudaMalloc(&dO, nq * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&gQ, nq * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&gK, nk * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&gV, nk * 2), cudaSuccess);
+  if (c.packed) {
+    ASSERT_EQ(cudaMalloc(&packedG, rows * W * 2), cudaSuccess);
+    gQ = packedG, gK = static_cast<uint16_t *>(packedG) + wq, gV = static_cast<uint16_t *>(packedG) + wq + wk;
+  } else {
+    ASSERT_EQ(cudaMalloc(&gQ, nq * 2), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&gK, nk * 2), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&gV, nk * 2), cudaSuccess);
+  }
   ASSERT_EQ(cudaMalloc(&ws, flash::backwardWorkspace(p)), cudaSuccess);
   float *lse = nullptr;
   ASSERT_EQ(cudaMalloc(&lse, size_t(c.b) * c.heads * c.s * sizeof(float)), cudaSuccess);
   p.q = dQ, p.k = dK, p.v = dV;
+  auto result = [&](void *at, int64_t offset, int64_t width, size_t n) {
+    return c.packed ? unpack(download(packedG, rows * W), offset, width) : download(at, n);
+  };
   // Twice: the backward recomputing the forward, then reusing its O and lse.
   for (bool reuse : {false, true}) {
     SCOPED_TRACE(reuse ? "backward with the forward's O and lse" : "backward recomputing the forward");
-    ASSERT_EQ(cudaMemset(gQ, 0xff, nq * 2), cudaSuccess); // NaNs unless written
+    ASSERT_EQ(c.packed ? cudaMemset(packedG, 0xff, rows * W * 2) : cudaMemset(gQ, 0xff, nq * 2),
+              cudaSuccess); // NaNs unless written
     ASSERT_EQ(flash::forward(p, dO, reuse ? lse : nullptr, nullptr), cudaSuccess);
     ASSERT_EQ(flash::backward(p, dDO, gQ, gK, gV, ws, nullptr, reuse ? dO : nullptr, reuse ? lse : nullptr),
               cudaSuccess);
@@ -141,11 +179,17 @@ void check(const Case &c) {
     // bf16 inputs are exact in the reference; what differs is P rounded to
     // bf16 before its products and the bf16 results (about 2^-9 each).
     EXPECT_LT(relativeL2(o, download(dO, nq)), 1e-2) << "O";
-    EXPECT_LT(relativeL2(dq, download(gQ, nq)), 2e-2) << "dQ";
-    EXPECT_LT(relativeL2(dk, download(gK, nk)), 2e-2) << "dK";
-    EXPECT_LT(relativeL2(dv, download(gV, nk)), 2e-2) << "dV";
+    EXPECT_LT(relativeL2(dq, result(gQ, 0, wq, nq)), 2e-2) << "dQ";
+    EXPECT_LT(relativeL2(dk, result(gK, wq, wk, nk)), 2e-2) << "dK";
+    EXPECT_LT(relativeL2(dv, result(gV, wq + wk, wk, nk)), 2e-2) << "dV";
   }
-  for (void *ptr : {dQ, dK, dV, dDO, dO, gQ, gK, gV, ws, static_cast<void *>(lse)})
+  if (c.packed)
+    for (void *ptr : {packedX, packedG})
+      cudaFree(ptr);
+  else
+    for (void *ptr : {dQ, dK, dV, gQ, gK, gV})
+      cudaFree(ptr);
+  for (void *ptr : {dDO, dO, ws, static_cast<void *>(lse)})
     cudaFree(ptr);
 }
 
@@ -157,6 +201,7 @@ TEST(FlashAttention, MatchesReference) {
     GTEST_SKIP() << "no CUDA device";
   for (Case c : {Case{2, 100, 100, 4, 4, 64, true}, Case{1, 64, 64, 2, 2, 16, false},
                  Case{2, 37, 150, 4, 2, 32, true}, Case{1, 130, 130, 2, 1, 128, true},
-                 Case{1, 200, 77, 2, 2, 64, false}, Case{1, 256, 256, 8, 2, 64, true}})
+                 Case{1, 200, 77, 2, 2, 64, false}, Case{1, 256, 256, 8, 2, 64, true},
+                 Case{2, 100, 100, 4, 4, 64, true, true}, Case{1, 130, 130, 4, 2, 32, true, true}})
     check(c);
 }

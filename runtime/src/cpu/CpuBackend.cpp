@@ -6,6 +6,7 @@
 #include "runtime/src/Error.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -578,7 +579,167 @@ Kernel buildRotary(const Ctx &c) {
   };
 }
 
+/// Attention's sizes: B sequences of S queries and T keys, `heads` query
+/// heads over kvHeads key/value heads of D each.
+struct AttentionDims {
+  int64_t B, S, T, heads, kvHeads, D;
+  bool causal;
+  float scale;
+};
+
+/// O from dense q [B,S,H*D], k, v [B,T,KV*D].
+void attentionForward(ThreadPool &threads, const AttentionDims &d, const float *pq, const float *pk,
+                      const float *pv, float *po) {
+  ThreadPool *pool = &threads;
+  auto [B, S, T, heads, kvHeads, D, causal, scale] = d;
+  int64_t group = heads / kvHeads;
+  pool->parallelFor(B * heads * S, double(2 * T * D), [&](int64_t begin, int64_t end) {
+    std::vector<float> p(T);
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t bi = t / (heads * S), h = (t / S) % heads, si = t % S, kh = h / group;
+      const float *qrow = pq + (bi * S + si) * heads * D + h * D;
+      int64_t last = causal ? std::min(T, si + 1 + (T - S)) : T;
+      float mx = -INFINITY;
+      for (int64_t ti = 0; ti < last; ++ti) {
+        const float *krow = pk + (bi * T + ti) * kvHeads * D + kh * D;
+        float acc = 0;
+        for (int64_t dd = 0; dd < D; ++dd)
+          acc += qrow[dd] * krow[dd];
+        p[ti] = acc * scale;
+        mx = std::max(mx, p[ti]);
+      }
+      double sum = 0;
+      for (int64_t ti = 0; ti < last; ++ti)
+        sum += (p[ti] = std::exp(p[ti] - mx));
+      float *orow = po + (bi * S + si) * heads * D + h * D;
+      std::fill(orow, orow + D, 0.0f);
+      for (int64_t ti = 0; ti < last; ++ti) {
+        float w = static_cast<float>(p[ti] / sum);
+        const float *vrow = pv + (bi * T + ti) * kvHeads * D + kh * D;
+        for (int64_t dd = 0; dd < D; ++dd)
+          orow[dd] += w * vrow[dd];
+      }
+    }
+  });
+}
+
+/// dq, dk, dv of attentionForward's operands, given dO.
+void attentionBackward(ThreadPool &threads, const AttentionDims &d, const float *pq, const float *pk,
+                       const float *pv, const float *pdo, float *dq, float *dk, float *dv) {
+  ThreadPool *pool = &threads;
+  auto [B, S, T, heads, kvHeads, D, causal, scale] = d;
+  int64_t group = heads / kvHeads;
+  // One task per (batch, key/value head): its query heads only touch its dk, dv.
+  pool->parallelFor(B * kvHeads, double(group * S * T * D * 4), [&](int64_t begin, int64_t end) {
+    std::vector<float> p(T), dp(T);
+    for (int64_t task = begin; task < end; ++task) {
+      int64_t bi = task / kvHeads, kh = task % kvHeads;
+      for (int64_t ti = 0; ti < T; ++ti)
+        for (int64_t dd = 0; dd < D; ++dd) {
+          dk[(bi * T + ti) * kvHeads * D + kh * D + dd] = 0;
+          dv[(bi * T + ti) * kvHeads * D + kh * D + dd] = 0;
+        }
+      for (int64_t h = kh * group; h < (kh + 1) * group; ++h)
+        for (int64_t si = 0; si < S; ++si) {
+          const float *qrow = pq + (bi * S + si) * heads * D + h * D;
+          const float *dorow = pdo + (bi * S + si) * heads * D + h * D;
+          float *dqrow = dq + (bi * S + si) * heads * D + h * D;
+          int64_t last = causal ? std::min(T, si + 1 + (T - S)) : T;
+          float mx = -INFINITY;
+          for (int64_t ti = 0; ti < last; ++ti) {
+            const float *krow = pk + (bi * T + ti) * kvHeads * D + kh * D;
+            float acc = 0;
+            for (int64_t dd = 0; dd < D; ++dd)
+              acc += qrow[dd] * krow[dd];
+            p[ti] = acc * scale;
+            mx = std::max(mx, p[ti]);
+          }
+          double sum = 0;
+          for (int64_t ti = 0; ti < last; ++ti)
+            sum += (p[ti] = std::exp(p[ti] - mx));
+          double dot = 0;
+          for (int64_t ti = 0; ti < last; ++ti) {
+            p[ti] = static_cast<float>(p[ti] / sum);
+            const float *vrow = pv + (bi * T + ti) * kvHeads * D + kh * D;
+            float acc = 0;
+            for (int64_t dd = 0; dd < D; ++dd)
+              acc += dorow[dd] * vrow[dd];
+            dp[ti] = acc;
+            dot += double(p[ti]) * acc;
+          }
+          std::fill(dqrow, dqrow + D, 0.0f);
+          for (int64_t ti = 0; ti < last; ++ti) {
+            float ds = static_cast<float>(p[ti] * (dp[ti] - dot)) * scale;
+            const float *krow = pk + (bi * T + ti) * kvHeads * D + kh * D;
+            float *dkrow = dk + (bi * T + ti) * kvHeads * D + kh * D;
+            float *dvrow = dv + (bi * T + ti) * kvHeads * D + kh * D;
+            for (int64_t dd = 0; dd < D; ++dd) {
+              dqrow[dd] += ds * krow[dd];
+              dkrow[dd] += ds * qrow[dd];
+              dvrow[dd] += p[ti] * dorow[dd];
+            }
+          }
+        }
+    }
+  });
+}
+
+/// Attention reading q, k and v as columns of one tensor x [B, S, W]
+/// (attrs "packed": the three starts along W; self-attention, T = S), and
+/// its gradient writing dq|dk|dv into dx of x's shape (zero elsewhere): the
+/// compiler's form of a fused q|k|v projection, without the slices and the
+/// concatenation of their gradients.
+Kernel buildPackedAttention(const Ctx &c, bool grad) {
+  c.arity(grad ? 2 : 1, 1);
+  const Buffer &x = c.in(0);
+  const Buffer &dense = grad ? c.in(1) : c.out(); // O or dO: [B, S, H*D]
+  c.needF32(x), c.needF32(dense), c.needF32(c.out());
+  int64_t heads = c.attrInt("num_heads"), kvHeads = c.attrInt("num_kv_heads", heads);
+  std::vector<int64_t> starts = c.attrInts("packed");
+  if (x.shape.size() != 3 || dense.shape.size() != 3 || dense.shape[0] != x.shape[0] ||
+      dense.shape[1] != x.shape[1] || heads < 1 || kvHeads < 1 || heads % kvHeads || dense.shape[2] % heads ||
+      starts.size() != 3)
+    c.bad(cat("inconsistent packed attention: x ", shapeStr(x.shape), ", ", grad ? "dO " : "O ",
+              shapeStr(dense.shape), ", ", heads, " heads, ", kvHeads, " kv heads, ", starts.size(), " starts"));
+  if (grad)
+    c.sameShape(x, c.out());
+  int64_t B = x.shape[0], S = x.shape[1], W = x.shape[2], D = dense.shape[2] / heads;
+  int64_t widths[3] = {heads * D, kvHeads * D, kvHeads * D};
+  for (int i = 0; i < 3; ++i)
+    if (starts[i] < 0 || starts[i] + widths[i] > W)
+      c.bad(cat("packed part ", i, " [", starts[i], ", ", starts[i] + widths[i], ") is outside x's ", W, " columns"));
+  AttentionDims d{B, S, S, heads, kvHeads, D, c.attrFlag("causal"),
+                  static_cast<float>(c.attrFloat("scale", 1.0 / std::sqrt(double(D))))};
+  const float *px = c.f32(x), *pdense = c.f32(dense);
+  float *out = c.f32(c.out());
+  ThreadPool *pool = &c.pool;
+  std::array<int64_t, 3> at{starts[0], starts[1], starts[2]}, width{widths[0], widths[1], widths[2]};
+  return [=] {
+    std::vector<float> parts[3], grads[3];
+    for (int i = 0; i < 3; ++i) {
+      parts[i].resize(size_t(B * S * width[i]));
+      for (int64_t r = 0; r < B * S; ++r)
+        std::copy_n(px + r * W + at[i], width[i], parts[i].data() + r * width[i]);
+    }
+    if (!grad) {
+      attentionForward(*pool, d, parts[0].data(), parts[1].data(), parts[2].data(), out);
+      return;
+    }
+    for (int i = 0; i < 3; ++i)
+      grads[i].resize(parts[i].size());
+    attentionBackward(*pool, d, parts[0].data(), parts[1].data(), parts[2].data(), pdense, grads[0].data(),
+                      grads[1].data(), grads[2].data());
+    std::fill(out, out + B * S * W, 0.0f);
+    for (int i = 0; i < 3; ++i)
+      for (int64_t r = 0; r < B * S; ++r)
+        for (int64_t j = 0; j < width[i]; ++j)
+          out[r * W + at[i] + j] += grads[i][r * width[i] + j];
+  };
+}
+
 Kernel buildAttention(const Ctx &c) {
+  if (c.ins.attrs.contains("packed"))
+    return buildPackedAttention(c, false);
   c.arity(3, 1);
   const Buffer &q = c.in(0), &k = c.in(1), &v = c.in(2), &o = c.out();
   for (const Buffer *buf : {&q, &k, &v, &o})
@@ -590,41 +751,12 @@ Kernel buildAttention(const Ctx &c) {
     c.bad(cat("inconsistent attention shapes q ", shapeStr(q.shape), ", k ", shapeStr(k.shape),
               ", v ", shapeStr(v.shape), " with ", heads, " heads and ", kvHeads, " kv heads"));
   int64_t B = q.shape[0], S = q.shape[1], T = k.shape[1], D = q.shape[2] / heads;
-  int64_t group = heads / kvHeads;
   bool causal = c.attrFlag("causal");
   float scale = static_cast<float>(c.attrFloat("scale", 1.0 / std::sqrt(double(D))));
   float *pq = c.f32(q), *pk = c.f32(k), *pv = c.f32(v), *po = c.f32(o);
+  AttentionDims d{B, S, T, heads, kvHeads, D, causal, scale};
   ThreadPool *pool = &c.pool;
-  return [=] {
-    pool->parallelFor(B * heads * S, double(2 * T * D), [&](int64_t begin, int64_t end) {
-      std::vector<float> p(T);
-      for (int64_t t = begin; t < end; ++t) {
-        int64_t bi = t / (heads * S), h = (t / S) % heads, si = t % S, kh = h / group;
-        const float *qrow = pq + (bi * S + si) * heads * D + h * D;
-        int64_t last = causal ? std::min(T, si + 1 + (T - S)) : T;
-        float mx = -INFINITY;
-        for (int64_t ti = 0; ti < last; ++ti) {
-          const float *krow = pk + (bi * T + ti) * kvHeads * D + kh * D;
-          float acc = 0;
-          for (int64_t dd = 0; dd < D; ++dd)
-            acc += qrow[dd] * krow[dd];
-          p[ti] = acc * scale;
-          mx = std::max(mx, p[ti]);
-        }
-        double sum = 0;
-        for (int64_t ti = 0; ti < last; ++ti)
-          sum += (p[ti] = std::exp(p[ti] - mx));
-        float *orow = po + (bi * S + si) * heads * D + h * D;
-        std::fill(orow, orow + D, 0.0f);
-        for (int64_t ti = 0; ti < last; ++ti) {
-          float w = static_cast<float>(p[ti] / sum);
-          const float *vrow = pv + (bi * T + ti) * kvHeads * D + kh * D;
-          for (int64_t dd = 0; dd < D; ++dd)
-            orow[dd] += w * vrow[dd];
-        }
-      }
-    });
-  };
+  return [=] { attentionForward(*pool, d, pq, pk, pv, po); };
 }
 
 /// Softmax statistics of logits whose vocabulary is split over a group:
@@ -1093,6 +1225,8 @@ Kernel buildEmbeddingGrad(const Ctx &c) {
 }
 
 Kernel buildAttentionGrad(const Ctx &c) {
+  if (c.ins.attrs.contains("packed"))
+    return buildPackedAttention(c, true);
   c.arity(4, 3);
   const Buffer &q = c.in(0), &k = c.in(1), &v = c.in(2), &dO = c.in(3);
   for (size_t i = 0; i < 4; ++i)
@@ -1109,62 +1243,9 @@ Kernel buildAttentionGrad(const Ctx &c) {
   float scale = static_cast<float>(c.attrFloat("scale", 1.0 / std::sqrt(double(D))));
   float *pq = c.f32(q), *pk = c.f32(k), *pv = c.f32(v), *pdo = c.f32(dO);
   float *dq = c.f32(c.out(0)), *dk = c.f32(c.out(1)), *dv = c.f32(c.out(2));
+  AttentionDims d{B, S, T, heads, kvHeads, D, causal, scale};
   ThreadPool *pool = &c.pool;
-  return [=] {
-    // One task per (batch, key/value head): its query heads only touch its dk, dv.
-    pool->parallelFor(B * kvHeads, double(group * S * T * D * 4), [&](int64_t begin, int64_t end) {
-      std::vector<float> p(T), dp(T);
-      for (int64_t task = begin; task < end; ++task) {
-        int64_t bi = task / kvHeads, kh = task % kvHeads;
-        for (int64_t ti = 0; ti < T; ++ti)
-          for (int64_t dd = 0; dd < D; ++dd) {
-            dk[(bi * T + ti) * kvHeads * D + kh * D + dd] = 0;
-            dv[(bi * T + ti) * kvHeads * D + kh * D + dd] = 0;
-          }
-        for (int64_t h = kh * group; h < (kh + 1) * group; ++h)
-          for (int64_t si = 0; si < S; ++si) {
-            const float *qrow = pq + (bi * S + si) * heads * D + h * D;
-            const float *dorow = pdo + (bi * S + si) * heads * D + h * D;
-            float *dqrow = dq + (bi * S + si) * heads * D + h * D;
-            int64_t last = causal ? std::min(T, si + 1 + (T - S)) : T;
-            float mx = -INFINITY;
-            for (int64_t ti = 0; ti < last; ++ti) {
-              const float *krow = pk + (bi * T + ti) * kvHeads * D + kh * D;
-              float acc = 0;
-              for (int64_t dd = 0; dd < D; ++dd)
-                acc += qrow[dd] * krow[dd];
-              p[ti] = acc * scale;
-              mx = std::max(mx, p[ti]);
-            }
-            double sum = 0;
-            for (int64_t ti = 0; ti < last; ++ti)
-              sum += (p[ti] = std::exp(p[ti] - mx));
-            double dot = 0;
-            for (int64_t ti = 0; ti < last; ++ti) {
-              p[ti] = static_cast<float>(p[ti] / sum);
-              const float *vrow = pv + (bi * T + ti) * kvHeads * D + kh * D;
-              float acc = 0;
-              for (int64_t dd = 0; dd < D; ++dd)
-                acc += dorow[dd] * vrow[dd];
-              dp[ti] = acc;
-              dot += double(p[ti]) * acc;
-            }
-            std::fill(dqrow, dqrow + D, 0.0f);
-            for (int64_t ti = 0; ti < last; ++ti) {
-              float ds = static_cast<float>(p[ti] * (dp[ti] - dot)) * scale;
-              const float *krow = pk + (bi * T + ti) * kvHeads * D + kh * D;
-              float *dkrow = dk + (bi * T + ti) * kvHeads * D + kh * D;
-              float *dvrow = dv + (bi * T + ti) * kvHeads * D + kh * D;
-              for (int64_t dd = 0; dd < D; ++dd) {
-                dqrow[dd] += ds * krow[dd];
-                dkrow[dd] += ds * qrow[dd];
-                dvrow[dd] += p[ti] * dorow[dd];
-              }
-            }
-          }
-      }
-    });
-  };
+  return [=] { attentionBackward(*pool, d, pq, pk, pv, pdo, dq, dk, dv); };
 }
 
 Kernel buildCrossEntropyGrad(const Ctx &c) {
@@ -2089,6 +2170,14 @@ double denseInstructionFlops(const RankProgram &rank, const Instruction &ins) {
     auto it = ins.attrs.find("transpose_a");
     bool ta = it != ins.attrs.end() && it->is_boolean() && it->get<bool>();
     return 2.0 * count(o.shape) * double(ta ? a.shape[a.shape.size() - 2] : a.shape.back());
+  }
+  if ((ins.op == "attention" || ins.op == "attention_grad") && ins.attrs.contains("packed") && !ins.out.empty()) {
+    // Self-attention over q|k|v columns: q's shape is O's (dO's for the gradient).
+    const Buffer &q = rank.buffers[ins.op == "attention" ? ins.out[0] : ins.in.back()];
+    if (q.shape.size() != 3)
+      return 0;
+    double fwd = 4.0 * count(q.shape) * double(q.shape[1]);
+    return ins.op == "attention" ? fwd : 3 * fwd;
   }
   if ((ins.op == "attention" || ins.op == "attention_grad") && ins.in.size() >= 2) {
     const Buffer &q = rank.buffers[ins.in[0]], &k = rank.buffers[ins.in[1]];

@@ -646,6 +646,7 @@ __global__ void __launch_bounds__(256) columnPartial8Kernel(const bf16 *x, const
   int64_t r0 = chunk * rowsPerChunk, r1 = min(rows, r0 + rowsPerChunk);
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, accB[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   if (col < cols)
+#pragma unroll 4
     for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) {
       Pack<bf16> pv = load(x + r * cols + col);
       if (dy) {
@@ -1107,7 +1108,18 @@ struct AdamTensor {
 struct AdamChunk {
   int64_t tensor, begin, end; // elements [begin, end) of tensors[tensor]
 };
-constexpr int64_t kAdamChunk = 32768; // a multiple of 4: chunks start 16-byte aligned
+/// Elements per block of the multi-tensor kernels (AdamW, casts): small
+/// chunks keep the blocks running at once on neighbouring addresses.
+/// LOOM_CUDA_CHUNK overrides it (a multiple of 8) for measurements.
+int64_t chunkElements() {
+  static const int64_t n = [] {
+    const char *e = std::getenv("LOOM_CUDA_CHUNK");
+    int64_t v = e ? std::atoll(e) : 4096;
+    return v >= 8 && v % 8 == 0 ? v : int64_t(4096);
+  }();
+  return n;
+}
+constexpr int64_t kAdamChunk = 32768; // sums of squares: one stream per block
 
 /// The step's AdamW scalars, once per launch (a one-thread kernel): the
 /// update kernel then holds few registers and streams at full bandwidth.
@@ -1773,6 +1785,11 @@ private:
   Launch buildFused(const Instruction &ins);
   Launch buildConv2d(const Instruction &ins);
   Launch buildAdamw(const std::vector<const Instruction *> &group);
+  using AttentionKey = std::tuple<int64_t, int64_t, int64_t>;
+  Launch buildPackedAttention(const Instruction &ins, bool grad);
+  Launch flashForward(const flash::Params &p, int64_t out, AttentionKey key);
+  Launch flashBackward(const flash::Params &p, char *pdo, char *gq, char *gk, char *gv, AttentionKey key,
+                       char *clear, int64_t clearBytes);
   Launch buildCasts(const std::vector<Instruction> &instrs, size_t begin, size_t end);
   OptimizerArgs optimizerArgs(const Instruction &ins);
   /// The sum of squares of the inputs (but those in `skip`) into a double at
@@ -2045,7 +2062,109 @@ Launch CudaBackendImpl::buildGemm(const Instruction &ins) {
   };
 }
 
+/// Our flash attention's forward, keeping the rows' log-sum-exps for the
+/// backward (see AttentionSave).
+Launch CudaBackendImpl::flashForward(const flash::Params &p, int64_t out, AttentionKey key) {
+  std::string what = where;
+  char *po = ptr(buf(out));
+  auto save = std::make_shared<AttentionSave>();
+  save->lse = deviceArray(std::vector<float>(size_t(p.batch * p.heads * p.s)));
+  save->out = out;
+  save->at = building;
+  attentionSaves[key] = save;
+  buildReplayed = [save] { save->fresh = true; };
+  return [=](cudaStream_t st) {
+    if (cudaError_t e = flash::forward(p, po, save->lse, st); e != cudaSuccess)
+      fail(LOOM_INTERNAL, what, ": flash attention forward failed: ", cudaGetErrorString(e));
+    save->fresh = true;
+  };
+}
+
+/// Its backward; `clear` (bytes) is zeroed first where the gradients do not
+/// cover their tensor.
+Launch CudaBackendImpl::flashBackward(const flash::Params &p, char *pdo, char *gq, char *gk, char *gv,
+                                      AttentionKey key, char *clear, int64_t clearBytes) {
+  std::string what = where;
+  reserve(flash::backwardWorkspace(p));
+  // The forward's output and statistics are used when they are still there
+  // (decided at the first launch, once every program is prepared);
+  // otherwise the backward recomputes them.
+  struct Reuse {
+    bool decided = false;
+    std::shared_ptr<AttentionSave> save;
+    bool usedSave = false; // at the last launch (a captured graph's, when one replays)
+  };
+  auto reuse = std::make_shared<Reuse>();
+  auto use = building;
+  buildReplayable = [reuse] { return reuse->usedSave == (reuse->save && reuse->save->fresh); };
+  buildReplayed = [reuse] {
+    if (reuse->save)
+      reuse->save->fresh = false;
+  };
+  return [=](cudaStream_t st) {
+    if (!reuse->decided) {
+      reuse->decided = true;
+      auto it = attentionSaves.find(key);
+      if (it != attentionSaves.end() && outputIntact(*it->second, use))
+        reuse->save = it->second;
+    }
+    AttentionSave *save = reuse->save.get();
+    bool saved = save && save->fresh;
+    reuse->usedSave = saved;
+    const void *o = saved ? ptr(buf(save->out)) : nullptr;
+    if (clear)
+      LOOM_CUDA_CHECK(cudaMemsetAsync(clear, 0, clearBytes, st));
+    if (cudaError_t e = flash::backward(p, pdo, gq, gk, gv, workspace, st, o, saved ? save->lse : nullptr);
+        e != cudaSuccess)
+      fail(LOOM_INTERNAL, what, ": flash attention backward failed: ", cudaGetErrorString(e));
+    if (save)
+      save->fresh = false;
+  };
+}
+
+/// Attention over q|k|v packed as columns of one bf16 tensor x [B, S, W]
+/// (attrs "packed": their starts), the gradient written as dq|dk|dv into dx:
+/// the flash kernels read and write the columns in place (row stride W).
+Launch CudaBackendImpl::buildPackedAttention(const Instruction &ins, bool grad) {
+  if (ins.in.size() != (grad ? 2u : 1u) || ins.out.size() != 1)
+    fail(LOOM_INVALID_BUNDLE, where, ": packed attention takes ", grad ? "x and dO" : "x", " and writes one tensor");
+  const Buffer &x = buf(ins.in[0]), &dense = grad ? buf(ins.in[1]) : buf(ins.out[0]);
+  for (const Buffer *b : {&x, &dense, &buf(ins.out[0])})
+    if (!isBf16(*b))
+      fail(LOOM_UNSUPPORTED, where, ": packed q|k|v attention runs on bf16 tensors on the GPU ('", b->name, "' is ",
+           dtypeName(b->dtype), ")");
+  int64_t heads = static_cast<int64_t>(num(ins, "num_heads", 1));
+  int64_t kv = static_cast<int64_t>(num(ins, "num_kv_heads", double(heads)));
+  int64_t B = x.shape[0], S = x.shape[1], W = x.shape[2], D = dense.shape[2] / heads;
+  std::vector<int64_t> starts = ins.attrs.at("packed").get<std::vector<int64_t>>();
+  if (!flash::supported(D))
+    fail(LOOM_UNSUPPORTED, where, ": bf16 attention has kernels for head dimensions 16, 32, 64 and 128, not ", D,
+         "; compile with --precision f32 for this model");
+  if (W % 8 != 0 || starts.size() != 3 || std::any_of(starts.begin(), starts.end(), [](int64_t v) { return v % 8; }))
+    fail(LOOM_UNSUPPORTED, where, ": packed attention needs a width and starts that are multiples of 8 (16-byte rows)");
+  flash::Params p;
+  char *px = ptr(x);
+  p.q = px + 2 * starts[0], p.k = px + 2 * starts[1], p.v = px + 2 * starts[2];
+  p.batch = B, p.s = S, p.t = S, p.heads = heads, p.kvHeads = kv, p.headDim = D, p.causal = flag(ins, "causal");
+  p.scale = static_cast<float>(num(ins, "scale", 1.0 / std::sqrt(double(D))));
+  p.ldq = p.ldk = W;
+  auto key = std::make_tuple(ins.in[0], int64_t(-1), int64_t(-1));
+  if (!grad)
+    return flashForward(p, ins.out[0], key);
+  p.lddq = p.lddk = W;
+  char *dx = ptr(buf(ins.out[0]));
+  // dq|dk|dv tile x's columns in the compiler's form; otherwise zero the rest first.
+  std::vector<std::pair<int64_t, int64_t>> parts = {{starts[0], heads * D}, {starts[1], kv * D}, {starts[2], kv * D}};
+  std::sort(parts.begin(), parts.end());
+  bool tiles = parts[0].first == 0 && parts[1].first == parts[0].second && parts[2].first == parts[1].first + parts[1].second &&
+               parts[2].first + parts[2].second == W;
+  return flashBackward(p, ptr(dense), dx + 2 * starts[0], dx + 2 * starts[1], dx + 2 * starts[2], key,
+                       tiles ? nullptr : dx, buf(ins.out[0]).bytes);
+}
+
 Launch CudaBackendImpl::buildAttention(const Instruction &ins, bool grad) {
+  if (ins.attrs.contains("packed"))
+    return buildPackedAttention(ins, grad);
   const Buffer &q = buf(ins.in[0]), &k = buf(ins.in[1]);
   int64_t heads = static_cast<int64_t>(num(ins, "num_heads", 1));
   int64_t kv = static_cast<int64_t>(num(ins, "num_kv_heads", double(heads)));
@@ -2066,56 +2185,11 @@ Launch CudaBackendImpl::buildAttention(const Instruction &ins, bool grad) {
     flash::Params p;
     p.q = ptr(q), p.k = ptr(k), p.v = ptr(buf(ins.in[2]));
     p.batch = B, p.s = S, p.t = T, p.heads = heads, p.kvHeads = kv, p.headDim = D, p.causal = causal, p.scale = scale;
-    std::string what = where;
     auto key = std::make_tuple(ins.in[0], ins.in[1], ins.in[2]);
-    if (!grad) { // keeps the rows' log-sum-exps for the backward
-      char *po = ptr(buf(ins.out[0]));
-      auto save = std::make_shared<AttentionSave>();
-      save->lse = deviceArray(std::vector<float>(size_t(B * heads * S)));
-      save->out = ins.out[0];
-      save->at = building;
-      attentionSaves[key] = save;
-      buildReplayed = [save] { save->fresh = true; };
-      return [=](cudaStream_t st) {
-        if (cudaError_t e = flash::forward(p, po, save->lse, st); e != cudaSuccess)
-          fail(LOOM_INTERNAL, what, ": flash attention forward failed: ", cudaGetErrorString(e));
-        save->fresh = true;
-      };
-    }
-    reserve(flash::backwardWorkspace(p));
-    char *pdo = ptr(buf(ins.in[3])), *gq = ptr(buf(ins.out[0])), *gk = ptr(buf(ins.out[1])), *gv = ptr(buf(ins.out[2]));
-    // The forward's output and statistics are used when they are still there
-    // (decided at the first launch, once every program is prepared);
-    // otherwise the backward recomputes them.
-    struct Reuse {
-      bool decided = false;
-      std::shared_ptr<AttentionSave> save;
-      bool usedSave = false; // at the last launch (a captured graph's, when one replays)
-    };
-    auto reuse = std::make_shared<Reuse>();
-    auto use = building;
-    buildReplayable = [reuse] { return reuse->usedSave == (reuse->save && reuse->save->fresh); };
-    buildReplayed = [reuse] {
-      if (reuse->save)
-        reuse->save->fresh = false;
-    };
-    return [=](cudaStream_t st) {
-      if (!reuse->decided) {
-        reuse->decided = true;
-        auto it = attentionSaves.find(key);
-        if (it != attentionSaves.end() && outputIntact(*it->second, use))
-          reuse->save = it->second;
-      }
-      AttentionSave *save = reuse->save.get();
-      bool saved = save && save->fresh;
-      reuse->usedSave = saved;
-      const void *o = saved ? ptr(buf(save->out)) : nullptr;
-      if (cudaError_t e = flash::backward(p, pdo, gq, gk, gv, workspace, st, o, saved ? save->lse : nullptr);
-          e != cudaSuccess)
-        fail(LOOM_INTERNAL, what, ": flash attention backward failed: ", cudaGetErrorString(e));
-      if (save)
-        save->fresh = false;
-    };
+    if (!grad)
+      return flashForward(p, ins.out[0], key);
+    return flashBackward(p, ptr(buf(ins.in[3])), ptr(buf(ins.out[0])), ptr(buf(ins.out[1])), ptr(buf(ins.out[2])),
+                         key, nullptr, 0);
   }
   buildCapturable = false; // copies per-launch pointer tables from host memory
   float *pq = f(ins.in[0]), *pk = f(ins.in[1]), *pv = f(ins.in[2]);
@@ -2615,8 +2689,8 @@ Launch CudaBackendImpl::buildCasts(const std::vector<Instruction> &instrs, size_
     int64_t cnt = count(buf(instrs[i].out[0]).shape);
     if (count(buf(instrs[i].in[0]).shape) != cnt)
       fail(LOOM_INVALID_BUNDLE, "instruction [", i, "] 'cast': input and output sizes differ");
-    for (int64_t b = 0; b < cnt; b += kAdamChunk)
-      chunks.push_back({fp(instrs[i].in[0]), fp(instrs[i].out[0]), b, std::min(cnt, b + kAdamChunk)});
+    for (int64_t b = 0, step = chunkElements(); b < cnt; b += step)
+      chunks.push_back({fp(instrs[i].in[0]), fp(instrs[i].out[0]), b, std::min(cnt, b + step)});
   }
   if (chunks.empty())
     return [](cudaStream_t) {};
@@ -2636,8 +2710,8 @@ Launch CudaBackendImpl::buildAdamw(const std::vector<const Instruction *> &group
   for (const Instruction *ins : group) {
     int64_t cnt = count(buf(ins->in[0]).shape);
     tensors.push_back({f(ins->in[0]), fp(ins->in[1]), f(ins->in[2]), f(ins->in[3]), cnt});
-    for (int64_t b = 0; b < cnt; b += kAdamChunk)
-      chunks.push_back({int64_t(tensors.size() - 1), b, std::min(cnt, b + kAdamChunk)});
+    for (int64_t b = 0, step = chunkElements(); b < cnt; b += step)
+      chunks.push_back({int64_t(tensors.size() - 1), b, std::min(cnt, b + step)});
   }
   if (chunks.empty())
     return [](cudaStream_t) {};

@@ -90,7 +90,9 @@ __device__ void stage(const bf16 *src, int64_t ld, int row0, int limit, int rows
 
 struct Shape {
   int s, t, heads, kvHeads;
-  int64_t ldq, ldk;
+  int64_t ldq, ldk;   // row strides of Q and of K, V (inputs)
+  int64_t ldo, lddk;  // of O and dO; of the dK, dV results
+  int64_t ldqw;       // of the f32 dQ accumulator (heads * D)
   float scaleLog2; // softmax scale times log2(e): exp(x * scale) = exp2(x * scaleLog2)
   bool causal;
 };
@@ -175,14 +177,14 @@ __global__ void __launch_bounds__(kThreads) forwardKernel(const bf16 *Q, const b
     l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
     l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
   }
-  bf16 *Ob = O + int64_t(b) * sh.s * sh.ldq + h * D;
+  bf16 *Ob = O + int64_t(b) * sh.s * sh.ldo + h * D;
   for (int r = 0; r < 2; ++r) {
     int row = q0 + g + r * 8;
     if (row >= sh.s)
       continue;
     float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
     for (int dn = 0; dn < D / 8; ++dn)
-      st32(Ob + int64_t(row) * sh.ldq + dn * 8 + 2 * c, pack(o[dn][2 * r] * inv, o[dn][2 * r + 1] * inv));
+      st32(Ob + int64_t(row) * sh.ldo + dn * 8 + 2 * c, pack(o[dn][2 * r] * inv, o[dn][2 * r + 1] * inv));
     if (lse && c == 0)
       lse[int64_t(bh) * sh.s + row] = l[r] > 0 ? m[r] + log2f(l[r]) : INFINITY;
   }
@@ -195,7 +197,7 @@ __global__ void rowDotKernel(const bf16 *dO, const bf16 *O, float *di, int64_t r
   if (row >= rows)
     return;
   int64_t i = row % sh.s, bh = row / sh.s, b = bh / sh.heads, h = bh % sh.heads;
-  int64_t at = (b * sh.s + i) * sh.ldq + h * D;
+  int64_t at = (b * sh.s + i) * sh.ldo + h * D;
   float acc = 0;
   for (int d = threadIdx.x % 32; d < D; d += 32)
     acc += __bfloat162float(dO[at + d]) * __bfloat162float(O[at + d]);
@@ -233,11 +235,11 @@ __global__ void __launch_bounds__(kThreads)
   int first = sh.causal ? max(0, k0 - shift) / kCols * kCols : 0;
   for (int hq = 0; hq < group; ++hq) {
     int h = kvh * group + hq;
-    const bf16 *Qb = Q + int64_t(b) * sh.s * sh.ldq + h * D, *dOb = dO + int64_t(b) * sh.s * sh.ldq + h * D;
+    const bf16 *Qb = Q + int64_t(b) * sh.s * sh.ldq + h * D, *dOb = dO + int64_t(b) * sh.s * sh.ldo + h * D;
     for (int q0 = first; q0 < sh.s; q0 += kCols) {
       __syncthreads();
       stage<D>(Qb, sh.ldq, q0, sh.s, kCols, Qs);
-      stage<D>(dOb, sh.ldq, q0, sh.s, kCols, dOs);
+      stage<D>(dOb, sh.ldo, q0, sh.s, kCols, dOs);
       for (int i = threadIdx.x; i < kCols; i += kThreads) {
         bool in = q0 + i < sh.s;
         int64_t at = (int64_t(b) * sh.heads + h) * sh.s + q0 + i;
@@ -301,31 +303,36 @@ __global__ void __launch_bounds__(kThreads)
           mma(dq[dn + 1], a, kb[2], kb[3]);
         }
       }
-      float *dQb = dQ + int64_t(b) * sh.s * sh.ldq + h * D;
+      float *dQb = dQ + int64_t(b) * sh.s * sh.ldqw + h * D;
       for (int dn = 0; dn < D / 8; ++dn)
         for (int i = 0; i < 4; ++i) {
           int query = q0 + warp * 16 + g + (i >> 1) * 8;
           if (query < sh.s)
-            atomicAdd(dQb + int64_t(query) * sh.ldq + dn * 8 + 2 * c + (i & 1), dq[dn][i] * scale);
+            atomicAdd(dQb + int64_t(query) * sh.ldqw + dn * 8 + 2 * c + (i & 1), dq[dn][i] * scale);
         }
     }
   }
-  bf16 *dKb = dK + int64_t(b) * sh.t * sh.ldk + kvh * D, *dVb = dV + int64_t(b) * sh.t * sh.ldk + kvh * D;
+  bf16 *dKb = dK + int64_t(b) * sh.t * sh.lddk + kvh * D, *dVb = dV + int64_t(b) * sh.t * sh.lddk + kvh * D;
   for (int r = 0; r < 2; ++r) {
     int key = k0 + kw + g + r * 8;
     if (key >= sh.t)
       continue;
     for (int dn = 0; dn < D / 8; ++dn) {
-      int64_t at = int64_t(key) * sh.ldk + dn * 8 + 2 * c;
+      int64_t at = int64_t(key) * sh.lddk + dn * 8 + 2 * c;
       st32(dKb + at, pack(dk[dn][2 * r] * scale, dk[dn][2 * r + 1] * scale));
       st32(dVb + at, pack(dv[dn][2 * r], dv[dn][2 * r + 1]));
     }
   }
 }
 
-__global__ void toBf16Kernel(const float *x, bf16 *y, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    y[i] = __float2bfloat16_rn(x[i]);
+/// dQ (bf16, rows `ld` apart) from the compact f32 accumulator, two at a time.
+__global__ void toBf16Kernel(const float *x, bf16 *y, int64_t rows, int64_t width, int64_t ld) {
+  int64_t pairs = rows * (width / 2);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < pairs; i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t r = i / (width / 2), c = (i % (width / 2)) * 2;
+    float2 v = *reinterpret_cast<const float2 *>(x + r * width + c);
+    *reinterpret_cast<__nv_bfloat162 *>(y + r * ld + c) = __floats2bfloat162_rn(v.x, v.y);
+  }
 }
 
 template <int D> constexpr size_t forwardSmem() { return 2 * kCols * (D + 8) * sizeof(bf16); }
@@ -334,8 +341,18 @@ template <int D> constexpr size_t backwardSmem() {
 }
 
 Shape shapeOf(const Params &p) {
-  return {int(p.s), int(p.t), int(p.heads), int(p.kvHeads), p.heads * p.headDim, p.kvHeads * p.headDim,
-          float(p.scale * 1.4426950408889634), p.causal};
+  int64_t q = p.heads * p.headDim, kv = p.kvHeads * p.headDim;
+  return {int(p.s),
+          int(p.t),
+          int(p.heads),
+          int(p.kvHeads),
+          p.ldq ? p.ldq : q,
+          p.ldk ? p.ldk : kv,
+          q,
+          p.lddk ? p.lddk : kv,
+          q,
+          float(p.scale * 1.4426950408889634),
+          p.causal};
 }
 
 template <int D> cudaError_t forwardD(const Params &p, void *o, float *lse, cudaStream_t stream) {
@@ -391,8 +408,8 @@ cudaError_t backwardD(const Params &p, const void *dO, void *dQ, void *dK, void 
   backwardKernel<D><<<grid, kThreads, backwardSmem<D>(), stream>>>(
       static_cast<const bf16 *>(p.q), static_cast<const bf16 *>(p.k), static_cast<const bf16 *>(p.v),
       static_cast<const bf16 *>(dO), w.lse, w.di, w.dq, static_cast<bf16 *>(dK), static_cast<bf16 *>(dV), sh, p.scale);
-  toBf16Kernel<<<unsigned(std::min<int64_t>((qElems + 255) / 256, 65535)), 256, 0, stream>>>(
-      w.dq, static_cast<bf16 *>(dQ), qElems);
+  toBf16Kernel<<<unsigned(std::min<int64_t>((qElems / 2 + 255) / 256, 65535)), 256, 0, stream>>>(
+      w.dq, static_cast<bf16 *>(dQ), p.batch * p.s, p.heads * p.headDim, p.lddq ? p.lddq : p.heads * p.headDim);
   return cudaGetLastError();
 }
 

@@ -25,6 +25,10 @@ struct Params {
   int64_t batch = 0, s = 0, t = 0, heads = 0, kvHeads = 0, headDim = 0;
   bool causal = false; // query i sees keys j <= i + (T - S)
   float scale = 1.0f;
+  // Row strides in elements where operands are columns of a wider tensor
+  // (q|k|v packed side by side); 0 means dense (H*D, KV*D). O and dO are dense.
+  int64_t ldq = 0, ldk = 0; // Q; K and V
+  int64_t lddq = 0, lddk = 0; // the backward's dQ; dK and dV
 };
 
 /// Head dimensions with a kernel (16, 32, 64, 128).
