@@ -26,6 +26,8 @@ PY
 run() { # bundle steps log
   timeout 240 $B/loom-run "$1" --backend cuda --steps "$2" > "$3" 2>&1 || { echo "FAILED: $1"; tail -5 "$3"; }
 }
+# SECTIONS=bf16 runs the bf16 section only (default: all).
+if [ "${SECTIONS:-all}" = all ]; then
 echo "== gpt-tiny, batch 8: one GPU vs 2 GPUs"
 run $R/gpt-tiny-one.loom 20 /tmp/tiny-one.log
 for p in dp2 tp2 pp2 zero2; do
@@ -45,6 +47,7 @@ if [ "$gpus" -ge 4 ]; then
   for p in dp4 tp4 pp4 dp2tp2 tp2pp2; do
     run "$R/gpt2-350m-$p.loom" 10 "/tmp/350-$p.log" && compare /tmp/350-one.log "/tmp/350-$p.log" "350M $p"
   done
+fi
 fi
 echo "== bf16 (--precision bf16 --fuse): one GPU vs 2 GPUs, gpt-tiny then GPT-2 350M"
 run $R/gpt-tiny-bf16-one.loom 20 /tmp/tiny16-one.log

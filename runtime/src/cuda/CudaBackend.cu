@@ -1114,8 +1114,8 @@ struct AdamChunk {
 int64_t chunkElements() {
   static const int64_t n = [] {
     const char *e = std::getenv("LOOM_CUDA_CHUNK");
-    int64_t v = e ? std::atoll(e) : 4096;
-    return v >= 8 && v % 8 == 0 ? v : int64_t(4096);
+    int64_t v = e ? std::atoll(e) : 2048;
+    return v >= 8 && v % 8 == 0 ? v : int64_t(2048);
   }();
   return n;
 }
