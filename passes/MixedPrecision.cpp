@@ -2,6 +2,7 @@
 
 #include "dialects/loom/IR/LoomOps.h"
 #include "mlir/Dialect/Func/IR/FuncOps.h"
+#include "llvm/ADT/SetVector.h"
 #include "mlir/IR/Builders.h"
 #include "passes/Passes.h"
 
@@ -50,6 +51,24 @@ static LogicalResult convertBody(FunctionOpInterface fn, bool bf16Args) {
   }
   SmallVector<GetOp> gets(fn.getFunctionBody().getOps<GetOp>());
   for (GetOp get : gets) {
+    // A parameter read in several places (tied embeddings: the lookup and the
+    // output projection) gets a cast before each reader, so a pipeline stage
+    // casts its own replica instead of receiving another stage's bf16 copy
+    // (and sending its gradient back) every microbatch.
+    SetVector<Operation *> readers;
+    for (OpOperand &use : get.getResult().getUses())
+      if (!isa<func::CallOp>(use.getOwner()))
+        readers.insert(use.getOwner());
+    if (readers.size() > 1 && get.getType().getElementType().isF32()) {
+      for (Operation *reader : readers) {
+        b.setInsertionPoint(reader);
+        auto castOp = b.create<CastOp>(get.getLoc(), toBf16(get.getType()), get.getResult());
+        for (OpOperand &operand : reader->getOpOperands())
+          if (operand.get() == get.getResult())
+            operand.set(castOp.getResult());
+      }
+      continue;
+    }
     b.setInsertionPointAfter(get);
     castAfter(b, get.getResult(), get.getLoc());
   }

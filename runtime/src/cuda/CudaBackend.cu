@@ -31,6 +31,7 @@
 #include <cmath>
 #include <atomic>
 #include <functional>
+#include <deque>
 #include <map>
 #include <set>
 
@@ -1824,14 +1825,18 @@ private:
   cudaStream_t stream = nullptr, sendStream = nullptr;
   /// Sends go out of staging copies on their own stream, so the compute
   /// stream never waits for a receiver and may reuse the sent buffer's
-  /// memory at once; a slot is reused once its previous send is done.
+  /// memory at once. Each send instruction has its own copy, made when it is
+  /// prepared: nothing is allocated and no host thread waits on a transfer
+  /// while programs run (a host that blocks on its send while its peer
+  /// blocks on its own deadlocks both once transfers outgrow NCCL's buffers).
+  /// A copy is rewritten once its previous send is done (a wait on the GPU).
   struct Staging {
     char *data = nullptr;
     int64_t bytes = 0;
     cudaEvent_t copied = nullptr, sent = nullptr;
+    bool used = false;
   };
-  std::vector<Staging> staging;
-  size_t nextSlot = 0;
+  std::deque<Staging> staging;
   int64_t startOf(const Instruction &ins, int64_t localRows, int64_t &parts) const {
     auto it = ins.attrs.find("vocab_group");
     parts = 1;
@@ -2962,27 +2967,21 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     }
     const char *src = ptr(buf(ins.in[0]));
     int64_t bytes = buf(ins.in[0]).bytes;
+    Staging &slot = staging.emplace_back();
+    LOOM_CUDA_CHECK(cudaMalloc(&slot.data, std::max<int64_t>(bytes, 1)));
+    slot.bytes = bytes;
+    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&slot.sent, cudaEventDisableTiming));
+    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&slot.copied, cudaEventDisableTiming));
+    Staging *copy = &slot; // a deque's elements stay where they are
     return [=](cudaStream_t s) {
-      if (staging.empty())
-        staging.resize(16);
-      Staging &slot = staging[nextSlot++ % staging.size()];
-      if (slot.bytes < bytes) {
-        LOOM_CUDA_CHECK(cudaStreamSynchronize(sendStream));
-        cudaFree(slot.data);
-        LOOM_CUDA_CHECK(cudaMalloc(&slot.data, bytes));
-        slot.bytes = bytes;
-      }
-      if (!slot.sent) {
-        LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&slot.sent, cudaEventDisableTiming));
-        LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&slot.copied, cudaEventDisableTiming));
-      } else {
-        LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, slot.sent, 0)); // its last send is done
-      }
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(slot.data, src, bytes, cudaMemcpyDeviceToDevice, s));
-      LOOM_CUDA_CHECK(cudaEventRecord(slot.copied, s));
-      LOOM_CUDA_CHECK(cudaStreamWaitEvent(sendStream, slot.copied, 0));
-      LOOM_NCCL_CHECK(ncclSend(slot.data, size_t(bytes), ncclUint8, other, comm, sendStream));
-      LOOM_CUDA_CHECK(cudaEventRecord(slot.sent, sendStream));
+      if (copy->used)
+        LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, copy->sent, 0)); // its last send is done
+      copy->used = true;
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(copy->data, src, bytes, cudaMemcpyDeviceToDevice, s));
+      LOOM_CUDA_CHECK(cudaEventRecord(copy->copied, s));
+      LOOM_CUDA_CHECK(cudaStreamWaitEvent(sendStream, copy->copied, 0));
+      LOOM_NCCL_CHECK(ncclSend(copy->data, size_t(bytes), ncclUint8, other, comm, sendStream));
+      LOOM_CUDA_CHECK(cudaEventRecord(copy->sent, sendStream));
     };
   }
   if (op == "global_norm") {
