@@ -60,7 +60,10 @@ struct ModelSpec {
 struct CostOptions {
   double matmulEfficiency = 0.72;   // fraction of peak a large GEMM reaches
   std::string matmulDtype = "bf16"; // whose peak that fraction is of (tf32 for today's CUDA runtime)
-  double memoryEfficiency = 0.80;   // fraction of HBM bandwidth memory-bound kernels reach
+  /// Fraction of HBM bandwidth at which the model's memory-bound bytes (each
+  /// non-matrix op's operands and results) move; a step calibration can set
+  /// it above 1 where the compiler's fusions remove passes that count includes.
+  double memoryEfficiency = 0.80;
   double linkEfficiency = 0.80;     // fraction of link bandwidth NCCL collectives reach
   bool materializedAttention = false; // scores written to HBM (no flash attention)
   /// Gradient all-reduce in buckets during the last microbatch's backward
@@ -80,6 +83,16 @@ struct CostOptions {
   double launchSeconds = 0;
   /// Optional calibration profile (loom-run --profile), overriding the above.
   std::string profile;
+  /// A training step of `profileModel` at `profileBatch` on one device,
+  /// measured without per-instruction events (the profile's step_seconds).
+  /// Planning that model, the memory efficiency is solved so the prediction
+  /// for that configuration equals it (everything not matrix work or
+  /// communication: kernels, their gaps, the optimizer); 0: not measured.
+  double profileStepSeconds = 0;
+  std::string profileModel;
+  int64_t profileBatch = 0, profileRanks = 0;
+  /// What the calibration did, for the plan's explanation (empty: nothing).
+  std::string calibration;
 };
 
 /// What --force fixes; unset fields are searched.
@@ -142,8 +155,10 @@ public:
 
   const ModelSpec &model() const { return spec; }
   const Cluster &cluster() const { return machines; }
+  const CostOptions &costs() const { return options; }
 
 private:
+  void calibrateToMeasuredStep();
   ModelSpec spec;
   Cluster machines;
   CostOptions options;

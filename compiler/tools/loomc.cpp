@@ -392,8 +392,13 @@ int runPlan() {
   if (!result.found)
     return fail(result.error);
   llvm::outs() << ::loom::planner::explainPlan(result, *spec, cluster, batch);
+  const std::string &calibration = planner.costs().calibration;
+  if (!calibration.empty())
+    llvm::outs() << "  calibrated       " << calibration << "\n";
   if (!planJson.empty()) {
     nlohmann::json doc = ::loom::planner::planToJson(result.best, *spec, cluster, batch);
+    if (!calibration.empty())
+      doc["calibration"] = calibration;
     nlohmann::json alternatives = nlohmann::json::array();
     for (const auto &alt : result.alternatives)
       alternatives.push_back({{"plan", alt.shortName()},

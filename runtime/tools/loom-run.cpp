@@ -143,8 +143,13 @@ private:
 /// Wall time and steps of the last training run, for the profile's launch cost.
 double runSeconds = 0;
 int64_t runSteps = 0;
+/// Mean time of the last training run's timed steps (after its warm-up).
+double trainedStepSeconds = 0;
 
-void reportProfile(const Session &s, const std::string &path) {
+/// `stepSeconds`: a training step timed without per-instruction events (0
+/// if not measured): what the planner calibrates its whole-step prediction
+/// against for this model and batch.
+void reportProfile(const Session &s, const std::string &path, double stepSeconds = 0) {
   double total = 0, mmSeconds = 0, mmFlops = 0;
   std::vector<std::pair<std::string, Backend::OpTime>> ops(s.profile().begin(), s.profile().end());
   for (auto &[op, t] : ops) {
@@ -187,6 +192,16 @@ void reportProfile(const Session &s, const std::string &path) {
     doc["instructions_per_step"] = instructions;
     std::printf("  %.2f us per instruction outside the kernels (%lld instructions per step)\n",
                 launch * 1e6, (long long)instructions);
+  }
+  if (stepSeconds > 0) {
+    doc["step_seconds"] = stepSeconds;
+    doc["model"] = s.manifest().model;
+    doc["batch"] = s.manifest().batch;
+    doc["ranks"] = s.manifest().ranks.size();
+    const char *graphs = std::getenv("LOOM_CUDA_GRAPHS");
+    doc["cuda_graphs"] = s.backendName() == "cuda" && !(graphs && std::string(graphs) == "0");
+    std::printf("  %.1f ms per step without the profile's events%s\n", stepSeconds * 1e3,
+                doc["cuda_graphs"].get<bool>() ? " (CUDA graphs)" : "");
   }
   std::string text = doc.dump(1);
   writeFileAtomically(path, text.data(), text.size());
@@ -349,6 +364,7 @@ int train(std::vector<std::unique_ptr<Session>> &ranks,
                   (long long)t);
     }
   }
+  trainedStepSeconds = timedSteps > 0 ? timedSeconds / timedSteps : 0;
   if (timedSteps > 0)
     std::printf("trained: %.1f ms per step, %.0f %s/s (mean of %lld steps after %lld warm-up)\n",
                 1e3 * timedSeconds / timedSteps, numRanks * batch * seq * timedSteps / timedSeconds,
@@ -501,8 +517,17 @@ int run(int argc, char **argv) {
   if (s.canTrain()) {
     int rc = train(ranks, comm, steps < 0 ? 10 : steps, data, dataDtype, saveEvery, checkpointDir,
                    resume, seed);
-    if (!profilePath.empty())
-      reportProfile(s, profilePath);
+    if (!profilePath.empty()) {
+      // The step as it runs without events (CUDA graphs, no per-instruction
+      // timing): 3 warm-up and 5 timed steps more, for the planner's calibration.
+      double profiledSeconds = runSeconds;
+      int64_t profiledSteps = runSteps;
+      s.setProfiling(false);
+      std::printf("timing 8 more steps without per-instruction events, for the calibration profile\n");
+      train(ranks, comm, int(s.step()) + 8, data, dataDtype, 0, "", "", seed);
+      runSeconds = profiledSeconds, runSteps = profiledSteps;
+      reportProfile(s, profilePath, trainedStepSeconds);
+    }
     return rc;
   }
   if (!data.empty() || saveEvery || !resume.empty())
