@@ -157,11 +157,13 @@ void Planner::calibrateToMeasuredStep() {
   // The profiled configuration: one device, one microbatch of the whole batch.
   Plan one;
   one.microbatchSize = o.profileBatch;
+  Cluster single = machines; // the profile ran on one device of this kind
+  single.devicesPerNode = 1, single.nodes = 1;
   auto stepWith = [&](double efficiency) {
     CostOptions c = o;
     c.profileStepSeconds = 0; // no recursion
     c.memoryEfficiency = efficiency;
-    return Planner(spec, machines, c).evaluate(o.profileBatch, one).stepTime;
+    return Planner(spec, single, c).evaluate(o.profileBatch, one).stepTime;
   };
   // The step is matrix work C plus memory-bound work M / efficiency.
   double t1 = stepWith(1.0), t2 = stepWith(0.5);
@@ -241,7 +243,10 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     LayerTimes &lt_ = times[i];
     double fwdCompute = flops / flopRate, fwdMemory = (traffic + scores) / memRate;
     // Launch cost per microbatch pass (tensor parallelism adds its collectives).
-    double launches = (l.instructions + (lt > 1 ? l.tpAllReduces : 0)) * options.launchSeconds;
+    // One device replays its programs as CUDA graphs (no host launches);
+    // programs with collectives or transfers launch each instruction.
+    bool graphed = options.graphsOnOneDevice && d * t * p == 1;
+    double launches = graphed ? 0 : (l.instructions + (lt > 1 ? l.tpAllReduces : 0)) * options.launchSeconds;
     lt_.forward = fwdCompute + fwdMemory + launches;
     lt_.backward = 2 * fwdCompute + 2 * fwdMemory + 1.4 * launches;
     lt_.compute = 3 * fwdCompute;
@@ -712,10 +717,10 @@ bool loadProfile(const std::string &path, CostOptions &options, const Cluster &c
     options.profileBatch = doc["batch"].get<int64_t>();
     options.profileRanks = doc["ranks"].get<int64_t>();
   }
-  // Launches replayed from CUDA graphs cost the host nothing per instruction;
-  // what remains (kernel gaps) the step calibration above absorbs.
-  bool graphs = doc.value("cuda_graphs", false) == true;
-  if (doc.contains("launch_seconds") && !graphs) {
+  // Launches replayed from CUDA graphs (one device) cost the host nothing per
+  // instruction; what remains (kernel gaps) the step calibration absorbs.
+  options.graphsOnOneDevice = doc.value("cuda_graphs", false) == true;
+  if (doc.contains("launch_seconds")) {
     if (!doc["launch_seconds"].is_number() || doc["launch_seconds"].get<double>() < 0) {
       error = path + ": 'launch_seconds' must be a non-negative number";
       return false;

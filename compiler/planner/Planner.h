@@ -81,6 +81,9 @@ struct CostOptions {
   /// pass: it dominates when microbatches or tensor parallelism make the
   /// kernels small. 0 unless a runtime profile measured it.
   double launchSeconds = 0;
+  /// The runtime replays one-device programs as CUDA graphs: no launch cost
+  /// there (multi-device programs, with NCCL calls, still launch each one).
+  bool graphsOnOneDevice = false;
   /// Optional calibration profile (loom-run --profile), overriding the above.
   std::string profile;
   /// A training step of `profileModel` at `profileBatch` on one device,
