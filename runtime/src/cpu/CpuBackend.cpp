@@ -587,6 +587,24 @@ struct AttentionDims {
   float scale;
 };
 
+/// exp(q . k_t * scale - max) for keys t < last of one query row (`keys`:
+/// the row's batch and key/value head; rows KV*D apart), into p; their sum.
+double expScores(const AttentionDims &d, const float *qrow, const float *keys, int64_t last, float *p) {
+  float mx = -INFINITY;
+  for (int64_t ti = 0; ti < last; ++ti) {
+    const float *krow = keys + ti * d.kvHeads * d.D;
+    float acc = 0;
+    for (int64_t dd = 0; dd < d.D; ++dd)
+      acc += qrow[dd] * krow[dd];
+    p[ti] = acc * d.scale;
+    mx = std::max(mx, p[ti]);
+  }
+  double sum = 0;
+  for (int64_t ti = 0; ti < last; ++ti)
+    sum += (p[ti] = std::exp(p[ti] - mx));
+  return sum;
+}
+
 /// O from dense q [B,S,H*D], k, v [B,T,KV*D].
 void attentionForward(ThreadPool &threads, const AttentionDims &d, const float *pq, const float *pk,
                       const float *pv, float *po) {
@@ -599,18 +617,7 @@ void attentionForward(ThreadPool &threads, const AttentionDims &d, const float *
       int64_t bi = t / (heads * S), h = (t / S) % heads, si = t % S, kh = h / group;
       const float *qrow = pq + (bi * S + si) * heads * D + h * D;
       int64_t last = causal ? std::min(T, si + 1 + (T - S)) : T;
-      float mx = -INFINITY;
-      for (int64_t ti = 0; ti < last; ++ti) {
-        const float *krow = pk + (bi * T + ti) * kvHeads * D + kh * D;
-        float acc = 0;
-        for (int64_t dd = 0; dd < D; ++dd)
-          acc += qrow[dd] * krow[dd];
-        p[ti] = acc * scale;
-        mx = std::max(mx, p[ti]);
-      }
-      double sum = 0;
-      for (int64_t ti = 0; ti < last; ++ti)
-        sum += (p[ti] = std::exp(p[ti] - mx));
+      double sum = expScores(d, qrow, pk + bi * T * kvHeads * D + kh * D, last, p.data());
       float *orow = po + (bi * S + si) * heads * D + h * D;
       std::fill(orow, orow + D, 0.0f);
       for (int64_t ti = 0; ti < last; ++ti) {
@@ -645,18 +652,7 @@ void attentionBackward(ThreadPool &threads, const AttentionDims &d, const float 
           const float *dorow = pdo + (bi * S + si) * heads * D + h * D;
           float *dqrow = dq + (bi * S + si) * heads * D + h * D;
           int64_t last = causal ? std::min(T, si + 1 + (T - S)) : T;
-          float mx = -INFINITY;
-          for (int64_t ti = 0; ti < last; ++ti) {
-            const float *krow = pk + (bi * T + ti) * kvHeads * D + kh * D;
-            float acc = 0;
-            for (int64_t dd = 0; dd < D; ++dd)
-              acc += qrow[dd] * krow[dd];
-            p[ti] = acc * scale;
-            mx = std::max(mx, p[ti]);
-          }
-          double sum = 0;
-          for (int64_t ti = 0; ti < last; ++ti)
-            sum += (p[ti] = std::exp(p[ti] - mx));
+          double sum = expScores(d, qrow, pk + bi * T * kvHeads * D + kh * D, last, p.data());
           double dot = 0;
           for (int64_t ti = 0; ti < last; ++ti) {
             p[ti] = static_cast<float>(p[ti] / sum);
@@ -2076,6 +2072,31 @@ std::vector<std::string> cpuSupportedOps() {
 CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &instrs,
                        char *arena, ThreadPool &pool, const std::string &programName,
                        bool allocate, Communicator *comm, AsyncComm *async) {
+  static const std::set<std::string> bytewise = {"cast", "slice", "transpose", "concat",
+                                                 "broadcast", "send", "recv"};
+  // Collectives may still read their operands after the next instructions
+  // start (asynchronous ones): their f32 copies are their own. Every other
+  // instruction's copies live only while it runs, so they share one buffer
+  // sized for the largest (instructions run one after another).
+  static const std::set<std::string> collectives = {"all_reduce", "reduce_scatter", "all_gather",
+                                                    "broadcast_from", "shard_of"};
+  auto widenedCount = [&](const Instruction &ins) {
+    std::set<int64_t> ids(ins.in.begin(), ins.in.end());
+    ids.insert(ins.out.begin(), ins.out.end());
+    int64_t n = 0;
+    for (int64_t id : ids)
+      if (rank.buffers[id].dtype == LOOM_BF16)
+        n += std::max<int64_t>(numElements(rank.buffers[id].shape).value_or(0), 1);
+    return n;
+  };
+  int64_t sharedCount = 0;
+  if (allocate)
+    for (const Instruction &ins : instrs)
+      if (!bytewise.count(ins.op) && !collectives.count(ins.op))
+        sharedCount = std::max(sharedCount, widenedCount(ins));
+  if (sharedCount > 0)
+    scratch.emplace_back(static_cast<size_t>(sharedCount));
+  float *shared = sharedCount > 0 ? scratch.back().data() : nullptr;
   for (size_t i = 0; i < instrs.size(); ++i) {
     const Instruction &ins = instrs[i];
     std::string where = cat("instruction ", programName, "[", i, "] '", ins.op, "'");
@@ -2093,18 +2114,21 @@ CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &
       int64_t count;
     };
     std::vector<Copy> widen, narrow; // operands in, results out
-    static const std::set<std::string> bytewise = {"cast", "slice", "transpose", "concat",
-                                                   "broadcast", "send", "recv"};
     if (!bytewise.count(ins.op)) {
+      bool own = collectives.count(ins.op) > 0;
+      int64_t next = 0; // in the shared buffer
       auto add = [&](int64_t id, std::vector<Copy> &list) {
         const Buffer &b = rank.buffers[id];
         if (b.dtype != LOOM_BF16 || widened.count(id))
           return;
         int64_t n = numElements(b.shape).value_or(0);
         float *copy = reinterpret_cast<float *>(arena); // validation only: never run
-        if (allocate) {
+        if (allocate && own) {
           scratch.emplace_back(static_cast<size_t>(std::max<int64_t>(n, 1)));
           copy = scratch.back().data();
+        } else if (allocate) {
+          copy = shared + next;
+          next += std::max<int64_t>(n, 1);
         }
         widened[id] = copy;
         list.push_back({arena + b.offset, copy, n});

@@ -542,6 +542,27 @@ __device__ inline void store8(bf16 *p, const float v[8]) {
   *reinterpret_cast<Pack<bf16> *>(p) = o;
 }
 
+/// Mean (0 for RMSNorm) and 1/std of a warp's row held in registers.
+template <int MaxP>
+__device__ inline void registerRowMoments(const float (&v)[MaxP][8], int P, int h, bool rms, float eps, float &mean,
+                                          float &rstd) {
+  float sum = 0, sq = 0;
+#pragma unroll
+  for (int k = 0; k < MaxP; ++k)
+    if (k < P)
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        sum += v[k][e];
+  mean = rms ? 0.0f : warpSum(sum) / h;
+#pragma unroll
+  for (int k = 0; k < MaxP; ++k)
+    if (k < P)
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        sq += (v[k][e] - mean) * (v[k][e] - mean);
+  rstd = rsqrtf(warpSum(sq) / h + eps);
+}
+
 template <int MaxP>
 __global__ void __launch_bounds__(256) normRowsBf16Kernel(const bf16 *x, DPtr g, DPtr b, bf16 *y, int64_t rows,
                                                           int P, float eps, bool rms) {
@@ -550,23 +571,17 @@ __global__ void __launch_bounds__(256) normRowsBf16Kernel(const bf16 *x, DPtr g,
     return;
   int lane = threadIdx.x % 32, h = 256 * P;
   const bf16 *xr = x + row * h;
-  float v[MaxP][8], sum = 0;
+  float v[MaxP][8];
 #pragma unroll
   for (int k = 0; k < MaxP; ++k)
     if (k < P) {
       Pack<bf16> pk = load(xr + (k * 32 + lane) * 8);
 #pragma unroll
       for (int e = 0; e < 8; ++e)
-        v[k][e] = __bfloat162float(pk.v[e]), sum += v[k][e];
+        v[k][e] = __bfloat162float(pk.v[e]);
     }
-  float mean = rms ? 0.0f : warpSum(sum) / h, sq = 0;
-#pragma unroll
-  for (int k = 0; k < MaxP; ++k)
-    if (k < P)
-#pragma unroll
-      for (int e = 0; e < 8; ++e)
-        sq += (v[k][e] - mean) * (v[k][e] - mean);
-  float rstd = rsqrtf(warpSum(sq) / h + eps);
+  float mean, rstd;
+  registerRowMoments<MaxP>(v, P, h, rms, eps, mean, rstd);
 #pragma unroll
   for (int k = 0; k < MaxP; ++k)
     if (k < P) {
@@ -590,7 +605,7 @@ __global__ void __launch_bounds__(256) normGradRowsBf16Kernel(const bf16 *x, DPt
   if (row >= rows)
     return;
   int lane = threadIdx.x % 32, h = 256 * P;
-  float v[MaxP][8], d[MaxP][8], sum = 0;
+  float v[MaxP][8], d[MaxP][8];
 #pragma unroll
   for (int k = 0; k < MaxP; ++k)
     if (k < P) {
@@ -598,16 +613,10 @@ __global__ void __launch_bounds__(256) normGradRowsBf16Kernel(const bf16 *x, DPt
       Pack<bf16> px = load(x + j), pd = load(dy + j);
 #pragma unroll
       for (int e = 0; e < 8; ++e)
-        v[k][e] = __bfloat162float(px.v[e]), d[k][e] = __bfloat162float(pd.v[e]), sum += v[k][e];
+        v[k][e] = __bfloat162float(px.v[e]), d[k][e] = __bfloat162float(pd.v[e]);
     }
-  float mean = rms ? 0.0f : warpSum(sum) / h, sq = 0;
-#pragma unroll
-  for (int k = 0; k < MaxP; ++k)
-    if (k < P)
-#pragma unroll
-      for (int e = 0; e < 8; ++e)
-        sq += (v[k][e] - mean) * (v[k][e] - mean);
-  float rstd = rsqrtf(warpSum(sq) / h + eps), sd = 0, sdx = 0;
+  float mean, rstd, sd = 0, sdx = 0;
+  registerRowMoments<MaxP>(v, P, h, rms, eps, mean, rstd);
 #pragma unroll
   for (int k = 0; k < MaxP; ++k)
     if (k < P) {
