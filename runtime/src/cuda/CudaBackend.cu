@@ -2870,7 +2870,8 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     };
   }
   if (op == "reduce_scatter") {
-    auto [index, parts] = place();
+    auto [index, partCount] = place();
+    int64_t parts = partCount; // a plain variable: lambdas capture it (C++17)
     ncclComm_t comm = commOf(group);
     bool mean = ins.attrs.value("reduction", std::string("mean")) == "mean";
     std::vector<std::tuple<float *, float *, int64_t, int64_t>> list;
