@@ -39,7 +39,8 @@ multi() {
   bf=(--precision bf16 --fuse)
   c models/gpt-tiny.mlir --batch 8 --train --lr 1e-3 "${bf[@]}" -o $out/gpt-tiny-bf16-one.loom
   c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 "${bf[@]}" -o $out/gpt2-350m-bf16-one.loom
-  for plan in dp=2 tp=2 pp=2,mb=4,schedule=1f1b; do
+  # dp2 as DDP runs it: one microbatch of 4 per GPU (unforced, the planner adds microbatches).
+  for plan in dp=2,mb=1 tp=2 pp=2,mb=4,schedule=1f1b; do
     c models/gpt-tiny.mlir --batch 8 --train --lr 1e-3 "${bf[@]}" --cluster h100:2 --force $plan,zero=0 \
         -o $out/gpt-tiny-bf16-${plan%%=*}2.loom
     c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 "${bf[@]}" --cluster h100:2 --force $plan,zero=0 \

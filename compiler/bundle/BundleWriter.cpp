@@ -1171,12 +1171,15 @@ int64_t joinSliceGradients(rt::RankProgram &r) {
 /// in place (attrs "packed": the starts) and its gradient writes the
 /// concat's result directly: no copies of q, k, v or of their gradients.
 /// bf16 only (the GPU's flash kernels take row strides; f32 keeps slices).
-int64_t attentionReadsPackedQkv(rt::RankProgram &r) {
-  auto fwdIt = r.programs.find("forward");
+int64_t attentionReadsPackedQkv(rt::RankProgram &r, const std::string &forwardName,
+                                const std::string &backwardName) {
+  auto fwdIt = r.programs.find(forwardName);
   if (fwdIt == r.programs.end())
     return 0;
   std::vector<rt::Instruction> &forward = fwdIt->second;
-  std::vector<rt::Instruction> *backward = r.programs.count("backward") ? &r.programs["backward"] : nullptr;
+  std::vector<rt::Instruction> *backward =
+      r.programs.count(backwardName) ? &r.programs[backwardName] : nullptr;
+  bool oneList = backward == &forward; // a pipelined step holds both passes
   std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readers;
   for (const auto &[name, list] : r.programs)
     for (size_t i = 0; i < list.size(); ++i)
@@ -1196,15 +1199,12 @@ int64_t attentionReadsPackedQkv(rt::RankProgram &r) {
         return false;
     return true;
   };
-  std::map<int64_t, size_t> producer, backwardProducer;
+  std::map<int64_t, size_t> producer;
   for (size_t i = 0; i < forward.size(); ++i)
     for (int64_t id : forward[i].out)
       producer[id] = i;
-  if (backward)
-    for (size_t i = 0; i < backward->size(); ++i)
-      for (int64_t id : (*backward)[i].out)
-        backwardProducer[id] = i;
   std::vector<bool> dropForward(forward.size(), false), dropBackward(backward ? backward->size() : 0, false);
+  std::vector<bool> &dropGrad = oneList ? dropForward : dropBackward;
   int64_t packed = 0;
   for (size_t a = 0; a < forward.size(); ++a) {
     rt::Instruction &attn = forward[a];
@@ -1243,10 +1243,10 @@ int64_t attentionReadsPackedQkv(rt::RankProgram &r) {
             std::equal(attn.in.begin(), attn.in.end(), ins.in.begin()) && !ins.attrs.contains("packed"))
           g = i;
       }
-    std::pair<std::string, size_t> here{"forward", a};
+    std::pair<std::string, size_t> here{forwardName, a};
     bool ok = true;
     for (int64_t id : attn.in)
-      ok &= g ? privateTo(id, {here, {"backward", *g}}) : privateTo(id, {here});
+      ok &= g ? privateTo(id, {here, {backwardName, *g}}) : privateTo(id, {here});
     if (!ok)
       continue;
     if (g) {
@@ -1261,14 +1261,14 @@ int64_t attentionReadsPackedQkv(rt::RankProgram &r) {
       if (!cat)
         continue;
       for (int64_t id : grad.out)
-        ok &= privateTo(id, {{"backward", *cat}});
+        ok &= privateTo(id, {{backwardName, *cat}});
       if (!ok)
         continue;
       rt::Instruction &gi = (*backward)[*g];
       gi.in = {source, gi.in[3]};
       gi.out = {(*backward)[*cat].out[0]};
       gi.attrs["packed"] = starts;
-      dropBackward[*cat] = true;
+      dropGrad[*cat] = true;
     }
     attn.in = {source};
     attn.attrs["packed"] = starts;
@@ -1284,7 +1284,7 @@ int64_t attentionReadsPackedQkv(rt::RankProgram &r) {
     list = std::move(kept);
   };
   compact(forward, dropForward);
-  if (backward)
+  if (backward && !oneList)
     compact(*backward, dropBackward);
   return packed;
 }
@@ -1352,6 +1352,49 @@ int64_t optimizerReadsBf16Gradients(rt::RankProgram &r) {
       kept.push_back(std::move(backward[i]));
   backward = std::move(kept);
   return changed;
+}
+
+/// A pipelined step runs every microbatch's forward, each casting the same
+/// weights to bf16 again. The weights do not change within the step, so the
+/// first cast of each serves every microbatch (their bf16 copies then live
+/// the whole step, as one microbatch's do).
+int64_t castWeightsOncePerStep(rt::RankProgram &r) {
+  auto it = r.programs.find("step");
+  if (it == r.programs.end())
+    return 0;
+  std::set<int64_t> params;
+  for (const rt::Parameter &p : r.params)
+    params.insert(p.buffer);
+  std::map<std::pair<int64_t, int>, int64_t> first; // (weight, dtype) -> its first cast's result
+  std::map<int64_t, int64_t> rename;
+  std::vector<rt::Instruction> kept;
+  for (rt::Instruction &ins : it->second) {
+    for (int64_t &id : ins.in)
+      if (auto to = rename.find(id); to != rename.end())
+        id = to->second;
+    if (ins.op == "cast" && ins.in.size() == 1 && ins.out.size() == 1 && params.count(ins.in[0]) &&
+        r.buffers[ins.out[0]].viewOf < 0) {
+      auto [at, inserted] = first.try_emplace({ins.in[0], int(r.buffers[ins.out[0]].dtype)}, ins.out[0]);
+      if (!inserted) {
+        rename[ins.out[0]] = at->second;
+        continue;
+      }
+    }
+    kept.push_back(std::move(ins));
+  }
+  for (rt::Buffer &b : r.buffers) // views of a dropped copy view the kept one
+    if (b.viewOf >= 0)
+      if (auto to = rename.find(b.viewOf); to != rename.end())
+        b.viewOf = to->second;
+  for (auto &[name, list] : r.programs) // other programs (update) read the kept copy
+    if (name != "step")
+      for (rt::Instruction &ins : list)
+        for (int64_t &id : ins.in)
+          if (auto to = rename.find(id); to != rename.end())
+            id = to->second;
+  int64_t dropped = int64_t(it->second.size() - kept.size());
+  it->second = std::move(kept);
+  return dropped;
 }
 
 /// Training bundles cast each f32 master weight to bf16 where the forward
@@ -1660,7 +1703,9 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
     std::string normGroup = options.zero1 ? "all" : tp * pp > 1 ? "mp" : "";
     buildUpdate(r, options.training, std::move(reduce), normCounts, normGroup, zeroShards);
     joinSliceGradients(r);
-    attentionReadsPackedQkv(r);
+    attentionReadsPackedQkv(r, "forward", "backward");
+    attentionReadsPackedQkv(r, "step", "step");
+    castWeightsOncePerStep(r);
     optimizerReadsBf16Gradients(r);
     hoistParameterCasts(r);
     if (options.fuse)
