@@ -1354,6 +1354,65 @@ int64_t optimizerReadsBf16Gradients(rt::RankProgram &r) {
   return changed;
 }
 
+/// Gradients reach f32 sums through a bf16 -> f32 cast and an add (the tied
+/// embedding's two contributions; every weight's gradient added into its
+/// accumulator once per microbatch). The add reads the bf16 value itself
+/// instead (both backends widen it exactly and add in f32): the same sums
+/// without a cast kernel and an f32 copy per gradient.
+int64_t addsReadBf16Gradients(rt::RankProgram &r) {
+  std::map<int64_t, int64_t> reads, writes;
+  for (const auto &[name, list] : r.programs)
+    for (const rt::Instruction &ins : list) {
+      for (int64_t id : ins.in)
+        ++reads[id];
+      for (int64_t id : ins.out)
+        ++writes[id];
+    }
+  std::set<int64_t> kept, viewed;
+  for (const rt::NamedBuffer &nb : r.outputs)
+    kept.insert(nb.buffer);
+  for (const rt::Parameter &p : r.params)
+    if (p.grad >= 0)
+      kept.insert(p.grad);
+  for (const rt::Buffer &b : r.buffers)
+    if (b.viewOf >= 0)
+      viewed.insert(b.viewOf);
+  int64_t changed = 0;
+  for (auto &[name, list] : r.programs) {
+    std::map<int64_t, size_t> castOf; // f32 result -> its cast
+    for (size_t i = 0; i < list.size(); ++i) {
+      const rt::Instruction &ins = list[i];
+      if (ins.op == "cast" && ins.in.size() == 1 && ins.out.size() == 1 &&
+          r.buffers[ins.in[0]].dtype == LOOM_BF16 && r.buffers[ins.out[0]].dtype == LOOM_F32)
+        castOf[ins.out[0]] = i;
+    }
+    std::vector<bool> dropped(list.size(), false);
+    for (rt::Instruction &ins : list) {
+      if (ins.op != "add" || ins.in.size() != 2 || ins.out.size() != 1 ||
+          r.buffers[ins.out[0]].dtype != LOOM_F32)
+        continue;
+      for (int64_t &id : ins.in) {
+        auto it = castOf.find(id);
+        if (it == castOf.end() || dropped[it->second] || reads[id] != 1 || writes[id] != 1 || kept.count(id) ||
+            viewed.count(id) || r.buffers[id].viewOf >= 0 || r.buffers[id].shape != r.buffers[ins.out[0]].shape)
+          continue;
+        int64_t source = list[it->second].in[0];
+        if (writes[source] != 1)
+          continue;
+        id = source;
+        dropped[it->second] = true;
+        ++changed;
+      }
+    }
+    std::vector<rt::Instruction> out;
+    for (size_t i = 0; i < list.size(); ++i)
+      if (!dropped[i])
+        out.push_back(std::move(list[i]));
+    list = std::move(out);
+  }
+  return changed;
+}
+
 /// A pipelined step runs every microbatch's forward, each casting the same
 /// weights to bf16 again. The weights do not change within the step, so the
 /// first cast of each serves every microbatch (their bf16 copies then live
@@ -1707,6 +1766,7 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
     attentionReadsPackedQkv(r, "step", "step");
     castWeightsOncePerStep(r);
     optimizerReadsBf16Gradients(r);
+    addsReadBf16Gradients(r);
     hoistParameterCasts(r);
     if (options.fuse)
       fuseElementwise(r, nextKernel);
