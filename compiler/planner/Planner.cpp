@@ -249,6 +249,11 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     double launches = graphed ? 0 : (l.instructions + (lt > 1 ? l.tpAllReduces : 0)) * options.launchSeconds;
     lt_.forward = fwdCompute + fwdMemory + launches;
     lt_.backward = 2 * fwdCompute + 2 * fwdMemory + 1.4 * launches;
+    // With several microbatches each backward adds its weight gradients into
+    // f32 accumulators: read 4 + write 4 bytes a parameter, plus the 16-bit
+    // gradient it adds.
+    if (m > 1)
+      lt_.backward += (l.shardedParams / lt + (l.params - l.shardedParams)) * (8 + 2) / memRate;
     lt_.compute = 3 * fwdCompute;
     if (plan.recompute == Recompute::Full) {
       lt_.recompute = lt_.forward;
