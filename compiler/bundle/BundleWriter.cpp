@@ -1360,13 +1360,18 @@ int64_t optimizerReadsBf16Gradients(rt::RankProgram &r) {
 /// instead (both backends widen it exactly and add in f32): the same sums
 /// without a cast kernel and an f32 copy per gradient.
 int64_t addsReadBf16Gradients(rt::RankProgram &r) {
-  std::map<int64_t, int64_t> reads, writes;
+  auto root = [&](int64_t id) {
+    while (r.buffers[id].viewOf >= 0)
+      id = r.buffers[id].viewOf;
+    return id;
+  };
+  std::map<int64_t, int64_t> reads, writes; // writes by storage (a view's are its root's)
   for (const auto &[name, list] : r.programs)
     for (const rt::Instruction &ins : list) {
       for (int64_t id : ins.in)
         ++reads[id];
       for (int64_t id : ins.out)
-        ++writes[id];
+        ++writes[root(id)];
     }
   std::set<int64_t> kept, viewed;
   for (const rt::NamedBuffer &nb : r.outputs)
@@ -1397,7 +1402,7 @@ int64_t addsReadBf16Gradients(rt::RankProgram &r) {
             viewed.count(id) || r.buffers[id].viewOf >= 0 || r.buffers[id].shape != r.buffers[ins.out[0]].shape)
           continue;
         int64_t source = list[it->second].in[0];
-        if (writes[source] != 1)
+        if (writes[root(source)] != 1)
           continue;
         id = source;
         dropped[it->second] = true;
