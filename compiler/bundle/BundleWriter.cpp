@@ -700,6 +700,22 @@ namespace {
 constexpr int64_t kAlignment = 64;
 int64_t alignUp(int64_t v) { return (v + kAlignment - 1) / kAlignment * kAlignment; }
 
+/// The buffer whose storage `id` uses (a view's root).
+int64_t storageOf(const rt::RankProgram &r, int64_t id) {
+  while (r.buffers[id].viewOf >= 0)
+    id = r.buffers[id].viewOf;
+  return id;
+}
+
+/// Removes the instructions `drop` marks, keeping the order of the rest.
+void eraseMarked(std::vector<rt::Instruction> &list, const std::vector<bool> &drop) {
+  std::vector<rt::Instruction> kept;
+  for (size_t i = 0; i < list.size(); ++i)
+    if (!drop[i])
+      kept.push_back(std::move(list[i]));
+  list = std::move(kept);
+}
+
 } // namespace
 
 void mlir::loom::planMemory(rt::RankProgram &rank, const std::vector<std::string> &programNames) {
@@ -707,11 +723,7 @@ void mlir::loom::planMemory(rt::RankProgram &rank, const std::vector<std::string
   for (const std::string &name : programNames)
     if (auto it = rank.programs.find(name); it != rank.programs.end())
       program.insert(program.end(), it->second.begin(), it->second.end());
-  auto root = [&](int64_t id) {
-    while (rank.buffers[id].viewOf >= 0)
-      id = rank.buffers[id].viewOf;
-    return id;
-  };
+  auto root = [&](int64_t id) { return storageOf(rank, id); };
   size_t n = rank.buffers.size();
   std::vector<int64_t> first(n, INT64_MAX), last(n, -1);
   for (size_t i = 0; i < program.size(); ++i) {
@@ -1025,11 +1037,7 @@ int64_t placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &p
                              const std::vector<int64_t> &grads, int64_t bucketBytes,
                              const std::map<int64_t, int64_t> &shards = {}) {
   int64_t lastEvent = -1;
-  auto root = [&](int64_t id) {
-    while (r.buffers[id].viewOf >= 0)
-      id = r.buffers[id].viewOf;
-    return id;
-  };
+  auto root = [&](int64_t id) { return storageOf(r, id); };
   std::map<int64_t, int64_t> lastWrite; // root -> instruction index
   for (size_t i = 0; i < program.size(); ++i)
     for (int64_t id : program[i].out)
@@ -1156,11 +1164,7 @@ int64_t joinSliceGradients(rt::RankProgram &r) {
       list[i] = std::move(concat);
       ++joined;
     }
-    std::vector<rt::Instruction> out;
-    for (size_t i = 0; i < list.size(); ++i)
-      if (!dropped[i])
-        out.push_back(std::move(list[i]));
-    list = std::move(out);
+    eraseMarked(list, dropped);
   }
   return joined;
 }
@@ -1276,16 +1280,9 @@ int64_t attentionReadsPackedQkv(rt::RankProgram &r, const std::string &forwardNa
       dropForward[sl] = true;
     ++packed;
   }
-  auto compact = [](std::vector<rt::Instruction> &list, const std::vector<bool> &drop) {
-    std::vector<rt::Instruction> kept;
-    for (size_t i = 0; i < list.size(); ++i)
-      if (!drop[i])
-        kept.push_back(std::move(list[i]));
-    list = std::move(kept);
-  };
-  compact(forward, dropForward);
+  eraseMarked(forward, dropForward);
   if (backward && !oneList)
-    compact(*backward, dropBackward);
+    eraseMarked(*backward, dropBackward);
   return packed;
 }
 
@@ -1298,11 +1295,7 @@ int64_t attentionReadsPackedQkv(rt::RankProgram &r, const std::string &forwardNa
 int64_t optimizerReadsBf16Gradients(rt::RankProgram &r) {
   if (!r.programs.count("backward") || !r.programs.count("update"))
     return 0;
-  auto root = [&](int64_t id) {
-    while (r.buffers[id].viewOf >= 0)
-      id = r.buffers[id].viewOf;
-    return id;
-  };
+  auto root = [&](int64_t id) { return storageOf(r, id); };
   // By storage: a view's reads and writes count as its root's.
   std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readers, writers;
   for (const auto &[name, list] : r.programs)
@@ -1346,11 +1339,7 @@ int64_t optimizerReadsBf16Gradients(rt::RankProgram &r) {
     p.grad = source;
     ++changed;
   }
-  std::vector<rt::Instruction> kept;
-  for (size_t i = 0; i < backward.size(); ++i)
-    if (!dropped[i])
-      kept.push_back(std::move(backward[i]));
-  backward = std::move(kept);
+  eraseMarked(backward, dropped);
   return changed;
 }
 
@@ -1360,11 +1349,7 @@ int64_t optimizerReadsBf16Gradients(rt::RankProgram &r) {
 /// instead (both backends widen it exactly and add in f32): the same sums
 /// without a cast kernel and an f32 copy per gradient.
 int64_t addsReadBf16Gradients(rt::RankProgram &r) {
-  auto root = [&](int64_t id) {
-    while (r.buffers[id].viewOf >= 0)
-      id = r.buffers[id].viewOf;
-    return id;
-  };
+  auto root = [&](int64_t id) { return storageOf(r, id); };
   std::map<int64_t, int64_t> reads, writes; // writes by storage (a view's are its root's)
   for (const auto &[name, list] : r.programs)
     for (const rt::Instruction &ins : list) {
@@ -1409,11 +1394,7 @@ int64_t addsReadBf16Gradients(rt::RankProgram &r) {
         ++changed;
       }
     }
-    std::vector<rt::Instruction> out;
-    for (size_t i = 0; i < list.size(); ++i)
-      if (!dropped[i])
-        out.push_back(std::move(list[i]));
-    list = std::move(out);
+    eraseMarked(list, dropped);
   }
   return changed;
 }
