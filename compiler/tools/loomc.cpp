@@ -363,6 +363,32 @@ int runCompile() {
                << llvm::format("%.1f", rank.peakActivationBytes / 1048576.0)
                << " MiB, arena " << llvm::format("%.1f", rank.arenaBytes / 1048576.0)
                << " MiB (batch " << compileBatch << (compileTrain ? ", training step" : "") << ")\n";
+  // What the compiler's rewrites did to rank 0, read back from its programs.
+  int64_t packed = 0, epilogues = 0, fused = 0, bf16Grads = 0;
+  for (const auto &[name, program] : rank.programs)
+    for (const auto &ins : program) {
+      packed += ins.op == "attention" && ins.attrs.contains("packed");
+      epilogues += ins.op == "matmul" && ins.attrs.contains("epilogue");
+      fused += ins.op == "fused";
+    }
+  for (const auto &p : rank.params)
+    bf16Grads += p.grad >= 0 && rank.buffers[p.grad].dtype == LOOM_BF16;
+  std::vector<std::string> notes;
+  if (packed)
+    notes.push_back(std::to_string(packed) + " attention(s) read q|k|v in place");
+  if (bf16Grads)
+    notes.push_back(std::to_string(bf16Grads) + " of " + std::to_string(rank.params.size()) +
+                    " gradients reach the optimizer in bf16");
+  if (epilogues)
+    notes.push_back(std::to_string(epilogues) + " bias epilogue(s)");
+  if (fused)
+    notes.push_back(std::to_string(fused) + " generated kernel(s)");
+  if (!notes.empty()) {
+    llvm::outs() << "rewrites: ";
+    for (size_t i = 0; i < notes.size(); ++i)
+      llvm::outs() << (i ? ", " : "") << notes[i];
+    llvm::outs() << "\n";
+  }
   return 0;
 }
 
