@@ -707,6 +707,27 @@ int64_t storageOf(const rt::RankProgram &r, int64_t id) {
   return id;
 }
 
+/// Buffers a rewrite must leave as they are: the rank's outputs and the
+/// parameters' gradients (the C API and the update read them).
+std::set<int64_t> keptBuffers(const rt::RankProgram &r) {
+  std::set<int64_t> kept;
+  for (const rt::NamedBuffer &nb : r.outputs)
+    kept.insert(nb.buffer);
+  for (const rt::Parameter &p : r.params)
+    if (p.grad >= 0)
+      kept.insert(p.grad);
+  return kept;
+}
+
+/// Buffers some other buffer is a view of.
+std::set<int64_t> viewedBuffers(const rt::RankProgram &r) {
+  std::set<int64_t> viewed;
+  for (const rt::Buffer &b : r.buffers)
+    if (b.viewOf >= 0)
+      viewed.insert(b.viewOf);
+  return viewed;
+}
+
 /// Removes the instructions `drop` marks, keeping the order of the rest.
 void eraseMarked(std::vector<rt::Instruction> &list, const std::vector<bool> &drop) {
   std::vector<rt::Instruction> kept;
@@ -1079,8 +1100,6 @@ int64_t placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &p
   return lastEvent;
 }
 
-/// Drops the buffers and parameters a rank's programs never touch (other
-/// stages' layers) and renumbers the rest densely.
 /// The gradient of an operand that was sliced into parts along one axis
 /// (q|k|v) arrives as one slice_grad per part (zeros outside the part) and
 /// adds summing them. Where the parts tile the axis exactly, a concat of the
@@ -1092,12 +1111,7 @@ int64_t joinSliceGradients(rt::RankProgram &r) {
     for (const rt::Instruction &ins : list)
       for (int64_t id : ins.in)
         ++reads[id];
-  std::set<int64_t> kept;
-  for (const rt::NamedBuffer &nb : r.outputs)
-    kept.insert(nb.buffer);
-  for (const rt::Parameter &p : r.params)
-    if (p.grad >= 0)
-      kept.insert(p.grad);
+  std::set<int64_t> kept = keptBuffers(r);
   auto privateValue = [&](int64_t id) {
     return reads[id] == 1 && !kept.count(id) && r.buffers[id].viewOf < 0;
   };
@@ -1189,14 +1203,9 @@ int64_t attentionReadsPackedQkv(rt::RankProgram &r, const std::string &forwardNa
     for (size_t i = 0; i < list.size(); ++i)
       for (int64_t id : list[i].in)
         readers[id].push_back({name, i});
-  std::set<int64_t> viewed, outputs;
-  for (const rt::Buffer &b : r.buffers)
-    if (b.viewOf >= 0)
-      viewed.insert(b.viewOf);
-  for (const rt::NamedBuffer &nb : r.outputs)
-    outputs.insert(nb.buffer);
+  std::set<int64_t> viewed = viewedBuffers(r), kept = keptBuffers(r);
   auto privateTo = [&](int64_t id, std::initializer_list<std::pair<std::string, size_t>> allowed) {
-    if (viewed.count(id) || outputs.count(id) || r.buffers[id].viewOf >= 0)
+    if (viewed.count(id) || kept.count(id) || r.buffers[id].viewOf >= 0)
       return false;
     for (const auto &reader : readers[id])
       if (std::find(allowed.begin(), allowed.end(), reader) == allowed.end())
@@ -1358,15 +1367,7 @@ int64_t addsReadBf16Gradients(rt::RankProgram &r) {
       for (int64_t id : ins.out)
         ++writes[root(id)];
     }
-  std::set<int64_t> kept, viewed;
-  for (const rt::NamedBuffer &nb : r.outputs)
-    kept.insert(nb.buffer);
-  for (const rt::Parameter &p : r.params)
-    if (p.grad >= 0)
-      kept.insert(p.grad);
-  for (const rt::Buffer &b : r.buffers)
-    if (b.viewOf >= 0)
-      viewed.insert(b.viewOf);
+  std::set<int64_t> kept = keptBuffers(r), viewed = viewedBuffers(r);
   int64_t changed = 0;
   for (auto &[name, list] : r.programs) {
     std::map<int64_t, size_t> castOf; // f32 result -> its cast
@@ -1465,6 +1466,8 @@ int64_t hoistParameterCasts(rt::RankProgram &r) {
   return moved;
 }
 
+/// Drops the buffers and parameters a rank's programs never touch (other
+/// stages' layers) and renumbers the rest densely.
 void compactRank(rt::RankProgram &r) {
   std::vector<bool> used(r.buffers.size(), false);
   auto mark = [&](int64_t id) {

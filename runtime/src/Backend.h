@@ -28,6 +28,9 @@ public:
   virtual void run(const std::string &program) = 0;
   /// Host address of a buffer, or null when the arena is not host memory.
   virtual char *hostData(const Buffer &) { return nullptr; }
+  /// Whether programs replay as CUDA graphs once warm (those without
+  /// collectives or transfers), so launches cost the host nothing.
+  virtual bool replaysGraphs() const { return false; }
 
   /// Per-op timing of every instruction run while enabled (seconds, count).
   struct OpTime {

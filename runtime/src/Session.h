@@ -65,6 +65,7 @@ public:
   void write(const Buffer &b, const void *src);
   /// Times every instruction by op from now on (loom-run --profile).
   void setProfiling(bool on) { backend->setProfiling(on); }
+  bool replaysGraphs() const { return backend->replaysGraphs(); }
   const std::map<std::string, Backend::OpTime> &profile() const { return backend->profile(); }
 
   /// Host address of a buffer on the CPU backend (tests poke parameters).

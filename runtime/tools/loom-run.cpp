@@ -198,10 +198,9 @@ void reportProfile(const Session &s, const std::string &path, double stepSeconds
     doc["model"] = s.manifest().model;
     doc["batch"] = s.manifest().batch;
     doc["ranks"] = s.manifest().ranks.size();
-    const char *graphs = std::getenv("LOOM_CUDA_GRAPHS");
-    doc["cuda_graphs"] = s.backendName() == "cuda" && !(graphs && std::string(graphs) == "0");
+    doc["cuda_graphs"] = s.replaysGraphs();
     std::printf("  %.1f ms per step without the profile's events%s\n", stepSeconds * 1e3,
-                doc["cuda_graphs"].get<bool>() ? " (CUDA graphs)" : "");
+                s.replaysGraphs() ? " (CUDA graphs)" : "");
   }
   std::string text = doc.dump(1);
   writeFileAtomically(path, text.data(), text.size());

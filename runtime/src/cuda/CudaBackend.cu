@@ -1446,6 +1446,7 @@ public:
   }
 
   std::string name() const override { return "cuda"; }
+  bool replaysGraphs() const override { return graphsWanted(); }
 
   void upload(const Buffer &b, const void *src) override {
     LOOM_CUDA_CHECK(cudaSetDevice(device)); // each rank's thread drives its own GPU
@@ -1519,6 +1520,14 @@ public:
       LOOM_CUDA_CHECK(cudaMalloc(&workspace, workspaceBytes));
       workspaceAllocated = workspaceBytes;
     }
+    Graph &graph = graphs[program];
+    if (graph.exec)
+      cudaGraphExecDestroy(graph.exec);
+    graph = Graph{};
+    graph.capturable = std::all_of(steps.begin(), steps.end(), [](const Step &s) { return s.capturable; });
+    for (size_t i = 0; i < steps.size(); ++i)
+      if (steps[i].replayable || steps[i].replayed)
+        graph.hooks.push_back(i);
     programs[program] = std::move(steps);
   }
 
@@ -1526,15 +1535,15 @@ public:
     LOOM_CUDA_CHECK(cudaSetDevice(device));
     auto &steps = programs.at(program);
     Graph &g = graphs[program];
-    bool graphable = graphsWanted() && !profiling && !g.disabled &&
-                     std::all_of(steps.begin(), steps.end(), [](const Step &s) { return s.capturable; });
+    bool graphable = graphsWanted() && !profiling && !g.disabled && g.capturable;
     bool done = false;
     if (graphable && g.exec) {
-      if (std::all_of(steps.begin(), steps.end(), [](const Step &s) { return !s.replayable || s.replayable(); })) {
+      if (std::all_of(g.hooks.begin(), g.hooks.end(),
+                      [&](size_t i) { return !steps[i].replayable || steps[i].replayable(); })) {
         LOOM_CUDA_CHECK(cudaGraphLaunch(g.exec, stream));
-        for (Step &step : steps)
-          if (step.replayed)
-            step.replayed();
+        for (size_t i : g.hooks)
+          if (steps[i].replayed)
+            steps[i].replayed();
         done = true;
       } else { // host state differs from the capture's: run eagerly, capture again next time
         cudaGraphExecDestroy(g.exec), g.exec = nullptr;
@@ -1886,6 +1895,8 @@ private:
   /// launch. Captured at the second run (the first warms up); off for
   /// --profile and with LOOM_CUDA_GRAPHS=0.
   struct Graph {
+    bool capturable = false;   // every step's launch may be captured (set at prepare)
+    std::vector<size_t> hooks; // the steps with host state to check or update on replay
     int eagerRuns = 0;
     bool disabled = false;
     cudaGraphExec_t exec = nullptr;
