@@ -52,6 +52,9 @@ python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-bf16.fused.cuda.log"
 echo "== CUDA graphs (the default from the second run of a program) against eager launches (LOOM_CUDA_GRAPHS=0)"
 LOOM_CUDA_GRAPHS=0 $B/loom-run $R/gpt-tiny-bf16-fused-train.loom --backend cuda --steps 20 > "$LOG/gpt-tiny-bf16.eager.log" || status=1
 python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-bf16.fused.cuda.log" "$LOG/gpt-tiny-bf16.eager.log" 1e-4 || status=1
+echo "== cuBLASLt epilogues (bias+GELU, GELU gradient, bias gradients) against the product and our kernels apart (LOOM_CUDA_EPILOGUES=0)"
+LOOM_CUDA_EPILOGUES=0 $B/loom-run $R/gpt-tiny-bf16-fused-train.loom --backend cuda --steps 20 > "$LOG/gpt-tiny-bf16.apart.log" || status=1
+python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-bf16.fused.cuda.log" "$LOG/gpt-tiny-bf16.apart.log" 2e-3 || status=1
 if [ -z "${LOOM_QUICK:-}" ]; then # the CPU side takes about 3 minutes
 echo "== GPT-2 350M, batch 1, bf16: CUDA vs CPU losses, first 3 steps"
 $B/loom-run $R/gpt2-350m-bf16-b1-train.loom --backend cpu --steps 3 > "$LOG/350m-b1.cpu.log" || status=1
@@ -70,9 +73,11 @@ if [ "${TORCH_MODES:-}" = none ]; then
   for b in gpt2-350m-train gpt2-350m-bf16-fused-train; do
     echo "$b: $($B/loom-run $R/$b.loom --backend cuda --steps 13 2>&1 | tail -1)"
   done
+  echo "gpt2-350m-bf16-fused-train, LOOM_CUDA_EPILOGUES=0: $(LOOM_CUDA_EPILOGUES=0 $B/loom-run $R/gpt2-350m-bf16-fused-train.loom --backend cuda --steps 13 2>&1 | tail -1)"
   echo "gpt2-350m-bf16-fused-train, LOOM_CUDA_GRAPHS=0: $(LOOM_CUDA_GRAPHS=0 $B/loom-run $R/gpt2-350m-bf16-fused-train.loom --backend cuda --steps 13 2>&1 | tail -1)"
   exit $status
 fi
+echo "gpt2-350m-bf16-fused-train, LOOM_CUDA_EPILOGUES=0: $(LOOM_CUDA_EPILOGUES=0 $B/loom-run $R/gpt2-350m-bf16-fused-train.loom --backend cuda --steps 13 2>&1 | tail -1)"
 echo "== Loom and PyTorch on the same model and card"
 python3 bench/torch_gpt.py --steps 10 --modes "${TORCH_MODES:-eager-fp32,compile-fp32,eager-bf16,compile-bf16}" \
     --loom $R/gpt2-350m-bf16-fused-train.loom $R/gpt2-350m-train.loom --loom-run $B/loom-run 2>&1 | grep -v Warning

@@ -46,6 +46,172 @@ bool fusable(const rt::RankProgram &r, const rt::Instruction &ins) {
   return true;
 }
 
+/// Who reads each root buffer: (program, instruction index).
+std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readersOf(const rt::RankProgram &r) {
+  std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readers;
+  for (const auto &[name, list] : r.programs)
+    for (size_t i = 0; i < list.size(); ++i)
+      for (int64_t id : list[i].in)
+        readers[rootOf(r, id)].push_back({name, i});
+  return readers;
+}
+
+bool floating(const rt::Buffer &b) { return b.dtype == LOOM_F32 || b.dtype == LOOM_BF16; }
+
+/// Whether an instruction strictly between `lo` and `hi` (either order) of
+/// `list`, not erased, reads (`reads`) or writes root `root`'s storage.
+bool touchedBetween(const rt::RankProgram &r, const std::vector<rt::Instruction> &list,
+                    const std::vector<bool> &erased, size_t lo, size_t hi, int64_t root, bool reads) {
+  if (lo > hi)
+    std::swap(lo, hi);
+  for (size_t k = lo + 1; k < hi; ++k) {
+    if (erased[k])
+      continue;
+    for (int64_t id : list[k].out)
+      if (rootOf(r, id) == root)
+        return true;
+    if (reads)
+      for (int64_t id : list[k].in)
+        if (rootOf(r, id) == root)
+          return true;
+  }
+  return false;
+}
+
+/// A view of `id`'s storage with shape `shape` (`id` itself when it has it).
+int64_t viewAs(rt::RankProgram &r, int64_t id, const rt::Shape &shape) {
+  if (r.buffers[id].shape == shape)
+    return id;
+  rt::Buffer v = r.buffers[id];
+  v.id = static_cast<int64_t>(r.buffers.size());
+  v.name += ".view";
+  v.shape = shape;
+  v.viewOf = rootOf(r, id);
+  r.buffers.push_back(v);
+  return v.id;
+}
+
+/// The activation epilogues of GEMMs, as cuBLASLt runs them (GELU_AUX_BIAS,
+/// DGELU, BGRADA); each removes a pass over a [tokens, n] tensor:
+///  - bias_gelu: a bias-epilogue matmul followed by the tanh GELU of its
+///    result; the pre-activation stays an output where anything else reads it.
+///  - dgelu: a matmul whose result only the tanh GELU's gradient reads
+///    (dY * gelu'(pre)); the gradient is written where the product was.
+///  - bgrad: a bias gradient (reduce_sum over all but the last axis) of a
+///    tensor that a weight-gradient matmul (X^T dY) also reads, summed by
+///    that matmul over its k dimension.
+int64_t activationEpilogues(rt::RankProgram &r, const std::set<int64_t> &kept) {
+  int64_t removed = 0;
+  auto compact = [&](std::vector<rt::Instruction> &list, const std::vector<bool> &erased) {
+    std::vector<rt::Instruction> out;
+    for (size_t i = 0; i < list.size(); ++i)
+      if (!erased[i])
+        out.push_back(std::move(list[i]));
+    removed += static_cast<int64_t>(list.size() - out.size());
+    list = std::move(out);
+  };
+  auto plainMatmul = [](const rt::Instruction &ins) {
+    return ins.op == "matmul" && !ins.attrs.contains("epilogue") && ins.in.size() == 2 && ins.out.size() == 1;
+  };
+  auto flag = [](const rt::Instruction &ins, const char *name) {
+    auto it = ins.attrs.find(name);
+    return it != ins.attrs.end() && it->is_boolean() && it->get<bool>();
+  };
+  // Forward: bias_gelu.
+  auto readers = readersOf(r);
+  for (auto &[name, list] : r.programs) {
+    std::vector<bool> erased(list.size(), false);
+    for (size_t i = 0; i + 1 < list.size(); ++i) {
+      rt::Instruction &mm = list[i], &gelu = list[i + 1];
+      if (mm.op != "matmul" || mm.attrs.value("epilogue", std::string()) != "bias" || mm.out.size() != 1 ||
+          gelu.op != "gelu" || !flag(gelu, "approximate") || gelu.in.size() != 1 || gelu.out.size() != 1 ||
+          gelu.in[0] != mm.out[0])
+        continue;
+      int64_t pre = mm.out[0], y = gelu.out[0];
+      const rt::Buffer &pb = r.buffers[pre], &yb = r.buffers[y];
+      if (!floating(pb) || pb.dtype != yb.dtype || pb.shape != yb.shape || pb.viewOf >= 0)
+        continue;
+      bool needPre = kept.count(pre) > 0;
+      for (auto &[program, index] : readers[pre])
+        needPre |= program != name || index != i + 1;
+      mm.out = needPre ? std::vector<int64_t>{y, pre} : std::vector<int64_t>{y};
+      mm.attrs["epilogue"] = "bias_gelu";
+      erased[++i] = true;
+    }
+    compact(list, erased);
+  }
+  // Backward: dgelu.
+  readers = readersOf(r);
+  for (auto &[name, list] : r.programs) {
+    std::vector<bool> erased(list.size(), false);
+    for (size_t i = 0; i < list.size(); ++i) {
+      rt::Instruction &mm = list[i];
+      if (erased[i] || !plainMatmul(mm) || flag(mm, "transpose_a"))
+        continue;
+      int64_t g = rootOf(r, mm.out[0]);
+      const auto &gr = readers[g];
+      if (kept.count(g) || gr.size() != 1 || gr[0].first != name || gr[0].second <= i)
+        continue;
+      size_t j = gr[0].second;
+      const rt::Instruction &ug = list[j];
+      if (erased[j] || ug.op != "unary_grad" || ug.attrs.value("fn", std::string()) != "gelu_tanh" ||
+          ug.in.size() != 3 || ug.out.size() != 1 || rootOf(r, ug.in[2]) != g)
+        continue;
+      int64_t pre = ug.in[0], d = ug.out[0];
+      const rt::Buffer &gb = r.buffers[mm.out[0]], &db = r.buffers[d], &pb = r.buffers[pre];
+      if (!floating(gb) || db.dtype != gb.dtype || pb.dtype != gb.dtype ||
+          rt::numElements(db.shape) != rt::numElements(gb.shape) ||
+          rt::numElements(pb.shape) != rt::numElements(gb.shape) ||
+          touchedBetween(r, list, erased, i, j, rootOf(r, d), true) ||
+          touchedBetween(r, list, erased, i, j, rootOf(r, pre), false))
+        continue;
+      mm.in.push_back(pre);
+      mm.out = {viewAs(r, d, gb.shape)};
+      mm.attrs["epilogue"] = "dgelu";
+      erased[j] = true;
+    }
+    compact(list, erased);
+  }
+  // Backward: bgrad.
+  for (auto &[name, list] : r.programs) {
+    std::vector<bool> erased(list.size(), false);
+    for (size_t i = 0; i < list.size(); ++i) {
+      const rt::Instruction &red = list[i];
+      if (red.op != "reduce_sum" || red.in.size() != 1 || red.out.size() != 1)
+        continue;
+      const rt::Buffer &x = r.buffers[red.in[0]], &db = r.buffers[red.out[0]];
+      if (x.shape.size() < 2 || !floating(x) || db.dtype != x.dtype)
+        continue;
+      std::set<int64_t> axes;
+      if (auto it = red.attrs.find("axes"); it != red.attrs.end() && it->is_array())
+        for (const auto &a : *it)
+          if (a.is_number_integer())
+            axes.insert(a.get<int64_t>() < 0 ? a.get<int64_t>() + int64_t(x.shape.size()) : a.get<int64_t>());
+      int64_t n = x.shape.back();
+      if (axes.size() != x.shape.size() - 1 || axes.count(int64_t(x.shape.size()) - 1) ||
+          rt::numElements(db.shape) != n)
+        continue;
+      int64_t root = rootOf(r, red.in[0]), dbRoot = rootOf(r, red.out[0]);
+      for (size_t j = 0; j < list.size(); ++j) {
+        rt::Instruction &mm = list[j];
+        if (j == i || erased[j] || !plainMatmul(mm) || !flag(mm, "transpose_a") || flag(mm, "transpose_b"))
+          continue;
+        const rt::Buffer &b = r.buffers[mm.in[1]], &o = r.buffers[mm.out[0]];
+        if (rootOf(r, mm.in[1]) != root || b.shape.size() != 2 || b.shape[1] != n || o.dtype != db.dtype ||
+            touchedBetween(r, list, erased, i, j, dbRoot, true) ||
+            touchedBetween(r, list, erased, i, j, root, false))
+          continue;
+        mm.out.push_back(red.out[0]);
+        mm.attrs["epilogue"] = "bgrad";
+        erased[i] = true;
+        break;
+      }
+    }
+    compact(list, erased);
+  }
+  return removed;
+}
+
 } // namespace
 
 int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
@@ -173,7 +339,7 @@ int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
     }
     list = std::move(out);
   }
-
+  removed += activationEpilogues(r, kept);
   return removed;
 }
 

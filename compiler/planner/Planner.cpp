@@ -528,9 +528,13 @@ PlanResult Planner::search(int64_t batch, const Constraints &c) const {
     plan.zero = c.zero.value_or(0);
     consider(plan);
   }
+  // Ties (launch-bound models, where recomputing costs no predicted time)
+  // go to less recomputation, which always costs real time, then less memory.
   auto faster = [](const Plan &a, const Plan &b) {
     if (a.stepTime != b.stepTime)
       return a.stepTime < b.stepTime;
+    if (a.recompute != b.recompute)
+      return a.recompute < b.recompute;
     return a.peakMemoryBytes < b.peakMemoryBytes;
   };
   std::sort(feasible.begin(), feasible.end(), faster);

@@ -365,10 +365,12 @@ int runCompile() {
                << " MiB (batch " << compileBatch << (compileTrain ? ", training step" : "") << ")\n";
   // What the compiler's rewrites did to rank 0, read back from its programs.
   int64_t packed = 0, epilogues = 0, fused = 0, bf16Grads = 0;
+  std::map<std::string, int64_t> epilogueKinds;
   for (const auto &[name, program] : rank.programs)
     for (const auto &ins : program) {
       packed += ins.op == "attention" && ins.attrs.contains("packed");
-      epilogues += ins.op == "matmul" && ins.attrs.contains("epilogue");
+      if (ins.op == "matmul" && ins.attrs.contains("epilogue"))
+        ++epilogues, ++epilogueKinds[ins.attrs.value("epilogue", std::string("?"))];
       fused += ins.op == "fused";
     }
   for (const auto &p : rank.params)
@@ -379,8 +381,12 @@ int runCompile() {
   if (bf16Grads)
     notes.push_back(std::to_string(bf16Grads) + " of " + std::to_string(rank.params.size()) +
                     " gradients reach the optimizer in bf16");
-  if (epilogues)
-    notes.push_back(std::to_string(epilogues) + " bias epilogue(s)");
+  if (epilogues) {
+    std::string kinds;
+    for (const auto &[kind, n] : epilogueKinds)
+      kinds += (kinds.empty() ? "" : ", ") + std::to_string(n) + " " + kind;
+    notes.push_back(std::to_string(epilogues) + " GEMM epilogue(s) (" + kinds + ")");
+  }
   if (fused)
     notes.push_back(std::to_string(fused) + " generated kernel(s)");
   if (!notes.empty()) {

@@ -230,14 +230,26 @@ Kernel buildScale(const Ctx &c) {
 // Matmul
 //===--------------------------------------------------------------------===//
 
-/// C = op(A) op(B), then the epilogue: "bias" adds a third input of C's
-/// last dimension to every row (the sum a separate add would compute).
+/// C = op(A) op(B), then the epilogue (docs/bundle-format.md):
+///   "bias"       inputs A, B, bias; C + bias over C's last dimension.
+///   "bias_gelu"  inputs A, B, bias; outputs gelu_tanh(C + bias) and, when
+///                given, the pre-activation C + bias (kept for the backward).
+///   "dgelu"      inputs A, B, pre; C * gelu_tanh'(pre).
+///   "bgrad"      inputs A, B; outputs C and the column sums of B over the
+///                product's k dimension (a bias gradient; B is not transposed).
+/// The epilogue works on C's f32 values before anything is rounded.
 Kernel buildMatmul(const Ctx &c) {
   auto found = c.ins.attrs.find("epilogue");
   std::string epilogue = found != c.ins.attrs.end() && found->is_string() ? found->get<std::string>() : "";
-  if (!epilogue.empty() && epilogue != "bias")
-    c.bad("unknown epilogue '" + epilogue + "'; the matmul epilogues are: bias");
-  c.arity(epilogue.empty() ? 2 : 3, 1);
+  static const std::set<std::string> kEpilogues = {"", "bias", "bias_gelu", "dgelu", "bgrad"};
+  if (!kEpilogues.count(epilogue))
+    c.bad("unknown epilogue '" + epilogue + "'; the matmul epilogues are: bias, bias_gelu, dgelu, bgrad");
+  bool withBias = epilogue == "bias" || epilogue == "bias_gelu", gelu = epilogue == "bias_gelu";
+  bool dgelu = epilogue == "dgelu", bgrad = epilogue == "bgrad";
+  if (gelu)
+    c.arity(3, c.ins.out.size() == 2 ? 2 : 1);
+  else
+    c.arity(epilogue.empty() || bgrad ? 2 : 3, bgrad ? 2 : 1);
   const Buffer &a = c.in(0), &b = c.in(1), &o = c.out();
   c.needF32(a), c.needF32(b), c.needF32(o);
   if (a.shape.size() < 2 || b.shape.size() < 2 || o.shape.size() < 2)
@@ -261,12 +273,30 @@ Kernel buildMatmul(const Ctx &c) {
     offB.push_back(ib * k * n);
   });
   float *pa = c.f32(a), *pb = c.f32(b), *po = c.f32(o);
-  float *bias = nullptr;
-  if (!epilogue.empty()) {
+  float *bias = nullptr, *pre = nullptr, *preIn = nullptr, *colSums = nullptr;
+  if (withBias) {
     c.needF32(c.in(2));
     if (c.in(2).shape != Shape{n})
       c.bad(cat("the bias must be [", n, "], got ", shapeStr(c.in(2).shape)));
     bias = c.f32(c.in(2));
+  }
+  if (gelu && c.ins.out.size() == 2) {
+    c.needF32(c.out(1)), c.sameShape(c.out(1), o);
+    pre = c.f32(c.out(1));
+  }
+  if (dgelu) {
+    c.needF32(c.in(2));
+    if (count(c.in(2).shape) != count(o.shape))
+      c.bad(cat("the pre-activation ", shapeStr(c.in(2).shape), " must have as many elements as the result ",
+                shapeStr(o.shape)));
+    preIn = c.f32(c.in(2));
+  }
+  if (bgrad) {
+    c.needF32(c.out(1));
+    if (tb || batchB.size() != 0 || count(c.out(1).shape) != n)
+      c.bad(cat("the bias gradient sums an untransposed 2-D B over k: B ", shapeStr(b.shape), " gives ", n,
+                " columns, the gradient is ", shapeStr(c.out(1).shape)));
+    colSums = c.f32(c.out(1));
   }
   ThreadPool *pool = &c.pool;
   int64_t batches = static_cast<int64_t>(offA.size());
@@ -300,8 +330,27 @@ Kernel buildMatmul(const Ctx &c) {
         if (bias)
           for (int64_t j = 0; j < n; ++j)
             C[j] = C[j] + bias[j];
+        if (pre)
+          std::copy(C, C + n, pre + (bi * m + i) * n);
+        if (gelu)
+          for (int64_t j = 0; j < n; ++j)
+            C[j] = ew::geluTanh(C[j]);
+        if (preIn) {
+          const float *x = preIn + (bi * m + i) * n;
+          for (int64_t j = 0; j < n; ++j)
+            C[j] *= ew::derivative(ew::Fn::GeluTanh, x[j], 0.0f);
+        }
       }
     });
+    if (colSums) // B is [k, n]: sum its rows, in double, columns split over tasks
+      pool->parallelFor(n, double(k), [&](int64_t begin, int64_t end) {
+        for (int64_t j = begin; j < end; ++j) {
+          double s = 0;
+          for (int64_t kk = 0; kk < k; ++kk)
+            s += pb[kk * n + j];
+          colSums[j] = float(s);
+        }
+      });
   };
 }
 
@@ -2187,7 +2236,7 @@ namespace loom::rt {
 
 double denseInstructionFlops(const RankProgram &rank, const Instruction &ins) {
   auto count = [](const Shape &s) { return double(numElements(s).value_or(0)); };
-  if (ins.op == "matmul" && (ins.in.size() == 2 || ins.in.size() == 3) && ins.out.size() == 1) { // 3: bias epilogue
+  if (ins.op == "matmul" && (ins.in.size() == 2 || ins.in.size() == 3) && !ins.out.empty()) { // 3: epilogue input
     const Buffer &a = rank.buffers[ins.in[0]], &o = rank.buffers[ins.out[0]];
     if (a.shape.size() < 2)
       return 0;

@@ -1,9 +1,13 @@
 //===- CudaBackend.cu - Instruction streams on an NVIDIA GPU --------------===//
 //
-// One device arena (cudaMalloc), one stream, cuBLAS for every matrix product
-// (TF32 tensor cores, f32 storage), CUDA kernels for the rest. Attention runs
-// as batched GEMMs around a masked softmax, so it materialises the S x T
-// scores in a workspace; a fused flash-style kernel is the next step.
+// One device arena (cudaMalloc); a compute stream, a communication stream
+// for the data-parallel gradient buckets (overlapped with the backward,
+// joined by event_wait) and a stream for pipeline sends. Matrix products
+// through cuBLASLt (f32 on TF32 tensor cores, or bf16) with their bias, GELU
+// and bias-gradient epilogues; attention through our flash kernels
+// (FlashAttention.cu) on bf16, batched GEMMs around a masked softmax on f32;
+// CUDA kernels (16-byte vector loads where they apply) for the rest, and
+// each program replayed as a CUDA graph from its second run.
 // Instructions are validated by the CPU backend's builders before any kernel
 // is set up, so a bundle is checked the same way on every backend. Every
 // CUDA and cuBLAS call is checked and becomes an Error naming the call;
@@ -1403,6 +1407,7 @@ public:
     LOOM_CUDA_CHECK(cudaMalloc(&errorWord, 3 * sizeof(long long)));
     LOOM_CUDA_CHECK(cudaMemsetAsync(errorWord, 0, 3 * sizeof(long long), stream));
     LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&sendStream, cudaStreamNonBlocking));
+    LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&commStream, cudaStreamNonBlocking));
     if (!kernelsPtx.empty()) { // the compiler's generated kernels, JIT-compiled by the driver
       cudaError_t e = cudaLibraryLoadData(&kernelsLibrary, kernelsPtx.c_str(), nullptr, nullptr, 0,
                                           nullptr, nullptr, 0);
@@ -1425,6 +1430,12 @@ public:
       cudaFree(p);
     if (sendStream)
       cudaStreamSynchronize(sendStream), cudaStreamDestroy(sendStream);
+    if (commStream)
+      cudaStreamSynchronize(commStream), cudaStreamDestroy(commStream);
+    for (auto &[id, e] : commEvents)
+      cudaEventDestroy(e);
+    for (cudaEvent_t e : readyEvents)
+      cudaEventDestroy(e);
     for (Staging &slot : staging) {
       cudaFree(slot.data);
       if (slot.sent)
@@ -1558,6 +1569,7 @@ public:
     }
     LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
     LOOM_CUDA_CHECK(cudaStreamSynchronize(sendStream));
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(commStream));
     if (world && world->aborted)
       fail(LOOM_INVALID_ARGUMENT, program, ": another rank failed and stopped every rank");
     if (profiling)
@@ -1693,17 +1705,29 @@ private:
     cublasLtMatmulAlgo_t algo{};
   };
   std::map<std::string, std::shared_ptr<GemmPlan>> gemmPlans;
+  /// A cuBLASLt epilogue: its kind, the bias vector (read, or written by a
+  /// bias gradient) and the auxiliary matrix (GELU's pre-activation, ld
+  /// elements apart).
+  struct GemmEpilogue {
+    cublasLtEpilogue_t kind = CUBLASLT_EPILOGUE_DEFAULT;
+    const void *bias = nullptr, *aux = nullptr;
+    int64_t auxLd = 0;
+  };
+  /// Null when `epilogue` is given and cuBLASLt has no algorithm for it
+  /// (the caller runs the product and its epilogue apart).
   std::shared_ptr<GemmPlan> planGemm(const GemmTypes &t, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
                                      const void *a, int64_t lda, const void *b, int64_t ldb, void *c, int64_t ldc,
-                                     int64_t offsetAlign = 256, const void *bias = nullptr) {
+                                     int64_t offsetAlign = 256, const GemmEpilogue *epilogue = nullptr) {
     // The alignment every pointer the plan will see has (cuBLASLt assumes 256).
     auto alignOf = [](uint64_t v) { return v == 0 ? uint64_t(256) : std::min<uint64_t>(256, v & (~v + 1)); };
     uint32_t align[3];
     const void *ptrs[3] = {b, a, c};
     for (int i = 0; i < 3; ++i)
       align[i] = uint32_t(std::min(alignOf(reinterpret_cast<uintptr_t>(ptrs[i])), alignOf(uint64_t(offsetAlign))));
+    uint32_t auxAlign = epilogue && epilogue->aux ? uint32_t(alignOf(reinterpret_cast<uintptr_t>(epilogue->aux))) : 0;
     std::string key = cat(m, "x", n, "x", k, ta, tb, ":", lda, ",", ldb, ",", ldc, ":", int(t.ab), int(t.c), int(t.compute),
-                          ":", align[0], ",", align[1], ",", align[2], bias ? ":bias" : "");
+                          ":", align[0], ",", align[1], ",", align[2], ":", epilogue ? int(epilogue->kind) : 0, ",",
+                          auxAlign, ",", epilogue ? epilogue->auxLd : 0);
     if (auto it = gemmPlans.find(key); it != gemmPlans.end())
       return it->second;
     auto plan = std::shared_ptr<GemmPlan>(new GemmPlan, [](GemmPlan *p) {
@@ -1715,15 +1739,22 @@ private:
     LOOM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, t.compute, CUDA_R_32F));
     LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &opA, sizeof opA));
     LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &opB, sizeof opB));
-    if (bias) { // a vector over the result's columns (cuBLAS's rows), added in the epilogue
-      cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
-      cudaDataType biasType = t.c;
-      LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
-                                                       sizeof epilogue));
-      LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &biasType,
-                                                       sizeof biasType));
-      LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
-                                                       sizeof bias));
+    if (epilogue) { // the bias is a vector over the result's columns (cuBLAS's rows)
+      LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue->kind,
+                                                       sizeof epilogue->kind));
+      if (epilogue->bias) {
+        cudaDataType biasType = t.c;
+        LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &biasType,
+                                                         sizeof biasType));
+        LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                         &epilogue->bias, sizeof epilogue->bias));
+      }
+      if (epilogue->aux) {
+        LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                                         &epilogue->aux, sizeof epilogue->aux));
+        LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                                                         &epilogue->auxLd, sizeof epilogue->auxLd));
+      }
     }
     // Stored shapes (column-major): cuBLAS's A is our B, its B our A.
     LOOM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, t.ab, tb ? k : n, tb ? n : k, ldb));
@@ -1746,6 +1777,8 @@ private:
     cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt, plan->desc, plan->a, plan->b, plan->c, plan->c, pref, 8,
                                                        found, &returned);
     cublasLtMatmulPreferenceDestroy(pref);
+    if ((st != CUBLAS_STATUS_SUCCESS || returned == 0) && epilogue)
+      return nullptr;
     if (st != CUBLAS_STATUS_SUCCESS || returned == 0)
       fail(LOOM_UNSUPPORTED, where, ": cuBLASLt has no algorithm for a ", m, "x", n, "x", k, " product (",
            cublasGetStatusName(st), ")");
@@ -1774,15 +1807,22 @@ private:
         best = ms, plan->algo = found[i].algo;
     }
     cudaEventDestroy(e0), cudaEventDestroy(e1);
+    if (best == INFINITY && epilogue)
+      return nullptr;
     if (best == INFINITY)
       fail(LOOM_INTERNAL, where, ": no cuBLASLt algorithm ran a ", m, "x", n, "x", k, " product");
     gemmPlans[key] = plan;
     return plan;
   }
-  void gemm(const GemmPlan &p, const void *a, const void *b, void *c, cudaStream_t s, const void *bias = nullptr) {
+  void gemm(const GemmPlan &p, const void *a, const void *b, void *c, cudaStream_t s,
+            const GemmEpilogue *epilogue = nullptr) {
     float alpha = 1.0f, beta = 0.0f;
-    if (bias) // plans are shared by shape: the bias is this call's
-      LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+    if (epilogue && epilogue->bias) // plans are shared by shape: the vectors are this call's
+      LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &epilogue->bias,
+                                                       sizeof epilogue->bias));
+    if (epilogue && epilogue->aux)
+      LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                                       &epilogue->aux, sizeof epilogue->aux));
     LOOM_CUBLAS_CHECK(cublasLtMatmul(lt, p.desc, &alpha, b, p.a, a, p.b, &beta, c, p.c, c, p.c, &p.algo,
                                      blasWorkspace, kBlasWorkspace, s));
   }
@@ -1841,6 +1881,18 @@ private:
   int device;
   NcclWorld *world = nullptr;
   cudaStream_t stream = nullptr, sendStream = nullptr;
+  /// "async" collectives (data-parallel gradient buckets) run here, after
+  /// an event marks their inputs ready on the compute stream; each records
+  /// its bundle event, which an event_wait makes the compute stream wait for.
+  cudaStream_t commStream = nullptr;
+  std::map<int64_t, cudaEvent_t> commEvents;
+  std::vector<cudaEvent_t> readyEvents;
+  cudaEvent_t commEvent(int64_t id) {
+    cudaEvent_t &e = commEvents[id];
+    if (!e)
+      LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
   /// Sends go out of staging copies on their own stream, so the compute
   /// stream never waits for a receiver and may reuse the sent buffer's
   /// memory at once. Each send instruction has its own copy, made when it is
@@ -2004,32 +2056,87 @@ private:
   }
 };
 
-/// The GEMM, then its epilogue ("bias": added to every row in place; a
-/// cuBLASLt epilogue will fold it into the GEMM).
+/// The GEMM and its epilogue (docs/bundle-format.md): one cuBLASLt call
+/// where cuBLASLt has an algorithm for it (bias, GELU_BIAS/GELU_AUX_BIAS,
+/// DGELU, BGRADA), else the product and then our kernels for the rest.
+/// LOOM_CUDA_EPILOGUES=0 always takes the second way (for comparing).
 Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
-  auto epilogue = ins.attrs.find("epilogue");
-  bool withBias = epilogue != ins.attrs.end() && epilogue->is_string();
-  if (withBias && buf(ins.in[2]).dtype == buf(ins.out[0]).dtype) {
-    const Buffer &a = buf(ins.in[0]), &b = buf(ins.in[1]), &o = buf(ins.out[0]);
-    size_t ra = a.shape.size(), rb = b.shape.size();
-    int64_t batchB = count(b.shape) / (b.shape[rb - 1] * b.shape[rb - 2]);
-    if (batchB == 1 && !flag(ins, "transpose_a")) { // one GEMM, bias in cuBLASLt's epilogue
-      GemmTypes t = gemmTypes(a, b, o);
-      bool tb = flag(ins, "transpose_b");
-      int64_t n = o.shape.back(), k = a.shape[ra - 1], rows = count(o.shape) / n;
-      char *pa = ptr(a), *pb = ptr(b), *po = ptr(o), *pbias = ptr(buf(ins.in[2]));
-      auto plan = planGemm(t, false, tb, rows, n, k, pa, a.shape[ra - 1], pb, b.shape[rb - 1], po, n, 256, pbias);
-      return [=](cudaStream_t s) { gemm(*plan, pa, pb, po, s, pbias); };
-    }
+  auto found = ins.attrs.find("epilogue");
+  std::string epilogue = found != ins.attrs.end() && found->is_string() ? found->get<std::string>() : "";
+  if (epilogue.empty())
+    return buildGemm(ins);
+  static const bool lt = [] {
+    const char *e = std::getenv("LOOM_CUDA_EPILOGUES");
+    return !(e && std::string(e) == "0");
+  }();
+  const Buffer &a = buf(ins.in[0]), &b = buf(ins.in[1]), &o = buf(ins.out[0]);
+  bool ta = flag(ins, "transpose_a"), tb = flag(ins, "transpose_b");
+  size_t ra = a.shape.size(), rb = b.shape.size();
+  int64_t batchB = count(b.shape) / (b.shape[rb - 1] * b.shape[rb - 2]);
+  int64_t n = o.shape.back(), rows = count(o.shape) / n;
+  // The product as one GEMM: A's batch folded into rows, or (bgrad) X^T dY.
+  bool oneGemm = (!ta && batchB == 1) || (ta && ra == 2 && rb == 2 && o.shape.size() == 2);
+  int64_t m = rows, k = ta ? a.shape[0] : a.shape[ra - 1], lda = a.shape[ra - 1];
+  GemmEpilogue e;
+  int64_t auxBytes = 0; // the auxiliary matrix's element size
+  if (epilogue == "bias") {
+    e.kind = CUBLASLT_EPILOGUE_BIAS, e.bias = ptr(buf(ins.in[2]));
+    oneGemm &= buf(ins.in[2]).dtype == o.dtype;
+  } else if (epilogue == "bias_gelu") {
+    e.bias = ptr(buf(ins.in[2]));
+    oneGemm &= buf(ins.in[2]).dtype == o.dtype;
+    if (ins.out.size() == 2)
+      e.kind = CUBLASLT_EPILOGUE_GELU_AUX_BIAS, e.aux = ptr(buf(ins.out[1])), auxBytes = dtypeSize(buf(ins.out[1]).dtype);
+    else
+      e.kind = CUBLASLT_EPILOGUE_GELU_BIAS;
+  } else if (epilogue == "dgelu") {
+    e.kind = CUBLASLT_EPILOGUE_DGELU, e.aux = ptr(buf(ins.in[2])), auxBytes = dtypeSize(buf(ins.in[2]).dtype);
+  } else if (epilogue == "bgrad") {
+    e.kind = CUBLASLT_EPILOGUE_BGRADA, e.bias = ptr(buf(ins.out[1]));
+    oneGemm &= buf(ins.out[1]).dtype == o.dtype;
   }
-  Launch gemm = buildGemm(ins);
-  if (!withBias)
-    return gemm;
-  DPtr po = fp(ins.out[0]), bias = fp(ins.in[2]);
-  int64_t cnt = count(buf(ins.out[0]).shape), n = buf(ins.out[0]).shape.back();
-  return [=](cudaStream_t s) {
-    gemm(s);
-    binaryContiguousKernel<<<blocksFor(cnt), kThreads, 0, s>>>(kAdd, po, bias, po, cnt, cnt, n);
+  if (e.aux) { // cuBLASLt keeps the auxiliary matrix in the result's type, ld a multiple of 8
+    e.auxLd = n;
+    oneGemm &= n % 8 == 0 && auxBytes == int64_t(gemmTypes(a, b, o).cSize);
+  }
+  std::shared_ptr<GemmPlan> plan;
+  if (lt && oneGemm)
+    plan = planGemm(gemmTypes(a, b, o), ta, tb, m, n, k, ptr(a), lda, ptr(b), b.shape[rb - 1], ptr(o), n, 256, &e);
+  if (plan) {
+    char *pa = ptr(a), *pb = ptr(b), *po = ptr(o);
+    return [=](cudaStream_t s) { gemm(*plan, pa, pb, po, s, &e); };
+  }
+  // Apart: the product (with its bias where cuBLASLt takes it), then kernels.
+  Instruction product{"matmul", {ins.in[0], ins.in[1]}, {ins.out[0]}, ins.attrs};
+  product.attrs.erase("epilogue");
+  std::vector<Launch> steps;
+  if (epilogue == "bias" || epilogue == "bias_gelu") {
+    int64_t pre = ins.out.size() == 2 ? ins.out[1] : ins.out[0]; // the pre-activation lands here
+    Instruction withBias{"matmul", {ins.in[0], ins.in[1], ins.in[2]}, {pre}, ins.attrs};
+    withBias.attrs["epilogue"] = "bias";
+    if (epilogue == "bias") {
+      steps.push_back(buildGemm(product));
+      DPtr po = fp(ins.out[0]), bias = fp(ins.in[2]);
+      int64_t cnt = count(o.shape);
+      steps.push_back([=](cudaStream_t s) {
+        binaryContiguousKernel<<<blocksFor(cnt), kThreads, 0, s>>>(kAdd, po, bias, po, cnt, cnt, n);
+      });
+    } else {
+      steps.push_back(buildMatmul(withBias)); // the bias in cuBLASLt's epilogue where it can
+    }
+    if (epilogue == "bias_gelu")
+      steps.push_back(build(Instruction{"gelu", {pre}, {ins.out[0]}, nlohmann::json{{"approximate", true}}}));
+  } else if (epilogue == "dgelu") {
+    steps.push_back(buildGemm(product));
+    steps.push_back(build(Instruction{"unary_grad", {ins.in[2], ins.in[2], ins.out[0]}, {ins.out[0]},
+                                      nlohmann::json{{"fn", "gelu_tanh"}}}));
+  } else { // bgrad: the column sums of B (2-D, [k, n])
+    steps.push_back(buildGemm(product));
+    steps.push_back(build(Instruction{"reduce_sum", {ins.in[1]}, {ins.out[1]}, nlohmann::json{{"axes", {0}}}}));
+  }
+  return [steps](cudaStream_t s) {
+    for (const Launch &step : steps)
+      step(s);
   };
 }
 
@@ -2650,8 +2757,13 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
   }
   if (op == "fused")
     return buildFused(ins);
-  if (op == "event_wait") // collectives run in stream order here: nothing to wait for
-    return [](cudaStream_t) {};
+  if (op == "event_wait") { // the compute stream waits for the async collectives up to this event
+    buildCapturable = false;
+    if (!ins.attrs.contains("event") || !ins.attrs["event"].is_number_integer())
+      fail(LOOM_INVALID_BUNDLE, where, ": event_wait needs an integer attribute 'event'");
+    cudaEvent_t e = commEvent(ins.attrs["event"].get<int64_t>());
+    return [=](cudaStream_t s) { LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, e, 0)); };
+  }
   if (op == "all_reduce" || op == "broadcast_from" || op == "send" || op == "recv" ||
       op == "reduce_scatter" || op == "all_gather" || op == "shard_of" ||
       (op == "global_norm" && ins.attrs.contains("group")))
@@ -2850,7 +2962,7 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     std::vector<std::tuple<char *, char *, int64_t, ncclDataType_t, int64_t>> parts;
     for (size_t i = 0; i < ins.in.size(); ++i)
       parts.push_back({ptr(fp(ins.in[i])), ptr(fp(ins.out[i])), n(ins.in[i]), ncclType(ins.in[i]), buf(ins.in[i]).bytes});
-    return [=](cudaStream_t s) {
+    auto reduce = [=](cudaStream_t s) {
       for (auto [in, out, cnt, type, bytes] : parts)
         if (in != out)
           LOOM_CUDA_CHECK(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, s));
@@ -2860,6 +2972,22 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
       for (auto [in, out, cnt, type, bytes] : parts)
         LOOM_NCCL_CHECK(ncclAllReduce(out, out, size_t(cnt), type, red, comm, s));
       LOOM_NCCL_CHECK(ncclGroupEnd());
+    };
+    bool async = ins.attrs.value("async", false) && ins.attrs.contains("event") &&
+                 ins.attrs["event"].is_number_integer();
+    if (!async)
+      return reduce;
+    // On the communication stream, overlapped with the compute that follows:
+    // the bundle guarantees nothing touches the bucket until its event_wait.
+    cudaEvent_t done = commEvent(ins.attrs["event"].get<int64_t>()), ready;
+    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    readyEvents.push_back(ready);
+    cudaStream_t cs = commStream;
+    return [=](cudaStream_t s) {
+      LOOM_CUDA_CHECK(cudaEventRecord(ready, s));
+      LOOM_CUDA_CHECK(cudaStreamWaitEvent(cs, ready, 0));
+      reduce(cs);
+      LOOM_CUDA_CHECK(cudaEventRecord(done, cs));
     };
   }
   // ZeRO-1: slice `index` of k = ceil(n / parts) elements of each tensor.
