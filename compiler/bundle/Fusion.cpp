@@ -58,6 +58,14 @@ std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readersOf(const r
 
 bool floating(const rt::Buffer &b) { return b.dtype == LOOM_F32 || b.dtype == LOOM_BF16; }
 
+/// A string attribute ("" when absent; instructions without attributes hold null).
+std::string strAttr(const rt::Instruction &ins, const char *name) {
+  if (!ins.attrs.is_object())
+    return "";
+  auto it = ins.attrs.find(name);
+  return it != ins.attrs.end() && it->is_string() ? it->get<std::string>() : "";
+}
+
 /// Whether an instruction strictly between `lo` and `hi` (either order) of
 /// `list`, not erased, reads (`reads`) or writes root `root`'s storage.
 bool touchedBetween(const rt::RankProgram &r, const std::vector<rt::Instruction> &list,
@@ -92,9 +100,11 @@ int64_t viewAs(rt::RankProgram &r, int64_t id, const rt::Shape &shape) {
 }
 
 /// The activation epilogues of GEMMs, as cuBLASLt runs them (GELU_AUX_BIAS,
-/// DGELU, BGRADA); each removes a pass over a [tokens, n] tensor:
+/// DGELU, BGRADA, C with beta = 1); each removes a pass over a [tokens, n] tensor:
 ///  - bias_gelu: a bias-epilogue matmul followed by the tanh GELU of its
 ///    result; the pre-activation stays an output where anything else reads it.
+///  - residual, bias_residual: a matmul whose result only a following add
+///    of another tensor (the residual stream) reads.
 ///  - dgelu: a matmul whose result only the tanh GELU's gradient reads
 ///    (dY * gelu'(pre)); the gradient is written where the product was.
 ///  - bgrad: a bias gradient (reduce_sum over all but the last axis) of a
@@ -111,9 +121,11 @@ int64_t activationEpilogues(rt::RankProgram &r, const std::set<int64_t> &kept) {
     list = std::move(out);
   };
   auto plainMatmul = [](const rt::Instruction &ins) {
-    return ins.op == "matmul" && !ins.attrs.contains("epilogue") && ins.in.size() == 2 && ins.out.size() == 1;
+    return ins.op == "matmul" && strAttr(ins, "epilogue").empty() && ins.in.size() == 2 && ins.out.size() == 1;
   };
   auto flag = [](const rt::Instruction &ins, const char *name) {
+    if (!ins.attrs.is_object())
+      return false;
     auto it = ins.attrs.find(name);
     return it != ins.attrs.end() && it->is_boolean() && it->get<bool>();
   };
@@ -123,7 +135,7 @@ int64_t activationEpilogues(rt::RankProgram &r, const std::set<int64_t> &kept) {
     std::vector<bool> erased(list.size(), false);
     for (size_t i = 0; i + 1 < list.size(); ++i) {
       rt::Instruction &mm = list[i], &gelu = list[i + 1];
-      if (mm.op != "matmul" || mm.attrs.value("epilogue", std::string()) != "bias" || mm.out.size() != 1 ||
+      if (mm.op != "matmul" || strAttr(mm, "epilogue") != "bias" || mm.out.size() != 1 ||
           gelu.op != "gelu" || !flag(gelu, "approximate") || gelu.in.size() != 1 || gelu.out.size() != 1 ||
           gelu.in[0] != mm.out[0])
         continue;
@@ -137,6 +149,40 @@ int64_t activationEpilogues(rt::RankProgram &r, const std::set<int64_t> &kept) {
       mm.out = needPre ? std::vector<int64_t>{y, pre} : std::vector<int64_t>{y};
       mm.attrs["epilogue"] = "bias_gelu";
       erased[++i] = true;
+    }
+    compact(list, erased);
+  }
+  // Residual adds: add(R, P) of a matmul's result P that nothing else reads
+  // becomes that matmul's C input (cuBLASLt's beta = 1): bias_residual or residual.
+  readers = readersOf(r);
+  for (auto &[name, list] : r.programs) {
+    std::vector<bool> erased(list.size(), false);
+    for (size_t i = 0; i < list.size(); ++i) {
+      rt::Instruction &mm = list[i];
+      std::string epi = strAttr(mm, "epilogue");
+      if (mm.op != "matmul" || mm.out.size() != 1 || !(epi == "bias" || (epi.empty() && mm.in.size() == 2)))
+        continue;
+      int64_t pre = mm.out[0];
+      const auto &pr = readers[pre];
+      if (kept.count(pre) || r.buffers[pre].viewOf >= 0 || pr.size() != 1 || pr[0].first != name ||
+          pr[0].second <= i)
+        continue;
+      size_t j = pr[0].second;
+      const rt::Instruction &add = list[j];
+      if (erased[j] || add.op != "add" || add.in.size() != 2 || add.out.size() != 1 ||
+          (add.in[0] == pre) == (add.in[1] == pre))
+        continue;
+      int64_t res = add.in[0] == pre ? add.in[1] : add.in[0], y = add.out[0];
+      const rt::Buffer &pb = r.buffers[pre], &rb = r.buffers[res], &yb = r.buffers[y];
+      if (!floating(pb) || rb.shape != pb.shape || yb.shape != pb.shape || rb.dtype != pb.dtype ||
+          yb.dtype != pb.dtype || rootOf(r, y) == rootOf(r, res) ||
+          touchedBetween(r, list, erased, i, j, rootOf(r, y), true) ||
+          touchedBetween(r, list, erased, i, j, rootOf(r, res), false))
+        continue;
+      mm.in.push_back(res);
+      mm.out = {y};
+      mm.attrs["epilogue"] = epi.empty() ? "residual" : "bias_residual";
+      erased[j] = true;
     }
     compact(list, erased);
   }
@@ -154,7 +200,7 @@ int64_t activationEpilogues(rt::RankProgram &r, const std::set<int64_t> &kept) {
         continue;
       size_t j = gr[0].second;
       const rt::Instruction &ug = list[j];
-      if (erased[j] || ug.op != "unary_grad" || ug.attrs.value("fn", std::string()) != "gelu_tanh" ||
+      if (erased[j] || ug.op != "unary_grad" || strAttr(ug, "fn") != "gelu_tanh" ||
           ug.in.size() != 3 || ug.out.size() != 1 || rootOf(r, ug.in[2]) != g)
         continue;
       int64_t pre = ug.in[0], d = ug.out[0];
@@ -183,7 +229,7 @@ int64_t activationEpilogues(rt::RankProgram &r, const std::set<int64_t> &kept) {
       if (x.shape.size() < 2 || !floating(x) || db.dtype != x.dtype)
         continue;
       std::set<int64_t> axes;
-      if (auto it = red.attrs.find("axes"); it != red.attrs.end() && it->is_array())
+      if (auto it = red.attrs.find("axes"); red.attrs.is_object() && it != red.attrs.end() && it->is_array())
         for (const auto &a : *it)
           if (a.is_number_integer())
             axes.insert(a.get<int64_t>() < 0 ? a.get<int64_t>() + int64_t(x.shape.size()) : a.get<int64_t>());

@@ -235,19 +235,26 @@ Kernel buildScale(const Ctx &c) {
 ///   "bias_gelu"  inputs A, B, bias; outputs gelu_tanh(C + bias) and, when
 ///                given, the pre-activation C + bias (kept for the backward).
 ///   "dgelu"      inputs A, B, pre; C * gelu_tanh'(pre).
+///   "residual"   inputs A, B, R; C + R (R of C's shape).
+///   "bias_residual"  inputs A, B, bias, R; C + bias + R.
 ///   "bgrad"      inputs A, B; outputs C and the column sums of B over the
 ///                product's k dimension (a bias gradient; B is not transposed).
 /// The epilogue works on C's f32 values before anything is rounded.
 Kernel buildMatmul(const Ctx &c) {
   auto found = c.ins.attrs.find("epilogue");
   std::string epilogue = found != c.ins.attrs.end() && found->is_string() ? found->get<std::string>() : "";
-  static const std::set<std::string> kEpilogues = {"", "bias", "bias_gelu", "dgelu", "bgrad"};
+  static const std::set<std::string> kEpilogues = {"", "bias", "bias_gelu", "dgelu", "bgrad", "residual",
+                                                    "bias_residual"};
   if (!kEpilogues.count(epilogue))
-    c.bad("unknown epilogue '" + epilogue + "'; the matmul epilogues are: bias, bias_gelu, dgelu, bgrad");
-  bool withBias = epilogue == "bias" || epilogue == "bias_gelu", gelu = epilogue == "bias_gelu";
-  bool dgelu = epilogue == "dgelu", bgrad = epilogue == "bgrad";
+    c.bad("unknown epilogue '" + epilogue +
+          "'; the matmul epilogues are: bias, bias_gelu, dgelu, bgrad, residual, bias_residual");
+  bool withBias = epilogue == "bias" || epilogue == "bias_gelu" || epilogue == "bias_residual";
+  bool gelu = epilogue == "bias_gelu", dgelu = epilogue == "dgelu", bgrad = epilogue == "bgrad";
+  bool residual = epilogue == "residual" || epilogue == "bias_residual";
   if (gelu)
     c.arity(3, c.ins.out.size() == 2 ? 2 : 1);
+  else if (epilogue == "bias_residual")
+    c.arity(4, 1);
   else
     c.arity(epilogue.empty() || bgrad ? 2 : 3, bgrad ? 2 : 1);
   const Buffer &a = c.in(0), &b = c.in(1), &o = c.out();
@@ -273,7 +280,14 @@ Kernel buildMatmul(const Ctx &c) {
     offB.push_back(ib * k * n);
   });
   float *pa = c.f32(a), *pb = c.f32(b), *po = c.f32(o);
-  float *bias = nullptr, *pre = nullptr, *preIn = nullptr, *colSums = nullptr;
+  float *bias = nullptr, *pre = nullptr, *preIn = nullptr, *colSums = nullptr, *res = nullptr;
+  if (residual) {
+    const Buffer &r = c.in(c.ins.in.size() - 1);
+    c.needF32(r), c.sameShape(r, o);
+    if (r.offset < o.offset + o.bytes && o.offset < r.offset + r.bytes)
+      c.bad("the residual input must not overlap the result");
+    res = c.f32(r);
+  }
   if (withBias) {
     c.needF32(c.in(2));
     if (c.in(2).shape != Shape{n})
@@ -330,6 +344,11 @@ Kernel buildMatmul(const Ctx &c) {
         if (bias)
           for (int64_t j = 0; j < n; ++j)
             C[j] = C[j] + bias[j];
+        if (res) {
+          const float *x = res + (bi * m + i) * n;
+          for (int64_t j = 0; j < n; ++j)
+            C[j] = C[j] + x[j];
+        }
         if (pre)
           std::copy(C, C + n, pre + (bi * m + i) * n);
         if (gelu)

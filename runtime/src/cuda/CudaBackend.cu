@@ -715,11 +715,17 @@ __global__ void __launch_bounds__(256) castChunksKernel(const CastChunk *chunks)
   CastChunk c = chunks[blockIdx.x];
   int64_t begin = c.begin;
   if (((reinterpret_cast<uintptr_t>(c.in.p) | reinterpret_cast<uintptr_t>(c.out.p)) % 16) == 0) {
-    int64_t end8 = begin + (c.end - begin) / 8 * 8;
-    for (int64_t i = begin + int64_t(threadIdx.x) * 8; i < end8; i += int64_t(blockDim.x) * 8) {
-      float v[8];
+    int64_t end8 = begin + (c.end - begin) / 8 * 8, stride = int64_t(blockDim.x) * 8;
+    // Two loads in flight per thread before either store (a chunk is short).
+    for (int64_t i = begin + int64_t(threadIdx.x) * 8; i < end8; i += 2 * stride) {
+      float v[8], w[8];
+      bool second = i + stride < end8;
       load8(c.in, i, v);
+      if (second)
+        load8(c.in, i + stride, w);
       store8(c.out, i, v);
+      if (second)
+        store8(c.out, i + stride, w);
     }
     begin = end8;
   }
@@ -1166,24 +1172,35 @@ __global__ void __launch_bounds__(256) adamwKernel(const AdamTensor *tensors, co
     int64_t end4 = begin + (c.end - begin) / 4 * 4;
     float4 *p4 = reinterpret_cast<float4 *>(t.p), *m4 = reinterpret_cast<float4 *>(t.m),
            *v4 = reinterpret_cast<float4 *>(t.v);
-    for (int q = int(begin / 4) + threadIdx.x, e = int(end4 / 4); q < e; q += blockDim.x) {
-      float4 gq;
+    auto grad4 = [&](int q) {
       if (t.g.bf) {
         uint2 raw = __ldg(reinterpret_cast<const uint2 *>(t.g.p) + q);
         float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&raw.x));
         float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&raw.y));
-        gq = make_float4(lo.x, lo.y, hi.x, hi.y);
-      } else {
-        gq = __ldg(reinterpret_cast<const float4 *>(t.g.p) + q);
+        return make_float4(lo.x, lo.y, hi.x, hi.y);
       }
-      float4 pq = p4[q], mq = m4[q], vq = v4[q];
+      return __ldg(reinterpret_cast<const float4 *>(t.g.p) + q);
+    };
+    auto update4 = [&](float4 &pq, float4 gq, float4 &mq, float4 &vq) {
       update(pq.x, gq.x, mq.x, vq.x);
       update(pq.y, gq.y, mq.y, vq.y);
       update(pq.z, gq.z, mq.z, vq.z);
       update(pq.w, gq.w, mq.w, vq.w);
-      p4[q] = pq;
-      m4[q] = mq;
-      v4[q] = vq;
+    };
+    // Two float4s of each array in flight per thread before any store: a
+    // chunk is a few iterations long, so the loads' latency is what counts.
+    int stride = blockDim.x;
+    for (int q = int(begin / 4) + threadIdx.x, e = int(end4 / 4); q < e; q += 2 * stride) {
+      bool second = q + stride < e;
+      float4 ga = grad4(q), pa = p4[q], ma = m4[q], va = v4[q], gb{}, pb{}, mb{}, vb{};
+      if (second)
+        gb = grad4(q + stride), pb = p4[q + stride], mb = m4[q + stride], vb = v4[q + stride];
+      update4(pa, ga, ma, va);
+      p4[q] = pa, m4[q] = ma, v4[q] = va;
+      if (second) {
+        update4(pb, gb, mb, vb);
+        p4[q + stride] = pb, m4[q + stride] = mb, v4[q + stride] = vb;
+      }
     }
     begin = end4;
   }
@@ -1712,6 +1729,7 @@ private:
     cublasLtEpilogue_t kind = CUBLASLT_EPILOGUE_DEFAULT;
     const void *bias = nullptr, *aux = nullptr;
     int64_t auxLd = 0;
+    const void *residual = nullptr; // C, added with beta = 1 (the result is D)
   };
   /// Null when `epilogue` is given and cuBLASLt has no algorithm for it
   /// (the caller runs the product and its epilogue apart).
@@ -1720,13 +1738,15 @@ private:
                                      int64_t offsetAlign = 256, const GemmEpilogue *epilogue = nullptr) {
     // The alignment every pointer the plan will see has (cuBLASLt assumes 256).
     auto alignOf = [](uint64_t v) { return v == 0 ? uint64_t(256) : std::min<uint64_t>(256, v & (~v + 1)); };
-    uint32_t align[3];
-    const void *ptrs[3] = {b, a, c};
-    for (int i = 0; i < 3; ++i)
+    const void *residual = epilogue ? epilogue->residual : nullptr;
+    uint32_t align[4];
+    const void *ptrs[4] = {b, a, residual ? residual : c, c};
+    for (int i = 0; i < 4; ++i)
       align[i] = uint32_t(std::min(alignOf(reinterpret_cast<uintptr_t>(ptrs[i])), alignOf(uint64_t(offsetAlign))));
     uint32_t auxAlign = epilogue && epilogue->aux ? uint32_t(alignOf(reinterpret_cast<uintptr_t>(epilogue->aux))) : 0;
     std::string key = cat(m, "x", n, "x", k, ta, tb, ":", lda, ",", ldb, ",", ldc, ":", int(t.ab), int(t.c), int(t.compute),
-                          ":", align[0], ",", align[1], ",", align[2], ":", epilogue ? int(epilogue->kind) : 0, ",",
+                          ":", align[0], ",", align[1], ",", align[2], ",", align[3], ":",
+                          epilogue ? int(epilogue->kind) : 0, residual ? "+C" : "", ",",
                           auxAlign, ",", epilogue ? epilogue->auxLd : 0);
     if (auto it = gemmPlans.find(key); it != gemmPlans.end())
       return it->second;
@@ -1770,8 +1790,8 @@ private:
                                                                CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES};
     for (int i = 0; i < 3; ++i)
       LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, alignAttr[i], &align[i], sizeof align[i]));
-    LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align[2],
-                                                           sizeof align[2]));
+    LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align[3],
+                                                           sizeof align[3]));
     cublasLtMatmulHeuristicResult_t found[8];
     int returned = 0;
     cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt, plan->desc, plan->a, plan->b, plan->c, plan->c, pref, 8,
@@ -1783,7 +1803,8 @@ private:
       fail(LOOM_UNSUPPORTED, where, ": cuBLASLt has no algorithm for a ", m, "x", n, "x", k, " product (",
            cublasGetStatusName(st), ")");
     // Time the candidates (the result buffer is overwritten by the real run).
-    float best = INFINITY, alpha = 1.0f, beta = 0.0f;
+    float best = INFINITY, alpha = 1.0f, beta = residual ? 1.0f : 0.0f;
+    const void *cIn = residual ? residual : c;
     cudaEvent_t e0, e1;
     LOOM_CUDA_CHECK(cudaEventCreate(&e0));
     LOOM_CUDA_CHECK(cudaEventCreate(&e1));
@@ -1791,7 +1812,7 @@ private:
       if (found[i].state != CUBLAS_STATUS_SUCCESS)
         continue;
       auto launch = [&] {
-        return cublasLtMatmul(lt, plan->desc, &alpha, b, plan->a, a, plan->b, &beta, c, plan->c, c, plan->c,
+        return cublasLtMatmul(lt, plan->desc, &alpha, b, plan->a, a, plan->b, &beta, cIn, plan->c, c, plan->c,
                               &found[i].algo, blasWorkspace, kBlasWorkspace, stream);
       };
       if (launch() != CUBLAS_STATUS_SUCCESS)
@@ -1823,7 +1844,10 @@ private:
     if (epilogue && epilogue->aux)
       LOOM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
                                                        &epilogue->aux, sizeof epilogue->aux));
-    LOOM_CUBLAS_CHECK(cublasLtMatmul(lt, p.desc, &alpha, b, p.a, a, p.b, &beta, c, p.c, c, p.c, &p.algo,
+    const void *cIn = c;
+    if (epilogue && epilogue->residual)
+      beta = 1.0f, cIn = epilogue->residual;
+    LOOM_CUBLAS_CHECK(cublasLtMatmul(lt, p.desc, &alpha, b, p.a, a, p.b, &beta, cIn, p.c, c, p.c, &p.algo,
                                      blasWorkspace, kBlasWorkspace, s));
   }
   void gemmBatched(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float **a,
@@ -2058,7 +2082,8 @@ private:
 
 /// The GEMM and its epilogue (docs/bundle-format.md): one cuBLASLt call
 /// where cuBLASLt has an algorithm for it (bias, GELU_BIAS/GELU_AUX_BIAS,
-/// DGELU, BGRADA), else the product and then our kernels for the rest.
+/// DGELU, BGRADA; a residual as C with beta = 1), else the product and then
+/// our kernels for the rest.
 /// LOOM_CUDA_EPILOGUES=0 always takes the second way (for comparing).
 Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
   auto found = ins.attrs.find("epilogue");
@@ -2079,9 +2104,14 @@ Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
   int64_t m = rows, k = ta ? a.shape[0] : a.shape[ra - 1], lda = a.shape[ra - 1];
   GemmEpilogue e;
   int64_t auxBytes = 0; // the auxiliary matrix's element size
-  if (epilogue == "bias") {
+  if (epilogue == "bias" || epilogue == "bias_residual") {
     e.kind = CUBLASLT_EPILOGUE_BIAS, e.bias = ptr(buf(ins.in[2]));
     oneGemm &= buf(ins.in[2]).dtype == o.dtype;
+  }
+  if (epilogue == "residual" || epilogue == "bias_residual") {
+    e.residual = ptr(buf(ins.in.back()));
+    oneGemm &= buf(ins.in.back()).dtype == o.dtype;
+  } else if (epilogue == "bias") {
   } else if (epilogue == "bias_gelu") {
     e.bias = ptr(buf(ins.in[2]));
     oneGemm &= buf(ins.in[2]).dtype == o.dtype;
@@ -2110,7 +2140,16 @@ Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
   Instruction product{"matmul", {ins.in[0], ins.in[1]}, {ins.out[0]}, ins.attrs};
   product.attrs.erase("epilogue");
   std::vector<Launch> steps;
-  if (epilogue == "bias" || epilogue == "bias_gelu") {
+  if (epilogue == "residual" || epilogue == "bias_residual") {
+    if (epilogue == "residual") {
+      steps.push_back(buildGemm(product));
+    } else {
+      Instruction withBias{"matmul", {ins.in[0], ins.in[1], ins.in[2]}, {ins.out[0]}, ins.attrs};
+      withBias.attrs["epilogue"] = "bias";
+      steps.push_back(buildMatmul(withBias));
+    }
+    steps.push_back(build(Instruction{"add", {ins.out[0], ins.in.back()}, {ins.out[0]}, nlohmann::json::object()}));
+  } else if (epilogue == "bias" || epilogue == "bias_gelu") {
     int64_t pre = ins.out.size() == 2 ? ins.out[1] : ins.out[0]; // the pre-activation lands here
     Instruction withBias{"matmul", {ins.in[0], ins.in[1], ins.in[2]}, {pre}, ins.attrs};
     withBias.attrs["epilogue"] = "bias";
@@ -2973,8 +3012,7 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
         LOOM_NCCL_CHECK(ncclAllReduce(out, out, size_t(cnt), type, red, comm, s));
       LOOM_NCCL_CHECK(ncclGroupEnd());
     };
-    bool async = ins.attrs.value("async", false) && ins.attrs.contains("event") &&
-                 ins.attrs["event"].is_number_integer();
+    bool async = flag(ins, "async") && ins.attrs.contains("event") && ins.attrs["event"].is_number_integer();
     if (!async)
       return reduce;
     // On the communication stream, overlapped with the compute that follows:

@@ -88,6 +88,31 @@ __device__ void stage(const bf16 *src, int64_t ld, int row0, int limit, int rows
   }
 }
 
+/// The same with cp.async (16 bytes a copy, rows past `limit` zero-filled),
+/// so the next tile streams in while the warps compute on the current one;
+/// the caller commits the group and waits for it.
+__device__ inline void cpAsync16(void *dst, const void *src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ inline void cpAsync4(void *dst, const void *src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(valid ? 4 : 0));
+}
+__device__ inline void cpCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ inline void cpWait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+template <int D>
+__device__ void stageAsync(const bf16 *src, int64_t ld, int row0, int limit, int rows, bf16 *dst) {
+  constexpr int chunks = D / 8;
+  for (int idx = threadIdx.x; idx < rows * chunks; idx += kThreads) {
+    int r = idx / chunks, col = (idx % chunks) * 8;
+    bool valid = row0 + r < limit;
+    cpAsync16(dst + r * (D + 8) + col, valid ? src + int64_t(row0 + r) * ld + col : src, valid);
+  }
+}
+
 struct Shape {
   int s, t, heads, kvHeads;
   int64_t ldq, ldk;   // row strides of Q and of K, V (inputs)
@@ -103,11 +128,14 @@ __global__ void __launch_bounds__(kThreads) forwardKernel(const bf16 *Q, const b
                                                           float *lse, Shape sh) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int ld = D + 8;
-  bf16 *Ks = reinterpret_cast<bf16 *>(smem); // [kCols][ld]
-  bf16 *Vs = Ks + kCols * ld;                // [kCols][ld]
+  // Two stages of [kCols][ld] K and V tiles: the next streams in (cp.async)
+  // while the current one is used.
+  bf16 *Kbuf = reinterpret_cast<bf16 *>(smem), *Vbuf = Kbuf + 2 * kCols * ld;
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  // Causal blocks differ in work: the longest (last queries) start first.
+  int qBlock = sh.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
   int bh = blockIdx.y, b = bh / sh.heads, h = bh % sh.heads, kvh = h / (sh.heads / sh.kvHeads);
-  int q0 = blockIdx.x * kRows + warp * 16;
+  int q0 = qBlock * kRows + warp * 16;
   const bf16 *Qb = Q + int64_t(b) * sh.s * sh.ldq + h * D;
   const bf16 *Kb = K + int64_t(b) * sh.t * sh.ldk + kvh * D, *Vb = V + int64_t(b) * sh.t * sh.ldk + kvh * D;
 
@@ -120,11 +148,22 @@ __global__ void __launch_bounds__(kThreads) forwardKernel(const bf16 *Q, const b
   float o[D / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0, 0};
   int shift = sh.t - sh.s; // causal: query i sees keys <= i + shift
-  int end = sh.causal ? min(sh.t, int(blockIdx.x) * kRows + kRows + shift) : sh.t;
-  for (int k0 = 0; k0 < end; k0 += kCols) {
-    __syncthreads();
-    stage<D>(Kb, sh.ldk, k0, sh.t, kCols, Ks);
-    stage<D>(Vb, sh.ldk, k0, sh.t, kCols, Vs);
+  int end = sh.causal ? min(sh.t, qBlock * kRows + kRows + shift) : sh.t;
+  if (end > 0) {
+    stageAsync<D>(Kb, sh.ldk, 0, sh.t, kCols, Kbuf);
+    stageAsync<D>(Vb, sh.ldk, 0, sh.t, kCols, Vbuf);
+    cpCommit();
+  }
+  for (int k0 = 0, it = 0; k0 < end; k0 += kCols, ++it) {
+    bf16 *Ks = Kbuf + (it & 1) * kCols * ld, *Vs = Vbuf + (it & 1) * kCols * ld;
+    if (k0 + kCols < end) { // the other stage was last read an iteration ago (synced below)
+      stageAsync<D>(Kb, sh.ldk, k0 + kCols, sh.t, kCols, Kbuf + ((it + 1) & 1) * kCols * ld);
+      stageAsync<D>(Vb, sh.ldk, k0 + kCols, sh.t, kCols, Vbuf + ((it + 1) & 1) * kCols * ld);
+      cpCommit();
+      cpWait<1>();
+    } else {
+      cpWait<0>();
+    }
     __syncthreads();
     float s[kCols / 8][4] = {};
     for (int j = 0; j < kCols / 8; j += 2)
@@ -172,6 +211,7 @@ __global__ void __launch_bounds__(kThreads) forwardKernel(const bf16 *Q, const b
         mma(o[dn + 1], pa, vb[2], vb[3]);
       }
     }
+    __syncthreads(); // every warp is done with this stage before it is refilled
   }
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
@@ -216,37 +256,54 @@ __global__ void __launch_bounds__(kThreads)
                    float *dQ, bf16 *dK, bf16 *dV, Shape sh, float scale) {
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int ld = D + 8, lds = kRows + 8;
-  bf16 *Qs = reinterpret_cast<bf16 *>(smem); // [kCols][ld]
-  bf16 *dOs = Qs + kCols * ld;               // [kCols][ld]
-  bf16 *Ks = dOs + kCols * ld;               // [kRows][ld]
-  bf16 *Vs = Ks + kRows * ld;                // [kRows][ld]
-  bf16 *dSs = Vs + kRows * ld;               // [kCols][lds]: dS with queries as rows
-  float *lseS = reinterpret_cast<float *>(dSs + kCols * lds), *diS = lseS + kCols;
+  // Two stages of the query-side tiles (Q, dO, their lse and Di): the next
+  // (head, query block) streams in with cp.async while this one is used.
+  bf16 *Qbuf = reinterpret_cast<bf16 *>(smem); // 2 x [kCols][ld]
+  bf16 *dObuf = Qbuf + 2 * kCols * ld;         // 2 x [kCols][ld]
+  bf16 *Ks = dObuf + 2 * kCols * ld;           // [kRows][ld]
+  bf16 *Vs = Ks + kRows * ld;                  // [kRows][ld]
+  bf16 *dSs = Vs + kRows * ld;                 // [kCols][lds]: dS with queries as rows
+  float *lseBuf = reinterpret_cast<float *>(dSs + kCols * lds), *diBuf = lseBuf + 2 * kCols;
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   int bk = blockIdx.y, b = bk / sh.kvHeads, kvh = bk % sh.kvHeads, group = sh.heads / sh.kvHeads;
   int k0 = blockIdx.x * kRows, kw = warp * 16; // the warp's keys: k0 + kw + [0, 16)
   int shift = sh.t - sh.s;
   const bf16 *Kb = K + int64_t(b) * sh.t * sh.ldk + kvh * D, *Vb = V + int64_t(b) * sh.t * sh.ldk + kvh * D;
-  stage<D>(Kb, sh.ldk, k0, sh.t, kRows, Ks);
-  stage<D>(Vb, sh.ldk, k0, sh.t, kRows, Vs);
+  stageAsync<D>(Kb, sh.ldk, k0, sh.t, kRows, Ks);
+  stageAsync<D>(Vb, sh.ldk, k0, sh.t, kRows, Vs);
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  // Queries before `first` see none of this block's keys.
+  // Queries before `first` see none of this block's keys; the block walks
+  // (query head, query block) pairs, `perHead` blocks per head.
   int first = sh.causal ? max(0, k0 - shift) / kCols * kCols : 0;
-  for (int hq = 0; hq < group; ++hq) {
-    int h = kvh * group + hq;
-    const bf16 *Qb = Q + int64_t(b) * sh.s * sh.ldq + h * D, *dOb = dO + int64_t(b) * sh.s * sh.ldo + h * D;
-    for (int q0 = first; q0 < sh.s; q0 += kCols) {
-      __syncthreads();
-      stage<D>(Qb, sh.ldq, q0, sh.s, kCols, Qs);
-      stage<D>(dOb, sh.ldo, q0, sh.s, kCols, dOs);
-      for (int i = threadIdx.x; i < kCols; i += kThreads) {
-        bool in = q0 + i < sh.s;
-        int64_t at = (int64_t(b) * sh.heads + h) * sh.s + q0 + i;
-        lseS[i] = in ? lse[at] : INFINITY;
-        diS[i] = in ? di[at] : 0.0f;
-      }
-      __syncthreads();
+  int perHead = first < sh.s ? (sh.s - first + kCols - 1) / kCols : 0, total = group * perHead;
+  auto prefetch = [&](int it, int st) {
+    int h = kvh * group + it / perHead, q0 = first + (it % perHead) * kCols;
+    stageAsync<D>(Q + int64_t(b) * sh.s * sh.ldq + h * D, sh.ldq, q0, sh.s, kCols, Qbuf + st * kCols * ld);
+    stageAsync<D>(dO + int64_t(b) * sh.s * sh.ldo + h * D, sh.ldo, q0, sh.s, kCols, dObuf + st * kCols * ld);
+    for (int i = threadIdx.x; i < kCols; i += kThreads) { // rows past s: zeros, masked below
+      bool in = q0 + i < sh.s;
+      int64_t at = (int64_t(b) * sh.heads + h) * sh.s + q0 + i;
+      cpAsync4(lseBuf + st * kCols + i, in ? lse + at : lse, in);
+      cpAsync4(diBuf + st * kCols + i, in ? di + at : di, in);
+    }
+  };
+  if (total > 0)
+    prefetch(0, 0);
+  cpCommit(); // with K and V
+  for (int it = 0; it < total; ++it) {
+    int st = it & 1, hq = it / perHead, h = kvh * group + hq, q0 = first + (it % perHead) * kCols;
+    if (it + 1 < total) { // the other stage was last read before the previous iteration's second barrier
+      prefetch(it + 1, st ^ 1);
+      cpCommit();
+      cpWait<1>();
+    } else {
+      cpWait<0>();
+    }
+    __syncthreads();
+    const bf16 *Qs = Qbuf + st * kCols * ld, *dOs = dObuf + st * kCols * ld;
+    const float *lseS = lseBuf + st * kCols, *diS = diBuf + st * kCols;
+    {
       // S^T and dP^T for the warp's 16 keys x 64 queries.
       float p[kCols / 8][4] = {}, dp[kCols / 8][4] = {};
       for (int ks = 0; ks < D / 16; ++ks) {
@@ -267,7 +324,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int j = 0; j < kCols / 8; ++j)
         for (int i = 0; i < 4; ++i) {
           int key = k0 + kw + g + (i >> 1) * 8, ql = j * 8 + 2 * c + (i & 1), query = q0 + ql;
-          bool masked = key >= sh.t || (sh.causal && key > query + shift);
+          bool masked = key >= sh.t || query >= sh.s || (sh.causal && key > query + shift);
           float pv = masked ? 0.0f : exp2f(p[j][i] * sh.scaleLog2 - lseS[ql]);
           p[j][i] = pv;
           dp[j][i] = pv * (dp[j][i] - diS[ql]);
@@ -312,6 +369,7 @@ __global__ void __launch_bounds__(kThreads)
         }
     }
   }
+  cpWait<0>(); // nothing left in flight (a block with no queries to visit)
   bf16 *dKb = dK + int64_t(b) * sh.t * sh.lddk + kvh * D, *dVb = dV + int64_t(b) * sh.t * sh.lddk + kvh * D;
   for (int r = 0; r < 2; ++r) {
     int key = k0 + kw + g + r * 8;
@@ -335,9 +393,9 @@ __global__ void toBf16Kernel(const float *x, bf16 *y, int64_t rows, int64_t widt
   }
 }
 
-template <int D> constexpr size_t forwardSmem() { return 2 * kCols * (D + 8) * sizeof(bf16); }
+template <int D> constexpr size_t forwardSmem() { return 4 * kCols * (D + 8) * sizeof(bf16); }
 template <int D> constexpr size_t backwardSmem() {
-  return (2 * kCols * (D + 8) + 2 * kRows * (D + 8) + kCols * (kRows + 8)) * sizeof(bf16) + 2 * kCols * sizeof(float);
+  return (4 * kCols * (D + 8) + 2 * kRows * (D + 8) + kCols * (kRows + 8)) * sizeof(bf16) + 4 * kCols * sizeof(float);
 }
 
 Shape shapeOf(const Params &p) {
