@@ -86,6 +86,16 @@ bool touchedBetween(const rt::RankProgram &r, const std::vector<rt::Instruction>
   return false;
 }
 
+/// Whether `ins` reads root `root`'s storage (a result written there would
+/// change an operand the kernel still reads: the norm gradient's column sums
+/// read dy after dx is written).
+bool readsRoot(const rt::RankProgram &r, const rt::Instruction &ins, int64_t root) {
+  for (int64_t id : ins.in)
+    if (rootOf(r, id) == root)
+      return true;
+  return false;
+}
+
 /// A view of `id`'s storage with shape `shape` (`id` itself when it has it).
 int64_t viewAs(rt::RankProgram &r, int64_t id, const rt::Shape &shape) {
   if (r.buffers[id].shape == shape)
@@ -175,13 +185,44 @@ int64_t activationEpilogues(rt::RankProgram &r, const std::set<int64_t> &kept) {
       int64_t res = add.in[0] == pre ? add.in[1] : add.in[0], y = add.out[0];
       const rt::Buffer &pb = r.buffers[pre], &rb = r.buffers[res], &yb = r.buffers[y];
       if (!floating(pb) || rb.shape != pb.shape || yb.shape != pb.shape || rb.dtype != pb.dtype ||
-          yb.dtype != pb.dtype || rootOf(r, y) == rootOf(r, res) ||
+          yb.dtype != pb.dtype || rootOf(r, y) == rootOf(r, res) || readsRoot(r, mm, rootOf(r, y)) ||
           touchedBetween(r, list, erased, i, j, rootOf(r, y), true) ||
           touchedBetween(r, list, erased, i, j, rootOf(r, res), false))
         continue;
       mm.in.push_back(res);
       mm.out = {y};
       mm.attrs["epilogue"] = epi.empty() ? "residual" : "bias_residual";
+      erased[j] = true;
+    }
+    compact(list, erased);
+  }
+  // Backward: the residual stream's gradient add(R, dx) after a norm's
+  // gradient becomes its fourth input (dx + R written; R may be the result).
+  readers = readersOf(r);
+  for (auto &[name, list] : r.programs) {
+    std::vector<bool> erased(list.size(), false);
+    for (size_t i = 0; i < list.size(); ++i) {
+      rt::Instruction &ng = list[i];
+      if ((ng.op != "layernorm_grad" && ng.op != "rmsnorm_grad") || ng.in.size() != 3 || ng.out.empty())
+        continue;
+      int64_t dx = ng.out[0];
+      const auto &dr = readers[dx];
+      if (kept.count(dx) || r.buffers[dx].viewOf >= 0 || dr.size() != 1 || dr[0].first != name || dr[0].second <= i)
+        continue;
+      size_t j = dr[0].second;
+      const rt::Instruction &add = list[j];
+      if (erased[j] || add.op != "add" || add.in.size() != 2 || add.out.size() != 1 ||
+          (add.in[0] == dx) == (add.in[1] == dx))
+        continue;
+      int64_t res = add.in[0] == dx ? add.in[1] : add.in[0], y = add.out[0];
+      const rt::Buffer &db = r.buffers[dx], &rb = r.buffers[res], &yb = r.buffers[y];
+      if (!floating(db) || rb.shape != db.shape || yb.shape != db.shape || rb.dtype != db.dtype ||
+          yb.dtype != db.dtype || (y != res && rootOf(r, y) == rootOf(r, res)) || readsRoot(r, ng, rootOf(r, y)) ||
+          touchedBetween(r, list, erased, i, j, rootOf(r, y), true) ||
+          touchedBetween(r, list, erased, i, j, rootOf(r, res), false))
+        continue;
+      ng.in.push_back(res);
+      ng.out[0] = y;
       erased[j] = true;
     }
     compact(list, erased);

@@ -1167,12 +1167,21 @@ Kernel buildSoftmaxGrad(const Ctx &c) {
   };
 }
 
-/// layernorm_grad / rmsnorm_grad: (x, gamma, dy) -> dx, dgamma(, dbeta).
+/// layernorm_grad / rmsnorm_grad: (x, gamma, dy[, r]) -> dx, dgamma(, dbeta);
+/// with r (the residual stream's gradient, x's shape) dx + r is written.
 Kernel buildNormGrad(const Ctx &c, bool rms) {
-  c.arity(3, rms ? 2 : 3);
+  c.arity(c.ins.in.size() == 4 ? 4 : 3, rms ? 2 : 3);
   const Buffer &x = c.in(0);
-  for (size_t i = 0; i < 3; ++i)
+  for (size_t i = 0; i < c.ins.in.size(); ++i)
     c.needF32(c.in(i));
+  float *res = nullptr;
+  if (c.ins.in.size() == 4) {
+    c.sameShape(x, c.in(3));
+    const Buffer &r = c.in(3), &o = c.out(0);
+    if (r.offset != o.offset && r.offset < o.offset + o.bytes && o.offset < r.offset + r.bytes)
+      c.bad("the residual gradient must be the result itself or not overlap it");
+    res = c.f32(r);
+  }
   for (size_t i = 0; i < c.ins.out.size(); ++i)
     c.needF32(c.out(i));
   c.sameShape(x, c.in(2)), c.sameShape(x, c.out(0));
@@ -1204,7 +1213,8 @@ Kernel buildNormGrad(const Ctx &c, bool rms) {
       }
       for (int64_t j = 0; j < h; ++j) {
         double xh = (xr[j] - mean) * rstd, d = double(dyr[j]) * g[j];
-        dx[r * h + j] = static_cast<float>(rstd * (d - (rms ? 0.0 : sumD / h) - xh * sumDX / h));
+        double v = rstd * (d - (rms ? 0.0 : sumD / h) - xh * sumDX / h);
+        dx[r * h + j] = res ? static_cast<float>(v) + res[r * h + j] : static_cast<float>(v);
       }
     }
     for (int64_t j = 0; j < h; ++j) {

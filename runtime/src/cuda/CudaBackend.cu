@@ -604,7 +604,8 @@ __global__ void __launch_bounds__(256) normRowsBf16Kernel(const bf16 *x, DPtr g,
 template <int MaxP>
 __global__ void __launch_bounds__(256) normGradRowsBf16Kernel(const bf16 *x, DPtr g, const bf16 *dy, bf16 *dx,
                                                               int64_t rows, int P, float eps, bool rms,
-                                                              float *meanOut, float *rstdOut) {
+                                                              float *meanOut, float *rstdOut,
+                                                              const bf16 *res = nullptr) {
   int64_t row = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
   if (row >= rows)
     return;
@@ -641,6 +642,12 @@ __global__ void __launch_bounds__(256) normGradRowsBf16Kernel(const bf16 *x, DPt
 #pragma unroll
       for (int e = 0; e < 8; ++e)
         o[e] = rstd * (d[k][e] - sd - v[k][e] * sdx);
+      if (res) { // the residual stream's gradient (possibly dx itself: each lane reads its own elements first)
+        Pack<bf16> pr = load(res + row * h + (k * 32 + lane) * 8);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          o[e] += __bfloat162float(pr.v[e]);
+      }
       store8(dx + row * h + (k * 32 + lane) * 8, o);
     }
   if (lane == 0) {
@@ -2619,31 +2626,43 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     float eps = static_cast<float>(num(ins, "eps", 1e-5));
     DPtr px = fp(ins.in[0]), g = fp(ins.in[1]), dy = fp(ins.in[2]), dx = fp(ins.out[0]), dg = fp(ins.out[1]);
     DPtr db = rms ? DPtr{} : fp(ins.out[2]);
+    // A fourth input: the residual stream's gradient, added to dx. The
+    // register-row kernel adds it in place; the others write dx to the
+    // workspace first (the residual may be dx's own buffer).
+    DPtr res = ins.in.size() == 4 ? fp(ins.in[3]) : DPtr{};
     int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(rows / 64, 512)), per = (rows + chunks - 1) / chunks;
-    reserve((2 * rows + 2 * chunks * h) * sizeof(float));
-    bool fast = bf16Rows(ins, h);
+    bool fast = bf16Rows(ins, h) && (!res.p || (res.bf && reinterpret_cast<uintptr_t>(res.p) % 16 == 0));
+    int64_t stats = (2 * rows + 2 * chunks * h) * int64_t(sizeof(float));
+    stats = (stats + 255) / 256 * 256;
+    reserve(stats + (res.p && !fast ? rows * h * int64_t(dx.bf ? 2 : 4) : 0));
     return [=](cudaStream_t s) {
       float *mean = reinterpret_cast<float *>(workspace), *rstd = mean + rows;
       float *partial = rstd + rows, *partialB = partial + chunks * h;
+      DPtr out = res.p && !fast ? DPtr{static_cast<char *>(workspace) + stats, dx.bf} : dx;
       if (fast) {
         int P = int(h / 256);
         const bf16 *xb = static_cast<const bf16 *>(px.p), *dyb = static_cast<const bf16 *>(dy.p);
+        const bf16 *rb = static_cast<const bf16 *>(res.p);
         bf16 *dxb = static_cast<bf16 *>(dx.p);
         if (P <= 4)
-          normGradRowsBf16Kernel<4><<<unsigned((rows + 7) / 8), 256, 0, s>>>(xb, g, dyb, dxb, rows, P, eps, rms, mean, rstd);
+          normGradRowsBf16Kernel<4><<<unsigned((rows + 7) / 8), 256, 0, s>>>(xb, g, dyb, dxb, rows, P, eps, rms, mean,
+                                                                             rstd, rb);
         else
-          normGradRowsBf16Kernel<8><<<unsigned((rows + 7) / 8), 256, 0, s>>>(xb, g, dyb, dxb, rows, P, eps, rms, mean, rstd);
+          normGradRowsBf16Kernel<8><<<unsigned((rows + 7) / 8), 256, 0, s>>>(xb, g, dyb, dxb, rows, P, eps, rms, mean,
+                                                                             rstd, rb);
         dim3 grid(unsigned((h + 255) / 256), unsigned(chunks)), block(32, 8);
         columnPartial8Kernel<<<grid, block, 0, s>>>(xb, mean, rstd, dyb, partial, partialB, rows, h, per);
       } else if (h % 64 == 0) {
-        normGradRowsKernel<<<unsigned((rows + 7) / 8), 256, 0, s>>>(px, g, dy, dx, rows, int(h), eps, rms, mean, rstd);
+        normGradRowsKernel<<<unsigned((rows + 7) / 8), 256, 0, s>>>(px, g, dy, out, rows, int(h), eps, rms, mean, rstd);
         dim3 grid(unsigned((h + 63) / 64), unsigned(chunks)), block(32, 8);
         columnPartial2Kernel<<<grid, block, 0, s>>>(px, mean, rstd, dy, partial, partialB, rows, h, per);
       } else {
-        normGradDxKernel<<<int(rows), kThreads, 0, s>>>(px, g, dy, dx, h, eps, rms, mean, rstd);
+        normGradDxKernel<<<int(rows), kThreads, 0, s>>>(px, g, dy, out, h, eps, rms, mean, rstd);
         dim3 grid(unsigned((h + 31) / 32), unsigned(chunks)), block(32, 8);
         columnPartialKernel<<<grid, block, 0, s>>>(px, mean, rstd, dy, partial, partialB, rows, h, per);
       }
+      if (res.p && !fast)
+        binaryContiguousKernel<<<blocksFor(rows * h), kThreads, 0, s>>>(kAdd, out, res, dx, rows * h, rows * h, rows * h);
       columnFinishKernel<<<blocksFor(h), kThreads, 0, s>>>(partial, dg, chunks, h, 1.0f);
       if (db)
         columnFinishKernel<<<blocksFor(h), kThreads, 0, s>>>(partialB, db, chunks, h, 1.0f);
