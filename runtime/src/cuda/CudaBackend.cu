@@ -718,8 +718,11 @@ struct CastChunk {
   DPtr in, out;
   int64_t begin, end;
 };
-__global__ void __launch_bounds__(256) castChunksKernel(const CastChunk *chunks) {
-  CastChunk c = chunks[blockIdx.x];
+__global__ void __launch_bounds__(256) castChunksKernel(const CastChunk *chunks, int64_t nChunks) {
+  // Persistent blocks (a few per SM) walk the chunks: launching one short
+  // block per chunk left the copy limited by block launches, not memory.
+  for (int64_t ci = blockIdx.x; ci < nChunks; ci += gridDim.x) {
+  CastChunk c = chunks[ci];
   int64_t begin = c.begin;
   if (((reinterpret_cast<uintptr_t>(c.in.p) | reinterpret_cast<uintptr_t>(c.out.p)) % 16) == 0) {
     int64_t end8 = begin + (c.end - begin) / 8 * 8, stride = int64_t(blockDim.x) * 8;
@@ -738,6 +741,7 @@ __global__ void __launch_bounds__(256) castChunksKernel(const CastChunk *chunks)
   }
   for (int64_t i = begin + threadIdx.x; i < c.end; i += blockDim.x)
     c.out.st(i, c.in[i]);
+  }
 }
 
 //===--- Convolutional networks (forward) ---------------------------------===//
@@ -1159,8 +1163,8 @@ __global__ void adamScalarsKernel(const float *step, const float *norm, Optimize
 }
 
 __global__ void __launch_bounds__(256) adamwKernel(const AdamTensor *tensors, const AdamChunk *chunks,
-                                                   const StepScalars *scalars, float b1, float b2, float eps,
-                                                   float wd) {
+                                                   int64_t nChunks, const StepScalars *scalars, float b1, float b2,
+                                                   float eps, float wd) {
   const StepScalars s = *scalars;
   // m / c1 / (sqrt(v / c2) + eps) with one division: m / (c1 (sqrt(v) / sqrt(c2) + eps)).
   const float inv1 = 1.0f / s.c1, invSqrt2 = rsqrtf(s.c2);
@@ -1170,7 +1174,9 @@ __global__ void __launch_bounds__(256) adamwKernel(const AdamTensor *tensors, co
     vi = b2 * vi + (1 - b2) * gi * gi;
     pi -= s.rate * ((mi * inv1) / (sqrtf(vi) * invSqrt2 + eps) + wd * pi);
   };
-  AdamChunk c = chunks[blockIdx.x];
+  // Persistent blocks walk the chunks (see castChunksKernel).
+  for (int64_t ci = blockIdx.x; ci < nChunks; ci += gridDim.x) {
+  AdamChunk c = chunks[ci];
   AdamTensor t = tensors[c.tensor];
   int64_t begin = c.begin;
   bool aligned = ((reinterpret_cast<uintptr_t>(t.p) | reinterpret_cast<uintptr_t>(t.g.p) |
@@ -1213,6 +1219,7 @@ __global__ void __launch_bounds__(256) adamwKernel(const AdamTensor *tensors, co
   }
   for (int64_t i = begin + threadIdx.x; i < c.end; i += blockDim.x)
     update(t.p[i], t.g[i], t.m[i], t.v[i]);
+  }
 }
 
 __global__ void sgdKernel(float *p, DPtr g, float *m, const float *step, const float *norm,
@@ -1667,6 +1674,13 @@ private:
         return false;
     return isBf16(buf(ins.in[0])) && isBf16(buf(ins.out[0])) &&
            (ins.op.find("_grad") == std::string::npos || isBf16(buf(ins.in[2])));
+  }
+  /// Blocks of 256 threads that fill this GPU once (8 per SM).
+  int64_t persistentBlocks() const {
+    int sms = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0)
+      sms = 132;
+    return int64_t(sms) * 8;
   }
   static unsigned vecBlocks(int64_t n, int pack) {
     return unsigned(std::min<int64_t>((n / pack + kThreads - 1) / kThreads, 65535 * 8));
@@ -2890,8 +2904,9 @@ Launch CudaBackendImpl::buildCasts(const std::vector<Instruction> &instrs, size_
   if (chunks.empty())
     return [](cudaStream_t) {};
   const CastChunk *dc = deviceArray(chunks);
-  unsigned blocks = unsigned(chunks.size());
-  return [=](cudaStream_t s) { castChunksKernel<<<blocks, 256, 0, s>>>(dc); };
+  int64_t n = int64_t(chunks.size());
+  unsigned blocks = unsigned(std::min<int64_t>(n, persistentBlocks()));
+  return [=](cudaStream_t s) { castChunksKernel<<<blocks, 256, 0, s>>>(dc, n); };
 }
 
 /// AdamW over every tensor of `group` in one launch: a table of tensors and
@@ -2915,11 +2930,12 @@ Launch CudaBackendImpl::buildAdamw(const std::vector<const Instruction *> &group
   const AdamTensor *dt = deviceArray(tensors);
   const AdamChunk *dc = deviceArray(chunks);
   StepScalars *scalars = deviceArray(std::vector<StepScalars>(1));
-  unsigned blocks = unsigned(chunks.size());
+  int64_t nChunks = int64_t(chunks.size());
+  unsigned blocks = unsigned(std::min<int64_t>(nChunks, persistentBlocks()));
   float b1 = float(a.b1), b2 = float(a.b2), eps = float(a.eps), wd = float(a.wd);
   return [=](cudaStream_t s) {
     adamScalarsKernel<<<1, 1, 0, s>>>(step, norm, a, scalars);
-    adamwKernel<<<blocks, 256, 0, s>>>(dt, dc, scalars, b1, b2, eps, wd);
+    adamwKernel<<<blocks, 256, 0, s>>>(dt, dc, nChunks, scalars, b1, b2, eps, wd);
   };
 }
 

@@ -360,13 +360,21 @@ __global__ void __launch_bounds__(kThreads)
           mma(dq[dn + 1], a, kb[2], kb[3]);
         }
       }
+      // dQ += dS K into the f32 accumulator with 16-byte atomics (sm_90):
+      // lanes c and c^1 trade halves so that each holds four adjacent
+      // columns of one row (the even lane row g, the odd one row g + 8);
+      // a quarter of the scalar atomics, which bound this kernel.
       float *dQb = dQ + int64_t(b) * sh.s * sh.ldqw + h * D;
-      for (int dn = 0; dn < D / 8; ++dn)
-        for (int i = 0; i < 4; ++i) {
-          int query = q0 + warp * 16 + g + (i >> 1) * 8;
-          if (query < sh.s)
-            atomicAdd(dQb + int64_t(query) * sh.ldqw + dn * 8 + 2 * c + (i & 1), dq[dn][i] * scale);
-        }
+      bool even = (c & 1) == 0;
+      int query = q0 + warp * 16 + g + (even ? 0 : 8), col = 2 * (c & ~1);
+      for (int dn = 0; dn < D / 8; ++dn) {
+        float s0 = even ? dq[dn][2] : dq[dn][0], s1 = even ? dq[dn][3] : dq[dn][1];
+        float r0 = __shfl_xor_sync(0xffffffff, s0, 1), r1 = __shfl_xor_sync(0xffffffff, s1, 1);
+        float4 v = even ? make_float4(dq[dn][0], dq[dn][1], r0, r1) : make_float4(r0, r1, dq[dn][2], dq[dn][3]);
+        if (query < sh.s)
+          atomicAdd(reinterpret_cast<float4 *>(dQb + int64_t(query) * sh.ldqw + dn * 8 + col),
+                    make_float4(v.x * scale, v.y * scale, v.z * scale, v.w * scale));
+      }
     }
   }
   cpWait<0>(); // nothing left in flight (a block with no queries to visit)
