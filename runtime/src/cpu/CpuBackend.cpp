@@ -2265,7 +2265,7 @@ namespace loom::rt {
 
 double denseInstructionFlops(const RankProgram &rank, const Instruction &ins) {
   auto count = [](const Shape &s) { return double(numElements(s).value_or(0)); };
-  if (ins.op == "matmul" && (ins.in.size() == 2 || ins.in.size() == 3) && !ins.out.empty()) { // 3: epilogue input
+  if (ins.op == "matmul" && ins.in.size() >= 2 && ins.in.size() <= 4 && !ins.out.empty()) { // 3, 4: epilogue inputs
     const Buffer &a = rank.buffers[ins.in[0]], &o = rank.buffers[ins.out[0]];
     if (a.shape.size() < 2)
       return 0;

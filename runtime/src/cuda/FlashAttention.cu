@@ -19,6 +19,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 namespace loom::rt::flash {
 namespace {
@@ -103,10 +105,10 @@ __device__ inline void cpAsync4(void *dst, const void *src, bool valid) {
 }
 __device__ inline void cpCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ inline void cpWait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-template <int D>
+template <int D, int Threads = kThreads>
 __device__ void stageAsync(const bf16 *src, int64_t ld, int row0, int limit, int rows, bf16 *dst) {
   constexpr int chunks = D / 8;
-  for (int idx = threadIdx.x; idx < rows * chunks; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < rows * chunks; idx += Threads) {
     int r = idx / chunks, col = (idx % chunks) * 8;
     bool valid = row0 + r < limit;
     cpAsync16(dst + r * (D + 8) + col, valid ? src + int64_t(row0 + r) * ld + col : src, valid);
@@ -247,30 +249,32 @@ __global__ void rowDotKernel(const bf16 *dO, const bf16 *O, float *di, int64_t r
     di[row] = acc;
 }
 
-/// One block: 64 keys of one (batch, K/V head), a warp per 16 of them,
+/// One block: 16 W keys of one (batch, K/V head), a warp per 16 of them,
 /// streaming 64 queries at a time of every query head that reads them. dK
-/// and dV stay in registers; dQ is accumulated in f32 with atomics.
-template <int D>
-__global__ void __launch_bounds__(kThreads)
+/// and dV stay in registers; dQ is accumulated in f32 with atomics, once
+/// per block and query tile (W = 8: half the atomics and query loads of W = 4).
+template <int D, int W>
+__global__ void __launch_bounds__(W * 32)
     backwardKernel(const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO, const float *lse, const float *di,
                    float *dQ, bf16 *dK, bf16 *dV, Shape sh, float scale) {
   extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int ld = D + 8, lds = kRows + 8;
+  constexpr int Keys = 16 * W, Threads = 32 * W;
+  constexpr int ld = D + 8, lds = Keys + 8;
   // Two stages of the query-side tiles (Q, dO, their lse and Di): the next
   // (head, query block) streams in with cp.async while this one is used.
   bf16 *Qbuf = reinterpret_cast<bf16 *>(smem); // 2 x [kCols][ld]
   bf16 *dObuf = Qbuf + 2 * kCols * ld;         // 2 x [kCols][ld]
-  bf16 *Ks = dObuf + 2 * kCols * ld;           // [kRows][ld]
-  bf16 *Vs = Ks + kRows * ld;                  // [kRows][ld]
-  bf16 *dSs = Vs + kRows * ld;                 // [kCols][lds]: dS with queries as rows
+  bf16 *Ks = dObuf + 2 * kCols * ld;           // [Keys][ld]
+  bf16 *Vs = Ks + Keys * ld;                   // [Keys][ld]
+  bf16 *dSs = Vs + Keys * ld;                  // [kCols][lds]: dS with queries as rows
   float *lseBuf = reinterpret_cast<float *>(dSs + kCols * lds), *diBuf = lseBuf + 2 * kCols;
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   int bk = blockIdx.y, b = bk / sh.kvHeads, kvh = bk % sh.kvHeads, group = sh.heads / sh.kvHeads;
-  int k0 = blockIdx.x * kRows, kw = warp * 16; // the warp's keys: k0 + kw + [0, 16)
+  int k0 = blockIdx.x * Keys, kw = warp * 16; // the warp's keys: k0 + kw + [0, 16)
   int shift = sh.t - sh.s;
   const bf16 *Kb = K + int64_t(b) * sh.t * sh.ldk + kvh * D, *Vb = V + int64_t(b) * sh.t * sh.ldk + kvh * D;
-  stageAsync<D>(Kb, sh.ldk, k0, sh.t, kRows, Ks);
-  stageAsync<D>(Vb, sh.ldk, k0, sh.t, kRows, Vs);
+  stageAsync<D, Threads>(Kb, sh.ldk, k0, sh.t, Keys, Ks);
+  stageAsync<D, Threads>(Vb, sh.ldk, k0, sh.t, Keys, Vs);
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   // Queries before `first` see none of this block's keys; the block walks
@@ -279,9 +283,10 @@ __global__ void __launch_bounds__(kThreads)
   int perHead = first < sh.s ? (sh.s - first + kCols - 1) / kCols : 0, total = group * perHead;
   auto prefetch = [&](int it, int st) {
     int h = kvh * group + it / perHead, q0 = first + (it % perHead) * kCols;
-    stageAsync<D>(Q + int64_t(b) * sh.s * sh.ldq + h * D, sh.ldq, q0, sh.s, kCols, Qbuf + st * kCols * ld);
-    stageAsync<D>(dO + int64_t(b) * sh.s * sh.ldo + h * D, sh.ldo, q0, sh.s, kCols, dObuf + st * kCols * ld);
-    for (int i = threadIdx.x; i < kCols; i += kThreads) { // rows past s: zeros, masked below
+    stageAsync<D, Threads>(Q + int64_t(b) * sh.s * sh.ldq + h * D, sh.ldq, q0, sh.s, kCols, Qbuf + st * kCols * ld);
+    stageAsync<D, Threads>(dO + int64_t(b) * sh.s * sh.ldo + h * D, sh.ldo, q0, sh.s, kCols,
+                           dObuf + st * kCols * ld);
+    for (int i = threadIdx.x; i < kCols; i += Threads) { // rows past s: zeros, masked below
       bool in = q0 + i < sh.s;
       int64_t at = (int64_t(b) * sh.heads + h) * sh.s + q0 + i;
       cpAsync4(lseBuf + st * kCols + i, in ? lse + at : lse, in);
@@ -349,13 +354,17 @@ __global__ void __launch_bounds__(kThreads)
         for (int i = 0; i < 4; ++i)
           dSs[(j * 8 + 2 * c + (i & 1)) * lds + kw + g + (i >> 1) * 8] = __float2bfloat16_rn(dp[j][i]);
       __syncthreads();
-      float dq[D / 8][4] = {};
-      for (int kk = 0; kk < kRows / 16; ++kk) {
+      // dQ (64 queries x D) = dS K: warp w takes query rows (w % 4) * 16 and
+      // the column part w / 4 of D (W / 4 parts).
+      constexpr int Parts = W / 4, Cols = D / Parts;
+      int rowTile = warp % 4, col0 = (warp / 4) * Cols;
+      float dq[Cols / 8][4] = {};
+      for (int kk = 0; kk < Keys / 16; ++kk) {
         uint32_t a[4];
-        loadA(a, dSs, lds, warp * 16, kk * 16);
-        for (int dn = 0; dn < D / 8; dn += 2) {
+        loadA(a, dSs, lds, rowTile * 16, kk * 16);
+        for (int dn = 0; dn < Cols / 8; dn += 2) {
           uint32_t kb[4];
-          loadB(kb, Ks, ld, kk * 16, dn * 8);
+          loadB(kb, Ks, ld, kk * 16, col0 + dn * 8);
           mma(dq[dn], a, kb[0], kb[1]);
           mma(dq[dn + 1], a, kb[2], kb[3]);
         }
@@ -364,10 +373,10 @@ __global__ void __launch_bounds__(kThreads)
       // lanes c and c^1 trade halves so that each holds four adjacent
       // columns of one row (the even lane row g, the odd one row g + 8);
       // a quarter of the scalar atomics, which bound this kernel.
-      float *dQb = dQ + int64_t(b) * sh.s * sh.ldqw + h * D;
+      float *dQb = dQ + int64_t(b) * sh.s * sh.ldqw + h * D + col0;
       bool even = (c & 1) == 0;
-      int query = q0 + warp * 16 + g + (even ? 0 : 8), col = 2 * (c & ~1);
-      for (int dn = 0; dn < D / 8; ++dn) {
+      int query = q0 + rowTile * 16 + g + (even ? 0 : 8), col = 2 * (c & ~1);
+      for (int dn = 0; dn < Cols / 8; ++dn) {
         float s0 = even ? dq[dn][2] : dq[dn][0], s1 = even ? dq[dn][3] : dq[dn][1];
         float r0 = __shfl_xor_sync(0xffffffff, s0, 1), r1 = __shfl_xor_sync(0xffffffff, s1, 1);
         float4 v = even ? make_float4(dq[dn][0], dq[dn][1], r0, r1) : make_float4(r0, r1, dq[dn][2], dq[dn][3]);
@@ -402,8 +411,18 @@ __global__ void toBf16Kernel(const float *x, bf16 *y, int64_t rows, int64_t widt
 }
 
 template <int D> constexpr size_t forwardSmem() { return 4 * kCols * (D + 8) * sizeof(bf16); }
-template <int D> constexpr size_t backwardSmem() {
-  return (4 * kCols * (D + 8) + 2 * kRows * (D + 8) + kCols * (kRows + 8)) * sizeof(bf16) + 4 * kCols * sizeof(float);
+template <int D, int W> constexpr size_t backwardSmem() {
+  return (4 * kCols * (D + 8) + 2 * 16 * W * (D + 8) + kCols * (16 * W + 8)) * sizeof(bf16) +
+         4 * kCols * sizeof(float);
+}
+/// Warps per backward block: 8 (128 keys) where the head is wide enough to
+/// split dQ's columns over two warps, else 4; LOOM_FLASH_BWD_WARPS=4 keeps 4.
+int backwardWarps(int64_t headDim) {
+  static const int forced = [] {
+    const char *e = std::getenv("LOOM_FLASH_BWD_WARPS");
+    return e && std::string(e) == "4" ? 4 : 8;
+  }();
+  return headDim >= 32 ? forced : 4;
 }
 
 Shape shapeOf(const Params &p) {
@@ -450,11 +469,11 @@ Workspace carve(const Params &p, void *base) {
   return w;
 }
 
-template <int D>
-cudaError_t backwardD(const Params &p, const void *dO, void *dQ, void *dK, void *dV, void *workspace,
+template <int D, int W>
+cudaError_t backwardDW(const Params &p, const void *dO, void *dQ, void *dK, void *dV, void *workspace,
                       cudaStream_t stream, const void *savedO, const float *savedLse) {
-  if (cudaError_t e = cudaFuncSetAttribute(backwardKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(backwardSmem<D>()));
+  if (cudaError_t e = cudaFuncSetAttribute(backwardKernel<D, W>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(backwardSmem<D, W>()));
       e != cudaSuccess)
     return e;
   Workspace w = carve(p, workspace);
@@ -470,13 +489,22 @@ cudaError_t backwardD(const Params &p, const void *dO, void *dQ, void *dK, void 
                                                                                    w.di, rows, sh);
   if (cudaError_t e = cudaMemsetAsync(w.dq, 0, qElems * sizeof(float), stream); e != cudaSuccess)
     return e;
-  dim3 grid(unsigned((p.t + kRows - 1) / kRows), unsigned(p.batch * p.kvHeads));
-  backwardKernel<D><<<grid, kThreads, backwardSmem<D>(), stream>>>(
+  dim3 grid(unsigned((p.t + 16 * W - 1) / (16 * W)), unsigned(p.batch * p.kvHeads));
+  backwardKernel<D, W><<<grid, 32 * W, backwardSmem<D, W>(), stream>>>(
       static_cast<const bf16 *>(p.q), static_cast<const bf16 *>(p.k), static_cast<const bf16 *>(p.v),
       static_cast<const bf16 *>(dO), w.lse, w.di, w.dq, static_cast<bf16 *>(dK), static_cast<bf16 *>(dV), sh, p.scale);
   toBf16Kernel<<<unsigned(std::min<int64_t>((qElems / 2 + 255) / 256, 65535)), 256, 0, stream>>>(
       w.dq, static_cast<bf16 *>(dQ), p.batch * p.s, p.heads * p.headDim, p.lddq ? p.lddq : p.heads * p.headDim);
   return cudaGetLastError();
+}
+
+template <int D>
+cudaError_t backwardD(const Params &p, const void *dO, void *dQ, void *dK, void *dV, void *workspace,
+                      cudaStream_t stream, const void *savedO, const float *savedLse) {
+  if constexpr (D >= 32)
+    if (backwardWarps(D) == 8)
+      return backwardDW<D, 8>(p, dO, dQ, dK, dV, workspace, stream, savedO, savedLse);
+  return backwardDW<D, 4>(p, dO, dQ, dK, dV, workspace, stream, savedO, savedLse);
 }
 
 } // namespace
