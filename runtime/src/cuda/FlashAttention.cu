@@ -252,7 +252,8 @@ __global__ void rowDotKernel(const bf16 *dO, const bf16 *O, float *di, int64_t r
 /// One block: 16 W keys of one (batch, K/V head), a warp per 16 of them,
 /// streaming 64 queries at a time of every query head that reads them. dK
 /// and dV stay in registers; dQ is accumulated in f32 with atomics, once
-/// per block and query tile (W = 8: half the atomics and query loads of W = 4).
+/// per block and query tile (W = 8: half the atomics and query loads of W = 4,
+/// but one block per SM instead of two).
 template <int D, int W>
 __global__ void __launch_bounds__(W * 32)
     backwardKernel(const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO, const float *lse, const float *di,
@@ -415,14 +416,16 @@ template <int D, int W> constexpr size_t backwardSmem() {
   return (4 * kCols * (D + 8) + 2 * 16 * W * (D + 8) + kCols * (16 * W + 8)) * sizeof(bf16) +
          4 * kCols * sizeof(float);
 }
-/// Warps per backward block: 8 (128 keys) where the head is wide enough to
-/// split dQ's columns over two warps, else 4; LOOM_FLASH_BWD_WARPS=4 keeps 4.
+/// Warps per backward block: 4 (64 keys). LOOM_FLASH_BWD_WARPS=8 takes
+/// 128-key blocks where the head is wide enough to split dQ's columns over
+/// two warps: half the dQ atomics and query-tile loads, but one block per SM;
+/// measured slower on GPT-2 350M (H200: 11.1 against 10.3 ms a step).
 int backwardWarps(int64_t headDim) {
-  static const int forced = [] {
+  static const int wanted = [] {
     const char *e = std::getenv("LOOM_FLASH_BWD_WARPS");
-    return e && std::string(e) == "4" ? 4 : 8;
+    return e && std::string(e) == "8" ? 8 : 4;
   }();
-  return headDim >= 32 ? forced : 4;
+  return headDim >= 32 ? wanted : 4;
 }
 
 Shape shapeOf(const Params &p) {
