@@ -13,8 +13,9 @@ scripts/device-build.sh 2>&1 | tail -25
 B=build-device/runtime
 R=.deps/bundles
 status=0
-echo "== flash attention backward with 128-key blocks (LOOM_FLASH_BWD_WARPS=8; the default is 64 keys)"
-LOOM_FLASH_BWD_WARPS=8 build-device/test/unit/loom-gpu-tests --gtest_filter='FlashAttention.*' 2>&1 | tail -1 || status=1
+echo "== flash attention backward: the 16-key warp tiles (LOOM_FLASH_BWD=narrow), in 64- and 128-key blocks"
+LOOM_FLASH_BWD=narrow build-device/test/unit/loom-gpu-tests --gtest_filter='FlashAttention.*' 2>&1 | tail -1 || status=1
+LOOM_FLASH_BWD=narrow LOOM_FLASH_BWD_WARPS=8 build-device/test/unit/loom-gpu-tests --gtest_filter='FlashAttention.*' 2>&1 | tail -1 || status=1
 echo "== forward: CUDA vs CPU (relative L2 error; f32 bundles on TF32 matmuls, bf16 ones on bf16 tensor cores)"
 for b in $R/*-infer.loom; do
   n=$(basename "$b" .loom)

@@ -401,6 +401,178 @@ __global__ void __launch_bounds__(W * 32)
   }
 }
 
+/// The backward with 32-key warp tiles: 4 warps take 128 keys of one (batch,
+/// K/V head), a warp 32 of them (two m-tiles), and stream 32 queries at a
+/// time. Each Q / dO fragment loaded from shared memory feeds two products
+/// instead of one, so a product costs fewer fragment loads than with 16-key
+/// warp tiles (which are bound by them); dK and dV stay in registers (64
+/// floats each at D = 64, hence D <= 64). dQ as in backwardKernel.
+constexpr int kWideKeys = 128, kWideQueries = 32;
+template <int D>
+__global__ void __launch_bounds__(kThreads, 2)
+    backwardWideKernel(const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO, const float *lse,
+                       const float *di, float *dQ, bf16 *dK, bf16 *dV, Shape sh, float scale) {
+  static_assert(D == 32 || D == 64, "two column halves of D, each a multiple of 16");
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int Keys = kWideKeys, Qn = kWideQueries;
+  constexpr int ld = D + 8, lds = Keys + 8;
+  bf16 *Qbuf = reinterpret_cast<bf16 *>(smem); // 2 x [Qn][ld]
+  bf16 *dObuf = Qbuf + 2 * Qn * ld;            // 2 x [Qn][ld]
+  bf16 *Ks = dObuf + 2 * Qn * ld;              // [Keys][ld]
+  bf16 *Vs = Ks + Keys * ld;                   // [Keys][ld]
+  bf16 *dSs = Vs + Keys * ld;                  // [Qn][lds]: dS with queries as rows
+  float *lseBuf = reinterpret_cast<float *>(dSs + Qn * lds), *diBuf = lseBuf + 2 * Qn;
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  int bk = blockIdx.y, b = bk / sh.kvHeads, kvh = bk % sh.kvHeads, group = sh.heads / sh.kvHeads;
+  int k0 = blockIdx.x * Keys, kw = warp * 32; // the warp's keys: k0 + kw + [0, 32)
+  int shift = sh.t - sh.s;
+  const bf16 *Kb = K + int64_t(b) * sh.t * sh.ldk + kvh * D, *Vb = V + int64_t(b) * sh.t * sh.ldk + kvh * D;
+  stageAsync<D>(Kb, sh.ldk, k0, sh.t, Keys, Ks);
+  stageAsync<D>(Vb, sh.ldk, k0, sh.t, Keys, Vs);
+
+  float dk[2][D / 8][4] = {}, dv[2][D / 8][4] = {};
+  int first = sh.causal ? max(0, k0 - shift) / Qn * Qn : 0;
+  int perHead = first < sh.s ? (sh.s - first + Qn - 1) / Qn : 0, total = group * perHead;
+  auto prefetch = [&](int it, int st) {
+    int h = kvh * group + it / perHead, q0 = first + (it % perHead) * Qn;
+    stageAsync<D>(Q + int64_t(b) * sh.s * sh.ldq + h * D, sh.ldq, q0, sh.s, Qn, Qbuf + st * Qn * ld);
+    stageAsync<D>(dO + int64_t(b) * sh.s * sh.ldo + h * D, sh.ldo, q0, sh.s, Qn, dObuf + st * Qn * ld);
+    for (int i = threadIdx.x; i < Qn; i += kThreads) {
+      bool in = q0 + i < sh.s;
+      int64_t at = (int64_t(b) * sh.heads + h) * sh.s + q0 + i;
+      cpAsync4(lseBuf + st * Qn + i, in ? lse + at : lse, in);
+      cpAsync4(diBuf + st * Qn + i, in ? di + at : di, in);
+    }
+  };
+  if (total > 0)
+    prefetch(0, 0);
+  cpCommit();
+  for (int it = 0; it < total; ++it) {
+    int st = it & 1, h = kvh * group + it / perHead, q0 = first + (it % perHead) * Qn;
+    if (it + 1 < total) {
+      prefetch(it + 1, st ^ 1);
+      cpCommit();
+      cpWait<1>();
+    } else {
+      cpWait<0>();
+    }
+    __syncthreads();
+    const bf16 *Qs = Qbuf + st * Qn * ld, *dOs = dObuf + st * Qn * ld;
+    const float *lseS = lseBuf + st * Qn, *diS = diBuf + st * Qn;
+    // S^T and dP^T for the warp's 32 keys x 32 queries.
+    float p[2][Qn / 8][4] = {}, dp[2][Qn / 8][4] = {};
+    #pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t ka[2][4], va[2][4];
+      #pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        loadA(ka[mt], Ks, ld, kw + mt * 16, ks * 16);
+        loadA(va[mt], Vs, ld, kw + mt * 16, ks * 16);
+      }
+      #pragma unroll
+      for (int j = 0; j < Qn / 8; j += 2) {
+        uint32_t qb[4], db[4];
+        loadBt(qb, Qs, ld, j * 8, ks * 16);
+        loadBt(db, dOs, ld, j * 8, ks * 16);
+        #pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          mma(p[mt][j], ka[mt], qb[0], qb[1]);
+          mma(p[mt][j + 1], ka[mt], qb[2], qb[3]);
+          mma(dp[mt][j], va[mt], db[0], db[1]);
+          mma(dp[mt][j + 1], va[mt], db[2], db[3]);
+        }
+      }
+    }
+    #pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+      #pragma unroll
+      for (int j = 0; j < Qn / 8; ++j)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          int key = k0 + kw + mt * 16 + g + (i >> 1) * 8, ql = j * 8 + 2 * c + (i & 1), query = q0 + ql;
+          bool masked = key >= sh.t || query >= sh.s || (sh.causal && key > query + shift);
+          float pv = masked ? 0.0f : exp2f(p[mt][j][i] * sh.scaleLog2 - lseS[ql]);
+          p[mt][j][i] = pv;
+          dp[mt][j][i] = pv * (dp[mt][j][i] - diS[ql]);
+        }
+    // dV += P^T dO and dK += dS^T Q (scaled at the end): each dO / Q fragment feeds both m-tiles.
+    #pragma unroll
+    for (int kk = 0; kk < Qn / 16; ++kk) {
+      uint32_t pa[2][4], sa[2][4];
+      #pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        toA(pa[mt], p[mt], kk);
+        toA(sa[mt], dp[mt], kk);
+      }
+      #pragma unroll
+      for (int dn = 0; dn < D / 8; dn += 2) {
+        uint32_t db[4], qb[4];
+        loadB(db, dOs, ld, kk * 16, dn * 8);
+        loadB(qb, Qs, ld, kk * 16, dn * 8);
+        #pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          mma(dv[mt][dn], pa[mt], db[0], db[1]);
+          mma(dv[mt][dn + 1], pa[mt], db[2], db[3]);
+          mma(dk[mt][dn], sa[mt], qb[0], qb[1]);
+          mma(dk[mt][dn + 1], sa[mt], qb[2], qb[3]);
+        }
+      }
+    }
+    #pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+      #pragma unroll
+      for (int j = 0; j < Qn / 8; ++j)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i)
+          dSs[(j * 8 + 2 * c + (i & 1)) * lds + kw + mt * 16 + g + (i >> 1) * 8] = __float2bfloat16_rn(dp[mt][j][i]);
+    __syncthreads();
+    // dQ (32 queries x D) = dS K: warp w takes query rows (w % 2) * 16, column half w / 2.
+    constexpr int Cols = D / 2;
+    int rowTile = warp % 2, col0 = (warp / 2) * Cols;
+    float dq[Cols / 8][4] = {};
+    #pragma unroll
+    for (int kk = 0; kk < Keys / 16; ++kk) {
+      uint32_t a[4];
+      loadA(a, dSs, lds, rowTile * 16, kk * 16);
+      #pragma unroll
+      for (int dn = 0; dn < Cols / 8; dn += 2) {
+        uint32_t kb[4];
+        loadB(kb, Ks, ld, kk * 16, col0 + dn * 8);
+        mma(dq[dn], a, kb[0], kb[1]);
+        mma(dq[dn + 1], a, kb[2], kb[3]);
+      }
+    }
+    float *dQb = dQ + int64_t(b) * sh.s * sh.ldqw + h * D + col0;
+    bool even = (c & 1) == 0;
+    int query = q0 + rowTile * 16 + g + (even ? 0 : 8), col = 2 * (c & ~1);
+    #pragma unroll
+    for (int dn = 0; dn < Cols / 8; ++dn) {
+      float s0 = even ? dq[dn][2] : dq[dn][0], s1 = even ? dq[dn][3] : dq[dn][1];
+      float r0 = __shfl_xor_sync(0xffffffff, s0, 1), r1 = __shfl_xor_sync(0xffffffff, s1, 1);
+      float4 v = even ? make_float4(dq[dn][0], dq[dn][1], r0, r1) : make_float4(r0, r1, dq[dn][2], dq[dn][3]);
+      if (query < sh.s)
+        atomicAdd(reinterpret_cast<float4 *>(dQb + int64_t(query) * sh.ldqw + dn * 8 + col),
+                  make_float4(v.x * scale, v.y * scale, v.z * scale, v.w * scale));
+    }
+  }
+  cpWait<0>();
+  bf16 *dKb = dK + int64_t(b) * sh.t * sh.lddk + kvh * D, *dVb = dV + int64_t(b) * sh.t * sh.lddk + kvh * D;
+  #pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      int key = k0 + kw + mt * 16 + g + r * 8;
+      if (key >= sh.t)
+        continue;
+      #pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        int64_t at = int64_t(key) * sh.lddk + dn * 8 + 2 * c;
+        st32(dKb + at, pack(dk[mt][dn][2 * r] * scale, dk[mt][dn][2 * r + 1] * scale));
+        st32(dVb + at, pack(dv[mt][dn][2 * r], dv[mt][dn][2 * r + 1]));
+      }
+    }
+}
+
 /// dQ (bf16, rows `ld` apart) from the compact f32 accumulator, two at a time.
 __global__ void toBf16Kernel(const float *x, bf16 *y, int64_t rows, int64_t width, int64_t ld) {
   int64_t pairs = rows * (width / 2);
@@ -415,6 +587,20 @@ template <int D> constexpr size_t forwardSmem() { return 4 * kCols * (D + 8) * s
 template <int D, int W> constexpr size_t backwardSmem() {
   return (4 * kCols * (D + 8) + 2 * 16 * W * (D + 8) + kCols * (16 * W + 8)) * sizeof(bf16) +
          4 * kCols * sizeof(float);
+}
+template <int D> constexpr size_t backwardWideSmem() {
+  return (4 * kWideQueries * (D + 8) + 2 * kWideKeys * (D + 8) + kWideQueries * (kWideKeys + 8)) * sizeof(bf16) +
+         4 * kWideQueries * sizeof(float);
+}
+/// Which backward kernel: "wide" (32-key warp tiles, head dims 32 and 64),
+/// or "narrow" (16-key warp tiles, every head dim); LOOM_FLASH_BWD=narrow
+/// forces the second.
+bool backwardWide(int64_t headDim) {
+  static const bool narrow = [] {
+    const char *e = std::getenv("LOOM_FLASH_BWD");
+    return e && std::string(e) == "narrow";
+  }();
+  return !narrow && (headDim == 32 || headDim == 64);
 }
 /// Warps per backward block: 4 (64 keys). LOOM_FLASH_BWD_WARPS=8 takes
 /// 128-key blocks where the head is wide enough to split dQ's columns over
@@ -475,10 +661,16 @@ Workspace carve(const Params &p, void *base) {
 template <int D, int W>
 cudaError_t backwardDW(const Params &p, const void *dO, void *dQ, void *dK, void *dV, void *workspace,
                       cudaStream_t stream, const void *savedO, const float *savedLse) {
-  if (cudaError_t e = cudaFuncSetAttribute(backwardKernel<D, W>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(backwardSmem<D, W>()));
-      e != cudaSuccess)
+  if constexpr (W == 0) {
+    if (cudaError_t e = cudaFuncSetAttribute(backwardWideKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             int(backwardWideSmem<D>()));
+        e != cudaSuccess)
+      return e;
+  } else if (cudaError_t e = cudaFuncSetAttribute(backwardKernel<D, W>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  int(backwardSmem<D, W>()));
+             e != cudaSuccess) {
     return e;
+  }
   Workspace w = carve(p, workspace);
   Shape sh = shapeOf(p);
   if (savedO) { // the forward's own output and statistics
@@ -492,10 +684,19 @@ cudaError_t backwardDW(const Params &p, const void *dO, void *dQ, void *dK, void
                                                                                    w.di, rows, sh);
   if (cudaError_t e = cudaMemsetAsync(w.dq, 0, qElems * sizeof(float), stream); e != cudaSuccess)
     return e;
-  dim3 grid(unsigned((p.t + 16 * W - 1) / (16 * W)), unsigned(p.batch * p.kvHeads));
-  backwardKernel<D, W><<<grid, 32 * W, backwardSmem<D, W>(), stream>>>(
-      static_cast<const bf16 *>(p.q), static_cast<const bf16 *>(p.k), static_cast<const bf16 *>(p.v),
-      static_cast<const bf16 *>(dO), w.lse, w.di, w.dq, static_cast<bf16 *>(dK), static_cast<bf16 *>(dV), sh, p.scale);
+  if constexpr (W == 0) {
+    dim3 grid(unsigned((p.t + kWideKeys - 1) / kWideKeys), unsigned(p.batch * p.kvHeads));
+    backwardWideKernel<D><<<grid, kThreads, backwardWideSmem<D>(), stream>>>(
+        static_cast<const bf16 *>(p.q), static_cast<const bf16 *>(p.k), static_cast<const bf16 *>(p.v),
+        static_cast<const bf16 *>(dO), w.lse, w.di, w.dq, static_cast<bf16 *>(dK), static_cast<bf16 *>(dV), sh,
+        p.scale);
+  } else {
+    dim3 grid(unsigned((p.t + 16 * W - 1) / (16 * W)), unsigned(p.batch * p.kvHeads));
+    backwardKernel<D, W><<<grid, 32 * W, backwardSmem<D, W>(), stream>>>(
+        static_cast<const bf16 *>(p.q), static_cast<const bf16 *>(p.k), static_cast<const bf16 *>(p.v),
+        static_cast<const bf16 *>(dO), w.lse, w.di, w.dq, static_cast<bf16 *>(dK), static_cast<bf16 *>(dV), sh,
+        p.scale);
+  }
   toBf16Kernel<<<unsigned(std::min<int64_t>((qElems / 2 + 255) / 256, 65535)), 256, 0, stream>>>(
       w.dq, static_cast<bf16 *>(dQ), p.batch * p.s, p.heads * p.headDim, p.lddq ? p.lddq : p.heads * p.headDim);
   return cudaGetLastError();
@@ -504,6 +705,9 @@ cudaError_t backwardDW(const Params &p, const void *dO, void *dQ, void *dK, void
 template <int D>
 cudaError_t backwardD(const Params &p, const void *dO, void *dQ, void *dK, void *dV, void *workspace,
                       cudaStream_t stream, const void *savedO, const float *savedLse) {
+  if constexpr (D == 32 || D == 64)
+    if (backwardWide(D))
+      return backwardDW<D, 0>(p, dO, dQ, dK, dV, workspace, stream, savedO, savedLse);
   if constexpr (D >= 32)
     if (backwardWarps(D) == 8)
       return backwardDW<D, 8>(p, dO, dQ, dK, dV, workspace, stream, savedO, savedLse);
