@@ -39,6 +39,7 @@ struct Config {
   std::string schedule = "1f1b";
   bool zero1 = false;
   bool bf16 = false; // --precision bf16: compared with one bf16 device
+  bool fuse = false; // --fuse (GEMM epilogues, norm gradients taking the residual gradient): against one fused device
 };
 
 void PrintTo(const Config &c, std::ostream *os) { *os << c.name; }
@@ -69,6 +70,7 @@ Result train(const std::string &model, const Config &c) {
   o.dataParallel = c.dp, o.tensorParallel = c.tp, o.pipelineParallel = c.pp;
   o.virtualStages = c.vpp, o.microbatches = c.m, o.schedule = c.schedule, o.zero1 = c.zero1;
   o.bf16 = c.bf16;
+  o.fuse = c.fuse;
   o.bucketBytes = 16 << 10; // several gradient buckets, each issued when ready
   // SGD with momentum: updates are linear in the gradients, so parameters
   // compare as closely as gradients do (Adam would turn the rounding noise
@@ -181,10 +183,12 @@ class Parallel : public ::testing::TestWithParam<std::tuple<std::string, Config>
 TEST_P(Parallel, TrainsLikeOneDevice) {
   auto [model, config] = GetParam();
   static std::map<std::string, Result> reference;
-  std::string key = model + (config.bf16 ? "-bf16" : "");
+  std::string variant = std::string(config.bf16 ? "-bf16" : "") + (config.fuse ? "-fuse" : "");
+  std::string key = model + variant;
   if (!reference.count(key)) {
-    Config one{"one-" + model.substr(0, 4) + (config.bf16 ? "-bf16" : "")};
+    Config one{"one-" + model.substr(0, 4) + variant};
     one.bf16 = config.bf16;
+    one.fuse = config.fuse;
     reference[key] = train(model, one);
   }
   expectSame(reference[key], train(model, config), config.name + " on " + model, config.bf16);
@@ -212,6 +216,9 @@ std::vector<Config> configs() {
       {"bf16-pp2", 1, 1, 2, 1, 4, "1f1b", false, true},
       {"bf16-dp2tp2pp2", 2, 2, 2, 1, 2, "1f1b", false, true},
       {"bf16-dp2tp2-zero1", 2, 2, 1, 1, 1, "1f1b", true, true},
+      // bf16 with --fuse: the epilogue rewrites in partitioned and pipelined programs.
+      {"bf16-fuse-tp2", 1, 2, 1, 1, 1, "1f1b", false, true, true},
+      {"bf16-fuse-dp2tp2pp2", 2, 2, 2, 1, 2, "1f1b", false, true, true},
   };
 }
 
