@@ -16,6 +16,7 @@
 
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -48,7 +49,7 @@ bool fusable(const rt::RankProgram &r, const rt::Instruction &ins) {
 
 /// Who reads each root buffer: (program, instruction index).
 std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readersOf(const rt::RankProgram &r) {
-  std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readers;
+  std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readers; // root -> (program, index)
   for (const auto &[name, list] : r.programs)
     for (size_t i = 0; i < list.size(); ++i)
       for (int64_t id : list[i].in)
@@ -107,6 +108,41 @@ int64_t viewAs(rt::RankProgram &r, int64_t id, const rt::Shape &shape) {
   v.viewOf = rootOf(r, id);
   r.buffers.push_back(v);
   return v.id;
+}
+
+using Readers = std::map<int64_t, std::vector<std::pair<std::string, size_t>>>;
+
+/// The add that alone reads `x` (written by list[i] of program `name`) and
+/// sums it with another tensor R of x's shape and dtype, where that add can
+/// move up to list[i]: nothing in between writes R or touches the add's
+/// result, and the result is none of list[i]'s operands (the kernel still
+/// reads them). The result may be R's own buffer only when `inPlace`.
+struct FoldedAdd {
+  size_t at;
+  int64_t res, out;
+};
+std::optional<FoldedAdd> foldableAdd(const rt::RankProgram &r, const std::vector<rt::Instruction> &list,
+                                     const std::vector<bool> &erased, const Readers &readers,
+                                     const std::set<int64_t> &kept, const std::string &name, size_t i, int64_t x,
+                                     bool inPlace) {
+  auto found = readers.find(x);
+  if (kept.count(x) || r.buffers[x].viewOf >= 0 || found == readers.end() || found->second.size() != 1 ||
+      found->second[0].first != name || found->second[0].second <= i)
+    return std::nullopt;
+  size_t j = found->second[0].second;
+  const rt::Instruction &add = list[j];
+  if (erased[j] || add.op != "add" || add.in.size() != 2 || add.out.size() != 1 ||
+      (add.in[0] == x) == (add.in[1] == x))
+    return std::nullopt;
+  int64_t res = add.in[0] == x ? add.in[1] : add.in[0], y = add.out[0];
+  const rt::Buffer &xb = r.buffers[x], &rb = r.buffers[res], &yb = r.buffers[y];
+  bool aliased = rootOf(r, y) == rootOf(r, res) && !(inPlace && y == res);
+  if (!floating(xb) || rb.shape != xb.shape || yb.shape != xb.shape || rb.dtype != xb.dtype ||
+      yb.dtype != xb.dtype || aliased || readsRoot(r, list[i], rootOf(r, y)) ||
+      touchedBetween(r, list, erased, i, j, rootOf(r, y), true) ||
+      touchedBetween(r, list, erased, i, j, rootOf(r, res), false))
+    return std::nullopt;
+  return FoldedAdd{j, res, y};
 }
 
 /// The activation epilogues of GEMMs, as cuBLASLt runs them (GELU_AUX_BIAS,
@@ -172,27 +208,13 @@ int64_t activationEpilogues(rt::RankProgram &r, const std::set<int64_t> &kept) {
       std::string epi = strAttr(mm, "epilogue");
       if (mm.op != "matmul" || mm.out.size() != 1 || !(epi == "bias" || (epi.empty() && mm.in.size() == 2)))
         continue;
-      int64_t pre = mm.out[0];
-      const auto &pr = readers[pre];
-      if (kept.count(pre) || r.buffers[pre].viewOf >= 0 || pr.size() != 1 || pr[0].first != name ||
-          pr[0].second <= i)
+      auto add = foldableAdd(r, list, erased, readers, kept, name, i, mm.out[0], /*inPlace=*/false);
+      if (!add)
         continue;
-      size_t j = pr[0].second;
-      const rt::Instruction &add = list[j];
-      if (erased[j] || add.op != "add" || add.in.size() != 2 || add.out.size() != 1 ||
-          (add.in[0] == pre) == (add.in[1] == pre))
-        continue;
-      int64_t res = add.in[0] == pre ? add.in[1] : add.in[0], y = add.out[0];
-      const rt::Buffer &pb = r.buffers[pre], &rb = r.buffers[res], &yb = r.buffers[y];
-      if (!floating(pb) || rb.shape != pb.shape || yb.shape != pb.shape || rb.dtype != pb.dtype ||
-          yb.dtype != pb.dtype || rootOf(r, y) == rootOf(r, res) || readsRoot(r, mm, rootOf(r, y)) ||
-          touchedBetween(r, list, erased, i, j, rootOf(r, y), true) ||
-          touchedBetween(r, list, erased, i, j, rootOf(r, res), false))
-        continue;
-      mm.in.push_back(res);
-      mm.out = {y};
+      mm.in.push_back(add->res);
+      mm.out = {add->out};
       mm.attrs["epilogue"] = epi.empty() ? "residual" : "bias_residual";
-      erased[j] = true;
+      erased[add->at] = true;
     }
     compact(list, erased);
   }
@@ -205,25 +227,13 @@ int64_t activationEpilogues(rt::RankProgram &r, const std::set<int64_t> &kept) {
       rt::Instruction &ng = list[i];
       if ((ng.op != "layernorm_grad" && ng.op != "rmsnorm_grad") || ng.in.size() != 3 || ng.out.empty())
         continue;
-      int64_t dx = ng.out[0];
-      const auto &dr = readers[dx];
-      if (kept.count(dx) || r.buffers[dx].viewOf >= 0 || dr.size() != 1 || dr[0].first != name || dr[0].second <= i)
+      // In place (R the result itself) is fine: the kernel reads each element of R just before writing it.
+      auto add = foldableAdd(r, list, erased, readers, kept, name, i, ng.out[0], /*inPlace=*/true);
+      if (!add)
         continue;
-      size_t j = dr[0].second;
-      const rt::Instruction &add = list[j];
-      if (erased[j] || add.op != "add" || add.in.size() != 2 || add.out.size() != 1 ||
-          (add.in[0] == dx) == (add.in[1] == dx))
-        continue;
-      int64_t res = add.in[0] == dx ? add.in[1] : add.in[0], y = add.out[0];
-      const rt::Buffer &db = r.buffers[dx], &rb = r.buffers[res], &yb = r.buffers[y];
-      if (!floating(db) || rb.shape != db.shape || yb.shape != db.shape || rb.dtype != db.dtype ||
-          yb.dtype != db.dtype || (y != res && rootOf(r, y) == rootOf(r, res)) || readsRoot(r, ng, rootOf(r, y)) ||
-          touchedBetween(r, list, erased, i, j, rootOf(r, y), true) ||
-          touchedBetween(r, list, erased, i, j, rootOf(r, res), false))
-        continue;
-      ng.in.push_back(res);
-      ng.out[0] = y;
-      erased[j] = true;
+      ng.in.push_back(add->res);
+      ng.out[0] = add->out;
+      erased[add->at] = true;
     }
     compact(list, erased);
   }
