@@ -249,172 +249,23 @@ __global__ void rowDotKernel(const bf16 *dO, const bf16 *O, float *di, int64_t r
     di[row] = acc;
 }
 
-/// One block: 16 W keys of one (batch, K/V head), a warp per 16 of them,
-/// streaming 64 queries at a time of every query head that reads them. dK
-/// and dV stay in registers; dQ is accumulated in f32 with atomics, once
-/// per block and query tile (W = 8: half the atomics and query loads of W = 4,
-/// but one block per SM instead of two).
-template <int D, int W>
-__global__ void __launch_bounds__(W * 32)
-    backwardKernel(const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO, const float *lse, const float *di,
-                   float *dQ, bf16 *dK, bf16 *dV, Shape sh, float scale) {
+/// One block: W warps over 16 MT W keys of one (batch, K/V head), a warp
+/// taking 16 MT of them (MT m-tiles), streaming Qn queries at a time of
+/// every query head that reads them; the next (head, query block) streams in
+/// with cp.async while this one is used. dK and dV stay in registers; dQ is
+/// accumulated in f32 with 16-byte atomics, once per block and query tile.
+/// "narrow" (MT = 1, Qn = 64, W = 4): every head dim, bound by shared-memory
+/// fragment loads (about two per tensor-core product); "wide" (MT = 2, Qn =
+/// 32, W = 4): each Q / dO fragment feeds both m-tiles, fewer loads per
+/// product, dK and dV of 64 floats each at D = 64 (hence D <= 64). W = 8
+/// (narrow) halves the dQ atomics and query loads but fits one block per SM.
+template <int D, int W, int MT, int Qn>
+__global__ void __launch_bounds__(W * 32, MT == 2 ? 2 : 0)
+    backwardKernel(const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO, const float *lse,
+                   const float *di, float *dQ, bf16 *dK, bf16 *dV, Shape sh, float scale) {
+  constexpr int Keys = 16 * MT * W, Threads = 32 * W, RowTiles = Qn / 16, Parts = W / RowTiles, Cols = D / Parts;
+  static_assert(Parts >= 1 && Cols % 16 == 0, "dQ's columns split into parts of whole fragment pairs");
   extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int Keys = 16 * W, Threads = 32 * W;
-  constexpr int ld = D + 8, lds = Keys + 8;
-  // Two stages of the query-side tiles (Q, dO, their lse and Di): the next
-  // (head, query block) streams in with cp.async while this one is used.
-  bf16 *Qbuf = reinterpret_cast<bf16 *>(smem); // 2 x [kCols][ld]
-  bf16 *dObuf = Qbuf + 2 * kCols * ld;         // 2 x [kCols][ld]
-  bf16 *Ks = dObuf + 2 * kCols * ld;           // [Keys][ld]
-  bf16 *Vs = Ks + Keys * ld;                   // [Keys][ld]
-  bf16 *dSs = Vs + Keys * ld;                  // [kCols][lds]: dS with queries as rows
-  float *lseBuf = reinterpret_cast<float *>(dSs + kCols * lds), *diBuf = lseBuf + 2 * kCols;
-  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  int bk = blockIdx.y, b = bk / sh.kvHeads, kvh = bk % sh.kvHeads, group = sh.heads / sh.kvHeads;
-  int k0 = blockIdx.x * Keys, kw = warp * 16; // the warp's keys: k0 + kw + [0, 16)
-  int shift = sh.t - sh.s;
-  const bf16 *Kb = K + int64_t(b) * sh.t * sh.ldk + kvh * D, *Vb = V + int64_t(b) * sh.t * sh.ldk + kvh * D;
-  stageAsync<D, Threads>(Kb, sh.ldk, k0, sh.t, Keys, Ks);
-  stageAsync<D, Threads>(Vb, sh.ldk, k0, sh.t, Keys, Vs);
-
-  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  // Queries before `first` see none of this block's keys; the block walks
-  // (query head, query block) pairs, `perHead` blocks per head.
-  int first = sh.causal ? max(0, k0 - shift) / kCols * kCols : 0;
-  int perHead = first < sh.s ? (sh.s - first + kCols - 1) / kCols : 0, total = group * perHead;
-  auto prefetch = [&](int it, int st) {
-    int h = kvh * group + it / perHead, q0 = first + (it % perHead) * kCols;
-    stageAsync<D, Threads>(Q + int64_t(b) * sh.s * sh.ldq + h * D, sh.ldq, q0, sh.s, kCols, Qbuf + st * kCols * ld);
-    stageAsync<D, Threads>(dO + int64_t(b) * sh.s * sh.ldo + h * D, sh.ldo, q0, sh.s, kCols,
-                           dObuf + st * kCols * ld);
-    for (int i = threadIdx.x; i < kCols; i += Threads) { // rows past s: zeros, masked below
-      bool in = q0 + i < sh.s;
-      int64_t at = (int64_t(b) * sh.heads + h) * sh.s + q0 + i;
-      cpAsync4(lseBuf + st * kCols + i, in ? lse + at : lse, in);
-      cpAsync4(diBuf + st * kCols + i, in ? di + at : di, in);
-    }
-  };
-  if (total > 0)
-    prefetch(0, 0);
-  cpCommit(); // with K and V
-  for (int it = 0; it < total; ++it) {
-    int st = it & 1, hq = it / perHead, h = kvh * group + hq, q0 = first + (it % perHead) * kCols;
-    if (it + 1 < total) { // the other stage was last read before the previous iteration's second barrier
-      prefetch(it + 1, st ^ 1);
-      cpCommit();
-      cpWait<1>();
-    } else {
-      cpWait<0>();
-    }
-    __syncthreads();
-    const bf16 *Qs = Qbuf + st * kCols * ld, *dOs = dObuf + st * kCols * ld;
-    const float *lseS = lseBuf + st * kCols, *diS = diBuf + st * kCols;
-    {
-      // S^T and dP^T for the warp's 16 keys x 64 queries.
-      float p[kCols / 8][4] = {}, dp[kCols / 8][4] = {};
-      for (int ks = 0; ks < D / 16; ++ks) {
-        uint32_t ka[4], va[4];
-        loadA(ka, Ks, ld, kw, ks * 16);
-        loadA(va, Vs, ld, kw, ks * 16);
-        for (int j = 0; j < kCols / 8; j += 2) {
-          uint32_t qb[4], db[4];
-          loadBt(qb, Qs, ld, j * 8, ks * 16);
-          loadBt(db, dOs, ld, j * 8, ks * 16);
-          mma(p[j], ka, qb[0], qb[1]);
-          mma(p[j + 1], ka, qb[2], qb[3]);
-          mma(dp[j], va, db[0], db[1]);
-          mma(dp[j + 1], va, db[2], db[3]);
-        }
-      }
-      // P^T = exp2(S^T scale - lse), dS^T = P^T (dP^T - Di).
-      for (int j = 0; j < kCols / 8; ++j)
-        for (int i = 0; i < 4; ++i) {
-          int key = k0 + kw + g + (i >> 1) * 8, ql = j * 8 + 2 * c + (i & 1), query = q0 + ql;
-          bool masked = key >= sh.t || query >= sh.s || (sh.causal && key > query + shift);
-          float pv = masked ? 0.0f : exp2f(p[j][i] * sh.scaleLog2 - lseS[ql]);
-          p[j][i] = pv;
-          dp[j][i] = pv * (dp[j][i] - diS[ql]);
-        }
-      // dV += P^T dO and dK += dS^T Q (scaled at the end).
-      for (int kk = 0; kk < kCols / 16; ++kk) {
-        uint32_t pa[4], sa[4];
-        toA(pa, p, kk);
-        toA(sa, dp, kk);
-        for (int dn = 0; dn < D / 8; dn += 2) {
-          uint32_t db[4], qb[4];
-          loadB(db, dOs, ld, kk * 16, dn * 8);
-          loadB(qb, Qs, ld, kk * 16, dn * 8);
-          mma(dv[dn], pa, db[0], db[1]);
-          mma(dv[dn + 1], pa, db[2], db[3]);
-          mma(dk[dn], sa, qb[0], qb[1]);
-          mma(dk[dn + 1], sa, qb[2], qb[3]);
-        }
-      }
-      // dS (queries x keys) to shared memory for dQ = dS K.
-      for (int j = 0; j < kCols / 8; ++j)
-        for (int i = 0; i < 4; ++i)
-          dSs[(j * 8 + 2 * c + (i & 1)) * lds + kw + g + (i >> 1) * 8] = __float2bfloat16_rn(dp[j][i]);
-      __syncthreads();
-      // dQ (64 queries x D) = dS K: warp w takes query rows (w % 4) * 16 and
-      // the column part w / 4 of D (W / 4 parts).
-      constexpr int Parts = W / 4, Cols = D / Parts;
-      int rowTile = warp % 4, col0 = (warp / 4) * Cols;
-      float dq[Cols / 8][4] = {};
-      for (int kk = 0; kk < Keys / 16; ++kk) {
-        uint32_t a[4];
-        loadA(a, dSs, lds, rowTile * 16, kk * 16);
-        for (int dn = 0; dn < Cols / 8; dn += 2) {
-          uint32_t kb[4];
-          loadB(kb, Ks, ld, kk * 16, col0 + dn * 8);
-          mma(dq[dn], a, kb[0], kb[1]);
-          mma(dq[dn + 1], a, kb[2], kb[3]);
-        }
-      }
-      // dQ += dS K into the f32 accumulator with 16-byte atomics (sm_90):
-      // lanes c and c^1 trade halves so that each holds four adjacent
-      // columns of one row (the even lane row g, the odd one row g + 8);
-      // a quarter of the scalar atomics, which bound this kernel.
-      float *dQb = dQ + int64_t(b) * sh.s * sh.ldqw + h * D + col0;
-      bool even = (c & 1) == 0;
-      int query = q0 + rowTile * 16 + g + (even ? 0 : 8), col = 2 * (c & ~1);
-      for (int dn = 0; dn < Cols / 8; ++dn) {
-        float s0 = even ? dq[dn][2] : dq[dn][0], s1 = even ? dq[dn][3] : dq[dn][1];
-        float r0 = __shfl_xor_sync(0xffffffff, s0, 1), r1 = __shfl_xor_sync(0xffffffff, s1, 1);
-        float4 v = even ? make_float4(dq[dn][0], dq[dn][1], r0, r1) : make_float4(r0, r1, dq[dn][2], dq[dn][3]);
-        if (query < sh.s)
-          atomicAdd(reinterpret_cast<float4 *>(dQb + int64_t(query) * sh.ldqw + dn * 8 + col),
-                    make_float4(v.x * scale, v.y * scale, v.z * scale, v.w * scale));
-      }
-    }
-  }
-  cpWait<0>(); // nothing left in flight (a block with no queries to visit)
-  bf16 *dKb = dK + int64_t(b) * sh.t * sh.lddk + kvh * D, *dVb = dV + int64_t(b) * sh.t * sh.lddk + kvh * D;
-  for (int r = 0; r < 2; ++r) {
-    int key = k0 + kw + g + r * 8;
-    if (key >= sh.t)
-      continue;
-    for (int dn = 0; dn < D / 8; ++dn) {
-      int64_t at = int64_t(key) * sh.lddk + dn * 8 + 2 * c;
-      st32(dKb + at, pack(dk[dn][2 * r] * scale, dk[dn][2 * r + 1] * scale));
-      st32(dVb + at, pack(dv[dn][2 * r], dv[dn][2 * r + 1]));
-    }
-  }
-}
-
-/// The backward with 32-key warp tiles: 4 warps take 128 keys of one (batch,
-/// K/V head), a warp 32 of them (two m-tiles), and stream 32 queries at a
-/// time. Each Q / dO fragment loaded from shared memory feeds two products
-/// instead of one, so a product costs fewer fragment loads than with 16-key
-/// warp tiles (which are bound by them); dK and dV stay in registers (64
-/// floats each at D = 64, hence D <= 64). dQ as in backwardKernel.
-constexpr int kWideKeys = 128, kWideQueries = 32;
-template <int D>
-__global__ void __launch_bounds__(kThreads, 2)
-    backwardWideKernel(const bf16 *Q, const bf16 *K, const bf16 *V, const bf16 *dO, const float *lse,
-                       const float *di, float *dQ, bf16 *dK, bf16 *dV, Shape sh, float scale) {
-  static_assert(D == 32 || D == 64, "two column halves of D, each a multiple of 16");
-  extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int Keys = kWideKeys, Qn = kWideQueries;
   constexpr int ld = D + 8, lds = Keys + 8;
   bf16 *Qbuf = reinterpret_cast<bf16 *>(smem); // 2 x [Qn][ld]
   bf16 *dObuf = Qbuf + 2 * Qn * ld;            // 2 x [Qn][ld]
@@ -424,20 +275,20 @@ __global__ void __launch_bounds__(kThreads, 2)
   float *lseBuf = reinterpret_cast<float *>(dSs + Qn * lds), *diBuf = lseBuf + 2 * Qn;
   int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   int bk = blockIdx.y, b = bk / sh.kvHeads, kvh = bk % sh.kvHeads, group = sh.heads / sh.kvHeads;
-  int k0 = blockIdx.x * Keys, kw = warp * 32; // the warp's keys: k0 + kw + [0, 32)
+  int k0 = blockIdx.x * Keys, kw = warp * 16 * MT; // the warp's keys: k0 + kw + [0, 16 MT)
   int shift = sh.t - sh.s;
   const bf16 *Kb = K + int64_t(b) * sh.t * sh.ldk + kvh * D, *Vb = V + int64_t(b) * sh.t * sh.ldk + kvh * D;
-  stageAsync<D>(Kb, sh.ldk, k0, sh.t, Keys, Ks);
-  stageAsync<D>(Vb, sh.ldk, k0, sh.t, Keys, Vs);
+  stageAsync<D, Threads>(Kb, sh.ldk, k0, sh.t, Keys, Ks);
+  stageAsync<D, Threads>(Vb, sh.ldk, k0, sh.t, Keys, Vs);
 
-  float dk[2][D / 8][4] = {}, dv[2][D / 8][4] = {};
+  float dk[MT][D / 8][4] = {}, dv[MT][D / 8][4] = {};
   int first = sh.causal ? max(0, k0 - shift) / Qn * Qn : 0;
   int perHead = first < sh.s ? (sh.s - first + Qn - 1) / Qn : 0, total = group * perHead;
   auto prefetch = [&](int it, int st) {
     int h = kvh * group + it / perHead, q0 = first + (it % perHead) * Qn;
-    stageAsync<D>(Q + int64_t(b) * sh.s * sh.ldq + h * D, sh.ldq, q0, sh.s, Qn, Qbuf + st * Qn * ld);
-    stageAsync<D>(dO + int64_t(b) * sh.s * sh.ldo + h * D, sh.ldo, q0, sh.s, Qn, dObuf + st * Qn * ld);
-    for (int i = threadIdx.x; i < Qn; i += kThreads) {
+    stageAsync<D, Threads>(Q + int64_t(b) * sh.s * sh.ldq + h * D, sh.ldq, q0, sh.s, Qn, Qbuf + st * Qn * ld);
+    stageAsync<D, Threads>(dO + int64_t(b) * sh.s * sh.ldo + h * D, sh.ldo, q0, sh.s, Qn, dObuf + st * Qn * ld);
+    for (int i = threadIdx.x; i < Qn; i += Threads) { // rows past s: zeros, masked below
       bool in = q0 + i < sh.s;
       int64_t at = (int64_t(b) * sh.heads + h) * sh.s + q0 + i;
       cpAsync4(lseBuf + st * Qn + i, in ? lse + at : lse, in);
@@ -459,23 +310,22 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();
     const bf16 *Qs = Qbuf + st * Qn * ld, *dOs = dObuf + st * Qn * ld;
     const float *lseS = lseBuf + st * Qn, *diS = diBuf + st * Qn;
-    // S^T and dP^T for the warp's 32 keys x 32 queries.
-    float p[2][Qn / 8][4] = {}, dp[2][Qn / 8][4] = {};
+    // S^T and dP^T for the warp's 16 MT keys x Qn queries.
+    float p[MT][Qn / 8][4] = {}, dp[MT][Qn / 8][4] = {};
     #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t ka[2][4], va[2][4];
+      uint32_t ka[MT][4], va[MT][4];
       #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
+      for (int mt = 0; mt < MT; ++mt) {
         loadA(ka[mt], Ks, ld, kw + mt * 16, ks * 16);
         loadA(va[mt], Vs, ld, kw + mt * 16, ks * 16);
       }
-      #pragma unroll
       for (int j = 0; j < Qn / 8; j += 2) {
         uint32_t qb[4], db[4];
         loadBt(qb, Qs, ld, j * 8, ks * 16);
         loadBt(db, dOs, ld, j * 8, ks * 16);
         #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
+        for (int mt = 0; mt < MT; ++mt) {
           mma(p[mt][j], ka[mt], qb[0], qb[1]);
           mma(p[mt][j + 1], ka[mt], qb[2], qb[3]);
           mma(dp[mt][j], va[mt], db[0], db[1]);
@@ -484,10 +334,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     }
     #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-      #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
       for (int j = 0; j < Qn / 8; ++j)
-        #pragma unroll
         for (int i = 0; i < 4; ++i) {
           int key = k0 + kw + mt * 16 + g + (i >> 1) * 8, ql = j * 8 + 2 * c + (i & 1), query = q0 + ql;
           bool masked = key >= sh.t || query >= sh.s || (sh.causal && key > query + shift);
@@ -495,12 +343,12 @@ __global__ void __launch_bounds__(kThreads, 2)
           p[mt][j][i] = pv;
           dp[mt][j][i] = pv * (dp[mt][j][i] - diS[ql]);
         }
-    // dV += P^T dO and dK += dS^T Q (scaled at the end): each dO / Q fragment feeds both m-tiles.
+    // dV += P^T dO and dK += dS^T Q (scaled at the end): each dO / Q fragment feeds every m-tile.
     #pragma unroll
     for (int kk = 0; kk < Qn / 16; ++kk) {
-      uint32_t pa[2][4], sa[2][4];
+      uint32_t pa[MT][4], sa[MT][4];
       #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
+      for (int mt = 0; mt < MT; ++mt) {
         toA(pa[mt], p[mt], kk);
         toA(sa[mt], dp[mt], kk);
       }
@@ -510,7 +358,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         loadB(db, dOs, ld, kk * 16, dn * 8);
         loadB(qb, Qs, ld, kk * 16, dn * 8);
         #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
+        for (int mt = 0; mt < MT; ++mt) {
           mma(dv[mt][dn], pa[mt], db[0], db[1]);
           mma(dv[mt][dn + 1], pa[mt], db[2], db[3]);
           mma(dk[mt][dn], sa[mt], qb[0], qb[1]);
@@ -519,16 +367,16 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     }
     #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-      #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
       for (int j = 0; j < Qn / 8; ++j)
-        #pragma unroll
         for (int i = 0; i < 4; ++i)
           dSs[(j * 8 + 2 * c + (i & 1)) * lds + kw + mt * 16 + g + (i >> 1) * 8] = __float2bfloat16_rn(dp[mt][j][i]);
     __syncthreads();
-    // dQ (32 queries x D) = dS K: warp w takes query rows (w % 2) * 16, column half w / 2.
-    constexpr int Cols = D / 2;
-    int rowTile = warp % 2, col0 = (warp / 2) * Cols;
+    // dQ (Qn queries x D) = dS K: warp w takes query rows (w % RowTiles) * 16
+    // and column part w / RowTiles of D. Lanes c and c^1 trade halves so that
+    // each holds four adjacent columns of one row (the even lane row g, the
+    // odd one row g + 8) for a 16-byte atomic.
+    int rowTile = warp % RowTiles, col0 = (warp / RowTiles) * Cols;
     float dq[Cols / 8][4] = {};
     #pragma unroll
     for (int kk = 0; kk < Keys / 16; ++kk) {
@@ -558,8 +406,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   cpWait<0>();
   bf16 *dKb = dK + int64_t(b) * sh.t * sh.lddk + kvh * D, *dVb = dV + int64_t(b) * sh.t * sh.lddk + kvh * D;
   #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-    #pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
     for (int r = 0; r < 2; ++r) {
       int key = k0 + kw + mt * 16 + g + r * 8;
       if (key >= sh.t)
@@ -584,13 +431,9 @@ __global__ void toBf16Kernel(const float *x, bf16 *y, int64_t rows, int64_t widt
 }
 
 template <int D> constexpr size_t forwardSmem() { return 4 * kCols * (D + 8) * sizeof(bf16); }
-template <int D, int W> constexpr size_t backwardSmem() {
-  return (4 * kCols * (D + 8) + 2 * 16 * W * (D + 8) + kCols * (16 * W + 8)) * sizeof(bf16) +
-         4 * kCols * sizeof(float);
-}
-template <int D> constexpr size_t backwardWideSmem() {
-  return (4 * kWideQueries * (D + 8) + 2 * kWideKeys * (D + 8) + kWideQueries * (kWideKeys + 8)) * sizeof(bf16) +
-         4 * kWideQueries * sizeof(float);
+template <int D, int W, int MT, int Qn> constexpr size_t backwardSmem() {
+  return (4 * Qn * (D + 8) + 2 * 16 * MT * W * (D + 8) + Qn * (16 * MT * W + 8)) * sizeof(bf16) +
+         4 * Qn * sizeof(float);
 }
 /// Which backward kernel: "wide" (32-key warp tiles, head dims 32 and 64),
 /// or "narrow" (16-key warp tiles, every head dim); LOOM_FLASH_BWD=narrow
@@ -658,19 +501,15 @@ Workspace carve(const Params &p, void *base) {
   return w;
 }
 
-template <int D, int W>
+template <int D, int W, int MT, int Qn>
 cudaError_t backwardDW(const Params &p, const void *dO, void *dQ, void *dK, void *dV, void *workspace,
                       cudaStream_t stream, const void *savedO, const float *savedLse) {
-  if constexpr (W == 0) {
-    if (cudaError_t e = cudaFuncSetAttribute(backwardWideKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             int(backwardWideSmem<D>()));
-        e != cudaSuccess)
-      return e;
-  } else if (cudaError_t e = cudaFuncSetAttribute(backwardKernel<D, W>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                  int(backwardSmem<D, W>()));
-             e != cudaSuccess) {
+  constexpr int Keys = 16 * MT * W;
+  constexpr size_t smem = backwardSmem<D, W, MT, Qn>();
+  if (cudaError_t e = cudaFuncSetAttribute(backwardKernel<D, W, MT, Qn>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(smem));
+      e != cudaSuccess)
     return e;
-  }
   Workspace w = carve(p, workspace);
   Shape sh = shapeOf(p);
   if (savedO) { // the forward's own output and statistics
@@ -684,19 +523,10 @@ cudaError_t backwardDW(const Params &p, const void *dO, void *dQ, void *dK, void
                                                                                    w.di, rows, sh);
   if (cudaError_t e = cudaMemsetAsync(w.dq, 0, qElems * sizeof(float), stream); e != cudaSuccess)
     return e;
-  if constexpr (W == 0) {
-    dim3 grid(unsigned((p.t + kWideKeys - 1) / kWideKeys), unsigned(p.batch * p.kvHeads));
-    backwardWideKernel<D><<<grid, kThreads, backwardWideSmem<D>(), stream>>>(
-        static_cast<const bf16 *>(p.q), static_cast<const bf16 *>(p.k), static_cast<const bf16 *>(p.v),
-        static_cast<const bf16 *>(dO), w.lse, w.di, w.dq, static_cast<bf16 *>(dK), static_cast<bf16 *>(dV), sh,
-        p.scale);
-  } else {
-    dim3 grid(unsigned((p.t + 16 * W - 1) / (16 * W)), unsigned(p.batch * p.kvHeads));
-    backwardKernel<D, W><<<grid, 32 * W, backwardSmem<D, W>(), stream>>>(
-        static_cast<const bf16 *>(p.q), static_cast<const bf16 *>(p.k), static_cast<const bf16 *>(p.v),
-        static_cast<const bf16 *>(dO), w.lse, w.di, w.dq, static_cast<bf16 *>(dK), static_cast<bf16 *>(dV), sh,
-        p.scale);
-  }
+  dim3 grid(unsigned((p.t + Keys - 1) / Keys), unsigned(p.batch * p.kvHeads));
+  backwardKernel<D, W, MT, Qn><<<grid, 32 * W, smem, stream>>>(
+      static_cast<const bf16 *>(p.q), static_cast<const bf16 *>(p.k), static_cast<const bf16 *>(p.v),
+      static_cast<const bf16 *>(dO), w.lse, w.di, w.dq, static_cast<bf16 *>(dK), static_cast<bf16 *>(dV), sh, p.scale);
   toBf16Kernel<<<unsigned(std::min<int64_t>((qElems / 2 + 255) / 256, 65535)), 256, 0, stream>>>(
       w.dq, static_cast<bf16 *>(dQ), p.batch * p.s, p.heads * p.headDim, p.lddq ? p.lddq : p.heads * p.headDim);
   return cudaGetLastError();
@@ -707,11 +537,11 @@ cudaError_t backwardD(const Params &p, const void *dO, void *dQ, void *dK, void 
                       cudaStream_t stream, const void *savedO, const float *savedLse) {
   if constexpr (D == 32 || D == 64)
     if (backwardWide(D))
-      return backwardDW<D, 0>(p, dO, dQ, dK, dV, workspace, stream, savedO, savedLse);
+      return backwardDW<D, 4, 2, 32>(p, dO, dQ, dK, dV, workspace, stream, savedO, savedLse);
   if constexpr (D >= 32)
     if (backwardWarps(D) == 8)
-      return backwardDW<D, 8>(p, dO, dQ, dK, dV, workspace, stream, savedO, savedLse);
-  return backwardDW<D, 4>(p, dO, dQ, dK, dV, workspace, stream, savedO, savedLse);
+      return backwardDW<D, 8, 1, 64>(p, dO, dQ, dK, dV, workspace, stream, savedO, savedLse);
+  return backwardDW<D, 4, 1, 64>(p, dO, dQ, dK, dV, workspace, stream, savedO, savedLse);
 }
 
 } // namespace
