@@ -79,6 +79,7 @@ c models/gpt-tiny.mlir --batch 4 --train --lr 1e-3 --fuse -o $out/gpt-tiny-fused
 c models/bert-tiny.mlir --batch 4 --fuse -o $out/bert-tiny-fused-infer.loom
 c models/gpt2-124m.mlir --batch 2 -o $out/gpt2-124m-infer.loom
 c models/bert-base.mlir --batch 2 -o $out/bert-base-infer.loom
+c models/llama-1.1b.mlir --batch 1 -o $out/llama-1.1b-b1.loom # forward checked unless LOOM_QUICK (CPU side: minutes)
 c models/resnet50.mlir --batch 2 -o $out/resnet50-infer.loom # convolutions as im2col + GEMMs
 c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --weight-decay 0.1 --clip 1.0 -o $out/gpt2-350m-train.loom
 c models/gpt2-350m.mlir --batch 1 --train --lr 3e-4 -o $out/gpt2-350m-b1-train.loom

@@ -58,7 +58,12 @@ python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-bf16.fused.cuda.log"
 echo "== cuBLASLt epilogues (bias+GELU, GELU gradient, bias gradients) against the product and our kernels apart (LOOM_CUDA_EPILOGUES=0)"
 LOOM_CUDA_EPILOGUES=0 $B/loom-run $R/gpt-tiny-bf16-fused-train.loom --backend cuda --steps 20 > "$LOG/gpt-tiny-bf16.apart.log" || status=1
 python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-bf16.fused.cuda.log" "$LOG/gpt-tiny-bf16.apart.log" 2e-3 || status=1
-if [ -z "${LOOM_QUICK:-}" ]; then # the CPU side takes about 3 minutes
+if [ -z "${LOOM_QUICK:-}" ]; then # the CPU side takes minutes
+echo "== the 1.1B Llama (22 layers, sequence 2048), batch 1: CUDA forward (full f32 products) vs CPU"
+$B/loom-run $R/llama-1.1b-b1.loom --backend cpu --seed 3 --output "$LOG/llama1b.cpu.safetensors" > /dev/null || status=1
+LOOM_CUDA_TF32=0 $B/loom-run $R/llama-1.1b-b1.loom --backend cuda --seed 3 --output "$LOG/llama1b.cuda.safetensors" > /dev/null || status=1
+$B/loom-compare "$LOG/llama1b.cuda.safetensors" "$LOG/llama1b.cpu.safetensors" --tolerance 2e-3 | sed "s/^/llama-1.1b: /" || status=1
+rm -f "$LOG"/llama1b.*.safetensors
 echo "== GPT-2 350M, batch 1, bf16: CUDA vs CPU losses, first 3 steps"
 $B/loom-run $R/gpt2-350m-bf16-b1-train.loom --backend cpu --steps 3 > "$LOG/350m-b1.cpu.log" || status=1
 $B/loom-run $R/gpt2-350m-bf16-b1-train.loom --backend cuda --steps 3 > "$LOG/350m-b1.cuda.log" || status=1
