@@ -14,6 +14,7 @@
 
 #include "llvm/Support/raw_ostream.h"
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -48,8 +49,9 @@ bool fusable(const rt::RankProgram &r, const rt::Instruction &ins) {
 }
 
 /// Who reads each root buffer: (program, instruction index).
-std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readersOf(const rt::RankProgram &r) {
-  std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readers; // root -> (program, index)
+using Readers = std::map<int64_t, std::vector<std::pair<std::string, size_t>>>;
+Readers readersOf(const rt::RankProgram &r) {
+  Readers readers;
   for (const auto &[name, list] : r.programs)
     for (size_t i = 0; i < list.size(); ++i)
       for (int64_t id : list[i].in)
@@ -67,23 +69,20 @@ std::string strAttr(const rt::Instruction &ins, const char *name) {
   return it != ins.attrs.end() && it->is_string() ? it->get<std::string>() : "";
 }
 
+/// Whether one of `ids` lives in root `root`'s storage.
+bool anyRoot(const rt::RankProgram &r, const std::vector<int64_t> &ids, int64_t root) {
+  return std::any_of(ids.begin(), ids.end(), [&](int64_t id) { return rootOf(r, id) == root; });
+}
+
 /// Whether an instruction strictly between `lo` and `hi` (either order) of
 /// `list`, not erased, reads (`reads`) or writes root `root`'s storage.
 bool touchedBetween(const rt::RankProgram &r, const std::vector<rt::Instruction> &list,
                     const std::vector<bool> &erased, size_t lo, size_t hi, int64_t root, bool reads) {
   if (lo > hi)
     std::swap(lo, hi);
-  for (size_t k = lo + 1; k < hi; ++k) {
-    if (erased[k])
-      continue;
-    for (int64_t id : list[k].out)
-      if (rootOf(r, id) == root)
-        return true;
-    if (reads)
-      for (int64_t id : list[k].in)
-        if (rootOf(r, id) == root)
-          return true;
-  }
+  for (size_t k = lo + 1; k < hi; ++k)
+    if (!erased[k] && (anyRoot(r, list[k].out, root) || (reads && anyRoot(r, list[k].in, root))))
+      return true;
   return false;
 }
 
@@ -91,10 +90,7 @@ bool touchedBetween(const rt::RankProgram &r, const std::vector<rt::Instruction>
 /// change an operand the kernel still reads: the norm gradient's column sums
 /// read dy after dx is written).
 bool readsRoot(const rt::RankProgram &r, const rt::Instruction &ins, int64_t root) {
-  for (int64_t id : ins.in)
-    if (rootOf(r, id) == root)
-      return true;
-  return false;
+  return anyRoot(r, ins.in, root);
 }
 
 /// A view of `id`'s storage with shape `shape` (`id` itself when it has it).
@@ -109,8 +105,6 @@ int64_t viewAs(rt::RankProgram &r, int64_t id, const rt::Shape &shape) {
   r.buffers.push_back(v);
   return v.id;
 }
-
-using Readers = std::map<int64_t, std::vector<std::pair<std::string, size_t>>>;
 
 /// The add that alone reads `x` (written by list[i] of program `name`) and
 /// sums it with another tensor R of x's shape and dtype, where that add can
@@ -158,13 +152,24 @@ std::optional<FoldedAdd> foldableAdd(const rt::RankProgram &r, const std::vector
 ///    that matmul over its k dimension.
 int64_t activationEpilogues(rt::RankProgram &r, const std::set<int64_t> &kept) {
   int64_t removed = 0;
-  auto compact = [&](std::vector<rt::Instruction> &list, const std::vector<bool> &erased) {
-    std::vector<rt::Instruction> out;
-    for (size_t i = 0; i < list.size(); ++i)
-      if (!erased[i])
-        out.push_back(std::move(list[i]));
-    removed += static_cast<int64_t>(list.size() - out.size());
-    list = std::move(out);
+  // One rewrite over every instruction of every program, with the readers
+  // as they were before it; instructions it marks in `erased` are dropped
+  // after each program (indices stay valid meanwhile).
+  using List = std::vector<rt::Instruction>;
+  auto pass = [&](auto &&rewrite) {
+    Readers readers = readersOf(r);
+    for (auto &[name, list] : r.programs) {
+      std::vector<bool> erased(list.size(), false);
+      for (size_t i = 0; i < list.size(); ++i)
+        if (!erased[i])
+          rewrite(name, list, erased, readers, i);
+      List out;
+      for (size_t i = 0; i < list.size(); ++i)
+        if (!erased[i])
+          out.push_back(std::move(list[i]));
+      removed += static_cast<int64_t>(list.size() - out.size());
+      list = std::move(out);
+    }
   };
   auto plainMatmul = [](const rt::Instruction &ins) {
     return ins.op == "matmul" && strAttr(ins, "epilogue").empty() && ins.in.size() == 2 && ins.out.size() == 1;
@@ -176,136 +181,112 @@ int64_t activationEpilogues(rt::RankProgram &r, const std::set<int64_t> &kept) {
     return it != ins.attrs.end() && it->is_boolean() && it->get<bool>();
   };
   // Forward: bias_gelu.
-  auto readers = readersOf(r);
-  for (auto &[name, list] : r.programs) {
-    std::vector<bool> erased(list.size(), false);
-    for (size_t i = 0; i + 1 < list.size(); ++i) {
-      rt::Instruction &mm = list[i], &gelu = list[i + 1];
-      if (mm.op != "matmul" || strAttr(mm, "epilogue") != "bias" || mm.out.size() != 1 ||
-          gelu.op != "gelu" || !flag(gelu, "approximate") || gelu.in.size() != 1 || gelu.out.size() != 1 ||
-          gelu.in[0] != mm.out[0])
-        continue;
-      int64_t pre = mm.out[0], y = gelu.out[0];
-      const rt::Buffer &pb = r.buffers[pre], &yb = r.buffers[y];
-      if (!floating(pb) || pb.dtype != yb.dtype || pb.shape != yb.shape || pb.viewOf >= 0)
-        continue;
-      bool needPre = kept.count(pre) > 0;
-      for (auto &[program, index] : readers[pre])
-        needPre |= program != name || index != i + 1;
-      mm.out = needPre ? std::vector<int64_t>{y, pre} : std::vector<int64_t>{y};
-      mm.attrs["epilogue"] = "bias_gelu";
-      erased[++i] = true;
-    }
-    compact(list, erased);
-  }
+  pass([&](const std::string &name, List &list, std::vector<bool> &erased, Readers &readers, size_t i) {
+    if (i + 1 >= list.size())
+      return;
+    rt::Instruction &mm = list[i], &gelu = list[i + 1];
+    if (mm.op != "matmul" || strAttr(mm, "epilogue") != "bias" || mm.out.size() != 1 || gelu.op != "gelu" ||
+        !flag(gelu, "approximate") || gelu.in.size() != 1 || gelu.out.size() != 1 || gelu.in[0] != mm.out[0])
+      return;
+    int64_t pre = mm.out[0], y = gelu.out[0];
+    const rt::Buffer &pb = r.buffers[pre], &yb = r.buffers[y];
+    if (!floating(pb) || pb.dtype != yb.dtype || pb.shape != yb.shape || pb.viewOf >= 0)
+      return;
+    bool needPre = kept.count(pre) > 0;
+    for (auto &[program, index] : readers[pre])
+      needPre |= program != name || index != i + 1;
+    mm.out = needPre ? std::vector<int64_t>{y, pre} : std::vector<int64_t>{y};
+    mm.attrs["epilogue"] = "bias_gelu";
+    erased[i + 1] = true;
+  });
   // Residual adds: add(R, P) of a matmul's result P that nothing else reads
   // becomes that matmul's C input (cuBLASLt's beta = 1): bias_residual or residual.
-  readers = readersOf(r);
-  for (auto &[name, list] : r.programs) {
-    std::vector<bool> erased(list.size(), false);
-    for (size_t i = 0; i < list.size(); ++i) {
-      rt::Instruction &mm = list[i];
-      std::string epi = strAttr(mm, "epilogue");
-      if (mm.op != "matmul" || mm.out.size() != 1 || !(epi == "bias" || (epi.empty() && mm.in.size() == 2)))
-        continue;
-      auto add = foldableAdd(r, list, erased, readers, kept, name, i, mm.out[0], /*inPlace=*/false);
-      if (!add)
-        continue;
-      mm.in.push_back(add->res);
-      mm.out = {add->out};
-      mm.attrs["epilogue"] = epi.empty() ? "residual" : "bias_residual";
-      erased[add->at] = true;
-    }
-    compact(list, erased);
-  }
+  pass([&](const std::string &name, List &list, std::vector<bool> &erased, Readers &readers, size_t i) {
+    rt::Instruction &mm = list[i];
+    std::string epi = strAttr(mm, "epilogue");
+    if (mm.op != "matmul" || mm.out.size() != 1 || !(epi == "bias" || (epi.empty() && mm.in.size() == 2)))
+      return;
+    auto add = foldableAdd(r, list, erased, readers, kept, name, i, mm.out[0], /*inPlace=*/false);
+    if (!add)
+      return;
+    mm.in.push_back(add->res);
+    mm.out = {add->out};
+    mm.attrs["epilogue"] = epi.empty() ? "residual" : "bias_residual";
+    erased[add->at] = true;
+  });
   // Backward: the residual stream's gradient add(R, dx) after a norm's
-  // gradient becomes its fourth input (dx + R written; R may be the result).
-  readers = readersOf(r);
-  for (auto &[name, list] : r.programs) {
-    std::vector<bool> erased(list.size(), false);
-    for (size_t i = 0; i < list.size(); ++i) {
-      rt::Instruction &ng = list[i];
-      if ((ng.op != "layernorm_grad" && ng.op != "rmsnorm_grad") || ng.in.size() != 3 || ng.out.empty())
-        continue;
-      // In place (R the result itself) is fine: the kernel reads each element of R just before writing it.
-      auto add = foldableAdd(r, list, erased, readers, kept, name, i, ng.out[0], /*inPlace=*/true);
-      if (!add)
-        continue;
-      ng.in.push_back(add->res);
-      ng.out[0] = add->out;
-      erased[add->at] = true;
-    }
-    compact(list, erased);
-  }
+  // gradient becomes its fourth input (dx + R written; R may be the result:
+  // the kernel reads each element of R just before writing it).
+  pass([&](const std::string &name, List &list, std::vector<bool> &erased, Readers &readers, size_t i) {
+    rt::Instruction &ng = list[i];
+    if ((ng.op != "layernorm_grad" && ng.op != "rmsnorm_grad") || ng.in.size() != 3 || ng.out.empty())
+      return;
+    auto add = foldableAdd(r, list, erased, readers, kept, name, i, ng.out[0], /*inPlace=*/true);
+    if (!add)
+      return;
+    ng.in.push_back(add->res);
+    ng.out[0] = add->out;
+    erased[add->at] = true;
+  });
   // Backward: dgelu.
-  readers = readersOf(r);
-  for (auto &[name, list] : r.programs) {
-    std::vector<bool> erased(list.size(), false);
-    for (size_t i = 0; i < list.size(); ++i) {
-      rt::Instruction &mm = list[i];
-      if (erased[i] || !plainMatmul(mm) || flag(mm, "transpose_a"))
-        continue;
-      int64_t g = rootOf(r, mm.out[0]);
-      const auto &gr = readers[g];
-      if (kept.count(g) || gr.size() != 1 || gr[0].first != name || gr[0].second <= i)
-        continue;
-      size_t j = gr[0].second;
-      const rt::Instruction &ug = list[j];
-      if (erased[j] || ug.op != "unary_grad" || strAttr(ug, "fn") != "gelu_tanh" ||
-          ug.in.size() != 3 || ug.out.size() != 1 || rootOf(r, ug.in[2]) != g)
-        continue;
-      int64_t pre = ug.in[0], d = ug.out[0];
-      const rt::Buffer &gb = r.buffers[mm.out[0]], &db = r.buffers[d], &pb = r.buffers[pre];
-      if (!floating(gb) || db.dtype != gb.dtype || pb.dtype != gb.dtype ||
-          rt::numElements(db.shape) != rt::numElements(gb.shape) ||
-          rt::numElements(pb.shape) != rt::numElements(gb.shape) ||
-          touchedBetween(r, list, erased, i, j, rootOf(r, d), true) ||
-          touchedBetween(r, list, erased, i, j, rootOf(r, pre), false))
-        continue;
-      mm.in.push_back(pre);
-      mm.out = {viewAs(r, d, gb.shape)};
-      mm.attrs["epilogue"] = "dgelu";
-      erased[j] = true;
-    }
-    compact(list, erased);
-  }
+  pass([&](const std::string &name, List &list, std::vector<bool> &erased, Readers &readers, size_t i) {
+    rt::Instruction &mm = list[i];
+    if (!plainMatmul(mm) || flag(mm, "transpose_a"))
+      return;
+    int64_t g = rootOf(r, mm.out[0]);
+    const auto &gr = readers[g];
+    if (kept.count(g) || gr.size() != 1 || gr[0].first != name || gr[0].second <= i)
+      return;
+    size_t j = gr[0].second;
+    const rt::Instruction &ug = list[j];
+    if (erased[j] || ug.op != "unary_grad" || strAttr(ug, "fn") != "gelu_tanh" || ug.in.size() != 3 ||
+        ug.out.size() != 1 || rootOf(r, ug.in[2]) != g)
+      return;
+    int64_t pre = ug.in[0], d = ug.out[0];
+    const rt::Buffer &gb = r.buffers[mm.out[0]], &db = r.buffers[d], &pb = r.buffers[pre];
+    if (!floating(gb) || db.dtype != gb.dtype || pb.dtype != gb.dtype ||
+        rt::numElements(db.shape) != rt::numElements(gb.shape) ||
+        rt::numElements(pb.shape) != rt::numElements(gb.shape) ||
+        touchedBetween(r, list, erased, i, j, rootOf(r, d), true) ||
+        touchedBetween(r, list, erased, i, j, rootOf(r, pre), false))
+      return;
+    mm.in.push_back(pre);
+    mm.out = {viewAs(r, d, gb.shape)};
+    mm.attrs["epilogue"] = "dgelu";
+    erased[j] = true;
+  });
   // Backward: bgrad.
-  for (auto &[name, list] : r.programs) {
-    std::vector<bool> erased(list.size(), false);
-    for (size_t i = 0; i < list.size(); ++i) {
-      const rt::Instruction &red = list[i];
-      if (red.op != "reduce_sum" || red.in.size() != 1 || red.out.size() != 1)
+  pass([&](const std::string &, List &list, std::vector<bool> &erased, Readers &, size_t i) {
+    const rt::Instruction &red = list[i];
+    if (red.op != "reduce_sum" || red.in.size() != 1 || red.out.size() != 1)
+      return;
+    const rt::Buffer &x = r.buffers[red.in[0]], &db = r.buffers[red.out[0]];
+    if (x.shape.size() < 2 || !floating(x) || db.dtype != x.dtype)
+      return;
+    std::set<int64_t> axes;
+    if (auto it = red.attrs.find("axes"); red.attrs.is_object() && it != red.attrs.end() && it->is_array())
+      for (const auto &a : *it)
+        if (a.is_number_integer())
+          axes.insert(a.get<int64_t>() < 0 ? a.get<int64_t>() + int64_t(x.shape.size()) : a.get<int64_t>());
+    int64_t n = x.shape.back();
+    if (axes.size() != x.shape.size() - 1 || axes.count(int64_t(x.shape.size()) - 1) ||
+        rt::numElements(db.shape) != n)
+      return;
+    int64_t root = rootOf(r, red.in[0]), dbRoot = rootOf(r, red.out[0]);
+    for (size_t j = 0; j < list.size(); ++j) {
+      rt::Instruction &mm = list[j];
+      if (j == i || erased[j] || !plainMatmul(mm) || !flag(mm, "transpose_a") || flag(mm, "transpose_b"))
         continue;
-      const rt::Buffer &x = r.buffers[red.in[0]], &db = r.buffers[red.out[0]];
-      if (x.shape.size() < 2 || !floating(x) || db.dtype != x.dtype)
+      const rt::Buffer &b = r.buffers[mm.in[1]], &o = r.buffers[mm.out[0]];
+      if (rootOf(r, mm.in[1]) != root || b.shape.size() != 2 || b.shape[1] != n || o.dtype != db.dtype ||
+          touchedBetween(r, list, erased, i, j, dbRoot, true) || touchedBetween(r, list, erased, i, j, root, false))
         continue;
-      std::set<int64_t> axes;
-      if (auto it = red.attrs.find("axes"); red.attrs.is_object() && it != red.attrs.end() && it->is_array())
-        for (const auto &a : *it)
-          if (a.is_number_integer())
-            axes.insert(a.get<int64_t>() < 0 ? a.get<int64_t>() + int64_t(x.shape.size()) : a.get<int64_t>());
-      int64_t n = x.shape.back();
-      if (axes.size() != x.shape.size() - 1 || axes.count(int64_t(x.shape.size()) - 1) ||
-          rt::numElements(db.shape) != n)
-        continue;
-      int64_t root = rootOf(r, red.in[0]), dbRoot = rootOf(r, red.out[0]);
-      for (size_t j = 0; j < list.size(); ++j) {
-        rt::Instruction &mm = list[j];
-        if (j == i || erased[j] || !plainMatmul(mm) || !flag(mm, "transpose_a") || flag(mm, "transpose_b"))
-          continue;
-        const rt::Buffer &b = r.buffers[mm.in[1]], &o = r.buffers[mm.out[0]];
-        if (rootOf(r, mm.in[1]) != root || b.shape.size() != 2 || b.shape[1] != n || o.dtype != db.dtype ||
-            touchedBetween(r, list, erased, i, j, dbRoot, true) ||
-            touchedBetween(r, list, erased, i, j, root, false))
-          continue;
-        mm.out.push_back(red.out[0]);
-        mm.attrs["epilogue"] = "bgrad";
-        erased[i] = true;
-        break;
-      }
+      mm.out.push_back(red.out[0]);
+      mm.attrs["epilogue"] = "bgrad";
+      erased[i] = true;
+      return;
     }
-    compact(list, erased);
-  }
+  });
   return removed;
 }
 
@@ -313,11 +294,7 @@ int64_t activationEpilogues(rt::RankProgram &r, const std::set<int64_t> &kept) {
 
 int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
   // Who reads each root, and what must outlive the program.
-  std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readers;
-  for (const auto &[name, list] : r.programs)
-    for (size_t i = 0; i < list.size(); ++i)
-      for (int64_t id : list[i].in)
-        readers[rootOf(r, id)].push_back({name, i});
+  Readers readers = readersOf(r);
   std::set<int64_t> kept;
   for (const rt::NamedBuffer &nb : r.outputs)
     kept.insert(rootOf(r, nb.buffer));
@@ -400,11 +377,7 @@ int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
     }
     list = std::move(out);
   }
-  readers.clear();
-  for (const auto &[name, list] : r.programs)
-    for (size_t i = 0; i < list.size(); ++i)
-      for (int64_t id : list[i].in)
-        readers[rootOf(r, id)].push_back({name, i});
+  readers = readersOf(r);
   // GEMM epilogues: a matmul whose result only a following bias add reads
   // (a bias add no elementwise chain took, such as q|k|v's before its
   // slices) becomes a matmul with epilogue "bias".
