@@ -162,11 +162,7 @@ public:
   }
 
 private:
-  int64_t rootOf(int64_t id) const {
-    while (rank.buffers[id].viewOf >= 0)
-      id = rank.buffers[id].viewOf;
-    return id;
-  }
+  int64_t rootOf(int64_t id) const { return rt::storageOf(rank, id); }
 
   FailureOr<int64_t> newBuffer(Type type, const std::string &name, rt::BufferRole role,
                                Location loc) {
@@ -700,12 +696,6 @@ namespace {
 constexpr int64_t kAlignment = 64;
 int64_t alignUp(int64_t v) { return (v + kAlignment - 1) / kAlignment * kAlignment; }
 
-/// The buffer whose storage `id` uses (a view's root).
-int64_t storageOf(const rt::RankProgram &r, int64_t id) {
-  while (r.buffers[id].viewOf >= 0)
-    id = r.buffers[id].viewOf;
-  return id;
-}
 
 /// Buffers a rewrite must leave as they are: the rank's outputs and the
 /// parameters' gradients (the C API and the update read them).
@@ -744,7 +734,7 @@ void mlir::loom::planMemory(rt::RankProgram &rank, const std::vector<std::string
   for (const std::string &name : programNames)
     if (auto it = rank.programs.find(name); it != rank.programs.end())
       program.insert(program.end(), it->second.begin(), it->second.end());
-  auto root = [&](int64_t id) { return storageOf(rank, id); };
+  auto root = [&](int64_t id) { return rt::storageOf(rank, id); };
   size_t n = rank.buffers.size();
   std::vector<int64_t> first(n, INT64_MAX), last(n, -1);
   for (size_t i = 0; i < program.size(); ++i) {
@@ -969,11 +959,7 @@ public:
   int64_t lossStage() { return producer[root(l.loss)].first % grid.pp; }
 
 private:
-  int64_t root(int64_t id) const {
-    while (l.base.buffers[id].viewOf >= 0)
-      id = l.base.buffers[id].viewOf;
-    return id;
-  }
+  int64_t root(int64_t id) const { return rt::storageOf(l.base, id); }
   /// This microbatch's copy of an activation (parameters and state are shared).
   int64_t copy(int64_t id, int64_t k) {
     if (isFloatRole(r.buffers[id]))
@@ -1058,7 +1044,7 @@ int64_t placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &p
                              const std::vector<int64_t> &grads, int64_t bucketBytes,
                              const std::map<int64_t, int64_t> &shards = {}) {
   int64_t lastEvent = -1;
-  auto root = [&](int64_t id) { return storageOf(r, id); };
+  auto root = [&](int64_t id) { return rt::storageOf(r, id); };
   std::map<int64_t, int64_t> lastWrite; // root -> instruction index
   for (size_t i = 0; i < program.size(); ++i)
     for (int64_t id : program[i].out)
@@ -1304,7 +1290,7 @@ int64_t attentionReadsPackedQkv(rt::RankProgram &r, const std::string &forwardNa
 int64_t optimizerReadsBf16Gradients(rt::RankProgram &r) {
   if (!r.programs.count("backward") || !r.programs.count("update"))
     return 0;
-  auto root = [&](int64_t id) { return storageOf(r, id); };
+  auto root = [&](int64_t id) { return rt::storageOf(r, id); };
   // By storage: a view's reads and writes count as its root's.
   std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readers, writers;
   for (const auto &[name, list] : r.programs)
@@ -1358,7 +1344,7 @@ int64_t optimizerReadsBf16Gradients(rt::RankProgram &r) {
 /// instead (both backends widen it exactly and add in f32): the same sums
 /// without a cast kernel and an f32 copy per gradient.
 int64_t addsReadBf16Gradients(rt::RankProgram &r) {
-  auto root = [&](int64_t id) { return storageOf(r, id); };
+  auto root = [&](int64_t id) { return rt::storageOf(r, id); };
   std::map<int64_t, int64_t> reads, writes; // writes by storage (a view's are its root's)
   for (const auto &[name, list] : r.programs)
     for (const rt::Instruction &ins : list) {

@@ -30,11 +30,7 @@ namespace {
 const std::set<std::string> kFusable = {"add",  "sub",  "mul",  "div",  "neg",  "scale",     "exp",
                                         "tanh", "rsqrt", "relu", "silu", "gelu", "unary_grad"};
 
-int64_t rootOf(const rt::RankProgram &r, int64_t id) {
-  while (r.buffers[id].viewOf >= 0)
-    id = r.buffers[id].viewOf;
-  return id;
-}
+using rt::storageOf;
 
 bool fusable(const rt::RankProgram &r, const rt::Instruction &ins) {
   if (!kFusable.count(ins.op) || ins.out.size() != 1 || ins.in.empty())
@@ -43,7 +39,7 @@ bool fusable(const rt::RankProgram &r, const rt::Instruction &ins) {
   if (out.dtype != LOOM_F32 || out.viewOf >= 0 || out.role != rt::BufferRole::Activation)
     return false;
   for (int64_t id : ins.in)
-    if (r.buffers[id].dtype != LOOM_F32 || rootOf(r, id) == ins.out[0])
+    if (r.buffers[id].dtype != LOOM_F32 || storageOf(r, id) == ins.out[0])
       return false; // in place (gradient accumulation) stays as it is
   return true;
 }
@@ -55,7 +51,7 @@ Readers readersOf(const rt::RankProgram &r) {
   for (const auto &[name, list] : r.programs)
     for (size_t i = 0; i < list.size(); ++i)
       for (int64_t id : list[i].in)
-        readers[rootOf(r, id)].push_back({name, i});
+        readers[storageOf(r, id)].push_back({name, i});
   return readers;
 }
 
@@ -71,7 +67,7 @@ std::string strAttr(const rt::Instruction &ins, const char *name) {
 
 /// Whether one of `ids` lives in root `root`'s storage.
 bool anyRoot(const rt::RankProgram &r, const std::vector<int64_t> &ids, int64_t root) {
-  return std::any_of(ids.begin(), ids.end(), [&](int64_t id) { return rootOf(r, id) == root; });
+  return std::any_of(ids.begin(), ids.end(), [&](int64_t id) { return storageOf(r, id) == root; });
 }
 
 /// Whether an instruction strictly between `lo` and `hi` (either order) of
@@ -101,7 +97,7 @@ int64_t viewAs(rt::RankProgram &r, int64_t id, const rt::Shape &shape) {
   v.id = static_cast<int64_t>(r.buffers.size());
   v.name += ".view";
   v.shape = shape;
-  v.viewOf = rootOf(r, id);
+  v.viewOf = storageOf(r, id);
   r.buffers.push_back(v);
   return v.id;
 }
@@ -130,11 +126,11 @@ std::optional<FoldedAdd> foldableAdd(const rt::RankProgram &r, const std::vector
     return std::nullopt;
   int64_t res = add.in[0] == x ? add.in[1] : add.in[0], y = add.out[0];
   const rt::Buffer &xb = r.buffers[x], &rb = r.buffers[res], &yb = r.buffers[y];
-  bool aliased = rootOf(r, y) == rootOf(r, res) && !(inPlace && y == res);
+  bool aliased = storageOf(r, y) == storageOf(r, res) && !(inPlace && y == res);
   if (!floating(xb) || rb.shape != xb.shape || yb.shape != xb.shape || rb.dtype != xb.dtype ||
-      yb.dtype != xb.dtype || aliased || readsRoot(r, list[i], rootOf(r, y)) ||
-      touchedBetween(r, list, erased, i, j, rootOf(r, y), true) ||
-      touchedBetween(r, list, erased, i, j, rootOf(r, res), false))
+      yb.dtype != xb.dtype || aliased || readsRoot(r, list[i], storageOf(r, y)) ||
+      touchedBetween(r, list, erased, i, j, storageOf(r, y), true) ||
+      touchedBetween(r, list, erased, i, j, storageOf(r, res), false))
     return std::nullopt;
   return FoldedAdd{j, res, y};
 }
@@ -233,22 +229,22 @@ int64_t activationEpilogues(rt::RankProgram &r, const std::set<int64_t> &kept) {
     rt::Instruction &mm = list[i];
     if (!plainMatmul(mm) || flag(mm, "transpose_a"))
       return;
-    int64_t g = rootOf(r, mm.out[0]);
+    int64_t g = storageOf(r, mm.out[0]);
     const auto &gr = readers[g];
     if (kept.count(g) || gr.size() != 1 || gr[0].first != name || gr[0].second <= i)
       return;
     size_t j = gr[0].second;
     const rt::Instruction &ug = list[j];
     if (erased[j] || ug.op != "unary_grad" || strAttr(ug, "fn") != "gelu_tanh" || ug.in.size() != 3 ||
-        ug.out.size() != 1 || rootOf(r, ug.in[2]) != g)
+        ug.out.size() != 1 || storageOf(r, ug.in[2]) != g)
       return;
     int64_t pre = ug.in[0], d = ug.out[0];
     const rt::Buffer &gb = r.buffers[mm.out[0]], &db = r.buffers[d], &pb = r.buffers[pre];
     if (!floating(gb) || db.dtype != gb.dtype || pb.dtype != gb.dtype ||
         rt::numElements(db.shape) != rt::numElements(gb.shape) ||
         rt::numElements(pb.shape) != rt::numElements(gb.shape) ||
-        touchedBetween(r, list, erased, i, j, rootOf(r, d), true) ||
-        touchedBetween(r, list, erased, i, j, rootOf(r, pre), false))
+        touchedBetween(r, list, erased, i, j, storageOf(r, d), true) ||
+        touchedBetween(r, list, erased, i, j, storageOf(r, pre), false))
       return;
     mm.in.push_back(pre);
     mm.out = {viewAs(r, d, gb.shape)};
@@ -272,13 +268,13 @@ int64_t activationEpilogues(rt::RankProgram &r, const std::set<int64_t> &kept) {
     if (axes.size() != x.shape.size() - 1 || axes.count(int64_t(x.shape.size()) - 1) ||
         rt::numElements(db.shape) != n)
       return;
-    int64_t root = rootOf(r, red.in[0]), dbRoot = rootOf(r, red.out[0]);
+    int64_t root = storageOf(r, red.in[0]), dbRoot = storageOf(r, red.out[0]);
     for (size_t j = 0; j < list.size(); ++j) {
       rt::Instruction &mm = list[j];
       if (j == i || erased[j] || !plainMatmul(mm) || !flag(mm, "transpose_a") || flag(mm, "transpose_b"))
         continue;
       const rt::Buffer &b = r.buffers[mm.in[1]], &o = r.buffers[mm.out[0]];
-      if (rootOf(r, mm.in[1]) != root || b.shape.size() != 2 || b.shape[1] != n || o.dtype != db.dtype ||
+      if (storageOf(r, mm.in[1]) != root || b.shape.size() != 2 || b.shape[1] != n || o.dtype != db.dtype ||
           touchedBetween(r, list, erased, i, j, dbRoot, true) || touchedBetween(r, list, erased, i, j, root, false))
         continue;
       mm.out.push_back(red.out[0]);
@@ -297,10 +293,10 @@ int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
   Readers readers = readersOf(r);
   std::set<int64_t> kept;
   for (const rt::NamedBuffer &nb : r.outputs)
-    kept.insert(rootOf(r, nb.buffer));
+    kept.insert(storageOf(r, nb.buffer));
   for (const rt::Parameter &p : r.params)
     if (p.grad >= 0)
-      kept.insert(rootOf(r, p.grad));
+      kept.insert(storageOf(r, p.grad));
 
   int64_t removed = 0;
   for (auto &[name, list] : r.programs) {
@@ -317,8 +313,8 @@ int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
       for (; j < list.size() && fusable(r, list[j]) && r.buffers[list[j].out[0]].shape == shape; ++j) {
         bool reads = false, throughView = false;
         for (int64_t id : list[j].in) {
-          reads |= produced.count(rootOf(r, id)) > 0;
-          throughView |= produced.count(rootOf(r, id)) > 0 && id != rootOf(r, id);
+          reads |= produced.count(storageOf(r, id)) > 0;
+          throughView |= produced.count(storageOf(r, id)) > 0 && id != storageOf(r, id);
         }
         if (!reads || throughView)
           break;
@@ -333,7 +329,7 @@ int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
       std::map<int64_t, int> valueOf; // buffer id (an input or a step's output) -> value
       for (size_t k = i; k < j; ++k)
         for (int64_t id : list[k].in)
-          if (!produced.count(rootOf(r, id)) && !valueOf.count(id)) {
+          if (!produced.count(storageOf(r, id)) && !valueOf.count(id)) {
             valueOf[id] = static_cast<int>(inputs.size());
             inputs.push_back(id);
           }
@@ -347,7 +343,7 @@ int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
           step[key] = value;
         json args = json::array();
         for (int64_t id : list[k].in)
-          args.push_back(produced.count(rootOf(r, id)) ? valueOf.at(rootOf(r, id)) : valueOf.at(id));
+          args.push_back(produced.count(storageOf(r, id)) ? valueOf.at(storageOf(r, id)) : valueOf.at(id));
         step["args"] = args;
         steps.push_back(step);
         int64_t result = list[k].out[0];

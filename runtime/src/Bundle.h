@@ -99,6 +99,13 @@ struct RankProgram {
   std::map<std::string, int64_t> coords;
 };
 
+/// The buffer whose storage `id` uses: itself, or the root its views lead to.
+inline int64_t storageOf(const RankProgram &r, int64_t id) {
+  while (r.buffers[id].viewOf >= 0)
+    id = r.buffers[id].viewOf;
+  return id;
+}
+
 struct Manifest {
   int version = kBundleVersion;
   std::string model;
