@@ -1896,10 +1896,9 @@ private:
                        char *clear, int64_t clearBytes);
   Launch buildCasts(const std::vector<Instruction> &instrs, size_t begin, size_t end);
   OptimizerArgs optimizerArgs(const Instruction &ins);
-  /// The sum of squares of the inputs (but those in `skip`) into a double at
-  /// the workspace's start: global_norm's first half, local or across a group.
   /// The sum of squares of the instruction's inputs (those not in `skip`),
-  /// as a double at the start of the workspace.
+  /// as a double at the start of the workspace: global_norm's first half,
+  /// local or across a group.
   Launch buildSumOfSquares(const Instruction &ins, const std::set<int64_t> &skip) {
     std::vector<SquareChunk> chunks;
     for (size_t i = 0; i < ins.in.size(); ++i)
@@ -2123,32 +2122,30 @@ Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
   // The product as one GEMM: A's batch folded into rows, or (bgrad) X^T dY.
   bool oneGemm = (!ta && batchB == 1) || (ta && ra == 2 && rb == 2 && o.shape.size() == 2);
   int64_t m = rows, k = ta ? a.shape[0] : a.shape[ra - 1], lda = a.shape[ra - 1];
+  bool withBias = epilogue == "bias" || epilogue == "bias_gelu" || epilogue == "bias_residual";
+  bool withResidual = epilogue == "residual" || epilogue == "bias_residual";
   GemmEpilogue e;
-  int64_t auxBytes = 0; // the auxiliary matrix's element size
-  if (epilogue == "bias" || epilogue == "bias_residual") {
+  if (withBias) {
     e.kind = CUBLASLT_EPILOGUE_BIAS, e.bias = ptr(buf(ins.in[2]));
     oneGemm &= buf(ins.in[2]).dtype == o.dtype;
   }
-  if (epilogue == "residual" || epilogue == "bias_residual") {
+  if (withResidual) {
     e.residual = ptr(buf(ins.in.back()));
     oneGemm &= buf(ins.in.back()).dtype == o.dtype;
-  } else if (epilogue == "bias") {
-  } else if (epilogue == "bias_gelu") {
-    e.bias = ptr(buf(ins.in[2]));
-    oneGemm &= buf(ins.in[2]).dtype == o.dtype;
-    if (ins.out.size() == 2)
-      e.kind = CUBLASLT_EPILOGUE_GELU_AUX_BIAS, e.aux = ptr(buf(ins.out[1])), auxBytes = dtypeSize(buf(ins.out[1]).dtype);
-    else
-      e.kind = CUBLASLT_EPILOGUE_GELU_BIAS;
-  } else if (epilogue == "dgelu") {
-    e.kind = CUBLASLT_EPILOGUE_DGELU, e.aux = ptr(buf(ins.in[2])), auxBytes = dtypeSize(buf(ins.in[2]).dtype);
-  } else if (epilogue == "bgrad") {
+  }
+  // GELU's pre-activation: written (bias_gelu with two results) or read (dgelu).
+  int64_t aux = epilogue == "dgelu" ? ins.in[2] : epilogue == "bias_gelu" && ins.out.size() == 2 ? ins.out[1] : -1;
+  if (epilogue == "bias_gelu")
+    e.kind = aux >= 0 ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_BIAS;
+  if (epilogue == "dgelu")
+    e.kind = CUBLASLT_EPILOGUE_DGELU;
+  if (epilogue == "bgrad") {
     e.kind = CUBLASLT_EPILOGUE_BGRADA, e.bias = ptr(buf(ins.out[1]));
     oneGemm &= buf(ins.out[1]).dtype == o.dtype;
   }
-  if (e.aux) { // cuBLASLt keeps the auxiliary matrix in the result's type, ld a multiple of 8
-    e.auxLd = n;
-    oneGemm &= n % 8 == 0 && auxBytes == int64_t(gemmTypes(a, b, o).cSize);
+  if (aux >= 0) { // cuBLASLt keeps the auxiliary matrix in the result's type, ld a multiple of 8
+    e.aux = ptr(buf(aux)), e.auxLd = n;
+    oneGemm &= n % 8 == 0 && buf(aux).dtype == o.dtype;
   }
   std::shared_ptr<GemmPlan> plan;
   if (lt && oneGemm)
@@ -2157,43 +2154,35 @@ Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
     char *pa = ptr(a), *pb = ptr(b), *po = ptr(o);
     return [=](cudaStream_t s) { gemm(*plan, pa, pb, po, s, &e); };
   }
-  // Apart: the product (with its bias where cuBLASLt takes it), then kernels.
-  Instruction product{"matmul", {ins.in[0], ins.in[1]}, {ins.out[0]}, ins.attrs};
-  product.attrs.erase("epilogue");
+  // Apart: the product (with its bias in cuBLASLt's epilogue where it can
+  // be), then our kernels for the rest.
   std::vector<Launch> steps;
-  if (epilogue == "residual" || epilogue == "bias_residual") {
-    if (epilogue == "residual") {
-      steps.push_back(buildGemm(product));
-    } else {
-      Instruction withBias{"matmul", {ins.in[0], ins.in[1], ins.in[2]}, {ins.out[0]}, ins.attrs};
-      withBias.attrs["epilogue"] = "bias";
-      steps.push_back(buildMatmul(withBias));
-    }
-    steps.push_back(build(Instruction{"add", {ins.out[0], ins.in.back()}, {ins.out[0]}, nlohmann::json::object()}));
-  } else if (epilogue == "bias" || epilogue == "bias_gelu") {
-    int64_t pre = ins.out.size() == 2 ? ins.out[1] : ins.out[0]; // the pre-activation lands here
-    Instruction withBias{"matmul", {ins.in[0], ins.in[1], ins.in[2]}, {pre}, ins.attrs};
-    withBias.attrs["epilogue"] = "bias";
-    if (epilogue == "bias") {
-      steps.push_back(buildGemm(product));
-      DPtr po = fp(ins.out[0]), bias = fp(ins.in[2]);
-      int64_t cnt = count(o.shape);
-      steps.push_back([=](cudaStream_t s) {
-        binaryContiguousKernel<<<blocksFor(cnt), kThreads, 0, s>>>(kAdd, po, bias, po, cnt, cnt, n);
-      });
-    } else {
-      steps.push_back(buildMatmul(withBias)); // the bias in cuBLASLt's epilogue where it can
-    }
-    if (epilogue == "bias_gelu")
-      steps.push_back(build(Instruction{"gelu", {pre}, {ins.out[0]}, nlohmann::json{{"approximate", true}}}));
-  } else if (epilogue == "dgelu") {
+  int64_t result = aux >= 0 && epilogue == "bias_gelu" ? aux : ins.out[0]; // the pre-activation lands in aux
+  Instruction product{"matmul", {ins.in[0], ins.in[1]}, {result}, ins.attrs};
+  product.attrs.erase("epilogue");
+  if (epilogue == "bias") {
     steps.push_back(buildGemm(product));
+    DPtr po = fp(ins.out[0]), bias = fp(ins.in[2]);
+    int64_t cnt = count(o.shape);
+    steps.push_back([=](cudaStream_t s) {
+      binaryContiguousKernel<<<blocksFor(cnt), kThreads, 0, s>>>(kAdd, po, bias, po, cnt, cnt, n);
+    });
+  } else if (withBias) { // bias_gelu, bias_residual
+    product.in.push_back(ins.in[2]);
+    product.attrs["epilogue"] = "bias";
+    steps.push_back(buildMatmul(product));
+  } else {
+    steps.push_back(buildGemm(product));
+  }
+  if (epilogue == "bias_gelu")
+    steps.push_back(build(Instruction{"gelu", {result}, {ins.out[0]}, nlohmann::json{{"approximate", true}}}));
+  if (withResidual)
+    steps.push_back(build(Instruction{"add", {ins.out[0], ins.in.back()}, {ins.out[0]}, nlohmann::json::object()}));
+  if (epilogue == "dgelu")
     steps.push_back(build(Instruction{"unary_grad", {ins.in[2], ins.in[2], ins.out[0]}, {ins.out[0]},
                                       nlohmann::json{{"fn", "gelu_tanh"}}}));
-  } else { // bgrad: the column sums of B (2-D, [k, n])
-    steps.push_back(buildGemm(product));
+  if (epilogue == "bgrad") // the column sums of B (2-D, [k, n])
     steps.push_back(build(Instruction{"reduce_sum", {ins.in[1]}, {ins.out[1]}, nlohmann::json{{"axes", {0}}}}));
-  }
   return [steps](cudaStream_t s) {
     for (const Launch &step : steps)
       step(s);
@@ -2883,8 +2872,6 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
        "' yet (convolution, pooling and batch-norm gradients and standalone softmax run on --backend cpu)");
 }
 
-/// A convolution as GEMMs: W_g [Og, Cg*KH*KW] x col [Cg*KH*KW, Ho*Wo] per
-/// image and group, where col is the image itself for 1x1 stride-1 kernels.
 OptimizerArgs CudaBackendImpl::optimizerArgs(const Instruction &ins) {
   return {num(ins, "lr", 1e-3),      num(ins, "min_lr", 0),  num(ins, "weight_decay", 0), num(ins, "clip", 0),
           num(ins, "warmup", 0),     num(ins, "total_steps", 0), num(ins, "beta1", 0.9),
@@ -2939,6 +2926,8 @@ Launch CudaBackendImpl::buildAdamw(const std::vector<const Instruction *> &group
   };
 }
 
+/// A convolution as GEMMs: W_g [Og, Cg*KH*KW] x col [Cg*KH*KW, Ho*Wo] per
+/// image and group, where col is the image itself for 1x1 stride-1 kernels.
 Launch CudaBackendImpl::buildConv2d(const Instruction &ins) {
   const Buffer &x = buf(ins.in[0]), &w = buf(ins.in[1]), &o = buf(ins.out[0]);
   ConvShape c{x.shape[0], x.shape[1], x.shape[2], x.shape[3], int64_t(num(ins, "groups", 1)), w.shape[1],
