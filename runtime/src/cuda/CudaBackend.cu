@@ -718,30 +718,20 @@ struct CastChunk {
   DPtr in, out;
   int64_t begin, end;
 };
-__global__ void __launch_bounds__(256) castChunksKernel(const CastChunk *chunks, int64_t nChunks) {
-  // Persistent blocks (a few per SM) walk the chunks: launching one short
-  // block per chunk left the copy limited by block launches, not memory.
-  for (int64_t ci = blockIdx.x; ci < nChunks; ci += gridDim.x) {
-  CastChunk c = chunks[ci];
+__global__ void __launch_bounds__(256) castChunksKernel(const CastChunk *chunks) {
+  CastChunk c = chunks[blockIdx.x];
   int64_t begin = c.begin;
   if (((reinterpret_cast<uintptr_t>(c.in.p) | reinterpret_cast<uintptr_t>(c.out.p)) % 16) == 0) {
-    int64_t end8 = begin + (c.end - begin) / 8 * 8, stride = int64_t(blockDim.x) * 8;
-    // Two loads in flight per thread before either store (a chunk is short).
-    for (int64_t i = begin + int64_t(threadIdx.x) * 8; i < end8; i += 2 * stride) {
-      float v[8], w[8];
-      bool second = i + stride < end8;
+    int64_t end8 = begin + (c.end - begin) / 8 * 8;
+    for (int64_t i = begin + int64_t(threadIdx.x) * 8; i < end8; i += int64_t(blockDim.x) * 8) {
+      float v[8];
       load8(c.in, i, v);
-      if (second)
-        load8(c.in, i + stride, w);
       store8(c.out, i, v);
-      if (second)
-        store8(c.out, i + stride, w);
     }
     begin = end8;
   }
   for (int64_t i = begin + threadIdx.x; i < c.end; i += blockDim.x)
     c.out.st(i, c.in[i]);
-  }
 }
 
 //===--- Convolutional networks (forward) ---------------------------------===//
@@ -1163,8 +1153,8 @@ __global__ void adamScalarsKernel(const float *step, const float *norm, Optimize
 }
 
 __global__ void __launch_bounds__(256) adamwKernel(const AdamTensor *tensors, const AdamChunk *chunks,
-                                                   int64_t nChunks, const StepScalars *scalars, float b1, float b2,
-                                                   float eps, float wd) {
+                                                   const StepScalars *scalars, float b1, float b2, float eps,
+                                                   float wd) {
   const StepScalars s = *scalars;
   // m / c1 / (sqrt(v / c2) + eps) with one division: m / (c1 (sqrt(v) / sqrt(c2) + eps)).
   const float inv1 = 1.0f / s.c1, invSqrt2 = rsqrtf(s.c2);
@@ -1174,9 +1164,7 @@ __global__ void __launch_bounds__(256) adamwKernel(const AdamTensor *tensors, co
     vi = b2 * vi + (1 - b2) * gi * gi;
     pi -= s.rate * ((mi * inv1) / (sqrtf(vi) * invSqrt2 + eps) + wd * pi);
   };
-  // Persistent blocks walk the chunks (see castChunksKernel).
-  for (int64_t ci = blockIdx.x; ci < nChunks; ci += gridDim.x) {
-  AdamChunk c = chunks[ci];
+  AdamChunk c = chunks[blockIdx.x];
   AdamTensor t = tensors[c.tensor];
   int64_t begin = c.begin;
   bool aligned = ((reinterpret_cast<uintptr_t>(t.p) | reinterpret_cast<uintptr_t>(t.g.p) |
@@ -1185,41 +1173,29 @@ __global__ void __launch_bounds__(256) adamwKernel(const AdamTensor *tensors, co
     int64_t end4 = begin + (c.end - begin) / 4 * 4;
     float4 *p4 = reinterpret_cast<float4 *>(t.p), *m4 = reinterpret_cast<float4 *>(t.m),
            *v4 = reinterpret_cast<float4 *>(t.v);
-    auto grad4 = [&](int q) {
+    for (int q = int(begin / 4) + threadIdx.x, e = int(end4 / 4); q < e; q += blockDim.x) {
+      float4 gq;
       if (t.g.bf) {
         uint2 raw = __ldg(reinterpret_cast<const uint2 *>(t.g.p) + q);
         float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&raw.x));
         float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&raw.y));
-        return make_float4(lo.x, lo.y, hi.x, hi.y);
+        gq = make_float4(lo.x, lo.y, hi.x, hi.y);
+      } else {
+        gq = __ldg(reinterpret_cast<const float4 *>(t.g.p) + q);
       }
-      return __ldg(reinterpret_cast<const float4 *>(t.g.p) + q);
-    };
-    auto update4 = [&](float4 &pq, float4 gq, float4 &mq, float4 &vq) {
+      float4 pq = p4[q], mq = m4[q], vq = v4[q];
       update(pq.x, gq.x, mq.x, vq.x);
       update(pq.y, gq.y, mq.y, vq.y);
       update(pq.z, gq.z, mq.z, vq.z);
       update(pq.w, gq.w, mq.w, vq.w);
-    };
-    // Two float4s of each array in flight per thread before any store: a
-    // chunk is a few iterations long, so the loads' latency is what counts.
-    int stride = blockDim.x;
-    for (int q = int(begin / 4) + threadIdx.x, e = int(end4 / 4); q < e; q += 2 * stride) {
-      bool second = q + stride < e;
-      float4 ga = grad4(q), pa = p4[q], ma = m4[q], va = v4[q], gb{}, pb{}, mb{}, vb{};
-      if (second)
-        gb = grad4(q + stride), pb = p4[q + stride], mb = m4[q + stride], vb = v4[q + stride];
-      update4(pa, ga, ma, va);
-      p4[q] = pa, m4[q] = ma, v4[q] = va;
-      if (second) {
-        update4(pb, gb, mb, vb);
-        p4[q + stride] = pb, m4[q + stride] = mb, v4[q + stride] = vb;
-      }
+      p4[q] = pq;
+      m4[q] = mq;
+      v4[q] = vq;
     }
     begin = end4;
   }
   for (int64_t i = begin + threadIdx.x; i < c.end; i += blockDim.x)
     update(t.p[i], t.g[i], t.m[i], t.v[i]);
-  }
 }
 
 __global__ void sgdKernel(float *p, DPtr g, float *m, const float *step, const float *norm,
@@ -1674,13 +1650,6 @@ private:
         return false;
     return isBf16(buf(ins.in[0])) && isBf16(buf(ins.out[0])) &&
            (ins.op.find("_grad") == std::string::npos || isBf16(buf(ins.in[2])));
-  }
-  /// Blocks of 256 threads that fill this GPU once (8 per SM).
-  int64_t persistentBlocks() const {
-    int sms = 0;
-    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0)
-      sms = 132;
-    return int64_t(sms) * 8;
   }
   static unsigned vecBlocks(int64_t n, int pack) {
     return unsigned(std::min<int64_t>((n / pack + kThreads - 1) / kThreads, 65535 * 8));
@@ -2891,9 +2860,8 @@ Launch CudaBackendImpl::buildCasts(const std::vector<Instruction> &instrs, size_
   if (chunks.empty())
     return [](cudaStream_t) {};
   const CastChunk *dc = deviceArray(chunks);
-  int64_t n = int64_t(chunks.size());
-  unsigned blocks = unsigned(std::min<int64_t>(n, persistentBlocks()));
-  return [=](cudaStream_t s) { castChunksKernel<<<blocks, 256, 0, s>>>(dc, n); };
+  unsigned blocks = unsigned(chunks.size());
+  return [=](cudaStream_t s) { castChunksKernel<<<blocks, 256, 0, s>>>(dc); };
 }
 
 /// AdamW over every tensor of `group` in one launch: a table of tensors and
@@ -2917,12 +2885,11 @@ Launch CudaBackendImpl::buildAdamw(const std::vector<const Instruction *> &group
   const AdamTensor *dt = deviceArray(tensors);
   const AdamChunk *dc = deviceArray(chunks);
   StepScalars *scalars = deviceArray(std::vector<StepScalars>(1));
-  int64_t nChunks = int64_t(chunks.size());
-  unsigned blocks = unsigned(std::min<int64_t>(nChunks, persistentBlocks()));
+  unsigned blocks = unsigned(chunks.size());
   float b1 = float(a.b1), b2 = float(a.b2), eps = float(a.eps), wd = float(a.wd);
   return [=](cudaStream_t s) {
     adamScalarsKernel<<<1, 1, 0, s>>>(step, norm, a, scalars);
-    adamwKernel<<<blocks, 256, 0, s>>>(dt, dc, nChunks, scalars, b1, b2, eps, wd);
+    adamwKernel<<<blocks, 256, 0, s>>>(dt, dc, scalars, b1, b2, eps, wd);
   };
 }
 
