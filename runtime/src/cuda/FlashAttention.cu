@@ -27,8 +27,8 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 constexpr int kWarps = 4, kThreads = kWarps * 32;
-constexpr int kRows = 64; // queries per forward block, keys per backward block
-constexpr int kCols = 64; // keys per forward step, queries per backward step
+constexpr int kRows = 64; // queries per forward block
+constexpr int kCols = 64; // keys per forward step
 
 __device__ inline void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -77,22 +77,8 @@ __device__ inline void loadB(uint32_t b[4], const bf16 *tile, int ld, int k0, in
   ldsmT(b, tile + (k0 + (m & 1) * 8 + lane % 8) * ld + n0 + (m >> 1) * 8);
 }
 
-/// Copies rows [row0, row0 + rows) of a [*, D] head slice (row stride `ld`
-/// elements) into shared memory, row-major with stride D + 8, 16 bytes at a
-/// time; rows past `limit` are zeros.
-template <int D>
-__device__ void stage(const bf16 *src, int64_t ld, int row0, int limit, int rows, bf16 *dst) {
-  constexpr int chunks = D / 8;
-  for (int idx = threadIdx.x; idx < rows * chunks; idx += kThreads) {
-    int r = idx / chunks, col = (idx % chunks) * 8;
-    uint4 v = row0 + r < limit ? *reinterpret_cast<const uint4 *>(src + int64_t(row0 + r) * ld + col) : uint4{};
-    *reinterpret_cast<uint4 *>(dst + r * (D + 8) + col) = v;
-  }
-}
-
-/// The same with cp.async (16 bytes a copy, rows past `limit` zero-filled),
-/// so the next tile streams in while the warps compute on the current one;
-/// the caller commits the group and waits for it.
+/// cp.async copies global -> shared (`valid` false: zeros), their commit
+/// and wait (for all but the newest N groups).
 __device__ inline void cpAsync16(void *dst, const void *src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
                    static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
@@ -105,6 +91,11 @@ __device__ inline void cpAsync4(void *dst, const void *src, bool valid) {
 }
 __device__ inline void cpCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ inline void cpWait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+/// Copies rows [row0, row0 + rows) of a [*, D] head slice (row stride `ld`
+/// elements) into shared memory, row-major with stride D + 8, with cp.async
+/// (16 bytes a copy, rows past `limit` zero-filled), so the next tile streams
+/// in while the warps compute on the current one; the caller commits the
+/// group and waits for it.
 template <int D, int Threads = kThreads>
 __device__ void stageAsync(const bf16 *src, int64_t ld, int row0, int limit, int rows, bf16 *dst) {
   constexpr int chunks = D / 8;
