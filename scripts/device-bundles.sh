@@ -94,8 +94,11 @@ done
 c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --weight-decay 0.1 --clip 1.0 --precision bf16 \
     -o $out/gpt2-350m-bf16-train.loom
 c models/gpt2-350m.mlir --batch 1 --train --lr 3e-4 --precision bf16 -o $out/gpt2-350m-bf16-b1-train.loom
-# ... and with --fuse (bias adds in cuBLASLt's epilogue, f32 chains as generated kernels).
+# ... and with --fuse (bias adds in cuBLASLt's epilogue, chains as generated kernels:
+# Llama's SwiGLU and its gradient, on bf16 tensors).
 c models/gpt-tiny.mlir --batch 4 --train --lr 1e-3 --precision bf16 --fuse -o $out/gpt-tiny-bf16-fused-train.loom
+c models/llama-tiny.mlir --batch 4 --train --lr 1e-3 --precision bf16 --fuse -o $out/llama-tiny-bf16-fused-train.loom
+c models/llama-tiny.mlir --batch 4 --precision bf16 --fuse -o $out/llama-tiny-bf16-fused-infer.loom
 c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --weight-decay 0.1 --clip 1.0 --precision bf16 --fuse \
     -o $out/gpt2-350m-bf16-fused-train.loom
 }

@@ -32,16 +32,28 @@ const std::set<std::string> kFusable = {"add",  "sub",  "mul",  "div",  "neg",  
 
 using rt::storageOf;
 
-bool fusable(const rt::RankProgram &r, const rt::Instruction &ins) {
+bool floating(const rt::Buffer &b) { return b.dtype == LOOM_F32 || b.dtype == LOOM_BF16; }
+
+/// Chains fuse in two rounds: chains over f32 tensors before the GEMM
+/// epilogues (an f32 bundle's results then equal the unfused bundle's
+/// exactly, as they always have), and chains that read or write bf16 after
+/// them, so that a bias, GELU or residual add a GEMM can take goes to
+/// cuBLASLt's epilogue rather than into a generated kernel.
+enum class Round { F32, Bf16 };
+
+bool fusable(const rt::RankProgram &r, const rt::Instruction &ins, Round round) {
   if (!kFusable.count(ins.op) || ins.out.size() != 1 || ins.in.empty())
     return false;
   const rt::Buffer &out = r.buffers[ins.out[0]];
-  if (out.dtype != LOOM_F32 || out.viewOf >= 0 || out.role != rt::BufferRole::Activation)
+  if (!floating(out) || out.viewOf >= 0 || out.role != rt::BufferRole::Activation)
     return false;
-  for (int64_t id : ins.in)
-    if (r.buffers[id].dtype != LOOM_F32 || storageOf(r, id) == ins.out[0])
+  bool bf16 = out.dtype == LOOM_BF16;
+  for (int64_t id : ins.in) {
+    if (!floating(r.buffers[id]) || storageOf(r, id) == ins.out[0])
       return false; // in place (gradient accumulation) stays as it is
-  return true;
+    bf16 |= r.buffers[id].dtype == LOOM_BF16;
+  }
+  return bf16 == (round == Round::Bf16);
 }
 
 /// Who reads each root buffer: (program, instruction index).
@@ -54,8 +66,6 @@ Readers readersOf(const rt::RankProgram &r) {
         readers[storageOf(r, id)].push_back({name, i});
   return readers;
 }
-
-bool floating(const rt::Buffer &b) { return b.dtype == LOOM_F32 || b.dtype == LOOM_BF16; }
 
 /// A string attribute ("" when absent; instructions without attributes hold null).
 std::string strAttr(const rt::Instruction &ins, const char *name) {
@@ -286,48 +296,62 @@ int64_t activationEpilogues(rt::RankProgram &r, const std::set<int64_t> &kept) {
   return removed;
 }
 
-} // namespace
-
-int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
-  // Who reads each root, and what must outlive the program.
+/// Fuses the chains of this round. A chain starts at a fusable instruction
+/// and takes each later fusable instruction of its shape that reads one of
+/// its results (not through a view); it may pass over up to kSkip other
+/// instructions, which then run before it (the fused kernel takes the last
+/// member's place), so none of them may read a member's result or write
+/// anything a member reads or writes: Llama's silu(gate) * up has the up
+/// projection between its two steps.
+int64_t fuseChains(rt::RankProgram &r, int64_t &nextKernel, const std::set<int64_t> &kept, Round round) {
+  constexpr size_t kSkip = 8;
   Readers readers = readersOf(r);
-  std::set<int64_t> kept;
-  for (const rt::NamedBuffer &nb : r.outputs)
-    kept.insert(storageOf(r, nb.buffer));
-  for (const rt::Parameter &p : r.params)
-    if (p.grad >= 0)
-      kept.insert(storageOf(r, p.grad));
-
   int64_t removed = 0;
   for (auto &[name, list] : r.programs) {
-    std::vector<rt::Instruction> out;
-    size_t i = 0;
-    while (i < list.size()) {
-      if (!fusable(r, list[i])) {
-        out.push_back(std::move(list[i++]));
+    std::vector<bool> taken(list.size(), false);
+    std::map<size_t, rt::Instruction> fusedAt; // by its last member's index
+    for (size_t i = 0; i < list.size(); ++i) {
+      if (taken[i] || !fusable(r, list[i], round))
         continue;
-      }
       const rt::Shape &shape = r.buffers[list[i].out[0]].shape;
-      std::set<int64_t> produced = {list[i].out[0]};
-      size_t j = i + 1;
-      for (; j < list.size() && fusable(r, list[j]) && r.buffers[list[j].out[0]].shape == shape; ++j) {
+      std::vector<size_t> members = {i};
+      std::set<int64_t> produced = {list[i].out[0]}, touched;
+      auto take = [&](const rt::Instruction &ins) {
+        for (int64_t id : ins.in)
+          touched.insert(storageOf(r, id));
+        for (int64_t id : ins.out)
+          touched.insert(storageOf(r, id));
+      };
+      take(list[i]);
+      size_t skipped = 0;
+      for (size_t k = i + 1; k < list.size() && !taken[k] && skipped <= kSkip; ++k) {
+        const rt::Instruction &ins = list[k];
         bool reads = false, throughView = false;
-        for (int64_t id : list[j].in) {
-          reads |= produced.count(storageOf(r, id)) > 0;
-          throughView |= produced.count(storageOf(r, id)) > 0 && id != storageOf(r, id);
+        for (int64_t id : ins.in)
+          if (produced.count(storageOf(r, id))) {
+            reads = true;
+            throughView |= id != storageOf(r, id);
+          }
+        if (reads && !throughView && fusable(r, ins, round) && r.buffers[ins.out[0]].shape == shape) {
+          members.push_back(k);
+          produced.insert(ins.out[0]);
+          take(ins);
+          skipped = 0;
+          continue;
         }
-        if (!reads || throughView)
+        bool writes = std::any_of(ins.out.begin(), ins.out.end(),
+                                  [&](int64_t id) { return touched.count(storageOf(r, id)) > 0; });
+        if (reads || writes)
           break;
-        produced.insert(list[j].out[0]);
+        ++skipped;
       }
-      if (j - i < 2) {
-        out.push_back(std::move(list[i++]));
+      if (members.size() < 2)
         continue;
-      }
+      std::set<size_t> inChain(members.begin(), members.end());
       // Values: the chain's external inputs, then one per step.
       std::vector<int64_t> inputs;
       std::map<int64_t, int> valueOf; // buffer id (an input or a step's output) -> value
-      for (size_t k = i; k < j; ++k)
+      for (size_t k : members)
         for (int64_t id : list[k].in)
           if (!produced.count(storageOf(r, id)) && !valueOf.count(id)) {
             valueOf[id] = static_cast<int>(inputs.size());
@@ -337,7 +361,7 @@ int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
       int next = static_cast<int>(inputs.size());
       std::vector<int64_t> outputs;
       json results = json::array();
-      for (size_t k = i; k < j; ++k) {
+      for (size_t k : members) {
         json step = {{"op", list[k].op}};
         for (auto &[key, value] : list[k].attrs.items())
           step[key] = value;
@@ -349,31 +373,56 @@ int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
         int64_t result = list[k].out[0];
         valueOf[result] = next++;
         // Written out only when read outside the chain (or kept, or the last).
-        bool outside = kept.count(result) || k + 1 == j;
+        bool outside = kept.count(result) || k == members.back();
         for (auto &[program, index] : readers[result])
-          outside |= program != name || index < i || index >= j;
+          outside |= program != name || !inChain.count(index);
         if (outside) {
           outputs.push_back(result);
           results.push_back(valueOf[result]);
         }
+        taken[k] = true;
       }
       rt::Instruction fused;
       fused.op = "fused";
       fused.in = inputs;
       fused.out = outputs;
-      // One thread per output element, in blocks of 256.
-      int64_t elements = rt::numElements(shape).value_or(0);
+      // Each thread loads and stores 16 bytes of each full-size tensor
+      // (4 f32 or 8 bf16 elements; fewer where they do not divide the
+      // count), in blocks of 256 threads.
+      int64_t elements = rt::numElements(shape).value_or(0), vector = round == Round::Bf16 ? 8 : 4;
+      while (vector > 1 && elements % vector)
+        vector /= 2;
+      int64_t threads = elements / vector;
       fused.attrs = {{"kernel", "fused_" + std::to_string(nextKernel++)},
-                     {"launch", {{"grid", (elements + 255) / 256}, {"block", 256}}},
+                     {"launch", {{"grid", (threads + 255) / 256}, {"block", 256}, {"vector", vector}}},
                      {"steps", steps},
                      {"results", results}};
-      out.push_back(std::move(fused));
-      removed += static_cast<int64_t>(j - i) - 1;
-      i = j;
+      fusedAt[members.back()] = std::move(fused);
+      removed += static_cast<int64_t>(members.size()) - 1;
     }
+    std::vector<rt::Instruction> out;
+    for (size_t k = 0; k < list.size(); ++k)
+      if (auto f = fusedAt.find(k); f != fusedAt.end())
+        out.push_back(std::move(f->second));
+      else if (!taken[k])
+        out.push_back(std::move(list[k]));
     list = std::move(out);
   }
-  readers = readersOf(r);
+  return removed;
+}
+
+} // namespace
+
+int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
+  // What must outlive the program.
+  std::set<int64_t> kept;
+  for (const rt::NamedBuffer &nb : r.outputs)
+    kept.insert(storageOf(r, nb.buffer));
+  for (const rt::Parameter &p : r.params)
+    if (p.grad >= 0)
+      kept.insert(storageOf(r, p.grad));
+  int64_t removed = fuseChains(r, nextKernel, kept, Round::F32);
+  Readers readers = readersOf(r);
   // GEMM epilogues: a matmul whose result only a following bias add reads
   // (a bias add no elementwise chain took, such as q|k|v's before its
   // slices) becomes a matmul with epilogue "bias".
@@ -406,80 +455,137 @@ int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
     list = std::move(out);
   }
   removed += activationEpilogues(r, kept);
+  removed += fuseChains(r, nextKernel, kept, Round::Bf16);
   return removed;
 }
 
 namespace {
 
-/// Writes one fused instruction as a gpu.func over flat memrefs: a thread
-/// per output element, inputs read through their broadcast strides.
+/// Writes one fused instruction as a gpu.func over flat memrefs. Each
+/// thread handles V consecutive output elements (the launch's "vector"):
+/// full-size tensors, and broadcast ones that keep the innermost axis, are
+/// memrefs of vector<V x T> (one 16-byte load or store), a tensor constant
+/// along rows is one scalar load, anything else a load per element. The
+/// chain runs per element in f32 (bf16 widened on load, rounded once on
+/// store), as the CPU backend evaluates it.
 class KernelWriter {
 public:
   KernelWriter(const rt::RankProgram &r, const rt::Instruction &ins) : r(r), ins(ins) {}
 
   std::string write() {
     const rt::Shape &shape = r.buffers[ins.out[0]].shape;
-    int64_t n = rt::numElements(shape).value_or(0);
+    int64_t n = rt::numElements(shape).value_or(0), v = 1;
+    if (auto launch = ins.attrs.find("launch"); launch != ins.attrs.end() && launch->is_object())
+      v = launch->value("vector", int64_t(1));
+    V = v;
+    // How each input is read (see above).
+    enum class Access { Vector, RowVector, Splat, PerElement };
+    std::vector<Access> access;
+    for (int64_t id : ins.in) {
+      const rt::Shape &in = r.buffers[id].shape;
+      bool rowsOfV = !shape.empty() && shape.back() % V == 0;
+      if (in == shape)
+        access.push_back(Access::Vector);
+      else if (rowsOfV && !in.empty() && in.back() == shape.back())
+        access.push_back(Access::RowVector);
+      else if (rowsOfV && (in.empty() || in.back() == 1))
+        access.push_back(Access::Splat);
+      else
+        access.push_back(Access::PerElement);
+    }
+    auto vectorMemref = [&](int64_t id) {
+      return "memref<" + std::to_string(count(id) / V) + "xvector<" + std::to_string(V) + "x" + elem(id) + ">>";
+    };
+    auto scalarMemref = [&](int64_t id) { return "memref<" + std::to_string(count(id)) + "x" + elem(id) + ">"; };
+    std::vector<std::string> inType;
+    for (size_t k = 0; k < ins.in.size(); ++k)
+      inType.push_back(access[k] == Access::Vector || access[k] == Access::RowVector ? vectorMemref(ins.in[k])
+                                                                                     : scalarMemref(ins.in[k]));
     os << "    gpu.func @" << ins.attrs.at("kernel").get<std::string>() << "(";
     for (size_t k = 0; k < ins.in.size(); ++k)
-      os << (k ? ", " : "") << "%in" << k << ": memref<" << count(ins.in[k]) << "xf32>";
+      os << (k ? ", " : "") << "%in" << k << ": " << inType[k];
     for (size_t k = 0; k < ins.out.size(); ++k)
-      os << ", %out" << k << ": memref<" << n << "xf32>";
+      os << ", %out" << k << ": " << vectorMemref(ins.out[k]);
     os << ") kernel {\n";
     line("%bid = gpu.block_id x");
     line("%bdim = gpu.block_dim x");
     line("%tid = gpu.thread_id x");
     line("%base = arith.muli %bid, %bdim : index");
     line("%i = arith.addi %base, %tid : index");
-    line("%n = arith.constant " + std::to_string(n) + " : index");
+    line("%n = arith.constant " + std::to_string(n / V) + " : index");
     line("%inside = arith.cmpi ult, %i, %n : index");
     line("scf.if %inside {");
-    std::vector<int64_t> outStrides(shape.size(), 1);
-    for (int d = int(shape.size()) - 2; d >= 0; --d)
-      outStrides[d] = outStrides[d + 1] * shape[d + 1];
-    std::vector<std::string> values;
+    line("%e = arith.muli %i, " + constIndex(V) + " : index"); // the first element
+    // lanes[l][k]: input k's value (f32) for element e + l.
+    std::vector<std::vector<std::string>> lanes(V, std::vector<std::string>(ins.in.size()));
     for (size_t k = 0; k < ins.in.size(); ++k) {
-      const rt::Shape &in = r.buffers[ins.in[k]].shape;
-      std::string index = "%i";
-      if (in != shape) { // broadcast: sum over the kept dimensions of digit * stride
-        std::vector<int64_t> inStrides(in.size(), 1);
-        for (int d = int(in.size()) - 2; d >= 0; --d)
-          inStrides[d] = inStrides[d + 1] * in[d + 1];
-        size_t off = shape.size() - in.size();
-        std::string acc;
-        for (size_t d = off; d < shape.size(); ++d) {
-          if (in[d - off] == 1 && shape[d] != 1)
-            continue;
-          std::string digit = tmp(), q = tmp();
-          line(q + " = arith.divui %i, " + constIndex(outStrides[d]) + " : index");
-          line(digit + " = arith.remui " + q + ", " + constIndex(shape[d]) + " : index");
-          std::string term = tmp();
-          line(term + " = arith.muli " + digit + ", " + constIndex(inStrides[d - off]) + " : index");
-          if (acc.empty()) {
-            acc = term;
-          } else {
-            std::string sum = tmp();
-            line(sum + " = arith.addi " + acc + ", " + term + " : index");
-            acc = sum;
-          }
+      std::string arg = "%in" + std::to_string(k), ty = elem(ins.in[k]);
+      switch (access[k]) {
+      case Access::Vector:
+      case Access::RowVector: {
+        std::string at = "%i";
+        if (access[k] == Access::RowVector) {
+          at = tmp();
+          line(at + " = arith.divui " + inputIndex(ins.in[k], shape, "%e") + ", " + constIndex(V) + " : index");
         }
-        index = acc.empty() ? constIndex(0) : acc;
+        std::string vec = tmp();
+        line(vec + " = memref.load " + arg + "[" + at + "] : " + inType[k]);
+        for (int64_t l = 0; l < V; ++l) {
+          std::string x = tmp();
+          line(x + " = vector.extract " + vec + "[" + std::to_string(l) + "] : " + ty + " from vector<" +
+               std::to_string(V) + "x" + ty + ">");
+          lanes[l][k] = widen(x, ty);
+        }
+        break;
       }
-      std::string v = tmp();
-      line(v + " = memref.load %in" + std::to_string(k) + "[" + index + "] : memref<" +
-           std::to_string(count(ins.in[k])) + "xf32>");
-      values.push_back(v);
+      case Access::Splat: {
+        std::string x = tmp();
+        line(x + " = memref.load " + arg + "[" + inputIndex(ins.in[k], shape, "%e") + "] : " + inType[k]);
+        std::string f = widen(x, ty);
+        for (int64_t l = 0; l < V; ++l)
+          lanes[l][k] = f;
+        break;
+      }
+      case Access::PerElement:
+        for (int64_t l = 0; l < V; ++l) {
+          std::string el = "%e";
+          if (l) {
+            el = tmp();
+            line(el + " = arith.addi %e, " + constIndex(l) + " : index");
+          }
+          std::string x = tmp();
+          line(x + " = memref.load " + arg + "[" + inputIndex(ins.in[k], shape, el) + "] : " + inType[k]);
+          lanes[l][k] = widen(x, ty);
+        }
+        break;
+      }
     }
-    for (const json &step : ins.attrs.at("steps")) {
-      std::vector<std::string> a;
-      for (const json &arg : step.at("args"))
-        a.push_back(values.at(arg.get<size_t>()));
-      values.push_back(emitStep(step, a));
-    }
+    // The chain, element by element.
+    for (int64_t l = 0; l < V; ++l)
+      for (const json &step : ins.attrs.at("steps")) {
+        std::vector<std::string> a;
+        for (const json &arg : step.at("args"))
+          a.push_back(lanes[l].at(arg.get<size_t>()));
+        lanes[l].push_back(emitStep(step, a));
+      }
     const json &results = ins.attrs.at("results");
-    for (size_t k = 0; k < ins.out.size(); ++k)
-      line("memref.store " + values.at(results[k].get<size_t>()) + ", %out" + std::to_string(k) +
-           "[%i] : memref<" + std::to_string(n) + "xf32>");
+    for (size_t k = 0; k < ins.out.size(); ++k) {
+      std::string ty = elem(ins.out[k]), vty = "vector<" + std::to_string(V) + "x" + ty + ">";
+      std::string vec = tmp();
+      line(vec + " = arith.constant dense<0.0> : " + vty);
+      for (int64_t l = 0; l < V; ++l) {
+        std::string x = lanes[l].at(results[k].get<size_t>());
+        if (ty == "bf16") {
+          std::string t = tmp();
+          line(t + " = arith.truncf " + x + " : f32 to bf16");
+          x = t;
+        }
+        std::string next = tmp();
+        line(next + " = vector.insert " + x + ", " + vec + "[" + std::to_string(l) + "] : " + ty + " into " + vty);
+        vec = next;
+      }
+      line("memref.store " + vec + ", %out" + std::to_string(k) + "[%i] : " + vectorMemref(ins.out[k]));
+    }
     line("}");
     line("gpu.return");
     os << "    }\n";
@@ -488,6 +594,45 @@ public:
 
 private:
   int64_t count(int64_t id) const { return rt::numElements(r.buffers[id].shape).value_or(0); }
+  std::string elem(int64_t id) const { return r.buffers[id].dtype == LOOM_BF16 ? "bf16" : "f32"; }
+  std::string widen(const std::string &x, const std::string &ty) {
+    if (ty == "f32")
+      return x;
+    std::string t = tmp();
+    line(t + " = arith.extf " + x + " : " + ty + " to f32");
+    return t;
+  }
+  /// The index into input `id` (broadcast to `shape`) of output element `e`:
+  /// the sum over the axes it keeps of the element's digit times the stride.
+  std::string inputIndex(int64_t id, const rt::Shape &shape, const std::string &e) {
+    const rt::Shape &in = r.buffers[id].shape;
+    if (in == shape)
+      return e;
+    std::vector<int64_t> outStrides(shape.size(), 1), inStrides(in.size(), 1);
+    for (int d = int(shape.size()) - 2; d >= 0; --d)
+      outStrides[d] = outStrides[d + 1] * shape[d + 1];
+    for (int d = int(in.size()) - 2; d >= 0; --d)
+      inStrides[d] = inStrides[d + 1] * in[d + 1];
+    size_t off = shape.size() - in.size();
+    std::string acc;
+    for (size_t d = off; d < shape.size(); ++d) {
+      if (in[d - off] == 1 && shape[d] != 1)
+        continue;
+      std::string digit = tmp(), q = tmp();
+      line(q + " = arith.divui " + e + ", " + constIndex(outStrides[d]) + " : index");
+      line(digit + " = arith.remui " + q + ", " + constIndex(shape[d]) + " : index");
+      std::string term = tmp();
+      line(term + " = arith.muli " + digit + ", " + constIndex(inStrides[d - off]) + " : index");
+      if (acc.empty()) {
+        acc = term;
+      } else {
+        std::string sum = tmp();
+        line(sum + " = arith.addi " + acc + ", " + term + " : index");
+        acc = sum;
+      }
+    }
+    return acc.empty() ? constIndex(0) : acc;
+  }
   void line(const std::string &s) { os << "      " << s << "\n"; }
   std::string tmp() { return "%t" + std::to_string(counter++); }
   std::string constIndex(int64_t v) {
@@ -580,6 +725,7 @@ private:
   const rt::Instruction &ins;
   std::ostringstream os;
   int counter = 0;
+  int64_t V = 1; // elements per thread
 };
 
 } // namespace
