@@ -6,7 +6,7 @@ tokens/s, TFLOP/s (6N + 12 L h s per token) and ms per step, after warm-up.
 
 usage: python3 bench/torch_gpt.py [--layers 24 --hidden 1024 --heads 16 --seq 1024
        --vocab 50304 --batch 8 --steps 10 --modes eager-fp32,compile-fp32,eager-bf16,compile-bf16]
-       [--loom BUNDLE.loom ... [--loom-run build-device/runtime/loom-run]]
+       [--loom BUNDLE.loom ... [--loom-run build-device/runtime/loom-run]] [--profile N]
 
 With --loom, each bundle (compiled for the same model and batch) trains first with
 `loom-run --backend cuda` in the same invocation, and is reported in the same format,
@@ -109,9 +109,30 @@ def run(mode, a):
     tps = a.batch * a.seq / dt
     print(f"torch {mode:13s} {tps:10.0f} tokens/s  {tps * flops_per_token / 1e12:6.1f} TFLOP/s  "
           f"{dt * 1e3:8.1f} ms/step  loss {loss.item():.4f}  params {n_params / 1e6:.1f}M", flush=True)
+    if a.profile:
+        profile_kernels(step, mode, a.profile)
     del model, opt
     torch.cuda.empty_cache()
     return tps
+
+
+def profile_kernels(step, mode, top, steps=3):
+    """The GPU kernels of `steps` steps by their time per step (torch.profiler), the `top` longest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if us > 0:
+            rows.append((us / steps / 1e3, e.count // steps, e.key))
+    rows.sort(reverse=True)
+    print(f"  {mode}: {sum(r[0] for r in rows):.1f} ms of kernels per step; the {top} longest:")
+    for ms, count, name in rows[:top]:
+        print(f"  {ms:7.2f} ms {count:5d}x  {name[:110]}")
 
 
 def loom(bundle, a):
@@ -143,6 +164,8 @@ def arguments(modes):
     p.add_argument("--modes", default=modes)
     p.add_argument("--loom", nargs="*", default=[], help="Loom bundles to train first, same model and batch")
     p.add_argument("--loom-run", default="build-device/runtime/loom-run")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after each mode's timing, list its N longest GPU kernels per step (torch.profiler)")
     return p.parse_args()
 
 

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Installs, idempotently, every Debian package that Loom's build and tests need.
+# Installs, idempotently, every Debian package that Loom's build and tests need,
+# and cuDNN's frontend headers (scripts/cudnn-frontend.sh, from PyPI).
 # Safe to run again: packages already present are skipped without touching apt.
 set -euo pipefail
+here=$(dirname "$0")
 
 packages=(
-  cmake ninja-build ccache g++ python3
+  cmake ninja-build ccache g++ python3 python3-pip
   llvm-19-dev libmlir-19-dev mlir-19-tools llvm-19-tools
   nlohmann-json3-dev libgtest-dev
   libopenmpi-dev openmpi-bin
@@ -17,6 +19,7 @@ done
 
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#packages[@]} packages present"
+  "$here/cudnn-frontend.sh"
   exit 0
 fi
 
@@ -26,3 +29,4 @@ echo "install-deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -q
 $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+"$here/cudnn-frontend.sh"

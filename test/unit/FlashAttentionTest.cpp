@@ -5,11 +5,14 @@
 // double on the host from the same bf16 values. Shapes cover every head
 // dimension with a kernel, sequence lengths that are not multiples of the
 // 64-row tiles, causal masks with more keys than queries, and grouped-query
-// heads. Skips where there is no GPU.
+// heads. The same cases run through cuDNN's fused attention where this
+// build has it (CudnnAttention.MatchesReference), and AttentionSpeed times
+// both on GPT-2 350M's shape. Skips where there is no GPU.
 //
 //===----------------------------------------------------------------------===//
 
 #include "runtime/src/Tensor.h"
+#include "runtime/src/cuda/CudnnAttention.h"
 #include "runtime/src/cuda/FlashAttention.h"
 
 #include <cuda_runtime.h>
@@ -17,6 +20,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <functional>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -63,7 +69,7 @@ std::vector<uint16_t> download(void *p, size_t n) {
   return host;
 }
 
-void check(const Case &c) {
+void check(const Case &c, bool cudnnAttention = false) {
   SCOPED_TRACE(testing::Message() << "B=" << c.b << " S=" << c.s << " T=" << c.t << " H=" << c.heads
                                   << " KV=" << c.kv << " D=" << c.d << (c.causal ? " causal" : "")
                                   << (c.packed ? " packed" : ""));
@@ -164,17 +170,32 @@ void check(const Case &c) {
   float *lse = nullptr;
   ASSERT_EQ(cudaMalloc(&lse, size_t(c.b) * c.heads * c.s * sizeof(float)), cudaSuccess);
   p.q = dQ, p.k = dK, p.v = dV;
+  std::unique_ptr<cudnn::Attention> fused;
+  if (cudnnAttention) {
+    std::string why;
+    fused = cudnn::build(p, /*backward=*/true, why);
+    ASSERT_TRUE(fused) << why;
+    cudaFree(ws);
+    ASSERT_EQ(cudaMalloc(&ws, std::max<size_t>(fused->workspaceBytes(), 16)), cudaSuccess);
+  }
   auto result = [&](void *at, int64_t offset, int64_t width, size_t n) {
     return c.packed ? unpack(download(packedG, rows * W), offset, width) : download(at, n);
   };
   // Twice: the backward recomputing the forward, then reusing its O and lse.
   for (bool reuse : {false, true}) {
+    if (fused && !reuse)
+      continue; // cuDNN's backward always takes the forward's O and statistics
     SCOPED_TRACE(reuse ? "backward with the forward's O and lse" : "backward recomputing the forward");
     ASSERT_EQ(c.packed ? cudaMemset(packedG, 0xff, rows * W * 2) : cudaMemset(gQ, 0xff, nq * 2),
               cudaSuccess); // NaNs unless written
-    ASSERT_EQ(flash::forward(p, dO, reuse ? lse : nullptr, nullptr), cudaSuccess);
-    ASSERT_EQ(flash::backward(p, dDO, gQ, gK, gV, ws, nullptr, reuse ? dO : nullptr, reuse ? lse : nullptr),
-              cudaSuccess);
+    if (fused) {
+      ASSERT_EQ(fused->forward(dO, lse, ws, nullptr), "");
+      ASSERT_EQ(fused->backward(dO, lse, dDO, gQ, gK, gV, ws, nullptr), "");
+    } else {
+      ASSERT_EQ(flash::forward(p, dO, reuse ? lse : nullptr, nullptr), cudaSuccess);
+      ASSERT_EQ(flash::backward(p, dDO, gQ, gK, gV, ws, nullptr, reuse ? dO : nullptr, reuse ? lse : nullptr),
+                cudaSuccess);
+    }
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     // bf16 inputs are exact in the reference; what differs is P rounded to
     // bf16 before its products and the bf16 results (about 2^-9 each).
@@ -204,4 +225,79 @@ TEST(FlashAttention, MatchesReference) {
                  Case{1, 200, 77, 2, 2, 64, false}, Case{1, 256, 256, 8, 2, 64, true},
                  Case{2, 100, 100, 4, 4, 64, true, true}, Case{1, 130, 130, 4, 2, 32, true, true}})
     check(c);
+}
+
+TEST(CudnnAttention, MatchesReference) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
+    GTEST_SKIP() << "no CUDA device";
+  if (!cudnn::compiledIn())
+    GTEST_SKIP() << "this build has no cuDNN frontend";
+  for (Case c : {Case{2, 100, 100, 4, 4, 64, true}, Case{1, 64, 64, 2, 2, 16, false},
+                 Case{1, 130, 130, 2, 1, 128, true}, Case{1, 256, 256, 8, 2, 64, true},
+                 Case{2, 100, 100, 4, 4, 64, true, true}, Case{1, 130, 130, 4, 2, 32, true, true}})
+    check(c, /*cudnnAttention=*/true);
+}
+
+/// Forward and backward of GPT-2 350M's attention (batch 8, 16 heads of 64,
+/// 1024 tokens, causal, q|k|v packed), 20 of each captured in a CUDA graph:
+/// the GPU's time per call without launch overheads, ours and cuDNN's.
+TEST(AttentionSpeed, Gpt2Medium) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
+    GTEST_SKIP() << "no CUDA device";
+  const int64_t B = 8, S = 1024, H = 16, D = 64, W = 3 * H * D;
+  flash::Params p;
+  p.batch = B, p.s = S, p.t = S, p.heads = H, p.kvHeads = H, p.headDim = D, p.causal = true;
+  p.scale = 0.125f, p.ldq = p.ldk = p.lddq = p.lddk = W;
+  std::mt19937 rng(7);
+  std::vector<double> ignored;
+  void *x = upload(randomBf16(size_t(B * S * W), rng, ignored)), *dout = upload(randomBf16(size_t(B * S * H * D), rng, ignored));
+  void *o = nullptr, *g = nullptr, *ws = nullptr;
+  float *lse = nullptr;
+  ASSERT_EQ(cudaMalloc(&o, B * S * H * D * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&g, B * S * W * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&lse, B * H * S * 4), cudaSuccess);
+  p.q = x, p.k = static_cast<char *>(x) + 2 * H * D, p.v = static_cast<char *>(x) + 4 * H * D;
+  char *gq = static_cast<char *>(g), *gk = gq + 2 * H * D, *gv = gq + 4 * H * D;
+  std::string why;
+  std::unique_ptr<cudnn::Attention> fused = cudnn::compiledIn() ? cudnn::build(p, true, why) : nullptr;
+  size_t wsBytes = std::max(flash::backwardWorkspace(p), fused ? fused->workspaceBytes() : 0);
+  ASSERT_EQ(cudaMalloc(&ws, wsBytes), cudaSuccess);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  auto time = [&](const std::function<void()> &call) {
+    call(); // warm-up, outside the graph
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    for (int i = 0; i < 20; ++i)
+      call();
+    EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    cudaEvent_t a, b;
+    cudaEventCreate(&a), cudaEventCreate(&b);
+    cudaGraphLaunch(exec, stream);
+    cudaEventRecord(a, stream);
+    cudaGraphLaunch(exec, stream);
+    cudaEventRecord(b, stream);
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    cudaGraphExecDestroy(exec), cudaGraphDestroy(graph), cudaEventDestroy(a), cudaEventDestroy(b);
+    return ms * 1000 / 20;
+  };
+  float ffwd = time([&] { flash::forward(p, o, lse, stream); });
+  float fbwd = time([&] { flash::backward(p, dout, gq, gk, gv, ws, stream, o, lse); });
+  std::printf("flash attention: forward %.1f us, backward %.1f us per call\n", ffwd, fbwd);
+  if (fused) {
+    float cfwd = time([&] { EXPECT_EQ(fused->forward(o, lse, ws, stream), ""); });
+    float cbwd = time([&] { EXPECT_EQ(fused->backward(o, lse, dout, gq, gk, gv, ws, stream), ""); });
+    std::printf("cuDNN attention: forward %.1f us, backward %.1f us per call\n", cfwd, cbwd);
+  } else {
+    std::printf("cuDNN attention: not timed (%s)\n", why.c_str());
+  }
+  cudaStreamDestroy(stream);
+  for (void *ptr : {x, dout, o, g, ws, static_cast<void *>(lse)})
+    cudaFree(ptr);
 }

@@ -19,6 +19,7 @@
 #include "runtime/src/Backend.h"
 #include "runtime/src/Error.h"
 #include "runtime/src/cpu/CpuBackend.h"
+#include "runtime/src/cuda/CudnnAttention.h"
 #include "runtime/src/cuda/FlashAttention.h"
 
 #include <cublasLt.h>
@@ -1861,6 +1862,7 @@ private:
   using AttentionKey = std::tuple<int64_t, int64_t, int64_t>;
   Launch buildPackedAttention(const Instruction &ins, bool grad);
   Launch flashForward(const flash::Params &p, int64_t out, AttentionKey key);
+  std::shared_ptr<cudnn::Attention> cudnnAttention(const flash::Params &p, bool backward);
   Launch flashBackward(const flash::Params &p, char *pdo, char *gq, char *gk, char *gv, AttentionKey key,
                        char *clear, int64_t clearBytes);
   Launch buildCasts(const std::vector<Instruction> &instrs, size_t begin, size_t end);
@@ -2034,7 +2036,8 @@ private:
   /// the forward's launch and cleared by the backward's, on the host thread
   /// that issues both.
   struct AttentionSave {
-    float *lse = nullptr;
+    float *lse = nullptr; // our kernels' base-2 log-sum-exps, or cuDNN's statistics
+    bool cudnnStats = false;
     int64_t out = -1;
     std::pair<std::string, size_t> at;
     bool fresh = false;
@@ -2212,8 +2215,29 @@ Launch CudaBackendImpl::buildGemm(const Instruction &ins) {
   };
 }
 
-/// Our flash attention's forward, keeping the rows' log-sum-exps for the
-/// backward (see AttentionSave).
+/// cuDNN's fused attention for `p` where LOOM_CUDA_ATTENTION allows it
+/// ("auto", the default: where cuDNN has an engine; "cudnn": required;
+/// "loom": never) and it builds; null means our flash kernels.
+std::shared_ptr<cudnn::Attention> CudaBackendImpl::cudnnAttention(const flash::Params &p, bool backward) {
+  static const std::string mode = [] {
+    const char *e = std::getenv("LOOM_CUDA_ATTENTION");
+    return std::string(e ? e : "auto");
+  }();
+  if (mode != "auto" && mode != "cudnn" && mode != "loom")
+    fail(LOOM_INVALID_ARGUMENT, "LOOM_CUDA_ATTENTION is '", mode, "'; use auto, cudnn or loom");
+  if (mode == "loom")
+    return nullptr;
+  std::string why;
+  std::shared_ptr<cudnn::Attention> a = cudnn::build(p, backward, why);
+  if (!a && mode == "cudnn")
+    fail(LOOM_UNSUPPORTED, where, ": LOOM_CUDA_ATTENTION=cudnn, but ", why);
+  if (a)
+    reserve(a->workspaceBytes());
+  return a;
+}
+
+/// The attention forward (cuDNN's or our flash kernel), keeping the rows'
+/// statistics for the backward (see AttentionSave).
 Launch CudaBackendImpl::flashForward(const flash::Params &p, int64_t out, AttentionKey key) {
   std::string what = where;
   char *po = ptr(buf(out));
@@ -2221,21 +2245,32 @@ Launch CudaBackendImpl::flashForward(const flash::Params &p, int64_t out, Attent
   save->lse = deviceArray(std::vector<float>(size_t(p.batch * p.heads * p.s)));
   save->out = out;
   save->at = building;
+  std::shared_ptr<cudnn::Attention> fused = cudnnAttention(p, /*backward=*/false);
+  save->cudnnStats = fused != nullptr;
   attentionSaves[key] = save;
   buildReplayed = [save] { save->fresh = true; };
   return [=](cudaStream_t st) {
-    if (cudaError_t e = flash::forward(p, po, save->lse, st); e != cudaSuccess)
+    if (fused) {
+      if (std::string e = fused->forward(po, save->lse, workspace, st); !e.empty())
+        fail(LOOM_INTERNAL, what, ": cuDNN attention forward failed: ", e, " (LOOM_CUDA_ATTENTION=loom avoids cuDNN)");
+    } else if (cudaError_t e = flash::forward(p, po, save->lse, st); e != cudaSuccess) {
       fail(LOOM_INTERNAL, what, ": flash attention forward failed: ", cudaGetErrorString(e));
+    }
     save->fresh = true;
   };
 }
 
 /// Its backward; `clear` (bytes) is zeroed first where the gradients do not
-/// cover their tensor.
+/// cover their tensor. cuDNN's backward runs where the forward was cuDNN's
+/// and its output and statistics are still there; our kernels otherwise
+/// (recomputing O and the statistics when they are gone).
 Launch CudaBackendImpl::flashBackward(const flash::Params &p, char *pdo, char *gq, char *gk, char *gv,
                                       AttentionKey key, char *clear, int64_t clearBytes) {
   std::string what = where;
   reserve(flash::backwardWorkspace(p));
+  // Built whether or not the forward (perhaps prepared later) is cuDNN's;
+  // used only where it was.
+  std::shared_ptr<cudnn::Attention> fused = cudnnAttention(p, /*backward=*/true);
   // The forward's output and statistics are used when they are still there
   // (decided at the first launch, once every program is prepared);
   // otherwise the backward recomputes them.
@@ -2264,9 +2299,17 @@ Launch CudaBackendImpl::flashBackward(const flash::Params &p, char *pdo, char *g
     const void *o = saved ? ptr(buf(save->out)) : nullptr;
     if (clear)
       LOOM_CUDA_CHECK(cudaMemsetAsync(clear, 0, clearBytes, st));
-    if (cudaError_t e = flash::backward(p, pdo, gq, gk, gv, workspace, st, o, saved ? save->lse : nullptr);
-        e != cudaSuccess)
-      fail(LOOM_INTERNAL, what, ": flash attention backward failed: ", cudaGetErrorString(e));
+    if (saved && save->cudnnStats && fused) {
+      if (std::string e = fused->backward(o, save->lse, pdo, gq, gk, gv, workspace, st); !e.empty())
+        fail(LOOM_INTERNAL, what, ": cuDNN attention backward failed: ", e, " (LOOM_CUDA_ATTENTION=loom avoids cuDNN)");
+    } else {
+      // Our kernels read our statistics only; cuDNN's are recomputed.
+      bool ours = saved && !save->cudnnStats;
+      if (cudaError_t e = flash::backward(p, pdo, gq, gk, gv, workspace, st, ours ? o : nullptr,
+                                          ours ? save->lse : nullptr);
+          e != cudaSuccess)
+        fail(LOOM_INTERNAL, what, ": flash attention backward failed: ", cudaGetErrorString(e));
+    }
     if (save)
       save->fresh = false;
   };
@@ -2947,15 +2990,28 @@ Launch CudaBackendImpl::buildFused(const Instruction &ins) {
     pointers.push_back(ptr(buf(id)));
   for (int64_t id : ins.out)
     pointers.push_back(ptr(buf(id)));
-  // The launch shape the compiler chose (a thread per output element).
-  int64_t n = count(buf(ins.out[0]).shape);
+  // The launch shape the compiler chose: a thread per `vector` output
+  // elements (1 in bundles before vectorised kernels).
+  int64_t n = count(buf(ins.out[0]).shape), vector = 1;
   unsigned block = kThreads, grid = static_cast<unsigned>((n + kThreads - 1) / kThreads);
   if (auto launch = ins.attrs.find("launch"); launch != ins.attrs.end() && launch->is_object()) {
     block = launch->value("block", unsigned(kThreads));
     grid = launch->value("grid", grid);
-    if (block == 0 || uint64_t(block) * grid < uint64_t(n))
-      fail(LOOM_INVALID_BUNDLE, where, ": launch ", grid, " x ", block, " does not cover ", n, " elements");
+    vector = launch->value("vector", int64_t(1));
+    if (vector < 1 || vector > 8 || n % vector)
+      fail(LOOM_INVALID_BUNDLE, where, ": launch vector ", vector, " does not divide ", n, " elements");
+    if (block == 0 || uint64_t(block) * grid * uint64_t(vector) < uint64_t(n))
+      fail(LOOM_INVALID_BUNDLE, where, ": launch ", grid, " x ", block, " x ", vector, " does not cover ", n,
+           " elements");
   }
+  // Vector loads and stores need 16-byte aligned tensors (the compiler
+  // places every buffer at a multiple of 64 bytes).
+  if (vector > 1)
+    for (const std::vector<int64_t> *ids : {&ins.in, &ins.out})
+      for (int64_t id : *ids)
+        if (buf(id).offset % 16)
+          fail(LOOM_INVALID_BUNDLE, where, ": buffer '", buf(id).name, "' at offset ", buf(id).offset,
+               " is not 16-byte aligned, which the kernel's vector loads need");
   return [=](cudaStream_t s) mutable {
     std::vector<void *> args;
     for (void *&p : pointers)

@@ -1,0 +1,225 @@
+//===- CudnnAttention.cpp - cuDNN's fused attention for bf16 SDPA ---------===//
+//
+// Host code only (the frontend is header-only C++ over cuDNN's backend
+// API), compiled by the C++ compiler apart from the CUDA sources so that
+// the frontend's headers cost one translation unit.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/src/cuda/CudnnAttention.h"
+
+#ifdef LOOM_HAVE_CUDNN_FRONTEND
+#include <cudnn_frontend.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#endif
+
+namespace loom::rt::cudnn {
+
+#ifndef LOOM_HAVE_CUDNN_FRONTEND
+
+bool compiledIn() { return false; }
+
+std::unique_ptr<Attention> build(const flash::Params &, bool, std::string &why) {
+  why = "this runtime was built without cuDNN's frontend headers (scripts/deps.sh fetches them)";
+  return nullptr;
+}
+
+#else
+
+namespace fe = cudnn_frontend;
+
+namespace {
+
+/// One cuDNN handle per device, made on first use (handles are bound to the
+/// device current when they are created) and kept for the process.
+cudnnHandle_t handleForCurrentDevice(std::string &why) {
+  static std::mutex mutex;
+  static std::map<int, cudnnHandle_t> handles;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    why = "no current CUDA device";
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = handles.find(device);
+  if (it != handles.end())
+    return it->second;
+  cudnnHandle_t h = nullptr;
+  if (cudnnStatus_t s = cudnnCreate(&h); s != CUDNN_STATUS_SUCCESS) {
+    why = std::string("cudnnCreate failed: ") + cudnnGetErrorString(s);
+    return nullptr;
+  }
+  handles[device] = h;
+  return h;
+}
+
+enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
+
+/// [B, heads, S, D] over rows of `ld` elements (a head's D columns side by side).
+std::vector<int64_t> bhsd(int64_t b, int64_t heads, int64_t s, int64_t d) { return {b, heads, s, d}; }
+std::vector<int64_t> strides(int64_t s, int64_t d, int64_t ld) { return {s * ld, d, ld, 1}; }
+
+/// cuDNN's graphs for one shape and layout (they hold no pointers), shared
+/// by every attention of that shape: built once per process and device.
+struct Graphs {
+  std::shared_ptr<fe::graph::Graph> fwd, bwd;
+  size_t workspace = 0;
+  std::string fwdError, bwdError; // why one could not be built (not tried again)
+};
+
+/// Builds one graph into `g`; "" or why not.
+std::string make(const flash::Params &p, cudnnHandle_t handle, bool backward, Graphs &out) {
+  auto g = std::make_shared<fe::graph::Graph>();
+  g->set_io_data_type(fe::DataType_t::BFLOAT16)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  int64_t B = p.batch, H = p.heads, KV = p.kvHeads, S = p.s, T = p.t, D = p.headDim;
+  int64_t ldq = p.ldq ? p.ldq : H * D, ldk = p.ldk ? p.ldk : KV * D;
+  auto tensor = [&](const char *name, Uid uid, std::vector<int64_t> dim, std::vector<int64_t> stride) {
+    return g->tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(dim).set_stride(stride));
+  };
+  auto q = tensor("q", kQ, bhsd(B, H, S, D), strides(S, D, ldq));
+  auto k = tensor("k", kK, bhsd(B, KV, T, D), strides(T, D, ldk));
+  auto v = tensor("v", kV, bhsd(B, KV, T, D), strides(T, D, ldk));
+  // Our convention: query i sees keys j <= i + (T - S), cuDNN's bottom-right diagonal.
+  bool topLeft = S == T;
+  if (!backward) {
+    auto options = fe::graph::SDPA_attributes().set_name("loom_sdpa").set_generate_stats(true).set_attn_scale(p.scale);
+    if (p.causal)
+      topLeft ? options.set_causal_mask(true) : options.set_causal_mask_bottom_right(true);
+    auto [o, stats] = g->sdpa(q, k, v, options);
+    o->set_output(true).set_uid(kO).set_dim(bhsd(B, H, S, D)).set_stride(strides(S, D, H * D));
+    stats->set_output(true).set_uid(kStats).set_data_type(fe::DataType_t::FLOAT);
+  } else {
+    auto o = tensor("o", kO, bhsd(B, H, S, D), strides(S, D, H * D));
+    auto dO = tensor("dO", kDO, bhsd(B, H, S, D), strides(S, D, H * D));
+    auto stats = g->tensor(fe::graph::Tensor_attributes()
+                               .set_name("stats")
+                               .set_uid(kStats)
+                               .set_dim({B, H, S, 1})
+                               .set_stride({H * S, S, 1, 1})
+                               .set_data_type(fe::DataType_t::FLOAT));
+    auto options = fe::graph::SDPA_backward_attributes().set_name("loom_sdpa_backward").set_attn_scale(p.scale);
+    if (p.causal)
+      topLeft ? options.set_causal_mask(true) : options.set_causal_mask_bottom_right(true);
+    auto [dQ, dK, dV] = g->sdpa_backward(q, k, v, o, dO, stats, options);
+    int64_t lddq = p.lddq ? p.lddq : H * D, lddk = p.lddk ? p.lddk : KV * D;
+    dQ->set_output(true).set_uid(kDQ).set_dim(bhsd(B, H, S, D)).set_stride(strides(S, D, lddq));
+    dK->set_output(true).set_uid(kDK).set_dim(bhsd(B, KV, T, D)).set_stride(strides(T, D, lddk));
+    dV->set_output(true).set_uid(kDV).set_dim(bhsd(B, KV, T, D)).set_stride(strides(T, D, lddk));
+  }
+  if (auto e = g->build(handle, {fe::HeurMode_t::A}); e.is_bad())
+    return e.get_message();
+  int64_t bytes = 0;
+  if (auto e = g->get_workspace_size(bytes); e.is_bad())
+    return e.get_message();
+  out.workspace = std::max(out.workspace, size_t(bytes));
+  if (std::getenv("LOOM_CUDNN_VERBOSE")) { // which engine cuDNN chose, for measurements
+    std::string name;
+    if (g->get_plan_name(name).is_bad())
+      name = "(unnamed)";
+    std::fprintf(stderr, "cuDNN attention %s (B=%lld H=%lld KV=%lld S=%lld T=%lld D=%lld%s): plan %s, workspace %lld bytes\n",
+                 backward ? "backward" : "forward", (long long)B, (long long)H, (long long)KV, (long long)S,
+                 (long long)T, (long long)D, p.causal ? ", causal" : "", name.c_str(), (long long)bytes);
+  }
+  (backward ? out.bwd : out.fwd) = g;
+  return "";
+}
+
+class CudnnAttention final : public Attention {
+public:
+  CudnnAttention(const flash::Params &p, cudnnHandle_t handle, std::shared_ptr<const Graphs> graphs)
+      : p(p), handle(handle), graphs(std::move(graphs)) {}
+
+  size_t workspaceBytes() const override { return graphs->workspace; }
+
+  std::string forward(void *o, float *stats, void *ws, cudaStream_t stream) override {
+    std::unordered_map<int64_t, void *> pack = {{kQ, const_cast<void *>(p.q)},
+                                                {kK, const_cast<void *>(p.k)},
+                                                {kV, const_cast<void *>(p.v)},
+                                                {kO, o},
+                                                {kStats, stats}};
+    return run(*graphs->fwd, pack, ws, stream);
+  }
+
+  std::string backward(const void *o, const float *stats, const void *dO, void *dQ, void *dK, void *dV, void *ws,
+                       cudaStream_t stream) override {
+    if (!graphs->bwd)
+      return "built for the forward only";
+    std::unordered_map<int64_t, void *> pack = {
+        {kQ, const_cast<void *>(p.q)},   {kK, const_cast<void *>(p.k)},       {kV, const_cast<void *>(p.v)},
+        {kO, const_cast<void *>(o)},     {kStats, const_cast<float *>(stats)}, {kDO, const_cast<void *>(dO)},
+        {kDQ, dQ},                       {kDK, dK},                            {kDV, dV}};
+    return run(*graphs->bwd, pack, ws, stream);
+  }
+
+private:
+  std::string run(const fe::graph::Graph &g, std::unordered_map<int64_t, void *> &pack, void *ws,
+                  cudaStream_t stream) {
+    if (cudnnStatus_t s = cudnnSetStream(handle, stream); s != CUDNN_STATUS_SUCCESS)
+      return std::string("cudnnSetStream failed: ") + cudnnGetErrorString(s);
+    if (auto e = g.execute(handle, pack, ws); e.is_bad())
+      return e.get_message();
+    return "";
+  }
+
+  flash::Params p;
+  cudnnHandle_t handle;
+  std::shared_ptr<const Graphs> graphs;
+};
+
+} // namespace
+
+bool compiledIn() { return true; }
+
+std::unique_ptr<Attention> build(const flash::Params &p, bool backward, std::string &why) {
+  if (cudnnGetVersion() < 90000) {
+    why = "cuDNN " + std::to_string(cudnnGetVersion()) + " is older than 9";
+    return nullptr;
+  }
+  cudnnHandle_t handle = handleForCurrentDevice(why);
+  if (!handle)
+    return nullptr;
+  int device = 0;
+  cudaGetDevice(&device);
+  // Everything the graphs depend on (not the pointers).
+  auto key = std::make_tuple(device, p.batch, p.s, p.t, p.heads, p.kvHeads, p.headDim, p.causal, p.scale, p.ldq,
+                             p.ldk, p.lddq, p.lddk);
+  static std::mutex mutex;
+  static std::map<decltype(key), std::shared_ptr<Graphs>> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  std::shared_ptr<Graphs> &graphs = cache[key];
+  if (!graphs)
+    graphs = std::make_shared<Graphs>();
+  auto ensure = [&](bool bwd) {
+    std::string &error = bwd ? graphs->bwdError : graphs->fwdError;
+    if ((bwd ? graphs->bwd : graphs->fwd) || !error.empty())
+      return error;
+    try {
+      if (std::string e = make(p, handle, bwd, *graphs); !e.empty())
+        error = std::string("cuDNN has no ") + (bwd ? "backward" : "forward") + " engine: " + e;
+    } catch (const std::exception &e) {
+      error = std::string("cuDNN's frontend failed: ") + e.what();
+    }
+    return error;
+  };
+  if (std::string e = ensure(false); !e.empty()) {
+    why = e;
+    return nullptr;
+  }
+  if (backward)
+    if (std::string e = ensure(true); !e.empty()) {
+      why = e;
+      return nullptr;
+    }
+  return std::make_unique<CudnnAttention>(p, handle, graphs);
+}
+
+#endif
+
+} // namespace loom::rt::cudnn
