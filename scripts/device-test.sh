@@ -61,6 +61,9 @@ LOOM_CUDA_ATTENTION=loom $B/loom-run $R/gpt-tiny-bf16-fused-train.loom --backend
 python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-bf16.cudnn.log" "$LOG/gpt-tiny-bf16.flash.log" 2e-3 || status=1
 LOOM_CUDA_ATTENTION=cudnn $B/loom-run $R/llama-tiny-bf16-fused-train.loom --backend cuda --steps 20 > "$LOG/llama-tiny-bf16.cudnn.log" || status=1
 python3 test/training/Inputs/close_losses.py "$LOG/llama-tiny-bf16.cudnn.log" "$LOG/llama-tiny-bf16.train.cpu.log" 3e-2 || status=1
+echo "== generated norm kernels against ours (LOOM_CUDA_GENERATED=0)"
+LOOM_CUDA_GENERATED=0 $B/loom-run $R/gpt-tiny-bf16-fused-train.loom --backend cuda --steps 20 > "$LOG/gpt-tiny-bf16.ours.log" || status=1
+python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-bf16.fused.cuda.log" "$LOG/gpt-tiny-bf16.ours.log" 2e-3 || status=1
 echo "== CUDA graphs (the default from the second run of a program) against eager launches (LOOM_CUDA_GRAPHS=0)"
 LOOM_CUDA_GRAPHS=0 $B/loom-run $R/gpt-tiny-bf16-fused-train.loom --backend cuda --steps 20 > "$LOG/gpt-tiny-bf16.eager.log" || status=1
 python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-bf16.fused.cuda.log" "$LOG/gpt-tiny-bf16.eager.log" 1e-4 || status=1
@@ -91,12 +94,14 @@ if [ "${TORCH_MODES:-}" = none ]; then
     echo "$b: $($B/loom-run $R/$b.loom --backend cuda --steps 13 2>&1 | tail -1)"
   done
   echo "gpt2-350m-bf16-fused-train, LOOM_CUDA_ATTENTION=loom: $(LOOM_CUDA_ATTENTION=loom $B/loom-run $R/gpt2-350m-bf16-fused-train.loom --backend cuda --steps 13 2>&1 | tail -1)"
+  echo "gpt2-350m-bf16-fused-train, LOOM_CUDA_GENERATED=0: $(LOOM_CUDA_GENERATED=0 $B/loom-run $R/gpt2-350m-bf16-fused-train.loom --backend cuda --steps 13 2>&1 | tail -1)"
   echo "gpt2-350m-bf16-fused-train, LOOM_CUDA_EPILOGUES=0: $(LOOM_CUDA_EPILOGUES=0 $B/loom-run $R/gpt2-350m-bf16-fused-train.loom --backend cuda --steps 13 2>&1 | tail -1)"
   echo "gpt2-350m-bf16-fused-train, LOOM_CUDA_GRAPHS=0: $(LOOM_CUDA_GRAPHS=0 $B/loom-run $R/gpt2-350m-bf16-fused-train.loom --backend cuda --steps 13 2>&1 | tail -1)"
   exit $status
 fi
 echo "gpt2-350m-bf16-fused-train, LOOM_CUDA_EPILOGUES=0: $(LOOM_CUDA_EPILOGUES=0 $B/loom-run $R/gpt2-350m-bf16-fused-train.loom --backend cuda --steps 13 2>&1 | tail -1)"
 echo "gpt2-350m-bf16-fused-train, LOOM_CUDA_ATTENTION=loom: $(LOOM_CUDA_ATTENTION=loom $B/loom-run $R/gpt2-350m-bf16-fused-train.loom --backend cuda --steps 13 2>&1 | tail -1)"
+echo "gpt2-350m-bf16-fused-train, LOOM_CUDA_GENERATED=0: $(LOOM_CUDA_GENERATED=0 $B/loom-run $R/gpt2-350m-bf16-fused-train.loom --backend cuda --steps 13 2>&1 | tail -1)"
 echo "== Loom and PyTorch on the same model and card"
 python3 bench/torch_gpt.py --steps 10 --modes "${TORCH_MODES:-eager-fp32,compile-fp32,eager-bf16,compile-bf16}" \
     --loom $R/gpt2-350m-bf16-fused-train.loom $R/gpt2-350m-train.loom --loom-run $B/loom-run 2>&1 | grep -v Warning

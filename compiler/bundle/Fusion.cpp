@@ -15,6 +15,7 @@
 #include "llvm/Support/raw_ostream.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -411,6 +412,51 @@ int64_t fuseChains(rt::RankProgram &r, int64_t &nextKernel, const std::set<int64
   return removed;
 }
 
+/// Norms and softmaxes over the last axis get a generated kernel (a warp per
+/// row, the row in registers; KernelWriter::writeRows) where the row splits
+/// into 32 lanes of whole vectors (up to 16 bytes), at most 16 each, and the
+/// operands are f32 or bf16 with gamma and beta of the row's length. The
+/// instruction keeps its op (the CPU backend runs it as before); "kernel"
+/// and "launch" name what the GPU runs instead of its own kernel.
+void rowKernels(rt::RankProgram &r, int64_t &nextKernel) {
+  std::map<std::string, std::string> named; // one kernel per op, dtypes, shape and eps
+  for (auto &[name, list] : r.programs)
+    for (rt::Instruction &ins : list) {
+      bool norm = ins.op == "layernorm" || ins.op == "rmsnorm";
+      if ((!norm && ins.op != "softmax") || ins.out.size() != 1 || ins.in.empty() ||
+          ins.in.size() != (ins.op == "layernorm" ? 3u : ins.op == "rmsnorm" ? 2u : 1u))
+        continue;
+      const rt::Buffer &x = r.buffers[ins.in[0]], &y = r.buffers[ins.out[0]];
+      if (x.shape.empty() || x.shape != y.shape || !floating(x) || !floating(y))
+        continue;
+      if (ins.op == "softmax" && ins.attrs.is_object()) {
+        int64_t axis = ins.attrs.value("axis", int64_t(-1));
+        if (axis != -1 && axis != int64_t(x.shape.size()) - 1)
+          continue;
+      }
+      int64_t h = x.shape.back(), v = x.dtype == LOOM_BF16 ? 8 : 4;
+      while (v > 1 && h % (32 * v))
+        v /= 2;
+      bool ok = h % (32 * v) == 0 && h / (32 * v) <= 16;
+      for (size_t k = 1; k < ins.in.size(); ++k)
+        ok &= floating(r.buffers[ins.in[k]]) && r.buffers[ins.in[k]].shape == rt::Shape{h};
+      if (!ok)
+        continue;
+      int64_t rows = rt::numElements(x.shape).value_or(0) / h;
+      if (!ins.attrs.is_object())
+        ins.attrs = json::object();
+      std::string signature = ins.op + " " + json(x.shape).dump() + " " + json(ins.attrs.value("eps", 0.0)).dump();
+      for (int64_t id : ins.in)
+        signature += " " + std::to_string(r.buffers[id].dtype);
+      signature += " " + std::to_string(y.dtype);
+      std::string &kernel = named[signature];
+      if (kernel.empty())
+        kernel = "row_" + std::to_string(nextKernel++);
+      ins.attrs["kernel"] = kernel;
+      ins.attrs["launch"] = {{"grid", (rows + 7) / 8}, {"block", 256}, {"vector", v}};
+    }
+}
+
 } // namespace
 
 int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
@@ -456,6 +502,7 @@ int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
   }
   removed += activationEpilogues(r, kept);
   removed += fuseChains(r, nextKernel, kept, Round::Bf16);
+  rowKernels(r, nextKernel);
   return removed;
 }
 
@@ -592,7 +639,132 @@ public:
     return os.str();
   }
 
-private:
+  /// A norm or softmax over the last axis (attrs "kernel", "launch"): a warp
+  /// per row, eight rows per block of 256 threads, each lane holding its
+  /// h / 32 elements in registers as f32 (loaded and stored V at a time),
+  /// sums and maxima over the row by warp shuffles; two passes over the
+  /// registers for the variance, as the CPU backend computes it.
+  std::string writeRows() {
+    const rt::Buffer &x = r.buffers[ins.in[0]];
+    int64_t h = x.shape.back(), rows = count(ins.in[0]) / h;
+    V = ins.attrs.at("launch").value("vector", int64_t(1));
+    int64_t chunks = h / (32 * V);
+    bool softmax = ins.op == "softmax", rms = ins.op == "rmsnorm";
+    auto vtype = [&](int64_t id) { return "vector<" + std::to_string(V) + "x" + elem(id) + ">"; };
+    auto memref = [&](int64_t id) { return "memref<" + std::to_string(count(id) / V) + "x" + vtype(id) + ">"; };
+    os << "    gpu.func @" << ins.attrs.at("kernel").get<std::string>() << "(";
+    for (size_t k = 0; k < ins.in.size(); ++k)
+      os << (k ? ", " : "") << "%in" << k << ": " << memref(ins.in[k]);
+    os << ", %out0: " << memref(ins.out[0]) << ") kernel {\n";
+    line("%bid = gpu.block_id x");
+    line("%tid = gpu.thread_id x");
+    line("%warp = arith.divui %tid, " + constIndex(32) + " : index");
+    line("%lane = arith.remui %tid, " + constIndex(32) + " : index");
+    line("%rows8 = arith.muli %bid, " + constIndex(8) + " : index");
+    line("%row = arith.addi %rows8, %warp : index");
+    line("%inside = arith.cmpi ult, %row, " + constIndex(rows) + " : index");
+    line("scf.if %inside {");
+    line("%rowBase = arith.muli %row, " + constIndex(h / V) + " : index");
+    std::vector<std::string> col(chunks), at(chunks);
+    std::vector<std::vector<std::string>> v(chunks);
+    for (int64_t c = 0; c < chunks; ++c) {
+      col[c] = tmp(), at[c] = tmp();
+      line(col[c] + " = arith.addi %lane, " + constIndex(32 * c) + " : index");
+      line(at[c] + " = arith.addi %rowBase, " + col[c] + " : index");
+      v[c] = loadLanes("%in0", ins.in[0], at[c], memref(ins.in[0]));
+    }
+    auto reduceAll = [&](auto &&value, const char *combine, std::string acc) {
+      for (int64_t c = 0; c < chunks; ++c)
+        for (int64_t l = 0; l < V; ++l)
+          acc = op(combine, acc, value(v[c][l]));
+      return warpReduce(acc, combine);
+    };
+    auto same = [](const std::string &a) { return a; };
+    std::vector<std::vector<std::string>> y(chunks, std::vector<std::string>(V));
+    if (softmax) {
+      std::string mx = reduceAll(same, "arith.maximumf", constF(-INFINITY));
+      std::vector<std::vector<std::string>> e(chunks, std::vector<std::string>(V));
+      std::string sum = constF(0);
+      for (int64_t c = 0; c < chunks; ++c)
+        for (int64_t l = 0; l < V; ++l)
+          e[c][l] = op("math.exp", op("arith.subf", v[c][l], mx)), sum = op("arith.addf", sum, e[c][l]);
+      std::string inv = op("arith.divf", constF(1), warpReduce(sum, "arith.addf"));
+      for (int64_t c = 0; c < chunks; ++c)
+        for (int64_t l = 0; l < V; ++l)
+          y[c][l] = op("arith.mulf", e[c][l], inv);
+    } else {
+      std::string mean = constF(0);
+      if (!rms)
+        mean = op("arith.mulf", reduceAll(same, "arith.addf", constF(0)), constF(1.0 / double(h)));
+      auto square = [&](const std::string &a) {
+        std::string d = op("arith.subf", a, mean);
+        return op("arith.mulf", d, d);
+      };
+      std::string var = op("arith.mulf", reduceAll(square, "arith.addf", constF(0)), constF(1.0 / double(h)));
+      std::string inv = op("math.rsqrt", op("arith.addf", var, constF(ins.attrs.value("eps", 1e-5))));
+      for (int64_t c = 0; c < chunks; ++c) {
+        std::vector<std::string> g = loadLanes("%in1", ins.in[1], col[c], memref(ins.in[1]));
+        std::vector<std::string> b;
+        if (!rms)
+          b = loadLanes("%in2", ins.in[2], col[c], memref(ins.in[2]));
+        for (int64_t l = 0; l < V; ++l) {
+          std::string t = op("arith.mulf", op("arith.mulf", op("arith.subf", v[c][l], mean), inv), g[l]);
+          y[c][l] = rms ? t : op("arith.addf", t, b[l]);
+        }
+      }
+    }
+    for (int64_t c = 0; c < chunks; ++c)
+      line("memref.store " + packLanes(y[c], elem(ins.out[0])) + ", %out0[" + at[c] + "] : " + memref(ins.out[0]));
+    line("}");
+    line("gpu.return");
+    os << "    }\n";
+    return os.str();
+  }
+
+protected:
+  /// The V lanes of one vector load, widened to f32.
+  std::vector<std::string> loadLanes(const std::string &arg, int64_t id, const std::string &at,
+                                     const std::string &type) {
+    std::string vec = tmp(), ty = elem(id);
+    line(vec + " = memref.load " + arg + "[" + at + "] : " + type);
+    std::vector<std::string> lanes;
+    for (int64_t l = 0; l < V; ++l) {
+      std::string x = tmp();
+      line(x + " = vector.extract " + vec + "[" + std::to_string(l) + "] : " + ty + " from vector<" +
+           std::to_string(V) + "x" + ty + ">");
+      lanes.push_back(widen(x, ty));
+    }
+    return lanes;
+  }
+  /// f32 values rounded to `ty` and packed into a vector.
+  std::string packLanes(const std::vector<std::string> &values, const std::string &ty) {
+    std::string vty = "vector<" + std::to_string(V) + "x" + ty + ">", vec = tmp();
+    line(vec + " = arith.constant dense<0.0> : " + vty);
+    for (int64_t l = 0; l < V; ++l) {
+      std::string x = values[l];
+      if (ty == "bf16") {
+        std::string t = tmp();
+        line(t + " = arith.truncf " + x + " : f32 to bf16");
+        x = t;
+      }
+      std::string next = tmp();
+      line(next + " = vector.insert " + x + ", " + vec + "[" + std::to_string(l) + "] : " + ty + " into " + vty);
+      vec = next;
+    }
+    return vec;
+  }
+  /// `combine` over the 32 lanes of the warp (butterfly shuffles: every lane gets it).
+  std::string warpReduce(std::string v, const char *combine) {
+    std::string width = tmp();
+    line(width + " = arith.constant 32 : i32");
+    for (int offset : {16, 8, 4, 2, 1}) {
+      std::string o = tmp(), got = tmp(), valid = tmp();
+      line(o + " = arith.constant " + std::to_string(offset) + " : i32");
+      line(got + ", " + valid + " = gpu.shuffle xor " + v + ", " + o + ", " + width + " : f32");
+      v = op(combine, v, got);
+    }
+    return v;
+  }
   int64_t count(int64_t id) const { return rt::numElements(r.buffers[id].shape).value_or(0); }
   std::string elem(int64_t id) const { return r.buffers[id].dtype == LOOM_BF16 ? "bf16" : "f32"; }
   std::string widen(const std::string &x, const std::string &ty) {
@@ -645,7 +817,7 @@ private:
     std::ostringstream s;
     s.precision(9);
     s << std::scientific << v;
-    line(t + " = arith.constant " + s.str() + " : f32");
+    line(t + " = arith.constant " + (std::isinf(v) ? (v < 0 ? "0xFF800000" : "0x7F800000") : s.str()) + " : f32");
     return t;
   }
   std::string op(const std::string &name, const std::string &a, const std::string &b = "") {
@@ -735,11 +907,18 @@ FailureOr<std::string> mlir::loom::fusedKernelsPtx(const std::vector<rt::RankPro
   std::string text = "module attributes {gpu.container_module} {\n"
                      "  gpu.module @loom_kernels [#nvvm.target<chip = \"sm_90a\", features = \"+ptx80\">] {\n";
   int kernels = 0;
+  std::set<std::string> written; // instructions of one shape share their row kernel
   for (const rt::RankProgram &rank : ranks)
     for (const auto &[name, list] : rank.programs)
       for (const rt::Instruction &ins : list)
-        if (ins.op == "fused") {
+        if (ins.attrs.is_object() && ins.attrs.contains("kernel") &&
+            !written.insert(ins.attrs["kernel"].get<std::string>()).second)
+          continue;
+        else if (ins.op == "fused") {
           text += KernelWriter(rank, ins).write();
+          ++kernels;
+        } else if (ins.attrs.is_object() && ins.attrs.contains("kernel")) {
+          text += KernelWriter(rank, ins).writeRows();
           ++kernels;
         }
   text += "  }\n}\n";

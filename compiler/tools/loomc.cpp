@@ -364,7 +364,7 @@ int runCompile() {
                << " MiB, arena " << llvm::format("%.1f", rank.arenaBytes / 1048576.0)
                << " MiB (batch " << compileBatch << (compileTrain ? ", training step" : "") << ")\n";
   // What the compiler's rewrites did to rank 0, read back from its programs.
-  int64_t packed = 0, epilogues = 0, fused = 0, bf16Grads = 0;
+  int64_t packed = 0, epilogues = 0, fused = 0, rowKernels = 0, bf16Grads = 0;
   std::map<std::string, int64_t> epilogueKinds;
   for (const auto &[name, program] : rank.programs)
     for (const auto &ins : program) {
@@ -372,6 +372,7 @@ int runCompile() {
       if (ins.op == "matmul" && ins.attrs.contains("epilogue"))
         ++epilogues, ++epilogueKinds[ins.attrs.value("epilogue", std::string("?"))];
       fused += ins.op == "fused";
+      rowKernels += ins.op != "fused" && ins.attrs.is_object() && ins.attrs.contains("kernel");
     }
   for (const auto &p : rank.params)
     bf16Grads += p.grad >= 0 && rank.buffers[p.grad].dtype == LOOM_BF16;
@@ -389,6 +390,8 @@ int runCompile() {
   }
   if (fused)
     notes.push_back(std::to_string(fused) + " generated kernel(s)");
+  if (rowKernels)
+    notes.push_back(std::to_string(rowKernels) + " norm/softmax row kernel(s) generated");
   if (!notes.empty()) {
     llvm::outs() << "rewrites: ";
     for (size_t i = 0; i < notes.size(); ++i)

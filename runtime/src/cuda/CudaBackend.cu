@@ -1857,6 +1857,8 @@ private:
 
   Launch buildCommunication(const Instruction &ins);
   Launch buildFused(const Instruction &ins);
+  Launch buildRowKernel(const Instruction &ins);
+  cudaKernel_t generatedKernel(const Instruction &ins);
   Launch buildConv2d(const Instruction &ins);
   Launch buildAdamw(const std::vector<const Instruction *> &group);
   using AttentionKey = std::tuple<int64_t, int64_t, int64_t>;
@@ -2488,6 +2490,15 @@ Launch CudaBackendImpl::buildAttention(const Instruction &ins, bool grad) {
 Launch CudaBackendImpl::build(const Instruction &ins) {
   const std::string &op = ins.op;
   auto n = [&](int64_t id) { return count(buf(id).shape); };
+  // Norms and softmaxes the compiler generated a kernel for (a warp per
+  // row); LOOM_CUDA_GENERATED=0 runs ours instead.
+  static const bool generated = [] {
+    const char *e = std::getenv("LOOM_CUDA_GENERATED");
+    return !(e && std::string(e) == "0");
+  }();
+  if (op != "fused" && ins.attrs.is_object() && ins.attrs.contains("kernel") && kernelsLibrary &&
+      (generated || op == "softmax"))
+    return buildRowKernel(ins);
   if (op == "fill") {
     DPtr y = fp(ins.out[0]);
     int64_t cnt = n(ins.out[0]);
@@ -2978,13 +2989,50 @@ Launch CudaBackendImpl::buildConv2d(const Instruction &ins) {
 
 /// A generated kernel: one thread per output element, its parameters the
 /// input buffers then the output buffers (MLIR's bare-pointer convention).
-Launch CudaBackendImpl::buildFused(const Instruction &ins) {
+/// The generated kernel an instruction names (attrs "kernel") in kernels.ptx.
+cudaKernel_t CudaBackendImpl::generatedKernel(const Instruction &ins) {
   std::string name = ins.attrs.value("kernel", std::string());
   if (!kernelsLibrary)
     fail(LOOM_INVALID_BUNDLE, where, ": the bundle has no kernels.ptx for kernel '", name, "'");
   cudaKernel_t fn = nullptr;
   if (cudaError_t e = cudaLibraryGetKernel(&fn, kernelsLibrary, name.c_str()); e != cudaSuccess)
     fail(LOOM_INVALID_BUNDLE, where, ": kernels.ptx has no kernel '", name, "' (", cudaGetErrorName(e), ")");
+  return fn;
+}
+
+/// A norm or softmax over rows of the last axis, by the compiler's kernel:
+/// a warp per row, `vector` elements per load (parameters: the inputs, then
+/// the output).
+Launch CudaBackendImpl::buildRowKernel(const Instruction &ins) {
+  cudaKernel_t fn = generatedKernel(ins);
+  const Buffer &x = buf(ins.in[0]);
+  if (x.shape.empty() || ins.out.size() != 1)
+    fail(LOOM_INVALID_BUNDLE, where, ": a row kernel needs an input of rank >= 1 and one output");
+  int64_t h = x.shape.back(), rows = count(x.shape) / std::max<int64_t>(h, 1);
+  const nlohmann::json launch = ins.attrs.value("launch", nlohmann::json::object());
+  unsigned block = launch.value("block", 0u), grid = launch.value("grid", 0u);
+  int64_t vector = launch.value("vector", int64_t(1));
+  if (block != 256 || uint64_t(grid) * 8 < uint64_t(rows) || vector < 1 || h % (32 * vector))
+    fail(LOOM_INVALID_BUNDLE, where, ": row kernel launch ", grid, " x ", block, " (vector ", vector,
+         ") does not give each of ", rows, " rows of ", h, " a warp");
+  std::vector<void *> pointers;
+  for (const std::vector<int64_t> *ids : {&ins.in, &ins.out})
+    for (int64_t id : *ids) {
+      if (vector > 1 && buf(id).offset % 16)
+        fail(LOOM_INVALID_BUNDLE, where, ": buffer '", buf(id).name, "' at offset ", buf(id).offset,
+             " is not 16-byte aligned, which the kernel's vector loads need");
+      pointers.push_back(ptr(buf(id)));
+    }
+  return [=](cudaStream_t s) mutable {
+    std::vector<void *> args;
+    for (void *&p : pointers)
+      args.push_back(&p);
+    LOOM_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void *>(fn), dim3(grid), dim3(block), args.data(), 0, s));
+  };
+}
+
+Launch CudaBackendImpl::buildFused(const Instruction &ins) {
+  cudaKernel_t fn = generatedKernel(ins);
   std::vector<void *> pointers;
   for (int64_t id : ins.in)
     pointers.push_back(ptr(buf(id)));
