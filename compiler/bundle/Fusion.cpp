@@ -15,6 +15,7 @@
 #include "llvm/Support/raw_ostream.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -415,34 +416,61 @@ int64_t fuseChains(rt::RankProgram &r, int64_t &nextKernel, const std::set<int64
 /// Norms and softmaxes over the last axis get a generated kernel (a warp per
 /// row, the row in registers; KernelWriter::writeRows) where the row splits
 /// into 32 lanes of whole vectors (up to 16 bytes), at most 16 each, and the
-/// operands are f32 or bf16 with gamma and beta of the row's length. The
-/// instruction keeps its op (the CPU backend runs it as before); "kernel"
-/// and "launch" name what the GPU runs instead of its own kernel.
+/// operands are f32 or bf16 with gamma and beta of the row's length; the
+/// cross-entropy loss and its gradient (a block per row;
+/// KernelWriter::writeCrossEntropy) where the vocabulary is not split over
+/// ranks. The instruction keeps its op (the CPU backend runs it as before);
+/// "kernel" and "launch" name what the GPU runs instead of its own kernel.
 void rowKernels(rt::RankProgram &r, int64_t &nextKernel) {
   std::map<std::string, std::string> named; // one kernel per op, dtypes, shape and eps
+  // The widest vector (up to 16 bytes) that splits `h` into `lanes` equal shares.
+  auto widest = [](int64_t h, int64_t lanes, bool bf16) {
+    int64_t v = bf16 ? 8 : 4;
+    while (v > 1 && h % (lanes * v))
+      v /= 2;
+    return h % (lanes * v) == 0 ? v : int64_t(0);
+  };
   for (auto &[name, list] : r.programs)
     for (rt::Instruction &ins : list) {
-      bool norm = ins.op == "layernorm" || ins.op == "rmsnorm";
-      if ((!norm && ins.op != "softmax") || ins.out.size() != 1 || ins.in.empty() ||
-          ins.in.size() != (ins.op == "layernorm" ? 3u : ins.op == "rmsnorm" ? 2u : 1u))
+      if (ins.out.size() != 1 || ins.in.empty())
         continue;
       const rt::Buffer &x = r.buffers[ins.in[0]], &y = r.buffers[ins.out[0]];
-      if (x.shape.empty() || x.shape != y.shape || !floating(x) || !floating(y))
+      if (x.shape.empty() || !floating(x) || !floating(y))
         continue;
-      if (ins.op == "softmax" && ins.attrs.is_object()) {
-        int64_t axis = ins.attrs.value("axis", int64_t(-1));
-        if (axis != -1 && axis != int64_t(x.shape.size()) - 1)
+      int64_t h = x.shape.back(), v = 0;
+      if (ins.op == "layernorm" || ins.op == "rmsnorm" || ins.op == "softmax") {
+        if (ins.in.size() != (ins.op == "layernorm" ? 3u : ins.op == "rmsnorm" ? 2u : 1u) || x.shape != y.shape)
           continue;
-      }
-      int64_t h = x.shape.back(), v = x.dtype == LOOM_BF16 ? 8 : 4;
-      while (v > 1 && h % (32 * v))
-        v /= 2;
-      bool ok = h % (32 * v) == 0 && h / (32 * v) <= 16;
-      for (size_t k = 1; k < ins.in.size(); ++k)
-        ok &= floating(r.buffers[ins.in[k]]) && r.buffers[ins.in[k]].shape == rt::Shape{h};
-      if (!ok)
+        if (ins.op == "softmax" && ins.attrs.is_object()) {
+          int64_t axis = ins.attrs.value("axis", int64_t(-1));
+          if (axis != -1 && axis != int64_t(x.shape.size()) - 1)
+            continue;
+        }
+        v = widest(h, 32, x.dtype == LOOM_BF16);
+        bool ok = v > 0 && h / (32 * v) <= 16;
+        for (size_t k = 1; k < ins.in.size(); ++k)
+          ok &= floating(r.buffers[ins.in[k]]) && r.buffers[ins.in[k]].shape == rt::Shape{h};
+        if (!ok)
+          continue;
+      } else if (ins.op == "cross_entropy" || ins.op == "cross_entropy_grad") {
+        bool grad = ins.op == "cross_entropy_grad";
+        if (ins.in.size() != (grad ? 3u : 2u) || (ins.attrs.is_object() && ins.attrs.contains("vocab_group")))
+          continue; // a vocabulary split over ranks combines its statistics first: the runtime's kernels
+        const rt::Buffer &t = r.buffers[ins.in[1]];
+        if ((t.dtype != LOOM_I32 && t.dtype != LOOM_I64) || t.shape != rt::Shape(x.shape.begin(), x.shape.end() - 1))
+          continue;
+        if (grad ? (y.shape != x.shape || y.dtype != x.dtype || r.buffers[ins.in[2]].dtype != LOOM_F32 ||
+                    rt::numElements(r.buffers[ins.in[2]].shape) != 1)
+                 : (y.dtype != LOOM_F32 || rt::numElements(y.shape) != 1))
+          continue;
+        v = widest(h, 1, x.dtype == LOOM_BF16);
+        if (v == 0)
+          continue;
+      } else {
         continue;
+      }
       int64_t rows = rt::numElements(x.shape).value_or(0) / h;
+      bool perRow = ins.op.rfind("cross_entropy", 0) == 0;
       if (!ins.attrs.is_object())
         ins.attrs = json::object();
       std::string signature = ins.op + " " + json(x.shape).dump() + " " + json(ins.attrs.value("eps", 0.0)).dump();
@@ -451,9 +479,65 @@ void rowKernels(rt::RankProgram &r, int64_t &nextKernel) {
       signature += " " + std::to_string(y.dtype);
       std::string &kernel = named[signature];
       if (kernel.empty())
-        kernel = "row_" + std::to_string(nextKernel++);
+        kernel = (perRow ? "ce_" : "row_") + std::to_string(nextKernel++);
       ins.attrs["kernel"] = kernel;
-      ins.attrs["launch"] = {{"grid", (rows + 7) / 8}, {"block", 256}, {"vector", v}};
+      ins.attrs["launch"] = {{"grid", perRow ? rows : (rows + 7) / 8}, {"block", 256}, {"vector", v}};
+    }
+}
+
+/// Elements of one tensor each block of the generated AdamW updates.
+constexpr int64_t kAdamChunk = 2048;
+
+/// Each run of consecutive in-place AdamW instructions with the same
+/// hyperparameters but weight decay (f32 parameter and moments, f32 or bf16 gradient) gets one
+/// generated kernel (KernelWriter::writeAdam): a block per 2048-element chunk
+/// of one tensor, found by a binary search over the run's chunk starts; the
+/// tensors are addressed by their offsets in the arena, which the kernel
+/// takes as its first argument. Every member names the kernel; "launch"
+/// says how many tensors the run has, so a runtime that groups them
+/// otherwise can tell.
+void adamKernels(rt::RankProgram &r, int64_t &nextKernel) {
+  auto eligible = [&](const rt::Instruction &ins) {
+    if (ins.op != "adamw" || ins.in.size() != 6 || ins.out.size() != 3 || ins.out[0] != ins.in[0] ||
+        ins.out[1] != ins.in[2] || ins.out[2] != ins.in[3])
+      return false;
+    auto n = rt::numElements(r.buffers[ins.in[0]].shape);
+    for (int k : {0, 2, 3, 4, 5})
+      if (r.buffers[ins.in[k]].dtype != LOOM_F32)
+        return false;
+    for (int k : {2, 3, 1})
+      if (rt::numElements(r.buffers[ins.in[k]].shape) != n)
+        return false;
+    return floating(r.buffers[ins.in[1]]);
+  };
+  for (auto &[name, list] : r.programs)
+    for (size_t i = 0; i < list.size();) {
+      if (!eligible(list[i])) {
+        ++i;
+        continue;
+      }
+      // Weight decay may differ (biases and norms usually have none): it is per tensor.
+      auto hyper = [](const rt::Instruction &ins) {
+        json a = ins.attrs.is_object() ? ins.attrs : json::object();
+        a.erase("weight_decay");
+        return a;
+      };
+      size_t j = i + 1;
+      while (j < list.size() && eligible(list[j]) && hyper(list[j]) == hyper(list[i]) &&
+             list[j].in[4] == list[i].in[4] && list[j].in[5] == list[i].in[5])
+        ++j;
+      int64_t chunks = 0;
+      for (size_t k = i; k < j; ++k)
+        chunks += (rt::numElements(r.buffers[list[k].in[0]].shape).value_or(0) + kAdamChunk - 1) / kAdamChunk;
+      std::string kernel = "adam_" + std::to_string(nextKernel++);
+      json launch = {{"grid", chunks}, {"block", 256}, {"tensors", int64_t(j - i)}, {"chunk", kAdamChunk}};
+      for (size_t k = i; k < j; ++k) {
+        if (!list[k].attrs.is_object())
+          list[k].attrs = json::object();
+        list[k].attrs["kernel"] = kernel;
+        list[k].attrs["launch"] = launch;
+      }
+      i = j;
     }
 }
 
@@ -503,6 +587,7 @@ int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
   removed += activationEpilogues(r, kept);
   removed += fuseChains(r, nextKernel, kept, Round::Bf16);
   rowKernels(r, nextKernel);
+  adamKernels(r, nextKernel);
   return removed;
 }
 
@@ -721,7 +806,364 @@ public:
     return os.str();
   }
 
+  /// Cross-entropy over the last axis of logits [rows, V] with integer
+  /// targets (attrs "kernel", "launch"): a block of 256 threads per row, each
+  /// thread an online maximum and sum of exponentials over its share of the
+  /// row (vector loads), combined over the warp by shuffles and over the
+  /// block through workgroup memory. The loss: each row's log-sum-exp minus
+  /// its target's logit into `rowLoss` (the runtime averages them); a target
+  /// outside [0, V) raises the runtime's error word (code 2, row, value).
+  /// The gradient: (softmax - onehot) * dloss / rows, written V at a time.
+  std::string writeCrossEntropy() {
+    bool grad = ins.op == "cross_entropy_grad";
+    const rt::Buffer &logits = r.buffers[ins.in[0]], &targets = r.buffers[ins.in[1]];
+    int64_t vocab = logits.shape.back(), rows = count(ins.in[1]);
+    V = ins.attrs.at("launch").value("vector", int64_t(1));
+    std::string ty = elem(ins.in[0]), vty = "vector<" + std::to_string(V) + "x" + ty + ">";
+    std::string lv = "memref<" + std::to_string(rows * vocab / V) + "x" + vty + ">";
+    std::string ity = targets.dtype == LOOM_I64 ? "i64" : "i32";
+    std::string tm = "memref<" + std::to_string(rows) + "x" + ity + ">";
+    std::string shared = "memref<8xf32, #gpu.address_space<workgroup>>";
+    os << "    gpu.func @" << ins.attrs.at("kernel").get<std::string>() << "(%lv: " << lv;
+    if (grad)
+      os << ", %tg: " << tm << ", %dloss: memref<1xf32>, %out: " << lv;
+    else
+      os << ", %ls: memref<" << rows * vocab << "x" << ty << ">, %tg: " << tm << ", %rowLoss: memref<" << rows
+         << "xf32>, %err: memref<3xi64>";
+    os << ") workgroup(%wm: " << shared << ", %wsum: " << shared << ") kernel {\n";
+    line("%row = gpu.block_id x");
+    line("%tid = gpu.thread_id x");
+    line("%warp = arith.divui %tid, " + constIndex(32) + " : index");
+    line("%lane = arith.remui %tid, " + constIndex(32) + " : index");
+    std::string traw = tmp(), t = tmp();
+    line(traw + " = memref.load %tg[%row] : " + tm);
+    line(t + " = " + (ity == "i64" ? "arith.addi " + traw + ", " + constI64(0) : "arith.extsi " + traw + " : i32 to i64") +
+         (ity == "i64" ? " : i64" : ""));
+    line("%rowV = arith.muli %row, " + constIndex(vocab / V) + " : index");
+    std::string n = constIndex(vocab / V), step = constIndex(256), ninf = constF(-INFINITY), zero = constF(0);
+    // Pass 1: this thread's maximum and sum of exponentials.
+    std::string m = tmp(), sum = tmp(), j = tmp(), mi = tmp(), si = tmp();
+    line(m + ", " + sum + " = scf.for " + j + " = %tid to " + n + " step " + step + " iter_args(" + mi + " = " + ninf +
+         ", " + si + " = " + zero + ") -> (f32, f32) {");
+    {
+      std::string at = tmp();
+      line(at + " = arith.addi %rowV, " + j + " : index");
+      std::vector<std::string> x = loadLanes("%lv", ins.in[0], at, lv);
+      std::string vm = x[0];
+      for (int64_t l = 1; l < V; ++l)
+        vm = op("arith.maximumf", vm, x[l]);
+      std::string big = op("arith.maximumf", mi, vm);
+      std::string acc = op("arith.mulf", si, rescale(mi, big));
+      for (int64_t l = 0; l < V; ++l)
+        acc = op("arith.addf", acc, op("math.exp", op("arith.subf", x[l], big)));
+      line("scf.yield " + big + ", " + acc + " : f32, f32");
+    }
+    line("}");
+    // Over the warp, then the block's eight warps.
+    auto combine = [&](std::string &ma, std::string &sa, const std::string &mb, const std::string &sb) {
+      std::string big = op("arith.maximumf", ma, mb);
+      sa = op("arith.addf", op("arith.mulf", sa, rescale(ma, big)), op("arith.mulf", sb, rescale(mb, big)));
+      ma = big;
+    };
+    std::string width = tmp();
+    line(width + " = arith.constant 32 : i32");
+    std::string wm = m, ws = sum;
+    for (int offset : {16, 8, 4, 2, 1}) {
+      std::string o = tmp(), gm = tmp(), gs = tmp(), ok1 = tmp(), ok2 = tmp();
+      line(o + " = arith.constant " + std::to_string(offset) + " : i32");
+      line(gm + ", " + ok1 + " = gpu.shuffle xor " + wm + ", " + o + ", " + width + " : f32");
+      line(gs + ", " + ok2 + " = gpu.shuffle xor " + ws + ", " + o + ", " + width + " : f32");
+      combine(wm, ws, gm, gs);
+    }
+    std::string first = tmp();
+    line(first + " = arith.cmpi eq, %lane, " + constIndex(0) + " : index");
+    line("scf.if " + first + " {");
+    line("memref.store " + wm + ", %wm[%warp] : " + shared);
+    line("memref.store " + ws + ", %wsum[%warp] : " + shared);
+    line("}");
+    line("gpu.barrier");
+    std::string bm = ninf, bs = zero;
+    for (int w = 0; w < 8; ++w) {
+      std::string c = constIndex(w), a = tmp(), b = tmp();
+      line(a + " = memref.load %wm[" + c + "] : " + shared);
+      line(b + " = memref.load %wsum[" + c + "] : " + shared);
+      combine(bm, bs, a, b);
+    }
+    std::string vocabI64 = constI64(vocab);
+    if (!grad) {
+      std::string lead = tmp();
+      line(lead + " = arith.cmpi eq, %tid, " + constIndex(0) + " : index");
+      line("scf.if " + lead + " {");
+      std::string neg = tmp(), over = tmp(), bad = tmp();
+      line(neg + " = arith.cmpi slt, " + t + ", " + constI64(0) + " : i64");
+      line(over + " = arith.cmpi sge, " + t + ", " + vocabI64 + " : i64");
+      line(bad + " = arith.ori " + neg + ", " + over + " : i1");
+      line("scf.if " + bad + " {");
+      std::string code = constI64(2), old = tmp(), won = tmp(), rowI = tmp();
+      line(old + " = memref.atomic_rmw maxs " + code + ", %err[" + constIndex(0) + "] : (i64, memref<3xi64>) -> i64");
+      line(won + " = arith.cmpi eq, " + old + ", " + constI64(0) + " : i64");
+      line(rowI + " = arith.index_cast %row : index to i64");
+      line("scf.if " + won + " {");
+      line("memref.store " + rowI + ", %err[" + constIndex(1) + "] : memref<3xi64>");
+      line("memref.store " + t + ", %err[" + constIndex(2) + "] : memref<3xi64>");
+      line("}");
+      line("} else {");
+      std::string tIndex = tmp(), base = tmp(), at = tmp(), xt = tmp();
+      line(tIndex + " = arith.index_cast " + t + " : i64 to index");
+      line(base + " = arith.muli %row, " + constIndex(vocab) + " : index");
+      line(at + " = arith.addi " + base + ", " + tIndex + " : index");
+      line(xt + " = memref.load %ls[" + at + "] : memref<" + std::to_string(rows * vocab) + "x" + ty + ">");
+      std::string loss = op("arith.subf", op("arith.addf", bm, op("math.log", bs)), widen(xt, ty));
+      line("memref.store " + loss + ", %rowLoss[%row] : memref<" + std::to_string(rows) + "xf32>");
+      line("}");
+      line("}");
+    } else {
+      // Pass 2: (softmax - onehot) * dloss / rows.
+      std::string d = tmp();
+      line(d + " = memref.load %dloss[" + constIndex(0) + "] : memref<1xf32>");
+      std::string scale = op("arith.mulf", d, constF(1.0 / double(rows)));
+      std::string inv = op("arith.divf", constF(1), bs);
+      std::string j2 = tmp();
+      line("scf.for " + j2 + " = %tid to " + n + " step " + step + " {");
+      std::string at = tmp();
+      line(at + " = arith.addi %rowV, " + j2 + " : index");
+      std::vector<std::string> x = loadLanes("%lv", ins.in[0], at, lv);
+      std::string col0 = tmp(), col0i = tmp();
+      line(col0 + " = arith.muli " + j2 + ", " + constIndex(V) + " : index");
+      line(col0i + " = arith.index_cast " + col0 + " : index to i64");
+      std::vector<std::string> y(V);
+      for (int64_t l = 0; l < V; ++l) {
+        std::string col = tmp(), hit = tmp(), one = tmp();
+        line(col + " = arith.addi " + col0i + ", " + constI64(l) + " : i64");
+        line(hit + " = arith.cmpi eq, " + col + ", " + t + " : i64");
+        line(one + " = arith.select " + hit + ", " + constF(1) + ", " + constF(0) + " : f32");
+        std::string p = op("arith.mulf", op("math.exp", op("arith.subf", x[l], bm)), inv);
+        y[l] = op("arith.mulf", op("arith.subf", p, one), scale);
+      }
+      line("memref.store " + packLanes(y, elem(ins.out[0])) + ", %out[" + at + "] : " + lv);
+      line("}");
+    }
+    line("gpu.return");
+    os << "    }\n";
+    return os.str();
+  }
+
+  /// One AdamW update over a run of instructions (`members`, this one
+  /// first): the tensors' element offsets in the arena and the run's chunk
+  /// starts are constant tables in the module; block b finds its tensor by a
+  /// binary search over the starts and updates elements [2048 c, 2048 (c + 1))
+  /// of it, four at a time (16-byte vectors, bf16 gradients widened), the
+  /// tail one at a time; each tensor's weight decay is a third table. The
+  /// step's scalars (rate, clipping scale and the bias corrections
+  /// 1 - beta^t) come from the runtime in a 4-float buffer.
+  std::string writeAdam(const std::vector<const rt::Instruction *> &members) {
+    std::string name = ins.attrs.at("kernel").get<std::string>();
+    int64_t chunk = ins.attrs.at("launch").value("chunk", int64_t(2048));
+    int64_t f32s = std::max<int64_t>(r.arenaBytes / 4, 4), halves = std::max<int64_t>(r.arenaBytes / 2, 4);
+    // [p, g, m, v, n, g is bf16] in elements of each one's dtype; chunk starts.
+    std::string table, starts = "0", decays;
+    int64_t total = 0;
+    for (const rt::Instruction *a : members) {
+      std::ostringstream wd;
+      wd.precision(9);
+      wd << std::scientific << float(a->attrs.value("weight_decay", 0.0));
+      decays += (decays.empty() ? "" : ", ") + wd.str();
+      const rt::Buffer &g = r.buffers[a->in[1]];
+      int64_t n = count(a->in[0]);
+      bool bf = g.dtype == LOOM_BF16;
+      table += std::string(table.empty() ? "" : ", ") + "[" + std::to_string(r.buffers[a->in[0]].offset / 4) + ", " +
+               std::to_string(g.offset / (bf ? 2 : 4)) + ", " + std::to_string(r.buffers[a->in[2]].offset / 4) + ", " +
+               std::to_string(r.buffers[a->in[3]].offset / 4) + ", " + std::to_string(n) + ", " + (bf ? "1" : "0") + "]";
+      total += (n + chunk - 1) / chunk;
+      starts += ", " + std::to_string(total);
+    }
+    int64_t T = int64_t(members.size());
+    std::string tt = "memref<" + std::to_string(T) + "x6xi64>", st = "memref<" + std::to_string(T + 1) + "xi64>";
+    os << "    memref.global \"private\" constant @" << name << "_t : " << tt << " = dense<[" << table << "]>\n";
+    os << "    memref.global \"private\" constant @" << name << "_s : " << st << " = dense<[" << starts << "]>\n";
+    std::string wt = "memref<" + std::to_string(T) + "xf32>";
+    os << "    memref.global \"private\" constant @" << name << "_w : " << wt << " = dense<[" << decays << "]>\n";
+    std::string f = "memref<" + std::to_string(f32s) + "xf32>", f4 = "memref<" + std::to_string(f32s / 4) + "xvector<4xf32>>";
+    std::string h = "memref<" + std::to_string(halves) + "xbf16>", h4 = "memref<" + std::to_string(halves / 4) + "xvector<4xbf16>>";
+    os << "    gpu.func @" << name << "(%f: " << f << ", %f4: " << f4 << ", %h: " << h << ", %h4: " << h4
+       << ", %sc: memref<4xf32>) kernel {\n";
+    line("%bid = gpu.block_id x");
+    line("%tid = gpu.thread_id x");
+    line("%tab = memref.get_global @" + name + "_t : " + tt);
+    line("%starts = memref.get_global @" + name + "_s : " + st);
+    line("%decays = memref.get_global @" + name + "_w : " + "memref<" + std::to_string(T) + "xf32>");
+    line("%b = arith.index_cast %bid : index to i64");
+    std::string one = constIndex(1), lo = tmp(), l = tmp(), hi = tmp();
+    line(lo + ":2 = scf.while (" + l + " = " + constIndex(0) + ", " + hi + " = " + constIndex(T) +
+         ") : (index, index) -> (index, index) {");
+    {
+      std::string d = tmp(), go = tmp();
+      line(d + " = arith.subi " + hi + ", " + l + " : index");
+      line(go + " = arith.cmpi ugt, " + d + ", " + one + " : index");
+      line("scf.condition(" + go + ") " + l + ", " + hi + " : index, index");
+    }
+    std::string l2 = tmp(), h2 = tmp();
+    line("} do {");
+    line("^bb0(" + l2 + ": index, " + h2 + ": index):");
+    {
+      std::string sum = tmp(), mid = tmp(), sv = tmp(), le = tmp(), nl = tmp(), nh = tmp();
+      line(sum + " = arith.addi " + l2 + ", " + h2 + " : index");
+      line(mid + " = arith.divui " + sum + ", " + constIndex(2) + " : index");
+      line(sv + " = memref.load %starts[" + mid + "] : " + st);
+      line(le + " = arith.cmpi sle, " + sv + ", %b : i64");
+      line(nl + " = arith.select " + le + ", " + mid + ", " + l2 + " : index");
+      line(nh + " = arith.select " + le + ", " + h2 + ", " + mid + " : index");
+      line("scf.yield " + nl + ", " + nh + " : index, index");
+    }
+    line("}");
+    std::string t = lo + "#0";
+    auto field = [&](int k) {
+      std::string v = tmp(), i = tmp();
+      line(v + " = memref.load %tab[" + t + ", " + constIndex(k) + "] : " + tt);
+      line(i + " = arith.index_cast " + v + " : i64 to index");
+      return i;
+    };
+    std::string P = field(0), G = field(1), M = field(2), Vv = field(3), N = field(4), BF = tmp(), bfi = field(5);
+    line(BF + " = arith.cmpi ne, " + bfi + ", " + constIndex(0) + " : index");
+    std::string first = tmp(), firstI = tmp(), c = tmp(), begin = tmp(), end0 = tmp(), end = tmp();
+    line(first + " = memref.load %starts[" + t + "] : " + st);
+    line(firstI + " = arith.index_cast " + first + " : i64 to index");
+    line(c + " = arith.subi %bid, " + firstI + " : index");
+    line(begin + " = arith.muli " + c + ", " + constIndex(chunk) + " : index");
+    line(end0 + " = arith.addi " + begin + ", " + constIndex(chunk) + " : index");
+    line(end + " = arith.minui " + end0 + ", " + N + " : index");
+    auto scalar = [&](int k) {
+      std::string v = tmp();
+      line(v + " = memref.load %sc[" + constIndex(k) + "] : memref<4xf32>");
+      return v;
+    };
+    std::string rate = scalar(0), scale = scalar(1), c1 = scalar(2), c2 = scalar(3);
+    std::string inv1 = op("arith.divf", constF(1), c1), invSqrt2 = op("math.rsqrt", c2);
+    float b1 = float(ins.attrs.value("beta1", 0.9)), b2 = float(ins.attrs.value("beta2", 0.999));
+    float eps = float(ins.attrs.value("eps", 1e-8));
+    std::string B1 = constF(b1), B2 = constF(b2), OB1 = constF(1.0f - b1), OB2 = constF(1.0f - b2), EPS = constF(eps),
+                WD = tmp();
+    line(WD + " = memref.load %decays[" + t + "] : memref<" + std::to_string(T) + "xf32>");
+    // One element: returns the new p, m, v.
+    auto update = [&](const std::string &p, const std::string &g, const std::string &m, const std::string &v) {
+      std::string gi = op("arith.mulf", g, scale);
+      std::string mi = op("arith.addf", op("arith.mulf", B1, m), op("arith.mulf", OB1, gi));
+      std::string vi = op("arith.addf", op("arith.mulf", B2, v), op("arith.mulf", op("arith.mulf", OB2, gi), gi));
+      std::string den = op("arith.addf", op("arith.mulf", op("math.sqrt", vi), invSqrt2), EPS);
+      std::string dir = op("arith.addf", op("arith.divf", op("arith.mulf", mi, inv1), den), op("arith.mulf", WD, p));
+      return std::array<std::string, 3>{op("arith.subf", p, op("arith.mulf", rate, dir)), mi, vi};
+    };
+    // Four at a time.
+    std::string span = tmp(), n4 = tmp(), q = tmp();
+    line(span + " = arith.subi " + end + ", " + begin + " : index");
+    line(n4 + " = arith.divui " + span + ", " + constIndex(4) + " : index");
+    line("scf.for " + q + " = %tid to " + n4 + " step " + constIndex(256) + " {");
+    {
+      std::string q4 = tmp(), e = tmp();
+      line(q4 + " = arith.muli " + q + ", " + constIndex(4) + " : index");
+      line(e + " = arith.addi " + begin + ", " + q4 + " : index");
+      auto at4 = [&](const std::string &base) {
+        std::string a = tmp(), d = tmp();
+        line(a + " = arith.addi " + base + ", " + e + " : index");
+        line(d + " = arith.divui " + a + ", " + constIndex(4) + " : index");
+        return d;
+      };
+      std::string pi = at4(P), mi = at4(M), vi = at4(Vv), gi = at4(G);
+      auto load4 = [&](const std::string &at) {
+        std::string v = tmp();
+        line(v + " = memref.load %f4[" + at + "] : " + f4);
+        return v;
+      };
+      std::string pv = load4(pi), mv = load4(mi), vv = load4(vi), gv = tmp();
+      line(gv + " = scf.if " + BF + " -> (vector<4xf32>) {");
+      {
+        std::string raw = tmp(), wide = tmp();
+        line(raw + " = memref.load %h4[" + gi + "] : " + h4);
+        line(wide + " = arith.extf " + raw + " : vector<4xbf16> to vector<4xf32>");
+        line("scf.yield " + wide + " : vector<4xf32>");
+      }
+      line("} else {");
+      {
+        std::string raw = tmp();
+        line(raw + " = memref.load %f4[" + gi + "] : " + f4);
+        line("scf.yield " + raw + " : vector<4xf32>");
+      }
+      line("}");
+      auto lanes = [&](const std::string &vec) {
+        std::vector<std::string> out;
+        for (int k = 0; k < 4; ++k) {
+          std::string x = tmp();
+          line(x + " = vector.extract " + vec + "[" + std::to_string(k) + "] : f32 from vector<4xf32>");
+          out.push_back(x);
+        }
+        return out;
+      };
+      std::vector<std::string> ps = lanes(pv), gs = lanes(gv), ms = lanes(mv), vs = lanes(vv), np, nm, nv;
+      for (int k = 0; k < 4; ++k) {
+        auto u = update(ps[k], gs[k], ms[k], vs[k]);
+        np.push_back(u[0]), nm.push_back(u[1]), nv.push_back(u[2]);
+      }
+      int64_t saved = V;
+      V = 4;
+      line("memref.store " + packLanes(np, "f32") + ", %f4[" + pi + "] : " + f4);
+      line("memref.store " + packLanes(nm, "f32") + ", %f4[" + mi + "] : " + f4);
+      line("memref.store " + packLanes(nv, "f32") + ", %f4[" + vi + "] : " + f4);
+      V = saved;
+    }
+    line("}");
+    // The tail, one at a time.
+    std::string tail0 = tmp(), tailStart = tmp(), i = tmp();
+    line(tail0 + " = arith.muli " + n4 + ", " + constIndex(4) + " : index");
+    line(tailStart + " = arith.addi " + begin + ", " + tail0 + " : index");
+    std::string from = tmp();
+    line(from + " = arith.addi " + tailStart + ", %tid : index");
+    line("scf.for " + i + " = " + from + " to " + end + " step " + constIndex(256) + " {");
+    {
+      auto at = [&](const std::string &base) {
+        std::string a = tmp();
+        line(a + " = arith.addi " + base + ", " + i + " : index");
+        return a;
+      };
+      std::string pa = at(P), ma = at(M), va = at(Vv), ga = at(G);
+      auto load = [&](const std::string &a) {
+        std::string v = tmp();
+        line(v + " = memref.load %f[" + a + "] : " + f);
+        return v;
+      };
+      std::string p = load(pa), m = load(ma), v = load(va), g = tmp();
+      line(g + " = scf.if " + BF + " -> (f32) {");
+      {
+        std::string raw = tmp();
+        line(raw + " = memref.load %h[" + ga + "] : " + h);
+        line("scf.yield " + widen(raw, "bf16") + " : f32");
+      }
+      line("} else {");
+      line("scf.yield " + load(ga) + " : f32");
+      line("}");
+      auto u = update(p, g, m, v);
+      line("memref.store " + u[0] + ", %f[" + pa + "] : " + f);
+      line("memref.store " + u[1] + ", %f[" + ma + "] : " + f);
+      line("memref.store " + u[2] + ", %f[" + va + "] : " + f);
+    }
+    line("}");
+    line("gpu.return");
+    os << "    }\n";
+    return os.str();
+  }
+
 protected:
+  /// exp(old - big), 1 where old is big (both may be -inf: an empty share).
+  std::string rescale(const std::string &old, const std::string &big) {
+    std::string same = tmp(), t = tmp();
+    line(same + " = arith.cmpf oeq, " + old + ", " + big + " : f32");
+    line(t + " = arith.select " + same + ", " + constF(1) + ", " + op("math.exp", op("arith.subf", old, big)) + " : f32");
+    return t;
+  }
+  std::string constI64(int64_t v) {
+    std::string t = tmp();
+    line(t + " = arith.constant " + std::to_string(v) + " : i64");
+    return t;
+  }
   /// The V lanes of one vector load, widened to f32.
   std::vector<std::string> loadLanes(const std::string &arg, int64_t id, const std::string &at,
                                      const std::string &type) {
@@ -910,17 +1352,28 @@ FailureOr<std::string> mlir::loom::fusedKernelsPtx(const std::vector<rt::RankPro
   std::set<std::string> written; // instructions of one shape share their row kernel
   for (const rt::RankProgram &rank : ranks)
     for (const auto &[name, list] : rank.programs)
-      for (const rt::Instruction &ins : list)
+      for (size_t i = 0; i < list.size(); ++i) {
+        const rt::Instruction &ins = list[i];
         if (ins.attrs.is_object() && ins.attrs.contains("kernel") &&
             !written.insert(ins.attrs["kernel"].get<std::string>()).second)
           continue;
-        else if (ins.op == "fused") {
+        if (ins.op == "adamw") { // the run of instructions that names this kernel
+          std::vector<const rt::Instruction *> members;
+          for (size_t j = i; j < list.size() && list[j].attrs.is_object() &&
+                             list[j].attrs.value("kernel", std::string()) == ins.attrs["kernel"].get<std::string>();
+               ++j)
+            members.push_back(&list[j]);
+          text += KernelWriter(rank, ins).writeAdam(members);
+          ++kernels;
+        } else if (ins.op == "fused") {
           text += KernelWriter(rank, ins).write();
           ++kernels;
         } else if (ins.attrs.is_object() && ins.attrs.contains("kernel")) {
-          text += KernelWriter(rank, ins).writeRows();
+          text += ins.op.rfind("cross_entropy", 0) == 0 ? KernelWriter(rank, ins).writeCrossEntropy()
+                                                        : KernelWriter(rank, ins).writeRows();
           ++kernels;
         }
+      }
   text += "  }\n}\n";
   if (kernels == 0)
     return std::string();

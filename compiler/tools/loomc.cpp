@@ -26,6 +26,7 @@
 
 #include <fstream>
 #include <map>
+#include <set>
 #include "llvm/Support/InitLLVM.h"
 #include "llvm/Support/SourceMgr.h"
 #include "llvm/Support/ToolOutputFile.h"
@@ -366,13 +367,17 @@ int runCompile() {
   // What the compiler's rewrites did to rank 0, read back from its programs.
   int64_t packed = 0, epilogues = 0, fused = 0, rowKernels = 0, bf16Grads = 0;
   std::map<std::string, int64_t> epilogueKinds;
+  std::set<std::string> adamKernels;
   for (const auto &[name, program] : rank.programs)
     for (const auto &ins : program) {
       packed += ins.op == "attention" && ins.attrs.contains("packed");
       if (ins.op == "matmul" && ins.attrs.contains("epilogue"))
         ++epilogues, ++epilogueKinds[ins.attrs.value("epilogue", std::string("?"))];
       fused += ins.op == "fused";
-      rowKernels += ins.op != "fused" && ins.attrs.is_object() && ins.attrs.contains("kernel");
+      bool generated = ins.op != "fused" && ins.attrs.is_object() && ins.attrs.contains("kernel");
+      rowKernels += generated && ins.op != "adamw";
+      if (generated && ins.op == "adamw")
+        adamKernels.insert(ins.attrs.value("kernel", std::string()));
     }
   for (const auto &p : rank.params)
     bf16Grads += p.grad >= 0 && rank.buffers[p.grad].dtype == LOOM_BF16;
@@ -391,7 +396,9 @@ int runCompile() {
   if (fused)
     notes.push_back(std::to_string(fused) + " generated kernel(s)");
   if (rowKernels)
-    notes.push_back(std::to_string(rowKernels) + " norm/softmax row kernel(s) generated");
+    notes.push_back(std::to_string(rowKernels) + " row kernel(s) generated (norms, softmax, cross-entropy)");
+  if (!adamKernels.empty())
+    notes.push_back("AdamW in " + std::to_string(adamKernels.size()) + " generated kernel(s)");
   if (!notes.empty()) {
     llvm::outs() << "rewrites: ";
     for (size_t i = 0; i < notes.size(); ++i)

@@ -1143,6 +1143,16 @@ int64_t chunkElements() {
 }
 constexpr int64_t kAdamChunk = 32768; // sums of squares: one stream per block
 
+/// Whether the compiler's generated kernels (norms, softmax, loss, AdamW)
+/// run where a bundle has them; LOOM_CUDA_GENERATED=0 runs ours instead.
+bool generatedKernelsOn() {
+  static const bool on = [] {
+    const char *e = std::getenv("LOOM_CUDA_GENERATED");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+
 /// The step's AdamW scalars, once per launch (a one-thread kernel): the
 /// update kernel then holds few registers and streams at full bandwidth.
 __global__ void adamScalarsKernel(const float *step, const float *norm, OptimizerArgs a, StepScalars *out) {
@@ -1518,9 +1528,17 @@ public:
       }
       if (instrs[i].op == "adamw") { // a run of updates with one set of hyperparameters: one launch
         std::vector<const Instruction *> group{&instrs[i]};
-        while (i + group.size() < instrs.size() && sameAdamw(instrs[i], instrs[i + group.size()]))
+        // The compiler's generated kernel updates the run that names it
+        // (its weight decays may differ); ours, a run of equal attributes.
+        bool gen = generatedAdamw(instrs[i]);
+        auto kernelOf = [](const Instruction &ins) {
+          return ins.attrs.is_object() ? ins.attrs.value("kernel", std::string()) : std::string();
+        };
+        while (i + group.size() < instrs.size() &&
+               (gen ? instrs[i + group.size()].op == "adamw" && kernelOf(instrs[i + group.size()]) == kernelOf(instrs[i])
+                    : sameAdamw(instrs[i], instrs[i + group.size()])))
           group.push_back(&instrs[i + group.size()]);
-        steps.push_back({where, label, 0, buildAdamw(group), nullptr, nullptr});
+        steps.push_back({where, label, 0, gen ? buildGeneratedAdamw(group) : buildAdamw(group), nullptr, nullptr});
         for (size_t k = 1; k < group.size(); ++k) // the rest ran in the first's launch
           steps.push_back({cat("instruction ", program, "[", i + k, "] 'adamw'"), label, 0,
                            [](cudaStream_t) {}, nullptr, nullptr});
@@ -1858,9 +1876,15 @@ private:
   Launch buildCommunication(const Instruction &ins);
   Launch buildFused(const Instruction &ins);
   Launch buildRowKernel(const Instruction &ins);
+  Launch buildCrossEntropyKernel(const Instruction &ins);
   cudaKernel_t generatedKernel(const Instruction &ins);
   Launch buildConv2d(const Instruction &ins);
   Launch buildAdamw(const std::vector<const Instruction *> &group);
+  Launch buildGeneratedAdamw(const std::vector<const Instruction *> &group);
+  /// Whether this adamw runs in the compiler's generated kernel.
+  bool generatedAdamw(const Instruction &ins) const {
+    return kernelsLibrary && generatedKernelsOn() && ins.attrs.is_object() && ins.attrs.contains("kernel");
+  }
   using AttentionKey = std::tuple<int64_t, int64_t, int64_t>;
   Launch buildPackedAttention(const Instruction &ins, bool grad);
   Launch flashForward(const flash::Params &p, int64_t out, AttentionKey key);
@@ -2490,15 +2514,11 @@ Launch CudaBackendImpl::buildAttention(const Instruction &ins, bool grad) {
 Launch CudaBackendImpl::build(const Instruction &ins) {
   const std::string &op = ins.op;
   auto n = [&](int64_t id) { return count(buf(id).shape); };
-  // Norms and softmaxes the compiler generated a kernel for (a warp per
-  // row); LOOM_CUDA_GENERATED=0 runs ours instead.
-  static const bool generated = [] {
-    const char *e = std::getenv("LOOM_CUDA_GENERATED");
-    return !(e && std::string(e) == "0");
-  }();
+  // Norms, softmaxes and the loss the compiler generated a kernel for;
+  // LOOM_CUDA_GENERATED=0 runs ours instead (softmax has no other).
   if (op != "fused" && ins.attrs.is_object() && ins.attrs.contains("kernel") && kernelsLibrary &&
-      (generated || op == "softmax"))
-    return buildRowKernel(ins);
+      (generatedKernelsOn() || op == "softmax"))
+    return op.rfind("cross_entropy", 0) == 0 ? buildCrossEntropyKernel(ins) : buildRowKernel(ins);
   if (op == "fill") {
     DPtr y = fp(ins.out[0]);
     int64_t cnt = n(ins.out[0]);
@@ -2947,6 +2967,35 @@ Launch CudaBackendImpl::buildAdamw(const std::vector<const Instruction *> &group
   };
 }
 
+/// AdamW over the run `group` by the compiler's kernel (KernelWriter::writeAdam
+/// in compiler/bundle/Fusion.cpp): our one-thread kernel computes the step's
+/// scalars, then a block per 2048-element chunk of each tensor, which the
+/// kernel finds in the arena by the offsets it was compiled with.
+Launch CudaBackendImpl::buildGeneratedAdamw(const std::vector<const Instruction *> &group) {
+  const Instruction &first = *group.front();
+  cudaKernel_t fn = generatedKernel(first);
+  const nlohmann::json launch = first.attrs.value("launch", nlohmann::json::object());
+  unsigned grid = launch.value("grid", 0u), block = launch.value("block", 0u);
+  int64_t tensors = launch.value("tensors", int64_t(0)), chunk = launch.value("chunk", int64_t(0)), chunks = 0;
+  for (const Instruction *ins : group)
+    chunks += chunk > 0 ? (count(buf(ins->in[0]).shape) + chunk - 1) / chunk : 0;
+  if (tensors != int64_t(group.size()) || block != 256 || chunk <= 0 || int64_t(grid) != chunks)
+    fail(LOOM_INVALID_BUNDLE, where, ": AdamW kernel '", first.attrs.value("kernel", std::string()), "' covers ",
+         tensors, " tensors in ", grid, " blocks; the program has ", group.size(), " in ", chunks);
+  OptimizerArgs a = optimizerArgs(first);
+  float *step = f(first.in[4]), *norm = f(first.in[5]);
+  StepScalars *scalars = deviceArray(std::vector<StepScalars>(1));
+  void *base = arena;
+  return [=](cudaStream_t s) {
+    adamScalarsKernel<<<1, 1, 0, s>>>(step, norm, a, scalars);
+    void *pointers[5] = {base, base, base, base, scalars};
+    void *args[5];
+    for (int k = 0; k < 5; ++k)
+      args[k] = &pointers[k];
+    LOOM_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void *>(fn), dim3(grid), dim3(block), args, 0, s));
+  };
+}
+
 /// A convolution as GEMMs: W_g [Og, Cg*KH*KW] x col [Cg*KH*KW, Ho*Wo] per
 /// image and group, where col is the image itself for 1x1 stride-1 kernels.
 Launch CudaBackendImpl::buildConv2d(const Instruction &ins) {
@@ -3028,6 +3077,47 @@ Launch CudaBackendImpl::buildRowKernel(const Instruction &ins) {
     for (void *&p : pointers)
       args.push_back(&p);
     LOOM_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void *>(fn), dim3(grid), dim3(block), args.data(), 0, s));
+  };
+}
+
+/// The cross-entropy loss or its gradient by the compiler's kernel (a block
+/// per row). The loss kernel writes each row's loss to the workspace, which
+/// our mean kernel averages; a bad target raises the error word as ours do.
+Launch CudaBackendImpl::buildCrossEntropyKernel(const Instruction &ins) {
+  cudaKernel_t fn = generatedKernel(ins);
+  bool grad = ins.op == "cross_entropy_grad";
+  const Buffer &logits = buf(ins.in[0]);
+  if (logits.shape.empty() || ins.in.size() != (grad ? 3u : 2u) || ins.out.size() != 1)
+    fail(LOOM_INVALID_BUNDLE, where, ": takes logits, targets", grad ? ", dloss" : "", " and writes one tensor");
+  int64_t vocab = logits.shape.back(), rows = count(buf(ins.in[1]).shape);
+  const nlohmann::json launch = ins.attrs.value("launch", nlohmann::json::object());
+  unsigned block = launch.value("block", 0u), grid = launch.value("grid", 0u);
+  int64_t vector = launch.value("vector", int64_t(1));
+  if (block != 256 || int64_t(grid) != rows || vector < 1 || vocab % vector || rows * vocab != count(logits.shape))
+    fail(LOOM_INVALID_BUNDLE, where, ": cross-entropy kernel launch ", grid, " x ", block, " (vector ", vector,
+         ") does not match ", rows, " rows of ", vocab);
+  for (int64_t id : {ins.in[0], ins.out[0]})
+    if (vector > 1 && buf(id).offset % 16)
+      fail(LOOM_INVALID_BUNDLE, where, ": buffer '", buf(id).name, "' at offset ", buf(id).offset,
+           " is not 16-byte aligned, which the kernel's vector loads need");
+  void *pl = ptr(logits), *pt = ptr(buf(ins.in[1])), *po = ptr(buf(ins.out[0]));
+  auto go = [fn, grid](std::vector<void *> pointers, cudaStream_t s) {
+    std::vector<void *> args;
+    for (void *&p : pointers)
+      args.push_back(&p);
+    LOOM_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void *>(fn), dim3(grid), dim3(256), args.data(), 0, s));
+  };
+  if (grad) {
+    void *pd = ptr(buf(ins.in[2]));
+    return [=](cudaStream_t s) { go({pl, pt, pd, po}, s); };
+  }
+  reserve(rows * sizeof(float));
+  long long *err = errorWord;
+  float *out = f(ins.out[0]);
+  return [=](cudaStream_t s) {
+    float *rowLoss = reinterpret_cast<float *>(workspace);
+    go({pl, pl, pt, rowLoss, err}, s);
+    meanKernel<<<1, 1024, 0, s>>>(rowLoss, rows, out);
   };
 }
 
