@@ -1053,98 +1053,74 @@ public:
       std::string dir = op("arith.addf", op("arith.divf", op("arith.mulf", mi, inv1), den), op("arith.mulf", WD, p));
       return std::array<std::string, 3>{op("arith.subf", p, op("arith.mulf", rate, dir)), mi, vi};
     };
-    // Four at a time.
-    std::string span = tmp(), n4 = tmp(), q = tmp();
-    line(span + " = arith.subi " + end + ", " + begin + " : index");
-    line(n4 + " = arith.divui " + span + ", " + constIndex(4) + " : index");
-    line("scf.for " + q + " = %tid to " + n4 + " step " + constIndex(256) + " {");
-    {
-      std::string q4 = tmp(), e = tmp();
-      line(q4 + " = arith.muli " + q + ", " + constIndex(4) + " : index");
-      line(e + " = arith.addi " + begin + ", " + q4 + " : index");
-      auto at4 = [&](const std::string &base) {
-        std::string a = tmp(), d = tmp();
+    // Elements [e, e + width) of the tensor: width 4 through the vector
+    // views (16-byte accesses), 1 through the scalar ones.
+    auto elements = [&](int width, const std::string &e) {
+      bool wide = width == 4;
+      std::string fm = wide ? "%f4" : "%f", hm = wide ? "%h4" : "%h", ft = wide ? f4 : f, ht = wide ? h4 : h;
+      std::string vt = wide ? "vector<4xf32>" : "f32", hvt = wide ? "vector<4xbf16>" : "bf16";
+      auto at = [&](const std::string &base) {
+        std::string a = tmp();
         line(a + " = arith.addi " + base + ", " + e + " : index");
+        if (!wide)
+          return a;
+        std::string d = tmp();
         line(d + " = arith.divui " + a + ", " + constIndex(4) + " : index");
         return d;
       };
-      std::string pi = at4(P), mi = at4(M), vi = at4(Vv), gi = at4(G);
-      auto load4 = [&](const std::string &at) {
+      std::string pa = at(P), ma = at(M), va = at(Vv), ga = at(G);
+      auto load = [&](const std::string &memref, const std::string &index, const std::string &type) {
         std::string v = tmp();
-        line(v + " = memref.load %f4[" + at + "] : " + f4);
+        line(v + " = memref.load " + memref + "[" + index + "] : " + type);
         return v;
       };
-      std::string pv = load4(pi), mv = load4(mi), vv = load4(vi), gv = tmp();
-      line(gv + " = scf.if " + BF + " -> (vector<4xf32>) {");
-      {
-        std::string raw = tmp(), wide = tmp();
-        line(raw + " = memref.load %h4[" + gi + "] : " + h4);
-        line(wide + " = arith.extf " + raw + " : vector<4xbf16> to vector<4xf32>");
-        line("scf.yield " + wide + " : vector<4xf32>");
-      }
+      std::string pv = load(fm, pa, ft), mv = load(fm, ma, ft), vv = load(fm, va, ft), gv = tmp();
+      line(gv + " = scf.if " + BF + " -> (" + vt + ") {");
+      std::string raw = load(hm, ga, ht), widened = tmp();
+      line(widened + " = arith.extf " + raw + " : " + hvt + " to " + vt);
+      line("scf.yield " + widened + " : " + vt);
       line("} else {");
-      {
-        std::string raw = tmp();
-        line(raw + " = memref.load %f4[" + gi + "] : " + f4);
-        line("scf.yield " + raw + " : vector<4xf32>");
-      }
+      line("scf.yield " + load(fm, ga, ft) + " : " + vt);
       line("}");
       auto lanes = [&](const std::string &vec) {
         std::vector<std::string> out;
-        for (int k = 0; k < 4; ++k) {
+        for (int k = 0; k < width && wide; ++k) {
           std::string x = tmp();
           line(x + " = vector.extract " + vec + "[" + std::to_string(k) + "] : f32 from vector<4xf32>");
           out.push_back(x);
         }
-        return out;
+        return wide ? out : std::vector<std::string>{vec};
       };
-      std::vector<std::string> ps = lanes(pv), gs = lanes(gv), ms = lanes(mv), vs = lanes(vv), np, nm, nv;
-      for (int k = 0; k < 4; ++k) {
+      std::vector<std::string> ps = lanes(pv), gs = lanes(gv), ms = lanes(mv), vs = lanes(vv);
+      std::array<std::vector<std::string>, 3> next; // p, m, v
+      for (int k = 0; k < width; ++k) {
         auto u = update(ps[k], gs[k], ms[k], vs[k]);
-        np.push_back(u[0]), nm.push_back(u[1]), nv.push_back(u[2]);
+        for (int w = 0; w < 3; ++w)
+          next[w].push_back(u[w]);
       }
       int64_t saved = V;
-      V = 4;
-      line("memref.store " + packLanes(np, "f32") + ", %f4[" + pi + "] : " + f4);
-      line("memref.store " + packLanes(nm, "f32") + ", %f4[" + mi + "] : " + f4);
-      line("memref.store " + packLanes(nv, "f32") + ", %f4[" + vi + "] : " + f4);
+      V = width;
+      for (int w = 0; w < 3; ++w)
+        line("memref.store " + (wide ? packLanes(next[w], "f32") : next[w][0]) + ", " + fm + "[" +
+             (w == 0 ? pa : w == 1 ? ma : va) + "] : " + ft);
       V = saved;
-    }
+    };
+    // Four at a time, then the tail one at a time.
+    std::string span = tmp(), n4 = tmp(), q = tmp();
+    line(span + " = arith.subi " + end + ", " + begin + " : index");
+    line(n4 + " = arith.divui " + span + ", " + constIndex(4) + " : index");
+    line("scf.for " + q + " = %tid to " + n4 + " step " + constIndex(256) + " {");
+    std::string q4 = tmp(), e = tmp();
+    line(q4 + " = arith.muli " + q + ", " + constIndex(4) + " : index");
+    line(e + " = arith.addi " + begin + ", " + q4 + " : index");
+    elements(4, e);
     line("}");
-    // The tail, one at a time.
-    std::string tail0 = tmp(), tailStart = tmp(), i = tmp();
+    std::string tail0 = tmp(), tailStart = tmp(), from = tmp(), i = tmp();
     line(tail0 + " = arith.muli " + n4 + ", " + constIndex(4) + " : index");
     line(tailStart + " = arith.addi " + begin + ", " + tail0 + " : index");
-    std::string from = tmp();
     line(from + " = arith.addi " + tailStart + ", %tid : index");
     line("scf.for " + i + " = " + from + " to " + end + " step " + constIndex(256) + " {");
-    {
-      auto at = [&](const std::string &base) {
-        std::string a = tmp();
-        line(a + " = arith.addi " + base + ", " + i + " : index");
-        return a;
-      };
-      std::string pa = at(P), ma = at(M), va = at(Vv), ga = at(G);
-      auto load = [&](const std::string &a) {
-        std::string v = tmp();
-        line(v + " = memref.load %f[" + a + "] : " + f);
-        return v;
-      };
-      std::string p = load(pa), m = load(ma), v = load(va), g = tmp();
-      line(g + " = scf.if " + BF + " -> (f32) {");
-      {
-        std::string raw = tmp();
-        line(raw + " = memref.load %h[" + ga + "] : " + h);
-        line("scf.yield " + widen(raw, "bf16") + " : f32");
-      }
-      line("} else {");
-      line("scf.yield " + load(ga) + " : f32");
-      line("}");
-      auto u = update(p, g, m, v);
-      line("memref.store " + u[0] + ", %f[" + pa + "] : " + f);
-      line("memref.store " + u[1] + ", %f[" + ma + "] : " + f);
-      line("memref.store " + u[2] + ", %f[" + va + "] : " + f);
-    }
+    elements(1, i);
     line("}");
     line("gpu.return");
     os << "    }\n";
