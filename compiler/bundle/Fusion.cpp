@@ -702,21 +702,11 @@ public:
       }
     const json &results = ins.attrs.at("results");
     for (size_t k = 0; k < ins.out.size(); ++k) {
-      std::string ty = elem(ins.out[k]), vty = "vector<" + std::to_string(V) + "x" + ty + ">";
-      std::string vec = tmp();
-      line(vec + " = arith.constant dense<0.0> : " + vty);
-      for (int64_t l = 0; l < V; ++l) {
-        std::string x = lanes[l].at(results[k].get<size_t>());
-        if (ty == "bf16") {
-          std::string t = tmp();
-          line(t + " = arith.truncf " + x + " : f32 to bf16");
-          x = t;
-        }
-        std::string next = tmp();
-        line(next + " = vector.insert " + x + ", " + vec + "[" + std::to_string(l) + "] : " + ty + " into " + vty);
-        vec = next;
-      }
-      line("memref.store " + vec + ", %out" + std::to_string(k) + "[%i] : " + vectorMemref(ins.out[k]));
+      std::vector<std::string> values;
+      for (int64_t l = 0; l < V; ++l)
+        values.push_back(lanes[l].at(results[k].get<size_t>()));
+      line("memref.store " + packLanes(values, elem(ins.out[k])) + ", %out" + std::to_string(k) + "[%i] : " +
+           vectorMemref(ins.out[k]));
     }
     line("}");
     line("gpu.return");
