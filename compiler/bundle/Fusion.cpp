@@ -1,4 +1,4 @@
-//===- Fusion.cpp - Fuse elementwise chains and generate their GPU code ---===//
+//===- Fusion.cpp - Fuse elementwise chains and generate GPU kernels ------===//
 
 #include "compiler/bundle/Fusion.h"
 

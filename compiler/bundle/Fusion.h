@@ -1,12 +1,14 @@
 //===- Fusion.h - Fuse elementwise chains and generate their GPU code -*- C++ -*-===//
 //
-// Consecutive elementwise instructions of one shape (bias adds, GELU,
+// Chains of elementwise instructions of one shape (bias adds, GELU,
 // residual adds, the gradient kernels of activations, ...) become one
 // "fused" instruction: its attributes describe the chain as steps over
 // values, which the CPU backend evaluates, and name a kernel whose PTX the
 // compiler generates through MLIR's gpu dialect (gpu -> NVVM -> PTX, no CUDA
 // toolkit needed). Values the chain computes that nothing outside it reads
-// are never written to memory.
+// are never written to memory. Norms, softmax, the cross-entropy loss and its
+// gradient, and runs of AdamW updates keep their instructions but name
+// generated kernels too, which the CUDA backend runs instead of its own.
 //
 //===----------------------------------------------------------------------===//
 #ifndef LOOM_COMPILER_BUNDLE_FUSION_H
@@ -20,9 +22,11 @@
 
 namespace mlir::loom {
 
-/// Fuses the elementwise chains of every program of `rank`; returns how many
-/// instructions were removed. Fused instructions are named "fused_<n>"
-/// (their "kernel" attribute), numbered from `firstKernel`.
+/// Fuses the elementwise chains of every program of `rank`, folds GEMM
+/// epilogues, and names generated kernels for the reductions and AdamW;
+/// returns how many instructions were removed. Kernels are named "fused_<n>",
+/// "row_<n>", "ce_<n>" and "adam_<n>" (the "kernel" attribute), numbered
+/// from `nextKernel`, which advances.
 int64_t fuseElementwise(::loom::rt::RankProgram &rank, int64_t &nextKernel);
 
 /// PTX (sm_90a) with one entry per fused instruction of every rank,
