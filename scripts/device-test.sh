@@ -61,7 +61,7 @@ LOOM_CUDA_ATTENTION=loom $B/loom-run $R/gpt-tiny-bf16-fused-train.loom --backend
 python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-bf16.cudnn.log" "$LOG/gpt-tiny-bf16.flash.log" 2e-3 || status=1
 LOOM_CUDA_ATTENTION=cudnn $B/loom-run $R/llama-tiny-bf16-fused-train.loom --backend cuda --steps 20 > "$LOG/llama-tiny-bf16.cudnn.log" || status=1
 python3 test/training/Inputs/close_losses.py "$LOG/llama-tiny-bf16.cudnn.log" "$LOG/llama-tiny-bf16.train.cpu.log" 3e-2 || status=1
-echo "== generated norm kernels against ours (LOOM_CUDA_GENERATED=0)"
+echo "== generated norm, loss and AdamW kernels against ours (LOOM_CUDA_GENERATED=0)"
 LOOM_CUDA_GENERATED=0 $B/loom-run $R/gpt-tiny-bf16-fused-train.loom --backend cuda --steps 20 > "$LOG/gpt-tiny-bf16.ours.log" || status=1
 python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-bf16.fused.cuda.log" "$LOG/gpt-tiny-bf16.ours.log" 2e-3 || status=1
 echo "== CUDA graphs (the default from the second run of a program) against eager launches (LOOM_CUDA_GRAPHS=0)"

@@ -696,7 +696,6 @@ namespace {
 constexpr int64_t kAlignment = 64;
 int64_t alignUp(int64_t v) { return (v + kAlignment - 1) / kAlignment * kAlignment; }
 
-
 /// Buffers a rewrite must leave as they are: the rank's outputs and the
 /// parameters' gradients (the C API and the update read them).
 std::set<int64_t> keptBuffers(const rt::RankProgram &r) {

@@ -529,12 +529,9 @@ public:
         for (int w = 0; w < 3; ++w)
           next[w].push_back(u[w]);
       }
-      int64_t saved = V;
-      V = width;
       for (int w = 0; w < 3; ++w)
         line("memref.store " + (wide ? packLanes(next[w], "f32") : next[w][0]) + ", " + fm + "[" +
              (w == 0 ? pa : w == 1 ? ma : va) + "] : " + ft);
-      V = saved;
     };
     // Four at a time, then the tail one at a time.
     std::string span = tmp(), n4 = tmp(), q = tmp();
@@ -585,11 +582,11 @@ protected:
     }
     return lanes;
   }
-  /// f32 values rounded to `ty` and packed into a vector.
+  /// f32 values rounded to `ty` and packed into a vector of as many lanes.
   std::string packLanes(const std::vector<std::string> &values, const std::string &ty) {
-    std::string vty = "vector<" + std::to_string(V) + "x" + ty + ">", vec = tmp();
+    std::string vty = "vector<" + std::to_string(values.size()) + "x" + ty + ">", vec = tmp();
     line(vec + " = arith.constant dense<0.0> : " + vty);
-    for (int64_t l = 0; l < V; ++l) {
+    for (size_t l = 0; l < values.size(); ++l) {
       std::string x = values[l];
       if (ty == "bf16") {
         std::string t = tmp();

@@ -1153,6 +1153,16 @@ bool generatedKernelsOn() {
   return on;
 }
 
+/// Launches a generated kernel: its parameters are bare pointers (MLIR's
+/// bare-pointer convention for memrefs), in order.
+void launchGenerated(cudaKernel_t fn, unsigned grid, unsigned block, std::vector<void *> pointers,
+                            cudaStream_t s) {
+  std::vector<void *> args;
+  for (void *&p : pointers)
+    args.push_back(&p);
+  LOOM_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void *>(fn), dim3(grid), dim3(block), args.data(), 0, s));
+}
+
 /// The step's AdamW scalars, once per launch (a one-thread kernel): the
 /// update kernel then holds few registers and streams at full bandwidth.
 __global__ void adamScalarsKernel(const float *step, const float *norm, OptimizerArgs a, StepScalars *out) {
@@ -1878,6 +1888,7 @@ private:
   Launch buildRowKernel(const Instruction &ins);
   Launch buildCrossEntropyKernel(const Instruction &ins);
   cudaKernel_t generatedKernel(const Instruction &ins);
+  void requireVectorAligned(std::initializer_list<const std::vector<int64_t> *> lists, int64_t vector);
   Launch buildConv2d(const Instruction &ins);
   Launch buildAdamw(const std::vector<const Instruction *> &group);
   Launch buildGeneratedAdamw(const std::vector<const Instruction *> &group);
@@ -2912,7 +2923,7 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
     };
   }
   fail(LOOM_UNSUPPORTED, where, ": the CUDA backend has no kernel for '", op,
-       "' yet (convolution, pooling and batch-norm gradients and standalone softmax run on --backend cpu)");
+       "' yet (convolution, pooling and batch-norm gradients, and softmax in a bundle compiled without --fuse, run on --backend cpu)");
 }
 
 OptimizerArgs CudaBackendImpl::optimizerArgs(const Instruction &ins) {
@@ -2968,7 +2979,7 @@ Launch CudaBackendImpl::buildAdamw(const std::vector<const Instruction *> &group
 }
 
 /// AdamW over the run `group` by the compiler's kernel (KernelWriter::writeAdam
-/// in compiler/bundle/Fusion.cpp): our one-thread kernel computes the step's
+/// in compiler/bundle/KernelGen.cpp): our one-thread kernel computes the step's
 /// scalars, then a block per 2048-element chunk of each tensor, which the
 /// kernel finds in the arena by the offsets it was compiled with.
 Launch CudaBackendImpl::buildGeneratedAdamw(const std::vector<const Instruction *> &group) {
@@ -2988,11 +2999,7 @@ Launch CudaBackendImpl::buildGeneratedAdamw(const std::vector<const Instruction 
   void *base = arena;
   return [=](cudaStream_t s) {
     adamScalarsKernel<<<1, 1, 0, s>>>(step, norm, a, scalars);
-    void *pointers[5] = {base, base, base, base, scalars};
-    void *args[5];
-    for (int k = 0; k < 5; ++k)
-      args[k] = &pointers[k];
-    LOOM_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void *>(fn), dim3(grid), dim3(block), args, 0, s));
+    launchGenerated(fn, grid, block, {base, base, base, base, scalars}, s); // the arena as f32, f32x4, bf16, bf16x4
   };
 }
 
@@ -3036,8 +3043,6 @@ Launch CudaBackendImpl::buildConv2d(const Instruction &ins) {
   };
 }
 
-/// A generated kernel: one thread per output element, its parameters the
-/// input buffers then the output buffers (MLIR's bare-pointer convention).
 /// The generated kernel an instruction names (attrs "kernel") in kernels.ptx.
 cudaKernel_t CudaBackendImpl::generatedKernel(const Instruction &ins) {
   std::string name = ins.attrs.value("kernel", std::string());
@@ -3047,6 +3052,17 @@ cudaKernel_t CudaBackendImpl::generatedKernel(const Instruction &ins) {
   if (cudaError_t e = cudaLibraryGetKernel(&fn, kernelsLibrary, name.c_str()); e != cudaSuccess)
     fail(LOOM_INVALID_BUNDLE, where, ": kernels.ptx has no kernel '", name, "' (", cudaGetErrorName(e), ")");
   return fn;
+}
+
+/// Vector loads and stores need 16-byte aligned tensors (the compiler places
+/// every buffer at a multiple of 64 bytes); a bundle that does not is refused.
+void CudaBackendImpl::requireVectorAligned(std::initializer_list<const std::vector<int64_t> *> lists, int64_t vector) {
+  if (vector > 1)
+    for (const std::vector<int64_t> *ids : lists)
+      for (int64_t id : *ids)
+        if (buf(id).offset % 16)
+          fail(LOOM_INVALID_BUNDLE, where, ": buffer '", buf(id).name, "' at offset ", buf(id).offset,
+               " is not 16-byte aligned, which the kernel's vector loads need");
 }
 
 /// A norm or softmax over rows of the last axis, by the compiler's kernel:
@@ -3064,20 +3080,12 @@ Launch CudaBackendImpl::buildRowKernel(const Instruction &ins) {
   if (block != 256 || uint64_t(grid) * 8 < uint64_t(rows) || vector < 1 || h % (32 * vector))
     fail(LOOM_INVALID_BUNDLE, where, ": row kernel launch ", grid, " x ", block, " (vector ", vector,
          ") does not give each of ", rows, " rows of ", h, " a warp");
+  requireVectorAligned({&ins.in, &ins.out}, vector);
   std::vector<void *> pointers;
   for (const std::vector<int64_t> *ids : {&ins.in, &ins.out})
-    for (int64_t id : *ids) {
-      if (vector > 1 && buf(id).offset % 16)
-        fail(LOOM_INVALID_BUNDLE, where, ": buffer '", buf(id).name, "' at offset ", buf(id).offset,
-             " is not 16-byte aligned, which the kernel's vector loads need");
+    for (int64_t id : *ids)
       pointers.push_back(ptr(buf(id)));
-    }
-  return [=](cudaStream_t s) mutable {
-    std::vector<void *> args;
-    for (void *&p : pointers)
-      args.push_back(&p);
-    LOOM_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void *>(fn), dim3(grid), dim3(block), args.data(), 0, s));
-  };
+  return [=](cudaStream_t s) { launchGenerated(fn, grid, block, pointers, s); };
 }
 
 /// The cross-entropy loss or its gradient by the compiler's kernel (a block
@@ -3096,31 +3104,25 @@ Launch CudaBackendImpl::buildCrossEntropyKernel(const Instruction &ins) {
   if (block != 256 || int64_t(grid) != rows || vector < 1 || vocab % vector || rows * vocab != count(logits.shape))
     fail(LOOM_INVALID_BUNDLE, where, ": cross-entropy kernel launch ", grid, " x ", block, " (vector ", vector,
          ") does not match ", rows, " rows of ", vocab);
-  for (int64_t id : {ins.in[0], ins.out[0]})
-    if (vector > 1 && buf(id).offset % 16)
-      fail(LOOM_INVALID_BUNDLE, where, ": buffer '", buf(id).name, "' at offset ", buf(id).offset,
-           " is not 16-byte aligned, which the kernel's vector loads need");
+  std::vector<int64_t> vectors = {ins.in[0], ins.out[0]}; // logits and their gradient
+  requireVectorAligned({&vectors}, vector);
   void *pl = ptr(logits), *pt = ptr(buf(ins.in[1])), *po = ptr(buf(ins.out[0]));
-  auto go = [fn, grid](std::vector<void *> pointers, cudaStream_t s) {
-    std::vector<void *> args;
-    for (void *&p : pointers)
-      args.push_back(&p);
-    LOOM_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void *>(fn), dim3(grid), dim3(256), args.data(), 0, s));
-  };
   if (grad) {
     void *pd = ptr(buf(ins.in[2]));
-    return [=](cudaStream_t s) { go({pl, pt, pd, po}, s); };
+    return [=](cudaStream_t s) { launchGenerated(fn, grid, 256, {pl, pt, pd, po}, s); };
   }
   reserve(rows * sizeof(float));
   long long *err = errorWord;
   float *out = f(ins.out[0]);
   return [=](cudaStream_t s) {
     float *rowLoss = reinterpret_cast<float *>(workspace);
-    go({pl, pl, pt, rowLoss, err}, s);
+    launchGenerated(fn, grid, 256, {pl, pl, pt, rowLoss, err}, s);
     meanKernel<<<1, 1024, 0, s>>>(rowLoss, rows, out);
   };
 }
 
+/// A generated elementwise chain: a thread per `vector` output elements, its
+/// parameters the input buffers then the output buffers.
 Launch CudaBackendImpl::buildFused(const Instruction &ins) {
   cudaKernel_t fn = generatedKernel(ins);
   std::vector<void *> pointers;
@@ -3142,21 +3144,8 @@ Launch CudaBackendImpl::buildFused(const Instruction &ins) {
       fail(LOOM_INVALID_BUNDLE, where, ": launch ", grid, " x ", block, " x ", vector, " does not cover ", n,
            " elements");
   }
-  // Vector loads and stores need 16-byte aligned tensors (the compiler
-  // places every buffer at a multiple of 64 bytes).
-  if (vector > 1)
-    for (const std::vector<int64_t> *ids : {&ins.in, &ins.out})
-      for (int64_t id : *ids)
-        if (buf(id).offset % 16)
-          fail(LOOM_INVALID_BUNDLE, where, ": buffer '", buf(id).name, "' at offset ", buf(id).offset,
-               " is not 16-byte aligned, which the kernel's vector loads need");
-  return [=](cudaStream_t s) mutable {
-    std::vector<void *> args;
-    for (void *&p : pointers)
-      args.push_back(&p);
-    LOOM_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void *>(fn), dim3(grid), dim3(block),
-                                     args.data(), 0, s));
-  };
+  requireVectorAligned({&ins.in, &ins.out}, vector);
+  return [=](cudaStream_t s) { launchGenerated(fn, grid, block, pointers, s); };
 }
 
 Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {

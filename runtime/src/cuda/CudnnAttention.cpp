@@ -64,16 +64,17 @@ enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
 std::vector<int64_t> bhsd(int64_t b, int64_t heads, int64_t s, int64_t d) { return {b, heads, s, d}; }
 std::vector<int64_t> strides(int64_t s, int64_t d, int64_t ld) { return {s * ld, d, ld, 1}; }
 
-/// cuDNN's graphs for one shape and layout (they hold no pointers), shared
-/// by every attention of that shape: built once per process and device.
-struct Graphs {
-  std::shared_ptr<fe::graph::Graph> fwd, bwd;
+/// One of cuDNN's graphs for a shape and layout (it holds no pointers),
+/// shared by every attention of that shape: built once per process and
+/// device, or the reason it could not be (not tried again).
+struct Built {
+  std::shared_ptr<fe::graph::Graph> graph;
   size_t workspace = 0;
-  std::string fwdError, bwdError; // why one could not be built (not tried again)
+  std::string error;
 };
 
-/// Builds one graph into `g`; "" or why not.
-std::string make(const flash::Params &p, cudnnHandle_t handle, bool backward, Graphs &out) {
+/// Builds the forward or backward graph into `out`; "" or why not.
+std::string make(const flash::Params &p, cudnnHandle_t handle, bool backward, Built &out) {
   auto g = std::make_shared<fe::graph::Graph>();
   g->set_io_data_type(fe::DataType_t::BFLOAT16)
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
@@ -118,7 +119,7 @@ std::string make(const flash::Params &p, cudnnHandle_t handle, bool backward, Gr
   int64_t bytes = 0;
   if (auto e = g->get_workspace_size(bytes); e.is_bad())
     return e.get_message();
-  out.workspace = std::max(out.workspace, size_t(bytes));
+  out.workspace = size_t(bytes);
   if (std::getenv("LOOM_CUDNN_VERBOSE")) { // which engine cuDNN chose, for measurements
     std::string name;
     if (g->get_plan_name(name).is_bad())
@@ -127,16 +128,17 @@ std::string make(const flash::Params &p, cudnnHandle_t handle, bool backward, Gr
                  backward ? "backward" : "forward", (long long)B, (long long)H, (long long)KV, (long long)S,
                  (long long)T, (long long)D, p.causal ? ", causal" : "", name.c_str(), (long long)bytes);
   }
-  (backward ? out.bwd : out.fwd) = g;
+  out.graph = g;
   return "";
 }
 
 class CudnnAttention final : public Attention {
 public:
-  CudnnAttention(const flash::Params &p, cudnnHandle_t handle, std::shared_ptr<const Graphs> graphs)
-      : p(p), handle(handle), graphs(std::move(graphs)) {}
+  CudnnAttention(const flash::Params &p, cudnnHandle_t handle, std::shared_ptr<const Built> fwd,
+                 std::shared_ptr<const Built> bwd)
+      : p(p), handle(handle), fwd(std::move(fwd)), bwd(std::move(bwd)) {}
 
-  size_t workspaceBytes() const override { return graphs->workspace; }
+  size_t workspaceBytes() const override { return std::max(fwd->workspace, bwd ? bwd->workspace : 0); }
 
   std::string forward(void *o, float *stats, void *ws, cudaStream_t stream) override {
     std::unordered_map<int64_t, void *> pack = {{kQ, const_cast<void *>(p.q)},
@@ -144,18 +146,18 @@ public:
                                                 {kV, const_cast<void *>(p.v)},
                                                 {kO, o},
                                                 {kStats, stats}};
-    return run(*graphs->fwd, pack, ws, stream);
+    return run(*fwd->graph, pack, ws, stream);
   }
 
   std::string backward(const void *o, const float *stats, const void *dO, void *dQ, void *dK, void *dV, void *ws,
                        cudaStream_t stream) override {
-    if (!graphs->bwd)
+    if (!bwd)
       return "built for the forward only";
     std::unordered_map<int64_t, void *> pack = {
         {kQ, const_cast<void *>(p.q)},   {kK, const_cast<void *>(p.k)},       {kV, const_cast<void *>(p.v)},
         {kO, const_cast<void *>(o)},     {kStats, const_cast<float *>(stats)}, {kDO, const_cast<void *>(dO)},
         {kDQ, dQ},                       {kDK, dK},                            {kDV, dV}};
-    return run(*graphs->bwd, pack, ws, stream);
+    return run(*bwd->graph, pack, ws, stream);
   }
 
 private:
@@ -170,7 +172,7 @@ private:
 
   flash::Params p;
   cudnnHandle_t handle;
-  std::shared_ptr<const Graphs> graphs;
+  std::shared_ptr<const Built> fwd, bwd;
 };
 
 } // namespace
@@ -187,37 +189,37 @@ std::unique_ptr<Attention> build(const flash::Params &p, bool backward, std::str
     return nullptr;
   int device = 0;
   cudaGetDevice(&device);
-  // Everything the graphs depend on (not the pointers).
-  auto key = std::make_tuple(device, p.batch, p.s, p.t, p.heads, p.kvHeads, p.headDim, p.causal, p.scale, p.ldq,
-                             p.ldk, p.lddq, p.lddk);
-  static std::mutex mutex;
-  static std::map<decltype(key), std::shared_ptr<Graphs>> cache;
-  std::lock_guard<std::mutex> lock(mutex);
-  std::shared_ptr<Graphs> &graphs = cache[key];
-  if (!graphs)
-    graphs = std::make_shared<Graphs>();
-  auto ensure = [&](bool bwd) {
-    std::string &error = bwd ? graphs->bwdError : graphs->fwdError;
-    if ((bwd ? graphs->bwd : graphs->fwd) || !error.empty())
-      return error;
-    try {
-      if (std::string e = make(p, handle, bwd, *graphs); !e.empty())
-        error = std::string("cuDNN has no ") + (bwd ? "backward" : "forward") + " engine: " + e;
-    } catch (const std::exception &e) {
-      error = std::string("cuDNN's frontend failed: ") + e.what();
-    }
-    return error;
+  // Everything a graph depends on (not the pointers); the forward's not the
+  // gradients' layouts, so a forward and its backward share the forward.
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, float, int64_t, int64_t,
+                         int64_t, int64_t, bool>;
+  auto keyOf = [&](bool bwd) {
+    return Key(device, p.batch, p.s, p.t, p.heads, p.kvHeads, p.headDim, p.causal, p.scale, p.ldq, p.ldk,
+               bwd ? p.lddq : 0, bwd ? p.lddk : 0, bwd);
   };
-  if (std::string e = ensure(false); !e.empty()) {
-    why = e;
-    return nullptr;
-  }
-  if (backward)
-    if (std::string e = ensure(true); !e.empty()) {
-      why = e;
+  static std::mutex mutex;
+  static std::map<Key, std::shared_ptr<Built>> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto ensure = [&](bool bwd) {
+    std::shared_ptr<Built> &built = cache[keyOf(bwd)];
+    if (!built) {
+      built = std::make_shared<Built>();
+      try {
+        if (std::string e = make(p, handle, bwd, *built); !e.empty())
+          built->error = std::string("cuDNN has no ") + (bwd ? "backward" : "forward") + " engine: " + e;
+      } catch (const std::exception &e) {
+        built->error = std::string("cuDNN's frontend failed: ") + e.what();
+      }
+    }
+    return built;
+  };
+  std::shared_ptr<Built> fwd = ensure(false), bwd = backward ? ensure(true) : nullptr;
+  for (const auto &b : {fwd, bwd})
+    if (b && !b->error.empty()) {
+      why = b->error;
       return nullptr;
     }
-  return std::make_unique<CudnnAttention>(p, handle, graphs);
+  return std::make_unique<CudnnAttention>(p, handle, fwd, bwd);
 }
 
 #endif
