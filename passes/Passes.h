@@ -8,6 +8,13 @@
 
 namespace mlir::loom {
 
+struct BundleOptions;
+
+/// loom-configure with the defaults (or the module's own options), and with
+/// `options` (what loomc compile and the loom-compile pipeline create).
+std::unique_ptr<Pass> createConfigurePass();
+std::unique_ptr<Pass> createConfigurePass(const BundleOptions &options);
+
 #define GEN_PASS_DECL
 #include "passes/Passes.h.inc"
 

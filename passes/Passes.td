@@ -48,4 +48,166 @@ def PartitionTensorParallel : Pass<"loom-partition-tp", "::mlir::ModuleOp"> {
   ];
 }
 
+//===----------------------------------------------------------------------===//
+// The compile pipeline (loom-compile): configuration, then the lowered step
+//===----------------------------------------------------------------------===//
+
+def Configure : Pass<"loom-configure", "::mlir::ModuleOp"> {
+  let summary = "Puts the compile options and the parallel plan on the module";
+  let description = [{
+    Writes `loom.options` (batch, seed, precision, fusion, the optimizer's
+    hyper-parameters) and `loom.plan` (dp, tp, pp, vpp, microbatches,
+    schedule, ZeRO stage, stages, gradient bucket size, recomputation, and
+    the plan recorded in the manifest) on the module, after checking that
+    the plan fits the batch and the schedule. Every later stage reads them
+    from there. `loomc compile` and the `loom-compile` pipeline create it
+    with their options; run alone it records the defaults.
+  }];
+  let constructor = "::mlir::loom::createConfigurePass()";
+}
+
+def LowerToStep : Pass<"loom-lower-to-step", "::mlir::ModuleOp"> {
+  let summary = "Lowers @forward (or @loss for training) to the runtime's instructions";
+  let description = [{
+    One instruction per loom op over buffers (a reshape becomes a view),
+    every `loom.repeat` unrolled with per-layer parameter names
+    (`layer.3.ln1.g`), inputs and outputs named as the model's source names
+    them, into a `loomrt.bundle` with one rank. For training, each forward
+    entry notes its layer (`loom.layer`) and the loom op it came from
+    (`loom.source`), and reshapes stay as `loom.view` records, for
+    autodiff; the model stays beside the step until autodiff has used its
+    gradient rules. Inference drops the model.
+  }];
+  let dependentDialects = ["::mlir::loomrt::LoomRtDialect"];
+}
+
+def PipelineSplit : Pass<"loom-pipeline-split", "::mlir::ModuleOp"> {
+  let summary = "Assigns the forward pass's units to pipeline chunks";
+  let description = [{
+    Units are what precedes the first layer, each layer, and what follows
+    the last. They are split over pp x vpp chunks as the plan's `stages`
+    say (evenly when it gives none); each forward entry is noted with its
+    chunk (`loom.chunk`), which autodiff carries to the gradients and the
+    schedule turns into stages. Nothing to do without pipelining.
+  }];
+}
+
+def Autodiff : Pass<"loom-autodiff", "::mlir::ModuleOp"> {
+  let summary = "Reverse mode: the backward program from each op's gradient rule";
+  let description = [{
+    Walks the forward records in reverse and asks each op's
+    DifferentiableOpInterface to build its operands' gradients as backward
+    instructions; gradients of values used more than once are summed, and
+    of broadcast operands reduced to their shape. Layers the plan
+    recomputes are emitted again before their gradients. A parameter used
+    by several pipeline chunks gets one gradient per chunk
+    (`loomrt.param_grad`). The loss gradient's seed is 1 / microbatches.
+    Drops the model afterwards.
+  }];
+}
+
+def DistributeRanks : Pass<"loom-distribute-ranks", "::mlir::ModuleOp"> {
+  let summary = "One rank per device of the dp x tp x pp grid";
+  let description = [{
+    Copies the lowered rank to every rank of the plan's grid (tp fastest,
+    then dp, then pp, as Megatron-LM numbers them), with its coordinates,
+    communication groups (dp, tp, pp, mp, all) and the index of its
+    tensor-parallel shard of each split parameter.
+  }];
+}
+
+def PipelineSchedule : Pass<"loom-pipeline-schedule", "::mlir::ModuleOp"> {
+  let summary = "Each rank's step program: its chunks' microbatch tasks in schedule order";
+  let description = [{
+    With pipeline stages or several microbatches, forward and backward
+    become one `step` program per rank running the schedule's order (GPipe,
+    1F1B or interleaved 1F1B) of the tasks of the chunks it holds, on
+    per-microbatch copies of activations, with recv before a task of what
+    other stages produced and send after it of what they need; parameter
+    gradients are summed over microbatches and the loss averaged.
+  }];
+}
+
+def DataParallel : Pass<"loom-data-parallel", "::mlir::ModuleOp"> {
+  let summary = "Gradient reductions: tied parameters over stages, buckets over replicas, ZeRO-1";
+  let description = [{
+    A parameter held by several stages sums its gradient over them; every
+    other gradient is averaged over the data-parallel replicas in buckets
+    of about `bucket_bytes`, each issued on the communication stream right
+    after backward finishes its last gradient (reduce-scatter into this
+    rank's slice with ZeRO-1); the loss is averaged over replicas and
+    broadcast over stages. The reductions that wait for backward open the
+    `update` program.
+  }];
+}
+
+def OptimizerUpdate : Pass<"loom-optimizer-update", "::mlir::ModuleOp"> {
+  let summary = "The update program: step counter, clipping norm and AdamW or SGD";
+  let description = [{
+    Appends to `update` the step counter, the global gradient norm (each
+    element of a split or replicated model counted once, summed over the
+    model-parallel ranks, or over all ranks with ZeRO-1) and one in-place
+    optimizer instruction per parameter with its state; with ZeRO-1 each
+    rank updates its slice of every parameter and all-gathers the slices.
+  }];
+}
+
+def JoinSliceGradients : Pass<"loom-join-slice-gradients", "::mlir::ModuleOp"> {
+  let summary = "Gradients of an operand sliced into parts that tile it become one concat";
+  let description = [{
+    The gradient of an operand sliced along one axis (q|k|v) arrives as one
+    slice_grad per part and adds summing them; where the parts tile the
+    axis, a concat of the parts' gradients computes the same sum.
+  }];
+}
+
+def PackedQkvAttention : Pass<"loom-packed-qkv-attention", "::mlir::ModuleOp"> {
+  let summary = "bf16 attention reads q, k, v in place from the fused projection";
+  let description = [{
+    Where attention's q, k and v are slices of one q|k|v projection read by
+    nothing else, attention reads the projection's columns in place
+    (attribute `packed`) and its gradient writes the concat's result: no
+    copies of q, k, v or of their gradients. bf16 training bundles only.
+  }];
+}
+
+def Bf16StepCasts : Pass<"loom-bf16-step-casts", "::mlir::ModuleOp"> {
+  let summary = "Fewer and earlier bf16 casts in the training step";
+  let description = [{
+    Four rewrites of mixed-precision training steps: a pipelined step casts
+    each weight once for every microbatch; the optimizer and the clipping
+    norm read bf16 gradients directly where nothing else reads their f32
+    copies; adds into f32 gradient sums read the bf16 values; the weights'
+    casts move to the start of the forward, where the runtime converts them
+    in one launch.
+  }];
+}
+
+def FuseElementwise : Pass<"loom-fuse-elementwise", "::mlir::ModuleOp"> {
+  let summary = "Elementwise chains into generated kernels, GEMM epilogues, named row kernels";
+  let description = [{
+    Fuses chains of elementwise instructions into `fused` instructions that
+    describe the chain (the CPU evaluates it; the bundle writer generates
+    its PTX), folds bias, GELU, residual and bias-gradient epilogues into
+    matrix products, and names generated kernels for norms, softmax, the
+    cross-entropy loss and runs of AdamW updates. Kernels are numbered
+    across ranks in rank order.
+  }];
+}
+
+def CompactRanks : Pass<"loom-compact-ranks", "::mlir::ModuleOp"> {
+  let summary = "Drops the buffers and parameters a rank never touches; renumbers the rest";
+}
+
+def PlanMemory : Pass<"loom-plan-memory", "::mlir::ModuleOp"> {
+  let summary = "Packs each rank's buffers into one arena by lifetime";
+  let description = [{
+    Persistent buffers (parameters, inputs, outputs, state) first in id
+    order; then activations, largest first, each at the lowest offset that
+    overlaps no placed activation whose lifetime (over the programs in
+    execution order: forward, step, backward, update) intersects its own.
+    Parameter gradients live to the end of the step.
+  }];
+}
+
 #endif // LOOM_PASSES_TD

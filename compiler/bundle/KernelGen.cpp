@@ -7,7 +7,8 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "compiler/bundle/Fusion.h"
+#include "compiler/bundle/KernelGen.h"
+#include "passes/Fusion.h"
 
 #include "mlir/Dialect/GPU/IR/GPUDialect.h"
 #include "mlir/IR/BuiltinOps.h"

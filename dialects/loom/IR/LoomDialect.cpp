@@ -84,5 +84,18 @@ LogicalResult LoomDialect::verifyOperationAttribute(Operation *op, NamedAttribut
       return op->emitError() << "'loom.shard' " << dict << " does not fit " << param.getType();
     return success();
   }
+  // The compile options and plan (loom-configure) on the module.
+  if (name == "loom.options" || name == "loom.plan") {
+    if (!isa<DictionaryAttr>(attr.getValue()) || !isa<ModuleOp>(op))
+      return op->emitError() << "'" << name << "' must be a dictionary on the module";
+    return success();
+  }
+  // Notes the step passes leave for each other on loomrt ops.
+  if (name == "loom.layer" || name == "loom.chunk" || name == "loom.view" ||
+      name == "loom.source" || name == "loom.loss_stage") {
+    if (op->getDialect() == getContext()->getLoadedDialect(getNamespace()) || isa<ModuleOp>(op))
+      return op->emitError() << "'" << name << "' is a note on the lowered step (loomrt)";
+    return success();
+  }
   return op->emitError() << "unknown loom attribute '" << name << "'";
 }

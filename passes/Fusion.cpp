@@ -5,7 +5,7 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "compiler/bundle/Fusion.h"
+#include "passes/Fusion.h"
 
 #include <algorithm>
 #include <map>

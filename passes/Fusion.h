@@ -1,18 +1,18 @@
-//===- Fusion.h - Fuse elementwise chains and generate their GPU code -*- C++ -*-===//
+//===- Fusion.h - Fuse elementwise chains into generated kernels -*- C++ -*-===//
 //
 // Chains of elementwise instructions of one shape (bias adds, GELU,
 // residual adds, the gradient kernels of activations, ...) become one
 // "fused" instruction: its attributes describe the chain as steps over
 // values, which the CPU backend evaluates, and name a kernel whose PTX the
 // compiler generates through MLIR's gpu dialect (gpu -> NVVM -> PTX, no CUDA
-// toolkit needed). Values the chain computes that nothing outside it reads
+// toolkit needed, compiler/bundle/KernelGen.h). Values the chain computes that nothing outside it reads
 // are never written to memory. Norms, softmax, the cross-entropy loss and its
 // gradient, and runs of AdamW updates keep their instructions but name
 // generated kernels too, which the CUDA backend runs instead of its own.
 //
 //===----------------------------------------------------------------------===//
-#ifndef LOOM_COMPILER_BUNDLE_FUSION_H
-#define LOOM_COMPILER_BUNDLE_FUSION_H
+#ifndef LOOM_PASSES_FUSION_H
+#define LOOM_PASSES_FUSION_H
 
 #include "runtime/src/Bundle.h"
 #include "mlir/IR/MLIRContext.h"
@@ -28,12 +28,6 @@ namespace mlir::loom {
 /// "row_<n>", "ce_<n>" and "adam_<n>" (the "kernel" attribute), numbered
 /// from `nextKernel`, which advances.
 int64_t fuseElementwise(::loom::rt::RankProgram &rank, int64_t &nextKernel);
-
-/// PTX (sm_90a) with one entry per fused instruction of every rank,
-/// generated through MLIR's gpu and NVVM dialects; "" when nothing was
-/// fused. Fails with a message in `error`.
-FailureOr<std::string> fusedKernelsPtx(const std::vector<::loom::rt::RankProgram> &ranks,
-                                       std::string &error);
 
 } // namespace mlir::loom
 

@@ -1,0 +1,103 @@
+//===- Pipeline.cpp - The loom-compile pass pipeline ----------------------===//
+
+#include "compiler/Pipeline.h"
+#include "passes/Passes.h"
+#include "mlir/Pass/PassRegistry.h"
+
+#include <algorithm>
+
+using namespace mlir;
+using namespace mlir::loom;
+
+void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o, StringRef until) {
+  bool stopped = false;
+  auto add = [&](std::unique_ptr<Pass> pass) {
+    if (stopped)
+      return;
+    stopped = !until.empty() && pass->getArgument() == until;
+    pm.addPass(std::move(pass));
+  };
+  int64_t dp = o.dataParallel, tp = o.tensorParallel, pp = o.pipelineParallel;
+  int64_t m = o.microbatches;
+  bool pipelined = pp > 1 || m > 1;
+  add(createConfigurePass(o));
+  // loom-configure checks the degrees first; these only have to be defined.
+  SpecializeBatchOptions batch;
+  batch.batch = std::max<int64_t>(1, o.batch / std::max<int64_t>(1, dp * m));
+  add(createSpecializeBatch(batch));
+  // Partition first: its rules match parameters read directly, and the
+  // mixed-precision casts then go after each rank's own shards.
+  PartitionTensorParallelOptions partition;
+  partition.tp = std::max<int64_t>(1, tp);
+  partition.gatherOutputs = !o.train;
+  add(createPartitionTensorParallel(partition));
+  if (o.bf16)
+    add(createMixedPrecision());
+  add(createLowerToStep());
+  if (o.train) {
+    add(createPipelineSplit());
+    add(createAutodiff());
+  }
+  add(createDistributeRanks());
+  if (o.train) {
+    add(createPipelineSchedule());
+    add(createDataParallel());
+    add(createOptimizerUpdate());
+    add(createJoinSliceGradients());
+    add(createPackedQkvAttention());
+    add(createBf16StepCasts());
+  }
+  if (o.fuse)
+    add(createFuseElementwise());
+  if (o.train && (pipelined || dp * tp * pp > 1))
+    add(createCompactRanks());
+  add(createPlanMemory());
+}
+
+namespace {
+
+struct CompilePipelineOptions : public PassPipelineOptions<CompilePipelineOptions> {
+  Option<int64_t> batch{*this, "batch", llvm::cl::desc("Global batch"), llvm::cl::init(1)};
+  Option<bool> train{*this, "train", llvm::cl::desc("The training step of @loss"),
+                     llvm::cl::init(false)};
+  Option<std::string> precision{*this, "precision", llvm::cl::desc("f32 or bf16"),
+                                llvm::cl::init("f32")};
+  Option<bool> fuse{*this, "fuse", llvm::cl::desc("Fused kernels and GEMM epilogues"),
+                    llvm::cl::init(false)};
+  Option<std::string> optimizer{*this, "optimizer", llvm::cl::desc("adamw, sgd or none"),
+                                llvm::cl::init("adamw")};
+  Option<int64_t> dp{*this, "dp", llvm::cl::desc("Data-parallel degree"), llvm::cl::init(1)};
+  Option<int64_t> tp{*this, "tp", llvm::cl::desc("Tensor-parallel degree"), llvm::cl::init(1)};
+  Option<int64_t> pp{*this, "pp", llvm::cl::desc("Pipeline stages"), llvm::cl::init(1)};
+  Option<int64_t> vpp{*this, "vpp", llvm::cl::desc("Virtual stages per rank"), llvm::cl::init(1)};
+  Option<int64_t> mb{*this, "mb", llvm::cl::desc("Microbatches per step"), llvm::cl::init(1)};
+  Option<std::string> schedule{*this, "schedule", llvm::cl::desc("gpipe, 1f1b or interleaved"),
+                               llvm::cl::init("1f1b")};
+  Option<int64_t> zero{*this, "zero", llvm::cl::desc("ZeRO stage (0 or 1)"), llvm::cl::init(0)};
+  Option<int64_t> seed{*this, "seed", llvm::cl::desc("Initialisation seed"), llvm::cl::init(0)};
+  Option<std::string> until{*this, "until",
+                            llvm::cl::desc("Stop after the pass of this argument (loom-autodiff, ...)"),
+                            llvm::cl::init("")};
+};
+
+} // namespace
+
+void mlir::loom::registerCompilePipeline() {
+  PassPipelineRegistration<CompilePipelineOptions>(
+      "loom-compile",
+      "Every compile stage of a model, from loom ops to the lowered step a bundle holds",
+      [](OpPassManager &pm, const CompilePipelineOptions &p) {
+        BundleOptions o;
+        o.batch = p.batch;
+        o.train = p.train;
+        o.bf16 = p.precision == "bf16";
+        o.fuse = p.fuse;
+        o.training.optimizer = p.optimizer;
+        o.dataParallel = p.dp, o.tensorParallel = p.tp, o.pipelineParallel = p.pp;
+        o.virtualStages = p.vpp, o.microbatches = p.mb;
+        o.schedule = p.schedule;
+        o.zero1 = p.zero == 1;
+        o.seed = p.seed;
+        buildCompilePipeline(pm, o, p.until);
+      });
+}

@@ -1,0 +1,134 @@
+//===- LoomRtOps.td - The lowered training or inference step -*- tablegen -*-===//
+//
+// The `loomrt` dialect is the bundle before it is written: per rank, buffers
+// in one arena, parameter and state bindings, and programs of runtime
+// instructions over buffer ids. Every compile stage after lowering
+// (autodiff, pipeline schedule, data parallelism, the optimizer update, the
+// bf16 step rewrites, fusion, memory planning) is a pass from loomrt to
+// loomrt; serialisation writes it out unchanged. Instruction names and
+// attributes are the runtime's (docs/bundle-format.md).
+//
+//===----------------------------------------------------------------------===//
+#ifndef LOOM_RT_OPS_TD
+#define LOOM_RT_OPS_TD
+
+include "mlir/IR/OpBase.td"
+include "mlir/IR/BuiltinAttributes.td"
+
+def LoomRt_Dialect : Dialect {
+  let name = "loomrt";
+  let summary = "The lowered step: ranks, buffers and instruction programs";
+  let description = [{
+    What `loomc compile` writes into a bundle, as IR: a `loomrt.bundle`
+    holds one `loomrt.rank` per device; a rank declares its buffers
+    (`loomrt.buffer`: id, name, tensor type, role, arena offset, or a view of
+    another buffer), binds parameters, inputs, outputs and optimizer state to
+    them, and holds named programs (`forward`, `backward`, `step`, `update`)
+    of `loomrt.instr` operations, each naming a runtime instruction with the
+    ids of the buffers it reads and writes. An instruction's attributes are
+    the op's discardable attributes; those prefixed `loom.` are notes between
+    passes (a record's layer and pipeline chunk) that serialisation drops.
+  }];
+  let cppNamespace = "::mlir::loomrt";
+}
+
+class LoomRt_Op<string mnemonic, list<Trait> traits = []>
+    : Op<LoomRt_Dialect, mnemonic, traits>;
+
+def LoomRt_BundleOp : LoomRt_Op<"bundle", [NoTerminator, SingleBlock]> {
+  let summary = "The bundle being compiled: its ranks and manifest fields";
+  let arguments = (ins StrAttr:$model, StrAttr:$mode, I64Attr:$batch, I64Attr:$seed,
+                       StrAttr:$weights, StrAttr:$kernels, DictionaryAttr:$plan);
+  let regions = (region SizedRegion<1>:$body);
+  let assemblyFormat = "$model $mode `batch` $batch `seed` $seed attr-dict-with-keyword $body";
+}
+
+def LoomRt_RankOp : LoomRt_Op<"rank", [NoTerminator, SingleBlock, HasParent<"BundleOp">]> {
+  let summary = "One rank's buffers, bindings and programs";
+  let arguments = (ins I64Attr:$rank, StrAttr:$device, I64Attr:$arena_bytes,
+                       I64Attr:$peak_bytes, DictionaryAttr:$coords);
+  let regions = (region SizedRegion<1>:$body);
+  let assemblyFormat = "$rank $device attr-dict-with-keyword $body";
+}
+
+def LoomRt_BufferOp : LoomRt_Op<"buffer", [HasParent<"RankOp">]> {
+  let summary = "A buffer of the rank's arena (or a view of another buffer)";
+  let description = [{
+    `bytes` is given only where it is not the type's size; `view_of` is -1
+    for a buffer with its own storage.
+  }];
+  let arguments = (ins I64Attr:$id, StrAttr:$name, TypeAttr:$type, StrAttr:$role,
+                       I64Attr:$offset, OptionalAttr<I64Attr>:$bytes,
+                       DefaultValuedAttr<I64Attr, "-1">:$view_of);
+  let assemblyFormat = "$id $name `:` $type $role `at` $offset attr-dict";
+}
+
+def LoomRt_ParamOp : LoomRt_Op<"param", [HasParent<"RankOp">]> {
+  let summary = "A parameter: its buffer, initialiser, gradient and shard";
+  let arguments = (ins StrAttr:$name, I64Attr:$buffer, StrAttr:$init, F64Attr:$scale,
+                       DefaultValuedAttr<I64Attr, "-1">:$grad,
+                       DefaultValuedAttr<I64Attr, "-1">:$shard_axis,
+                       DefaultValuedAttr<I64Attr, "1">:$shard_parts,
+                       DefaultValuedAttr<I64Attr, "0">:$shard_index,
+                       DefaultValuedAttr<I64Attr, "1">:$shard_blocks,
+                       DefaultValuedAttr<DenseI64ArrayAttr, "{}">:$full_shape);
+  let assemblyFormat = "$name `=` $buffer $init `(` $scale `)` attr-dict";
+}
+
+class LoomRt_BindingOp<string mnemonic, string what>
+    : LoomRt_Op<mnemonic, [HasParent<"RankOp">]> {
+  let summary = what;
+  let arguments = (ins StrAttr:$name, I64Attr:$buffer,
+                       DefaultValuedAttr<I64Attr, "0">:$limit);
+  let assemblyFormat = "$name `=` $buffer attr-dict";
+}
+def LoomRt_InputOp : LoomRt_BindingOp<"input",
+    "An input of the rank (limit: the exclusive bound of index values, 0 if none)">;
+def LoomRt_OutputOp : LoomRt_BindingOp<"output", "An output of the rank">;
+def LoomRt_StateOp : LoomRt_BindingOp<"state",
+    "Optimizer state or the step counter, kept across steps and checkpointed">;
+
+def LoomRt_GroupOp : LoomRt_Op<"group", [HasParent<"RankOp">]> {
+  let summary = "A communication group: the global ranks collectives over it span";
+  let arguments = (ins StrAttr:$name, DenseI64ArrayAttr:$members);
+  let assemblyFormat = "$name `=` $members attr-dict";
+}
+
+def LoomRt_ParamGradOp : LoomRt_Op<"param_grad", [HasParent<"RankOp">]> {
+  let summary = "Between passes: a parameter's gradient as one pipeline chunk computes it";
+  let description = [{
+    Written by `loom-autodiff` (a parameter used by several pipeline chunks,
+    such as a tied embedding, has one gradient per chunk) and read by the
+    pipeline and data-parallel passes; not part of the bundle.
+  }];
+  let arguments = (ins I64Attr:$param, I64Attr:$chunk, I64Attr:$grad);
+  let assemblyFormat = "$param `chunk` $chunk `=` $grad attr-dict";
+}
+
+def LoomRt_ZeroShardOp : LoomRt_Op<"zero_shard", [HasParent<"RankOp">]> {
+  let summary = "Between passes: the gradient slice ZeRO-1 gives this rank of a parameter";
+  let arguments = (ins I64Attr:$param, I64Attr:$shard);
+  let assemblyFormat = "$param `=` $shard attr-dict";
+}
+
+def LoomRt_ProgramOp : LoomRt_Op<"program", [NoTerminator, SingleBlock, HasParent<"RankOp">]> {
+  let summary = "A named instruction stream (forward, backward, step, update)";
+  let arguments = (ins StrAttr:$name);
+  let regions = (region SizedRegion<1>:$body);
+  let assemblyFormat = "$name attr-dict-with-keyword $body";
+}
+
+def LoomRt_InstrOp : LoomRt_Op<"instr", [HasParent<"ProgramOp">]> {
+  let summary = "One runtime instruction over buffer ids";
+  let description = [{
+    `op` names the runtime's instruction (`matmul`, `layernorm_grad`,
+    `all_reduce`, `fused`, ...); its attributes are this op's discardable
+    attributes. `loom.layer`, `loom.chunk` and `loom.view` are notes for
+    autodiff and the pipeline split (a `loom.view` record is a reshape the
+    forward pass made without an instruction).
+  }];
+  let arguments = (ins StrAttr:$op, DenseI64ArrayAttr:$ins, DenseI64ArrayAttr:$outs);
+  let assemblyFormat = "$op $ins `->` $outs attr-dict";
+}
+
+#endif // LOOM_RT_OPS_TD

@@ -1,0 +1,211 @@
+//===- Bf16StepCasts.cpp - Fewer, earlier bf16 casts in a training step ---===//
+//
+// The loom-bf16-step-casts pass: four rewrites of mixed-precision training
+// steps, applied in this order to every rank.
+//
+//===----------------------------------------------------------------------===//
+
+#include "passes/Passes.h"
+#include "passes/StepState.h"
+
+
+namespace mlir::loom {
+#define GEN_PASS_DEF_BF16STEPCASTS
+#include "passes/Passes.h.inc"
+} // namespace mlir::loom
+
+using namespace mlir;
+using namespace mlir::loom;
+namespace rt = ::loom::rt;
+using json = nlohmann::json;
+
+namespace {
+
+/// Mixed precision leaves each parameter's gradient in bf16 and casts it to
+/// f32 for the optimizer. Where that f32 copy is read only by the update
+/// (the clipping norm and the optimizer: no all-reduce, no accumulation over
+/// microbatches), they read the bf16 gradient instead: the widening is exact,
+/// so the update is the same, without a cast per parameter per step or the
+/// f32 copies' memory.
+int64_t optimizerReadsBf16Gradients(rt::RankProgram &r) {
+  if (!r.programs.count("backward") || !r.programs.count("update"))
+    return 0;
+  auto root = [&](int64_t id) { return rt::storageOf(r, id); };
+  // By storage: a view's reads and writes count as its root's.
+  std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readers, writers;
+  for (const auto &[name, list] : r.programs)
+    for (size_t i = 0; i < list.size(); ++i) {
+      for (int64_t id : list[i].in)
+        readers[root(id)].push_back({name, i});
+      for (int64_t id : list[i].out)
+        writers[root(id)].push_back({name, i});
+    }
+  std::set<int64_t> outputs;
+  for (const rt::NamedBuffer &nb : r.outputs)
+    outputs.insert(nb.buffer);
+  std::vector<rt::Instruction> &backward = r.programs["backward"];
+  std::vector<bool> dropped(backward.size(), false);
+  int64_t changed = 0;
+  for (rt::Parameter &p : r.params) {
+    int64_t g = p.grad;
+    if (g < 0 || r.buffers[g].dtype != LOOM_F32 || r.buffers[g].viewOf >= 0 || outputs.count(g) ||
+        writers[g].size() != 1 || writers[g][0].first != "backward")
+      continue;
+    size_t at = writers[g][0].second;
+    const rt::Instruction &cast = backward[at];
+    if (cast.op != "cast" || cast.in.size() != 1)
+      continue;
+    int64_t source = cast.in[0], storage = root(source);
+    if (r.buffers[source].dtype != LOOM_BF16 || outputs.count(storage) || readers[storage].size() != 1 ||
+        writers[storage].size() != 1 || writers[storage][0].first != "backward")
+      continue;
+    bool onlyUpdate = !readers[g].empty();
+    for (auto [name, i] : readers[g]) {
+      const std::string &op = r.programs[name][i].op;
+      onlyUpdate &= name == "update" && (op == "global_norm" || op == "adamw" || op == "sgd");
+    }
+    if (!onlyUpdate)
+      continue;
+    for (auto [name, i] : readers[g])
+      for (int64_t &id : r.programs[name][i].in)
+        if (id == g)
+          id = source;
+    dropped[at] = true;
+    p.grad = source;
+    ++changed;
+  }
+  eraseMarked(backward, dropped);
+  return changed;
+}
+
+/// Gradients reach f32 sums through a bf16 -> f32 cast and an add (the tied
+/// embedding's two contributions; every weight's gradient added into its
+/// accumulator once per microbatch). The add reads the bf16 value itself
+/// instead (both backends widen it exactly and add in f32): the same sums
+/// without a cast kernel and an f32 copy per gradient.
+int64_t addsReadBf16Gradients(rt::RankProgram &r) {
+  auto root = [&](int64_t id) { return rt::storageOf(r, id); };
+  std::map<int64_t, int64_t> reads, writes; // writes by storage (a view's are its root's)
+  for (const auto &[name, list] : r.programs)
+    for (const rt::Instruction &ins : list) {
+      for (int64_t id : ins.in)
+        ++reads[id];
+      for (int64_t id : ins.out)
+        ++writes[root(id)];
+    }
+  std::set<int64_t> kept = keptBuffers(r), viewed = viewedBuffers(r);
+  int64_t changed = 0;
+  for (auto &[name, list] : r.programs) {
+    std::map<int64_t, size_t> castOf; // f32 result -> its cast
+    for (size_t i = 0; i < list.size(); ++i) {
+      const rt::Instruction &ins = list[i];
+      if (ins.op == "cast" && ins.in.size() == 1 && ins.out.size() == 1 &&
+          r.buffers[ins.in[0]].dtype == LOOM_BF16 && r.buffers[ins.out[0]].dtype == LOOM_F32)
+        castOf[ins.out[0]] = i;
+    }
+    std::vector<bool> dropped(list.size(), false);
+    for (rt::Instruction &ins : list) {
+      if (ins.op != "add" || ins.in.size() != 2 || ins.out.size() != 1 ||
+          r.buffers[ins.out[0]].dtype != LOOM_F32)
+        continue;
+      for (int64_t &id : ins.in) {
+        auto it = castOf.find(id);
+        if (it == castOf.end() || dropped[it->second] || reads[id] != 1 || writes[id] != 1 || kept.count(id) ||
+            viewed.count(id) || r.buffers[id].viewOf >= 0 || r.buffers[id].shape != r.buffers[ins.out[0]].shape)
+          continue;
+        int64_t source = list[it->second].in[0];
+        if (writes[root(source)] != 1)
+          continue;
+        id = source;
+        dropped[it->second] = true;
+        ++changed;
+      }
+    }
+    eraseMarked(list, dropped);
+  }
+  return changed;
+}
+
+/// A pipelined step runs every microbatch's forward, each casting the same
+/// weights to bf16 again. The weights do not change within the step, so the
+/// first cast of each serves every microbatch (their bf16 copies then live
+/// the whole step, as one microbatch's do).
+int64_t castWeightsOncePerStep(rt::RankProgram &r) {
+  auto it = r.programs.find("step");
+  if (it == r.programs.end())
+    return 0;
+  std::set<int64_t> params;
+  for (const rt::Parameter &p : r.params)
+    params.insert(p.buffer);
+  std::map<std::pair<int64_t, int>, int64_t> first; // (weight, dtype) -> its first cast's result
+  std::map<int64_t, int64_t> rename;
+  std::vector<rt::Instruction> kept;
+  for (rt::Instruction &ins : it->second) {
+    for (int64_t &id : ins.in)
+      if (auto to = rename.find(id); to != rename.end())
+        id = to->second;
+    if (ins.op == "cast" && ins.in.size() == 1 && ins.out.size() == 1 && params.count(ins.in[0]) &&
+        r.buffers[ins.out[0]].viewOf < 0) {
+      auto [at, inserted] = first.try_emplace({ins.in[0], int(r.buffers[ins.out[0]].dtype)}, ins.out[0]);
+      if (!inserted) {
+        rename[ins.out[0]] = at->second;
+        continue;
+      }
+    }
+    kept.push_back(std::move(ins));
+  }
+  for (rt::Buffer &b : r.buffers) // views of a dropped copy view the kept one
+    if (b.viewOf >= 0)
+      if (auto to = rename.find(b.viewOf); to != rename.end())
+        b.viewOf = to->second;
+  for (auto &[name, list] : r.programs) // other programs (update) read the kept copy
+    if (name != "step")
+      for (rt::Instruction &ins : list)
+        for (int64_t &id : ins.in)
+          if (auto to = rename.find(id); to != rename.end())
+            id = to->second;
+  int64_t dropped = int64_t(it->second.size() - kept.size());
+  it->second = std::move(kept);
+  return dropped;
+}
+
+/// Training bundles cast each f32 master weight to bf16 where the forward
+/// first uses it. The casts move to the start of the forward, next to each
+/// other, where the runtime converts them all in one launch. Memory stays
+/// as it was: the matrices' bf16 copies are kept for the backward anyway,
+/// and the rest (biases, norm shifts, tables read once at the start) are
+/// small or first read at the start.
+int64_t hoistParameterCasts(rt::RankProgram &r) {
+  if (!r.programs.count("forward") || !r.programs.count("backward"))
+    return 0;
+  std::set<int64_t> params;
+  for (const rt::Parameter &p : r.params)
+    params.insert(p.buffer);
+  std::vector<rt::Instruction> &forward = r.programs["forward"], front, rest;
+  for (rt::Instruction &ins : forward) {
+    bool hoist = ins.op == "cast" && ins.in.size() == 1 && ins.out.size() == 1 && params.count(ins.in[0]);
+    (hoist ? front : rest).push_back(std::move(ins));
+  }
+  int64_t moved = int64_t(front.size());
+  front.insert(front.end(), std::make_move_iterator(rest.begin()), std::make_move_iterator(rest.end()));
+  forward = std::move(front);
+  return moved;
+}
+
+struct Bf16StepCastsPass : mlir::loom::impl::Bf16StepCastsBase<Bf16StepCastsPass> {
+  void runOnOperation() override {
+    auto rewrite = [&](Step &step) -> LogicalResult {
+      for (StepRank &sr : step.ranks) {
+        castWeightsOncePerStep(sr.program);
+        optimizerReadsBf16Gradients(sr.program);
+        addsReadBf16Gradients(sr.program);
+        hoistParameterCasts(sr.program);
+      }
+      return success();
+    };
+    if (failed(updateStep(getOperation(), getArgument(), rewrite)))
+      return signalPassFailure();
+  }
+};
+
+} // namespace

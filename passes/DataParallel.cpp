@@ -1,0 +1,169 @@
+//===- DataParallel.cpp - Gradient reductions over stages and replicas ----===//
+//
+// The loom-data-parallel pass: tied parameters' gradients summed over the
+// stages that hold them, every gradient averaged over the data-parallel
+// replicas in buckets that overlap backward (ZeRO-1: reduce-scatter), and the
+// loss averaged and broadcast.
+//
+//===----------------------------------------------------------------------===//
+
+#include "passes/Passes.h"
+#include "passes/StepState.h"
+
+
+namespace mlir::loom {
+#define GEN_PASS_DEF_DATAPARALLEL
+#include "passes/Passes.h.inc"
+} // namespace mlir::loom
+
+using namespace mlir;
+using namespace mlir::loom;
+namespace rt = ::loom::rt;
+using json = nlohmann::json;
+
+namespace {
+
+/// Inserts the data-parallel all-reduces of `grads` into `program`: grads
+/// ordered by when they are finished (the last instruction writing them),
+/// packed into buckets of about `bucketBytes`, each bucket issued right
+/// after its last gradient is done.
+/// Returns the last event recorded (-1 when no bucket).
+int64_t placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &program,
+                             const std::vector<int64_t> &grads, int64_t bucketBytes,
+                             const std::map<int64_t, int64_t> &shards = {}) {
+  int64_t lastEvent = -1;
+  auto root = [&](int64_t id) { return rt::storageOf(r, id); };
+  std::map<int64_t, int64_t> lastWrite; // root -> instruction index
+  for (size_t i = 0; i < program.size(); ++i)
+    for (int64_t id : program[i].out)
+      lastWrite[root(id)] = static_cast<int64_t>(i);
+  std::vector<std::pair<int64_t, int64_t>> ready; // (index, grad)
+  for (int64_t g : grads)
+    ready.push_back({lastWrite.count(root(g)) ? lastWrite[root(g)] : -1, g});
+  std::stable_sort(ready.begin(), ready.end());
+  std::map<int64_t, std::vector<rt::Instruction>> after; // index -> buckets issued after it
+  std::vector<int64_t> bucket;
+  int64_t bytes = 0;
+  for (size_t i = 0; i < ready.size(); ++i) {
+    bucket.push_back(ready[i].second);
+    bytes += r.buffers[ready[i].second].bytes;
+    if (bytes >= bucketBytes || i + 1 == ready.size()) {
+      // On the communication stream; each bucket records event `lastEvent`.
+      json attrs = {{"reduction", "mean"}, {"group", "dp"}, {"async", true}, {"event", ++lastEvent}};
+      if (shards.empty()) {
+        after[ready[i].first].push_back({"all_reduce", bucket, bucket, attrs});
+      } else { // ZeRO-1: each rank keeps the mean of its slice of every gradient
+        std::vector<int64_t> outs;
+        for (int64_t g : bucket)
+          outs.push_back(shards.at(g));
+        after[ready[i].first].push_back({"reduce_scatter", bucket, outs, attrs});
+      }
+      bucket.clear();
+      bytes = 0;
+    }
+  }
+  std::vector<rt::Instruction> out;
+  if (auto it = after.find(-1); it != after.end())
+    out.insert(out.end(), it->second.begin(), it->second.end());
+  for (size_t i = 0; i < program.size(); ++i) {
+    out.push_back(std::move(program[i]));
+    if (auto it = after.find(static_cast<int64_t>(i)); it != after.end())
+      out.insert(out.end(), it->second.begin(), it->second.end());
+  }
+  program = std::move(out);
+  return lastEvent;
+}
+
+/// The stages that compute each parameter's gradient (several for a tied
+/// embedding), from autodiff's per-chunk gradients.
+std::map<int64_t, std::set<int64_t>> stagesOf(const StepRank &sr, int64_t pp) {
+  std::map<int64_t, std::set<int64_t>> stages;
+  for (auto &[key, grad] : sr.paramGrads)
+    stages[key.first].insert(key.second % pp);
+  return stages;
+}
+
+struct DataParallelPass : mlir::loom::impl::DataParallelBase<DataParallelPass> {
+  void runOnOperation() override {
+    ModuleOp module = getOperation();
+    FailureOr<BundleOptions> o = getCompileOptions(module);
+    if (failed(o))
+      return signalPassFailure();
+    int64_t dp = o->dataParallel, pp = o->pipelineParallel;
+    bool pipelined = pp > 1 || o->microbatches > 1;
+    Grid grid{dp, o->tensorParallel, pp};
+    auto reduce = [&](Step &step) -> LogicalResult {
+      for (StepRank &sr : step.ranks) {
+        rt::RankProgram &r = sr.program;
+        if (r.outputs.size() != 1)
+          return module.emitError() << "loom-data-parallel runs on a training step's ranks";
+        int64_t g = r.rank, stage = grid.ppOf(g);
+        int64_t lossStage = pipelined ? sr.lossStage : pp - 1;
+        std::map<int64_t, std::set<int64_t>> stagesOfParam = stagesOf(sr, pp);
+        std::vector<rt::Instruction> reduce;
+        for (const rt::Parameter &p : r.params) {
+          const std::set<int64_t> &stages = stagesOfParam[p.buffer];
+          if (p.grad < 0 || stages.size() < 2)
+            continue;
+          std::string name = "stages";
+          std::vector<int64_t> members;
+          for (int64_t s : stages) {
+            name += "." + std::to_string(s);
+            members.push_back(grid.rankOf(grid.dpOf(g), grid.tpOf(g), s));
+          }
+          r.groups[name] = members;
+          reduce.push_back({"all_reduce", {p.grad}, {p.grad}, json{{"reduction", "sum"}, {"group", name}}});
+        }
+        int64_t lastBucketEvent = -1;
+        if (dp > 1) {
+          // ZeRO-1: a slice of ceil(n / dp) elements of every gradient per rank.
+          std::map<int64_t, int64_t> shardOfGrad;
+          if (o->zero1)
+            for (const rt::Parameter &p : r.params)
+              if (p.grad >= 0) {
+                rt::Buffer slice;
+                slice.id = static_cast<int64_t>(r.buffers.size());
+                slice.name = p.name + ".grad_shard";
+                int64_t n = rt::numElements(r.buffers[p.grad].shape).value_or(0);
+                slice.shape = {(n + dp - 1) / dp};
+                slice.bytes = slice.shape[0] * 4;
+                r.buffers.push_back(slice);
+                sr.zeroShards[p.buffer] = slice.id;
+                shardOfGrad[p.grad] = slice.id;
+              }
+          // Gradients held by one stage are averaged over the replicas as soon
+          // as backward finishes them; shared ones after their stages' sum.
+          std::vector<int64_t> early;
+          for (const rt::Parameter &p : r.params) {
+            if (p.grad < 0)
+              continue;
+            if (stagesOfParam[p.buffer].size() < 2)
+              early.push_back(p.grad);
+            else if (o->zero1)
+              reduce.push_back({"reduce_scatter", {p.grad}, {shardOfGrad[p.grad]},
+                                json{{"reduction", "mean"}, {"group", "dp"}}});
+            else
+              reduce.push_back({"all_reduce", {p.grad}, {p.grad}, json{{"reduction", "mean"}, {"group", "dp"}}});
+          }
+          lastBucketEvent = placeGradientBuckets(r, r.programs[pipelined ? "step" : "backward"], early,
+                                                 o->bucketBytes, shardOfGrad);
+          if (stage == lossStage)
+            reduce.push_back({"all_reduce", {r.outputs[0].buffer}, {r.outputs[0].buffer},
+                              json{{"reduction", "mean"}, {"group", "dp"}}});
+        }
+        if (pp > 1) // every rank reports the loss
+          reduce.push_back({"broadcast_from", {r.outputs[0].buffer}, {r.outputs[0].buffer},
+                            json{{"root", lossStage}, {"group", "pp"}}});
+        if (lastBucketEvent >= 0) // the buckets issued during backward are done before anything reads them
+          reduce.insert(reduce.begin(), rt::Instruction{"event_wait", {}, {}, json{{"event", lastBucketEvent}}});
+        if (!reduce.empty()) // the update program starts with them
+          r.programs["update"] = std::move(reduce);
+      }
+      return success();
+    };
+    if (failed(updateStep(module, getArgument(), reduce)))
+      return signalPassFailure();
+  }
+};
+
+} // namespace

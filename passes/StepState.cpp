@@ -1,0 +1,465 @@
+//===- StepState.cpp - The lowered step as passes read and write it -------===//
+
+#include "passes/StepState.h"
+#include "dialects/loomrt/IR/LoomRtDialect.h"
+#include "mlir/IR/Builders.h"
+#include "mlir/IR/BuiltinTypes.h"
+
+using namespace mlir;
+using namespace mlir::loom;
+namespace rt = ::loom::rt;
+using json = nlohmann::json;
+
+//===----------------------------------------------------------------------===//
+// JSON <-> attributes
+//===----------------------------------------------------------------------===//
+
+Attribute mlir::loom::jsonToAttr(MLIRContext *ctx, const json &v) {
+  Builder b(ctx);
+  switch (v.type()) {
+  case json::value_t::boolean:
+    return b.getBoolAttr(v.get<bool>());
+  case json::value_t::number_integer:
+    return b.getI64IntegerAttr(v.get<int64_t>());
+  case json::value_t::number_unsigned:
+    return b.getI64IntegerAttr(static_cast<int64_t>(v.get<uint64_t>()));
+  case json::value_t::number_float:
+    return b.getF64FloatAttr(v.get<double>());
+  case json::value_t::string:
+    return b.getStringAttr(v.get<std::string>());
+  case json::value_t::array: {
+    bool integers = std::all_of(v.begin(), v.end(), [](const json &e) {
+      return e.is_number_integer();
+    });
+    if (integers) {
+      SmallVector<int64_t> values;
+      for (const json &e : v)
+        values.push_back(e.is_number_unsigned() ? int64_t(e.get<uint64_t>()) : e.get<int64_t>());
+      return b.getDenseI64ArrayAttr(values);
+    }
+    SmallVector<Attribute> items;
+    for (const json &e : v)
+      items.push_back(jsonToAttr(ctx, e));
+    return b.getArrayAttr(items);
+  }
+  case json::value_t::object: {
+    SmallVector<NamedAttribute> items;
+    for (auto it = v.begin(); it != v.end(); ++it)
+      items.push_back(b.getNamedAttr(it.key(), jsonToAttr(ctx, it.value())));
+    return b.getDictionaryAttr(items);
+  }
+  default: // null, binary: the compiler writes neither
+    return UnitAttr::get(ctx);
+  }
+}
+
+FailureOr<json> mlir::loom::attrToJson(Attribute a) {
+  if (auto b = dyn_cast<BoolAttr>(a)) // an i1 IntegerAttr: before the integers
+    return json(b.getValue());
+  if (auto i = dyn_cast<IntegerAttr>(a))
+    return json(i.getValue().getSExtValue());
+  if (auto f = dyn_cast<FloatAttr>(a))
+    return json(f.getValueAsDouble());
+  if (isa<UnitAttr>(a))
+    return json(true);
+  if (auto s = dyn_cast<StringAttr>(a))
+    return json(s.getValue().str());
+  if (auto arr = dyn_cast<DenseI64ArrayAttr>(a))
+    return json(std::vector<int64_t>(arr.asArrayRef().begin(), arr.asArrayRef().end()));
+  if (auto arr = dyn_cast<ArrayAttr>(a)) {
+    json out = json::array();
+    for (Attribute e : arr) {
+      FailureOr<json> v = attrToJson(e);
+      if (failed(v))
+        return failure();
+      out.push_back(std::move(*v));
+    }
+    return out;
+  }
+  if (auto dict = dyn_cast<DictionaryAttr>(a)) {
+    json out = json::object();
+    for (NamedAttribute n : dict) {
+      FailureOr<json> v = attrToJson(n.getValue());
+      if (failed(v))
+        return failure();
+      out[n.getName().getValue().str()] = std::move(*v);
+    }
+    return out;
+  }
+  return failure();
+}
+
+FailureOr<json> mlir::loom::instructionAttr(Operation *op, NamedAttribute attr) {
+  Attribute a = attr.getValue();
+  if (isa<IntegerAttr, FloatAttr, UnitAttr, BoolAttr, StringAttr, DenseI64ArrayAttr>(a))
+    return attrToJson(a);
+  return op->emitError() << "cannot lower attribute '" << attr.getName().getValue() << "' ("
+                         << a << ") into a bundle instruction";
+}
+
+//===----------------------------------------------------------------------===//
+// Compile options on the module
+//===----------------------------------------------------------------------===//
+
+void mlir::loom::setCompileOptions(ModuleOp module, const BundleOptions &o) {
+  const TrainOptions &t = o.training;
+  json options = {{"batch", o.batch},
+                  {"seed", o.seed},
+                  {"model", o.modelName},
+                  {"train", o.train},
+                  {"bf16", o.bf16},
+                  {"fuse", o.fuse},
+                  {"optimizer", t.optimizer},
+                  {"lr", t.lr},
+                  {"min_lr", t.minLr},
+                  {"beta1", t.beta1},
+                  {"beta2", t.beta2},
+                  {"eps", t.eps},
+                  {"weight_decay", t.weightDecay},
+                  {"momentum", t.momentum},
+                  {"clip", t.clip},
+                  {"warmup", t.warmup},
+                  {"total_steps", t.totalSteps}};
+  json plan = {{"dp", o.dataParallel},
+               {"tp", o.tensorParallel},
+               {"pp", o.pipelineParallel},
+               {"vpp", o.virtualStages},
+               {"microbatches", o.microbatches},
+               {"schedule", o.schedule},
+               {"zero", o.zero1 ? 1 : 0},
+               {"stages", o.chunkUnits},
+               {"bucket_bytes", o.bucketBytes},
+               {"recompute", std::vector<std::string>(t.recompute.begin(), t.recompute.end())},
+               {"record", o.plan}};
+  MLIRContext *ctx = module.getContext();
+  module->setAttr("loom.options", jsonToAttr(ctx, options));
+  module->setAttr("loom.plan", jsonToAttr(ctx, plan));
+}
+
+FailureOr<BundleOptions> mlir::loom::getCompileOptions(ModuleOp module) {
+  BundleOptions o;
+  json options = json::object(), plan = json::object();
+  for (auto [name, into] : {std::pair<const char *, json *>{"loom.options", &options},
+                            std::pair<const char *, json *>{"loom.plan", &plan}}) {
+    Attribute a = module->getAttr(name);
+    if (!a)
+      continue;
+    FailureOr<json> v = failure();
+    if (isa<DictionaryAttr>(a))
+      v = attrToJson(a);
+    if (failed(v))
+      return module.emitError() << "'" << name << "' must be a dictionary of numbers, strings "
+                                   "and arrays, got " << a;
+    *into = std::move(*v);
+  }
+  try {
+    TrainOptions &t = o.training;
+    o.batch = options.value("batch", o.batch);
+    o.seed = options.value("seed", o.seed);
+    o.modelName = options.value("model", o.modelName);
+    o.train = options.value("train", o.train);
+    o.bf16 = options.value("bf16", o.bf16);
+    o.fuse = options.value("fuse", o.fuse);
+    t.optimizer = options.value("optimizer", t.optimizer);
+    t.lr = options.value("lr", t.lr);
+    t.minLr = options.value("min_lr", t.minLr);
+    t.beta1 = options.value("beta1", t.beta1);
+    t.beta2 = options.value("beta2", t.beta2);
+    t.eps = options.value("eps", t.eps);
+    t.weightDecay = options.value("weight_decay", t.weightDecay);
+    t.momentum = options.value("momentum", t.momentum);
+    t.clip = options.value("clip", t.clip);
+    t.warmup = options.value("warmup", t.warmup);
+    t.totalSteps = options.value("total_steps", t.totalSteps);
+    o.dataParallel = plan.value("dp", o.dataParallel);
+    o.tensorParallel = plan.value("tp", o.tensorParallel);
+    o.pipelineParallel = plan.value("pp", o.pipelineParallel);
+    o.virtualStages = plan.value("vpp", o.virtualStages);
+    o.microbatches = plan.value("microbatches", o.microbatches);
+    o.schedule = plan.value("schedule", o.schedule);
+    o.zero1 = plan.value("zero", 0) == 1;
+    if (plan.contains("stages"))
+      o.chunkUnits = plan["stages"].get<std::vector<int64_t>>();
+    o.bucketBytes = plan.value("bucket_bytes", o.bucketBytes);
+    if (plan.contains("recompute"))
+      for (const json &r : plan["recompute"])
+        t.recompute.insert(r.get<std::string>());
+    o.plan = plan.value("record", json::object());
+  } catch (const json::exception &e) {
+    return module.emitError() << "malformed 'loom.options' or 'loom.plan': " << e.what();
+  }
+  return o;
+}
+
+//===----------------------------------------------------------------------===//
+// The loomrt.bundle <-> Step
+//===----------------------------------------------------------------------===//
+
+namespace {
+
+Type elementType(MLIRContext *ctx, loom_dtype_t t) {
+  switch (t) {
+  case LOOM_F64: return Float64Type::get(ctx);
+  case LOOM_BF16: return BFloat16Type::get(ctx);
+  case LOOM_F16: return Float16Type::get(ctx);
+  case LOOM_I32: return IntegerType::get(ctx, 32);
+  case LOOM_I64: return IntegerType::get(ctx, 64);
+  default: return Float32Type::get(ctx);
+  }
+}
+
+std::optional<loom_dtype_t> dtypeOf(Type t) {
+  if (t.isF32()) return LOOM_F32;
+  if (t.isF64()) return LOOM_F64;
+  if (t.isBF16()) return LOOM_BF16;
+  if (t.isF16()) return LOOM_F16;
+  if (t.isInteger(32)) return LOOM_I32;
+  if (t.isInteger(64)) return LOOM_I64;
+  return std::nullopt;
+}
+
+std::optional<rt::BufferRole> roleOf(StringRef s) {
+  for (rt::BufferRole r : {rt::BufferRole::Input, rt::BufferRole::Output, rt::BufferRole::Param,
+                           rt::BufferRole::Activation, rt::BufferRole::State})
+    if (s == rt::roleName(r))
+      return r;
+  return std::nullopt;
+}
+
+std::vector<int64_t> toVector(ArrayRef<int64_t> a) { return std::vector<int64_t>(a.begin(), a.end()); }
+
+} // namespace
+
+FailureOr<Step> mlir::loom::readStep(ModuleOp module, StringRef pass) {
+  loomrt::BundleOp bundle;
+  for (auto b : module.getOps<loomrt::BundleOp>())
+    bundle = b;
+  if (!bundle)
+    return module.emitError() << pass << " runs on the lowered step (a loomrt.bundle); run "
+                                         "loom-lower-to-step first";
+  Step step;
+  rt::Manifest &m = step.manifest;
+  m.model = bundle.getModel().str();
+  m.mode = bundle.getMode().str();
+  m.batch = bundle.getBatch();
+  m.seed = static_cast<uint64_t>(bundle.getSeed());
+  m.weights = bundle.getWeights().str();
+  m.kernels = bundle.getKernels().str();
+  FailureOr<json> plan = attrToJson(bundle.getPlan());
+  if (failed(plan))
+    return bundle.emitError() << "the plan holds an attribute that is not JSON";
+  m.plan = std::move(*plan);
+  for (auto rankOp : bundle.getBody().getOps<loomrt::RankOp>()) {
+    StepRank sr;
+    rt::RankProgram &r = sr.program;
+    if (auto stage = rankOp->getAttrOfType<IntegerAttr>("loom.loss_stage"))
+      sr.lossStage = stage.getInt();
+    r.rank = rankOp.getRank();
+    r.device = rankOp.getDevice().str();
+    r.arenaBytes = rankOp.getArenaBytes();
+    r.peakActivationBytes = rankOp.getPeakBytes();
+    for (NamedAttribute c : rankOp.getCoords())
+      if (auto i = dyn_cast<IntegerAttr>(c.getValue()))
+        r.coords[c.getName().str()] = i.getInt();
+    for (Operation &op : rankOp.getBody().front()) {
+      if (auto b = dyn_cast<loomrt::BufferOp>(op)) {
+        rt::Buffer buf;
+        buf.id = b.getId();
+        buf.name = b.getName().str();
+        auto type = dyn_cast<RankedTensorType>(b.getType());
+        std::optional<loom_dtype_t> dt = type ? dtypeOf(type.getElementType()) : std::nullopt;
+        std::optional<rt::BufferRole> role = roleOf(b.getRole());
+        if (!dt || !role || buf.id != int64_t(r.buffers.size()))
+          return b.emitError() << "malformed buffer (ids in order from 0, a ranked tensor of "
+                                  "f32/f64/bf16/f16/i32/i64, a known role)";
+        buf.dtype = *dt;
+        buf.shape = toVector(type.getShape());
+        buf.role = *role;
+        buf.offset = b.getOffset();
+        buf.bytes = b.getBytes() ? int64_t(*b.getBytes())
+                                 : type.getNumElements() * int64_t(rt::dtypeSize(*dt));
+        buf.viewOf = b.getViewOf();
+        r.buffers.push_back(std::move(buf));
+      } else if (auto p = dyn_cast<loomrt::ParamOp>(op)) {
+        rt::Parameter param;
+        param.name = p.getName().str();
+        param.buffer = p.getBuffer();
+        param.init = {p.getInit().str(), p.getScale().convertToDouble()};
+        param.grad = p.getGrad();
+        param.shard.axis = p.getShardAxis();
+        param.shard.parts = p.getShardParts();
+        param.shard.index = p.getShardIndex();
+        param.shard.blocks = p.getShardBlocks();
+        param.shard.fullShape = toVector(p.getFullShape());
+        r.params.push_back(std::move(param));
+      } else if (auto in = dyn_cast<loomrt::InputOp>(op)) {
+        r.inputs.push_back({in.getName().str(), int64_t(in.getBuffer()), int64_t(in.getLimit())});
+      } else if (auto out = dyn_cast<loomrt::OutputOp>(op)) {
+        r.outputs.push_back({out.getName().str(), int64_t(out.getBuffer()), int64_t(out.getLimit())});
+      } else if (auto st = dyn_cast<loomrt::StateOp>(op)) {
+        r.state.push_back({st.getName().str(), int64_t(st.getBuffer()), int64_t(st.getLimit())});
+      } else if (auto g = dyn_cast<loomrt::GroupOp>(op)) {
+        r.groups[g.getName().str()] = toVector(g.getMembers());
+      } else if (auto pg = dyn_cast<loomrt::ParamGradOp>(op)) {
+        sr.paramGrads[{pg.getParam(), pg.getChunk()}] = pg.getGrad();
+      } else if (auto z = dyn_cast<loomrt::ZeroShardOp>(op)) {
+        sr.zeroShards[z.getParam()] = z.getShard();
+      } else if (auto prog = dyn_cast<loomrt::ProgramOp>(op)) {
+        std::vector<rt::Instruction> &list = r.programs[prog.getName().str()];
+        for (auto ins : prog.getBody().getOps<loomrt::InstrOp>()) {
+          rt::Instruction i;
+          i.op = ins.getOp().str();
+          i.in = toVector(ins.getIns());
+          i.out = toVector(ins.getOuts());
+          FailureOr<json> attrs = attrToJson(ins->getDiscardableAttrDictionary());
+          if (failed(attrs))
+            return ins.emitError() << "has an attribute that is not JSON";
+          i.attrs = std::move(*attrs);
+          list.push_back(std::move(i));
+        }
+      }
+    }
+    step.ranks.push_back(std::move(sr));
+  }
+  return step;
+}
+
+void mlir::loom::writeStep(ModuleOp module, const Step &step) {
+  MLIRContext *ctx = module.getContext();
+  ctx->getOrLoadDialect<loomrt::LoomRtDialect>();
+  for (auto b : llvm::make_early_inc_range(module.getOps<loomrt::BundleOp>()))
+    b.erase();
+  OpBuilder b = OpBuilder::atBlockEnd(module.getBody());
+  Location loc = module.getLoc();
+  const rt::Manifest &m = step.manifest;
+  auto bundle = b.create<loomrt::BundleOp>(
+      loc, m.model, m.mode, m.batch, static_cast<int64_t>(m.seed), m.weights, m.kernels,
+      cast<DictionaryAttr>(jsonToAttr(ctx, m.plan.is_object() ? m.plan : json::object())));
+  Block *body = new Block();
+  bundle.getBody().push_back(body);
+  for (const StepRank &sr : step.ranks) {
+    const rt::RankProgram &r = sr.program;
+    b.setInsertionPointToEnd(body);
+    SmallVector<NamedAttribute> coords;
+    for (auto &[k, v] : r.coords)
+      coords.push_back(b.getNamedAttr(k, b.getI64IntegerAttr(v)));
+    auto rank = b.create<loomrt::RankOp>(loc, r.rank, r.device, r.arenaBytes,
+                                         r.peakActivationBytes, b.getDictionaryAttr(coords));
+    if (sr.lossStage >= 0)
+      rank->setAttr("loom.loss_stage", b.getI64IntegerAttr(sr.lossStage));
+    Block *rb = new Block();
+    rank.getBody().push_back(rb);
+    b.setInsertionPointToEnd(rb);
+    for (auto &[name, members] : r.groups)
+      b.create<loomrt::GroupOp>(loc, name, members);
+    for (const rt::Buffer &buf : r.buffers) {
+      auto type = RankedTensorType::get(buf.shape, elementType(ctx, buf.dtype));
+      int64_t natural = type.getNumElements() * int64_t(rt::dtypeSize(buf.dtype));
+      auto op = b.create<loomrt::BufferOp>(loc, buf.id, buf.name, type, rt::roleName(buf.role),
+                                           buf.offset, IntegerAttr(), buf.viewOf);
+      if (buf.bytes != natural)
+        op.setBytes(buf.bytes);
+    }
+    for (const rt::Parameter &p : r.params)
+      b.create<loomrt::ParamOp>(loc, p.name, p.buffer, p.init.kind, APFloat(p.init.scale), p.grad,
+                                p.shard.axis, p.shard.parts, p.shard.index, p.shard.blocks,
+                                p.shard.fullShape);
+    for (const rt::NamedBuffer &nb : r.inputs)
+      b.create<loomrt::InputOp>(loc, nb.name, nb.buffer, nb.limit);
+    for (const rt::NamedBuffer &nb : r.outputs)
+      b.create<loomrt::OutputOp>(loc, nb.name, nb.buffer, nb.limit);
+    for (const rt::NamedBuffer &nb : r.state)
+      b.create<loomrt::StateOp>(loc, nb.name, nb.buffer, nb.limit);
+    for (auto &[key, grad] : sr.paramGrads)
+      b.create<loomrt::ParamGradOp>(loc, key.first, key.second, grad);
+    for (auto &[param, shard] : sr.zeroShards)
+      b.create<loomrt::ZeroShardOp>(loc, param, shard);
+    for (auto &[name, list] : r.programs) {
+      b.setInsertionPointToEnd(rb);
+      auto prog = b.create<loomrt::ProgramOp>(loc, name);
+      Block *pb = new Block();
+      prog.getBody().push_back(pb);
+      b.setInsertionPointToEnd(pb);
+      for (const rt::Instruction &i : list) {
+        auto ins = b.create<loomrt::InstrOp>(loc, i.op, i.in, i.out);
+        if (i.attrs.is_object() && !i.attrs.empty())
+          ins->setDiscardableAttrs(cast<DictionaryAttr>(jsonToAttr(ctx, i.attrs)));
+      }
+    }
+  }
+}
+
+LogicalResult mlir::loom::updateStep(ModuleOp module, StringRef pass,
+                                     function_ref<LogicalResult(Step &)> fn) {
+  FailureOr<Step> step = readStep(module, pass);
+  if (failed(step) || failed(fn(*step)))
+    return failure();
+  writeStep(module, *step);
+  return success();
+}
+
+rt::Manifest mlir::loom::toManifest(const Step &step) {
+  rt::Manifest m = step.manifest;
+  m.ranks.clear();
+  for (const StepRank &sr : step.ranks) {
+    m.ranks.push_back(sr.program);
+    for (auto &[name, list] : m.ranks.back().programs)
+      for (rt::Instruction &ins : list)
+        for (const char *note : {"loom.chunk", "loom.layer", "loom.view", "loom.source"})
+          ins.attrs.erase(note);
+  }
+  return m;
+}
+
+//===----------------------------------------------------------------------===//
+// What the step passes share
+//===----------------------------------------------------------------------===//
+
+void Grid::describe(rt::RankProgram &r) const {
+  int64_t g = r.rank, d = dpOf(g), t = tpOf(g), p = ppOf(g);
+  r.coords = {{"dp", d}, {"tp", t}, {"pp", p}};
+  std::vector<int64_t> dpG, tpG, ppG, mpG;
+  for (int64_t i = 0; i < dp; ++i)
+    dpG.push_back(rankOf(i, t, p));
+  for (int64_t i = 0; i < tp; ++i)
+    tpG.push_back(rankOf(d, i, p));
+  for (int64_t i = 0; i < pp; ++i)
+    ppG.push_back(rankOf(d, t, i));
+  for (int64_t i = 0; i < pp; ++i) // every rank of this data-parallel replica
+    for (int64_t j = 0; j < tp; ++j)
+      mpG.push_back(rankOf(d, j, i));
+  std::vector<int64_t> allG;
+  for (int64_t i = 0; i < size(); ++i)
+    allG.push_back(i);
+  r.groups = {{"dp", dpG}, {"tp", tpG}, {"pp", ppG}, {"mp", mpG}, {"all", allG}};
+}
+
+std::set<int64_t> mlir::loom::keptBuffers(const rt::RankProgram &r) {
+  std::set<int64_t> kept;
+  for (const rt::NamedBuffer &nb : r.outputs)
+    kept.insert(nb.buffer);
+  for (const rt::Parameter &p : r.params)
+    if (p.grad >= 0)
+      kept.insert(p.grad);
+  return kept;
+}
+
+std::set<int64_t> mlir::loom::viewedBuffers(const rt::RankProgram &r) {
+  std::set<int64_t> viewed;
+  for (const rt::Buffer &b : r.buffers)
+    if (b.viewOf >= 0)
+      viewed.insert(b.viewOf);
+  return viewed;
+}
+
+void mlir::loom::eraseMarked(std::vector<rt::Instruction> &list, const std::vector<bool> &drop) {
+  std::vector<rt::Instruction> kept;
+  for (size_t i = 0; i < list.size(); ++i)
+    if (!drop[i])
+      kept.push_back(std::move(list[i]));
+  list = std::move(kept);
+}
+
+bool mlir::loom::isFloatRole(const rt::Buffer &b) {
+  return b.role == rt::BufferRole::Param || b.role == rt::BufferRole::State;
+}

@@ -1,0 +1,159 @@
+//===- StepState.h - The lowered step as passes read and write it -*- C++ -*-===//
+//
+// The compile stages after lowering are passes over the `loomrt` dialect.
+// Each reads the module's loomrt.bundle into the runtime's own structures
+// (rt::RankProgram: buffers, bindings, instruction lists), transforms them,
+// and writes the bundle back, so that every stage's output is IR that
+// loom-opt prints and lit checks, and serialisation writes what the last
+// pass left. The options every stage reads (batch, precision, the parallel
+// plan) are attributes on the module: `loom.options` and `loom.plan`.
+//
+//===----------------------------------------------------------------------===//
+#ifndef LOOM_PASSES_STEPSTATE_H
+#define LOOM_PASSES_STEPSTATE_H
+
+#include "runtime/src/Bundle.h"
+#include "mlir/IR/BuiltinOps.h"
+
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace mlir::loom {
+
+/// Hyper-parameters of the training step (loomc compile --train).
+struct TrainOptions {
+  std::string optimizer = "adamw"; // adamw, sgd, or none (gradients only)
+  double lr = 3e-4, minLr = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double weightDecay = 0.1; // applied to matrices, not to biases and norms
+  double momentum = 0.9;    // sgd
+  double clip = 1.0;        // global gradient-norm clipping; 0 turns it off
+  int64_t warmup = 0, totalSteps = 0; // linear warm-up, then cosine decay over totalSteps
+  /// Layers whose activations are recomputed in backward instead of kept:
+  /// "all", a block's name ("layer": every application) or one application
+  /// ("layer.3").
+  std::set<std::string> recompute;
+};
+
+struct BundleOptions {
+  int64_t batch = 1;
+  uint64_t seed = 0;
+  std::string modelName = "model";
+  std::string weightsFile; // load instead of initialising, when set
+  bool noWeights = false;  // write no weights file: the runtime initialises from the seed
+  bool train = false;      // lower @loss with backward and update programs
+  bool bf16 = false;       // bf16 activations, f32 master parameters (loom-mixed-precision)
+  /// Data-parallel ranks: each runs batch / dataParallel examples, and the
+  /// update starts by averaging gradients (and the loss) over the ranks.
+  int64_t dataParallel = 1;
+  /// ZeRO-1: optimizer state partitioned over the data-parallel ranks.
+  bool zero1 = false;
+  /// Megatron tensor parallelism over this many ranks (loom-partition-tp).
+  int64_t tensorParallel = 1;
+  /// Pipeline stages, virtual stages per rank (interleaved 1F1B) and
+  /// microbatches per step; the schedule is gpipe, 1f1b or interleaved.
+  int64_t pipelineParallel = 1, virtualStages = 1, microbatches = 1;
+  std::string schedule = "1f1b";
+  /// Units (embedding, each layer, head) per pipeline chunk, in chunk order
+  /// (chunk c runs on stage c % pp); empty: split them evenly.
+  std::vector<int64_t> chunkUnits;
+  /// Data-parallel gradient all-reduces go in buckets of about this many
+  /// bytes, each issued right after the last instruction that finishes one
+  /// of its gradients, so that communication overlaps the rest of backward.
+  int64_t bucketBytes = 25 << 20;
+  /// Fuse chains of elementwise instructions into generated kernels (PTX in
+  /// the bundle's kernels.ptx; the CPU backend evaluates their description).
+  bool fuse = false;
+  /// Recorded in the manifest: the plan this bundle was compiled for.
+  nlohmann::json plan = nlohmann::json::object();
+  TrainOptions training;
+};
+
+/// Writes `options` onto the module as `loom.options` (batch, seed,
+/// precision, fusion, the training step's hyper-parameters) and `loom.plan`
+/// (the parallel degrees, schedule, stages, buckets, and the plan recorded
+/// in the manifest). The weights file and --no-weights are serialisation's,
+/// not the passes', and stay out.
+void setCompileOptions(ModuleOp module, const BundleOptions &options);
+/// Reads them back; defaults where the module has none. Fails with a
+/// diagnostic on a malformed attribute.
+FailureOr<BundleOptions> getCompileOptions(ModuleOp module);
+
+/// One rank as the passes see it: what the bundle holds, and what passes
+/// leave for later ones.
+struct StepRank {
+  ::loom::rt::RankProgram program;
+  /// The pipeline stage whose last chunk computes the loss (set by
+  /// loom-pipeline-schedule; -1 before, or without pipelining).
+  int64_t lossStage = -1;
+  /// (parameter buffer, pipeline chunk) -> the gradient that chunk computes.
+  std::map<std::pair<int64_t, int64_t>, int64_t> paramGrads;
+  /// ZeRO-1: parameter buffer -> the gradient slice this rank updates.
+  std::map<int64_t, int64_t> zeroShards;
+};
+
+struct Step {
+  ::loom::rt::Manifest manifest; // every field but `ranks`
+  std::vector<StepRank> ranks;
+};
+
+/// Reads the module's loomrt.bundle; fails (naming `pass`) where there is none.
+FailureOr<Step> readStep(ModuleOp module, StringRef pass);
+/// Replaces the module's loomrt.bundle with `step` (or adds one).
+void writeStep(ModuleOp module, const Step &step);
+/// Reads the step, runs `fn` on it and writes it back; what a step pass's
+/// runOnOperation does. Fails where reading or `fn` fails.
+LogicalResult updateStep(ModuleOp module, StringRef pass, function_ref<LogicalResult(Step &)> fn);
+
+/// The manifest the bundle writes: the ranks' programs without the notes
+/// passes leave for each other.
+::loom::rt::Manifest toManifest(const Step &step);
+
+//===----------------------------------------------------------------------===//
+// What the step passes share
+//===----------------------------------------------------------------------===//
+
+/// Where global rank g sits in the dp x tp x pp grid (tp fastest, then dp,
+/// then pp, as Megatron-LM numbers ranks), and the groups it belongs to.
+struct Grid {
+  int64_t dp, tp, pp;
+  int64_t size() const { return dp * tp * pp; }
+  int64_t rankOf(int64_t d, int64_t t, int64_t p) const { return (p * dp + d) * tp + t; }
+  int64_t dpOf(int64_t g) const { return (g / tp) % dp; }
+  int64_t tpOf(int64_t g) const { return g % tp; }
+  int64_t ppOf(int64_t g) const { return g / (dp * tp); }
+  /// Fills the rank's coordinates and its dp, tp, pp, mp and all groups.
+  void describe(::loom::rt::RankProgram &r) const;
+};
+
+/// Buffers a rewrite must leave as they are: the rank's outputs and the
+/// parameters' gradients (the C API and the update read them).
+std::set<int64_t> keptBuffers(const ::loom::rt::RankProgram &r);
+/// Buffers some other buffer is a view of.
+std::set<int64_t> viewedBuffers(const ::loom::rt::RankProgram &r);
+/// Removes the instructions `drop` marks, keeping the order of the rest.
+void eraseMarked(std::vector<::loom::rt::Instruction> &list, const std::vector<bool> &drop);
+/// Parameters and optimizer state: shared by every microbatch, never copied.
+bool isFloatRole(const ::loom::rt::Buffer &b);
+
+/// Packs the activation buffers of a rank into the arena by lifetime and
+/// fills offsets, arena size and peak; persistent buffers (parameters,
+/// inputs, outputs) come first (loom-plan-memory).
+void planMemory(::loom::rt::RankProgram &rank, const std::vector<std::string> &programs);
+
+/// JSON values as MLIR attributes and back, losslessly for what the
+/// compiler writes: integers (i64), doubles (f64), booleans, strings, arrays
+/// (of integers: dense i64 arrays), objects (dictionaries).
+Attribute jsonToAttr(MLIRContext *ctx, const nlohmann::json &value);
+FailureOr<nlohmann::json> attrToJson(Attribute attr);
+/// An op's attribute as an instruction attribute: numbers, booleans,
+/// strings and i64 arrays; anything else is an error at `op`.
+FailureOr<nlohmann::json> instructionAttr(Operation *op, NamedAttribute attr);
+
+/// Erases the model's functions, parameters and blocks, leaving the step.
+void eraseModel(ModuleOp module);
+
+} // namespace mlir::loom
+
+#endif
