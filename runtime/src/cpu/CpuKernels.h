@@ -129,6 +129,9 @@ void registerNormBuilders(BuilderTable &table);
 void registerTransformerBuilders(BuilderTable &table);
 void registerShapeBuilders(BuilderTable &table);
 void registerConvBuilders(BuilderTable &table);
+void registerGradientBuilders(BuilderTable &table);
+void registerOptimizerBuilders(BuilderTable &table);
+void registerCommunicationBuilders(BuilderTable &table);
 void registerFusedBuilders(BuilderTable &table);
 
 inline int64_t count(const Shape &s) { return numElements(s).value_or(0); }
