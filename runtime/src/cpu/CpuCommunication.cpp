@@ -1,0 +1,273 @@
+//===- CpuCommunication.cpp - Collectives and point-to-point transfers ----===//
+//
+// All-reduce (of one buffer or a bucket), ZeRO-1's reduce-scatter, shard and
+// all-gather, broadcast, send and receive, over the Communicator; an "async"
+// collective goes to the communication stream (AsyncComm) and event_wait
+// joins it.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/src/cpu/CpuKernels.h"
+
+#include <algorithm>
+
+namespace loom::rt::cpu {
+
+namespace {
+
+/// Reduces a buffer over a group: out = reduction of every member's in. A
+/// bucket of several buffers (gradients, reduced in place) travels as one
+/// message.
+Kernel buildAllReduce(const Ctx &c) {
+  if (c.ins.in.empty() || c.ins.in.size() != c.ins.out.size())
+    c.bad("expects as many outputs as inputs (at least one)");
+  Communicator *comm = needComm(c);
+  std::vector<int> group = groupOf(c, attrString(c, "group", "dp"));
+  std::string kind = attrString(c, "reduction", "sum");
+  if (kind != "sum" && kind != "mean" && kind != "max")
+    c.bad("reduction must be sum, mean or max, got '" + kind + "'");
+  Reduction op = kind == "sum" ? Reduction::Sum : kind == "mean" ? Reduction::Mean : Reduction::Max;
+  int64_t rank = c.rank.rank;
+  if (c.ins.in.size() == 1 && !(c.attrFlag("async") && c.ins.in[0] == c.ins.out[0])) {
+    c.needF32(c.in(0)), c.needF32(c.out());
+    c.sameShape(c.in(0), c.out());
+    float *in = c.f32(c.in(0)), *out = c.f32(c.out());
+    int64_t n = count(c.in(0).shape);
+    return [=] {
+      if (in != out)
+        std::copy(in, in + n, out);
+      comm->allReduce(static_cast<int>(rank), group, out, n, op);
+    };
+  }
+  std::vector<std::pair<float *, int64_t>> parts;
+  int64_t total = 0;
+  for (size_t i = 0; i < c.ins.in.size(); ++i) {
+    if (c.ins.in[i] != c.ins.out[i])
+      c.bad("reduces a bucket of buffers in place");
+    c.needF32(c.in(i));
+    parts.push_back({c.f32(c.in(i)), count(c.in(i).shape)});
+    total += parts.back().second;
+  }
+  auto reduce = [=] {
+    std::vector<float> bucket(static_cast<size_t>(total));
+    float *p = bucket.data();
+    for (auto [data, n] : parts)
+      p = std::copy(data, data + n, p);
+    comm->allReduce(static_cast<int>(rank), group, bucket.data(), total, op);
+    p = bucket.data();
+    for (auto [data, n] : parts)
+      std::copy(p, p + n, data), p += n;
+  };
+  // "async": the bucket goes out on the communication thread while the
+  // program goes on; a later event_wait joins it. Its buffers are final
+  // gradients that nothing writes before then.
+  if (c.attrFlag("async") && c.async) {
+    AsyncComm *async = c.async;
+    int64_t event = c.attrInt("event", -1);
+    return [=] { async->submit(reduce, event); };
+  }
+  return reduce;
+}
+
+/// This rank's index in a group and the group's size.
+std::pair<int64_t, int64_t> placeIn(const Ctx &c, const std::vector<int> &group) {
+  int64_t index = std::find(group.begin(), group.end(), int(c.rank.rank)) - group.begin();
+  return {index, int64_t(group.size())};
+}
+
+/// A ZeRO-1 slice of a tensor of n elements over `parts` ranks has ceil(n / parts).
+void checkSlice(const Ctx &c, int64_t k, int64_t n, int64_t parts) {
+  if (k != (n + parts - 1) / parts)
+    c.bad(cat("a slice of ", k, " elements does not fit ", n, " over ", parts, " ranks, which needs ",
+              (n + parts - 1) / parts));
+}
+
+/// ZeRO-1: the mean over the group of each gradient (n elements, padded with
+/// zeros to parts x k), of which this rank keeps slice `index` of k =
+/// ceil(n / parts) elements. On one process the exchange is an all-reduce.
+Kernel buildReduceScatter(const Ctx &c) {
+  if (c.ins.in.empty() || c.ins.in.size() != c.ins.out.size())
+    c.bad("expects one slice per gradient");
+  Communicator *comm = needComm(c);
+  std::vector<int> group = groupOf(c, attrString(c, "group", "dp"));
+  auto [index, parts] = placeIn(c, group);
+  struct Part {
+    float *in, *out;
+    int64_t n, k;
+  };
+  std::vector<Part> list;
+  for (size_t i = 0; i < c.ins.in.size(); ++i) {
+    c.needF32(c.in(i)), c.needF32(c.out(i));
+    int64_t n = count(c.in(i).shape), k = count(c.out(i).shape);
+    checkSlice(c, k, n, parts);
+    list.push_back({c.f32(c.in(i)), c.f32(c.out(i)), n, k});
+  }
+  int64_t rank = c.rank.rank, at = index;
+  Reduction op = attrString(c, "reduction", "mean") == "sum" ? Reduction::Sum : Reduction::Mean;
+  auto work = [=] {
+    for (const Part &p : list) {
+      std::vector<float> padded(static_cast<size_t>(p.k * parts), 0.0f);
+      std::copy(p.in, p.in + p.n, padded.begin());
+      comm->allReduce(int(rank), group, padded.data(), int64_t(padded.size()), op);
+      std::copy(padded.begin() + at * p.k, padded.begin() + (at + 1) * p.k, p.out);
+    }
+  };
+  if (c.attrFlag("async") && c.async) {
+    AsyncComm *async = c.async;
+    int64_t event = c.attrInt("event", -1);
+    return [=] { async->submit(work, event); };
+  }
+  return work;
+}
+
+/// The rank's slice of a parameter (zero-padded), as reduce_scatter cuts it.
+Kernel buildShardOf(const Ctx &c) {
+  c.arity(1, 1);
+  c.needF32(c.in(0)), c.needF32(c.out());
+  std::vector<int> group = groupOf(c, attrString(c, "group", "dp"));
+  auto [index, parts] = placeIn(c, group);
+  int64_t n = count(c.in(0).shape), k = count(c.out().shape);
+  checkSlice(c, k, n, parts);
+  float *in = c.f32(c.in(0)), *out = c.f32(c.out());
+  int64_t begin = index * k;
+  return [=] {
+    for (int64_t j = 0; j < k; ++j)
+      out[j] = begin + j < n ? in[begin + j] : 0.0f;
+  };
+}
+
+/// Every rank's slices put back into the whole parameters (pairs of
+/// slice and whole, one collective for all of them).
+Kernel buildAllGather(const Ctx &c) {
+  if (c.ins.attrs.contains("axis")) { // parts along an axis, concatenated in group order
+    c.arity(1, 1);
+    c.needF32(c.in(0)), c.needF32(c.out());
+    Communicator *comm = needComm(c);
+    std::vector<int> group = groupOf(c, attrString(c, "group", "tp"));
+    auto [index, parts] = placeIn(c, group);
+    const Shape &in = c.in(0).shape, &out = c.out().shape;
+    int64_t axis = c.axis(c.attrInt("axis"), in.size());
+    Shape want = in;
+    want[axis] *= parts;
+    if (out != want)
+      c.bad(cat("gathering ", parts, " parts of ", shapeStr(in), " along axis ", axis, " gives ",
+                shapeStr(want), ", not ", shapeStr(out)));
+    int64_t outer = 1, inner = 1;
+    for (int64_t d = 0; d < axis; ++d)
+      outer *= in[d];
+    for (size_t d = axis; d < in.size(); ++d)
+      inner *= in[d]; // the part's contiguous run per outer index
+    float *src = c.f32(c.in(0)), *dst = c.f32(c.out());
+    int64_t rank = c.rank.rank, total = count(out), at = index;
+    return [=] {
+      std::vector<float> whole(static_cast<size_t>(total), 0.0f);
+      for (int64_t o = 0; o < outer; ++o)
+        std::copy(src + o * inner, src + (o + 1) * inner, whole.begin() + (o * parts + at) * inner);
+      comm->allReduce(int(rank), group, whole.data(), total, Reduction::Sum);
+      std::copy(whole.begin(), whole.end(), dst);
+    };
+  }
+  if (c.ins.in.empty() || c.ins.in.size() != c.ins.out.size())
+    c.bad("expects one whole tensor per slice");
+  Communicator *comm = needComm(c);
+  std::vector<int> group = groupOf(c, attrString(c, "group", "dp"));
+  auto [index, parts] = placeIn(c, group);
+  struct Part {
+    float *in, *out;
+    int64_t k, n;
+  };
+  std::vector<Part> list;
+  int64_t total = 0;
+  for (size_t i = 0; i < c.ins.in.size(); ++i) {
+    c.needF32(c.in(i)), c.needF32(c.out(i));
+    int64_t k = count(c.in(i).shape), n = count(c.out(i).shape);
+    checkSlice(c, k, n, parts);
+    list.push_back({c.f32(c.in(i)), c.f32(c.out(i)), k, n});
+    total += k * parts;
+  }
+  int64_t rank = c.rank.rank, at = index;
+  return [=] {
+    std::vector<float> whole(static_cast<size_t>(total), 0.0f);
+    int64_t offset = 0;
+    for (const Part &p : list) {
+      std::copy(p.in, p.in + p.k, whole.begin() + offset + at * p.k);
+      offset += p.k * parts;
+    }
+    comm->allReduce(int(rank), group, whole.data(), total, Reduction::Sum);
+    offset = 0;
+    for (const Part &p : list) {
+      std::copy(whole.begin() + offset, whole.begin() + offset + p.n, p.out);
+      offset += p.k * parts;
+    }
+  };
+}
+
+/// Waits until event `event` of the communication stream has happened: the
+/// async collective that records it, and every one before it, is done.
+Kernel buildEventWait(const Ctx &c) {
+  c.arity(0, 0);
+  AsyncComm *async = c.async;
+  int64_t event = c.attrInt("event");
+  return [=] {
+    if (async)
+      async->wait(event);
+  };
+}
+
+/// Copies the buffer of member `root` (an index into the group) to every member.
+Kernel buildBroadcast1(const Ctx &c) {
+  c.arity(1, 1);
+  if (c.ins.in[0] != c.ins.out[0])
+    c.bad("broadcasts into its buffer in place");
+  c.needF32(c.in(0));
+  Communicator *comm = needComm(c);
+  std::vector<int> group = groupOf(c, attrString(c, "group", "dp"));
+  int64_t root = c.attrInt("root");
+  if (root < 0 || root >= int64_t(group.size()))
+    c.bad(cat("root ", root, " is not a member of the group of ", group.size()));
+  int rootRank = group[root];
+  float *data = c.f32(c.in(0));
+  int64_t n = count(c.in(0).shape), rank = c.rank.rank;
+  return [=] { comm->broadcast(static_cast<int>(rank), group, rootRank, data, n); };
+}
+
+int64_t peerOf(const Ctx &c) {
+  int64_t peer = c.attrInt("peer");
+  if (peer < 0 || peer == c.rank.rank)
+    c.bad(cat("peer ", peer, " is not another rank"));
+  return peer;
+}
+
+/// Sends a buffer to rank `peer` (pipeline activations and their gradients).
+Kernel buildSend(const Ctx &c) {
+  c.arity(1, 0);
+  Communicator *comm = needComm(c);
+  int64_t peer = peerOf(c), rank = c.rank.rank, bytes = c.in(0).bytes, tag = c.attrInt("tag", 0);
+  const char *data = c.ptr<char>(c.in(0));
+  return [=] { comm->send(int(rank), int(peer), tag, data, bytes); };
+}
+
+Kernel buildRecv(const Ctx &c) {
+  c.arity(0, 1);
+  Communicator *comm = needComm(c);
+  int64_t peer = peerOf(c), rank = c.rank.rank, bytes = c.out().bytes, tag = c.attrInt("tag", 0);
+  char *data = c.ptr<char>(c.out());
+  return [=] { comm->recv(int(rank), int(peer), tag, data, bytes); };
+}
+
+} // namespace
+
+void registerCommunicationBuilders(BuilderTable &table) {
+  table.insert({
+      {"all_reduce", buildAllReduce},
+      {"broadcast_from", buildBroadcast1},
+      {"send", buildSend},
+      {"event_wait", buildEventWait},
+      {"reduce_scatter", buildReduceScatter},
+      {"all_gather", buildAllGather},
+      {"shard_of", buildShardOf},
+      {"recv", buildRecv},
+  });
+}
+
+} // namespace loom::rt::cpu

@@ -1,0 +1,92 @@
+//===- CpuElementwise.cpp - Elementwise kernels ---------------------------===//
+//
+// Binary operations (with broadcasting) and unary activations, one kernel per
+// instruction. The scalar functions come from Elementwise.h, which the fused
+// evaluator (CpuFused.cpp) shares, so a fused chain computes what the unfused
+// chain computes.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/src/cpu/CpuKernels.h"
+#include "runtime/src/Elementwise.h"
+
+#include <cmath>
+
+namespace loom::rt::cpu {
+
+namespace {
+
+template <typename Op> Kernel binary(const Ctx &c, Op op) {
+  c.arity(2, 1);
+  const Buffer &a = c.in(0), &b = c.in(1), &o = c.out();
+  c.needF32(a), c.needF32(b), c.needF32(o);
+  auto sa = broadcastStrides(a.shape, o.shape), sb = broadcastStrides(b.shape, o.shape);
+  if (!sa || !sb)
+    c.bad(cat("cannot broadcast ", shapeStr(a.shape), " and ", shapeStr(b.shape), " to ",
+              shapeStr(o.shape)));
+  float *pa = c.f32(a), *pb = c.f32(b), *po = c.f32(o);
+  Shape shape = o.shape;
+  std::vector<int64_t> stA = *sa, stB = *sb;
+  if (a.shape == o.shape && b.shape == o.shape) {
+    int64_t n = count(shape);
+    return [=] {
+      for (int64_t i = 0; i < n; ++i)
+        po[i] = op(pa[i], pb[i]);
+    };
+  }
+  return [=] { forEachBroadcast(shape, stA, stB, [&](int64_t i, int64_t ia, int64_t ib) { po[i] = op(pa[ia], pb[ib]); }); };
+}
+
+template <typename Op> Kernel unary(const Ctx &c, Op op) {
+  c.arity(1, 1);
+  c.needF32(c.in(0)), c.needF32(c.out());
+  c.sameShape(c.in(0), c.out());
+  float *x = c.f32(c.in(0)), *y = c.f32(c.out());
+  int64_t n = count(c.out().shape);
+  return [=] {
+    for (int64_t i = 0; i < n; ++i)
+      y[i] = op(x[i]);
+  };
+}
+
+using ew::geluErf;
+using ew::geluTanh;
+
+Kernel buildAdd(const Ctx &c) { return binary(c, [](float a, float b) { return a + b; }); }
+Kernel buildSub(const Ctx &c) { return binary(c, [](float a, float b) { return a - b; }); }
+Kernel buildMul(const Ctx &c) { return binary(c, [](float a, float b) { return a * b; }); }
+Kernel buildDiv(const Ctx &c) { return binary(c, [](float a, float b) { return a / b; }); }
+Kernel buildGelu(const Ctx &c) {
+  return c.attrFlag("approximate") ? unary(c, geluTanh) : unary(c, geluErf);
+}
+Kernel buildRelu(const Ctx &c) { return unary(c, ew::relu); }
+Kernel buildSilu(const Ctx &c) { return unary(c, ew::silu); }
+Kernel buildExp(const Ctx &c) { return unary(c, [](float x) { return std::exp(x); }); }
+Kernel buildTanh(const Ctx &c) { return unary(c, [](float x) { return std::tanh(x); }); }
+Kernel buildRsqrt(const Ctx &c) { return unary(c, ew::rsqrt); }
+Kernel buildNeg(const Ctx &c) { return unary(c, [](float x) { return -x; }); }
+Kernel buildScale(const Ctx &c) {
+  float f = static_cast<float>(c.attrFloat("factor"));
+  return unary(c, [f](float x) { return x * f; });
+}
+
+} // namespace
+
+void registerElementwiseBuilders(BuilderTable &table) {
+  table.insert({
+      {"add", buildAdd},
+      {"sub", buildSub},
+      {"mul", buildMul},
+      {"div", buildDiv},
+      {"gelu", buildGelu},
+      {"relu", buildRelu},
+      {"silu", buildSilu},
+      {"exp", buildExp},
+      {"tanh", buildTanh},
+      {"rsqrt", buildRsqrt},
+      {"neg", buildNeg},
+      {"scale", buildScale},
+  });
+}
+
+} // namespace loom::rt::cpu

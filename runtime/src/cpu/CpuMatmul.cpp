@@ -1,0 +1,170 @@
+//===- CpuMatmul.cpp - Matrix products and their epilogues ----------------===//
+//
+// The batched matrix product, one task per row of C, with the epilogues the
+// compiler fuses into it (bias, GELU, residual, bias gradient) applied to C's
+// f32 values before anything is rounded.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/src/cpu/CpuKernels.h"
+#include "runtime/src/Elementwise.h"
+
+#include <algorithm>
+#include <set>
+
+namespace loom::rt::cpu {
+
+namespace {
+
+/// C = op(A) op(B), then the epilogue (docs/bundle-format.md):
+///   "bias"       inputs A, B, bias; C + bias over C's last dimension.
+///   "bias_gelu"  inputs A, B, bias; outputs gelu_tanh(C + bias) and, when
+///                given, the pre-activation C + bias (kept for the backward).
+///   "dgelu"      inputs A, B, pre; C * gelu_tanh'(pre).
+///   "residual"   inputs A, B, R; C + R (R of C's shape).
+///   "bias_residual"  inputs A, B, bias, R; C + bias + R.
+///   "bgrad"      inputs A, B; outputs C and the column sums of B over the
+///                product's k dimension (a bias gradient; B is not transposed).
+/// The epilogue works on C's f32 values before anything is rounded.
+Kernel buildMatmul(const Ctx &c) {
+  auto found = c.ins.attrs.find("epilogue");
+  std::string epilogue = found != c.ins.attrs.end() && found->is_string() ? found->get<std::string>() : "";
+  static const std::set<std::string> kEpilogues = {"", "bias", "bias_gelu", "dgelu", "bgrad", "residual",
+                                                    "bias_residual"};
+  if (!kEpilogues.count(epilogue))
+    c.bad("unknown epilogue '" + epilogue +
+          "'; the matmul epilogues are: bias, bias_gelu, dgelu, bgrad, residual, bias_residual");
+  bool withBias = epilogue == "bias" || epilogue == "bias_gelu" || epilogue == "bias_residual";
+  bool gelu = epilogue == "bias_gelu", dgelu = epilogue == "dgelu", bgrad = epilogue == "bgrad";
+  bool residual = epilogue == "residual" || epilogue == "bias_residual";
+  if (gelu)
+    c.arity(3, c.ins.out.size() == 2 ? 2 : 1);
+  else if (epilogue == "bias_residual")
+    c.arity(4, 1);
+  else
+    c.arity(epilogue.empty() || bgrad ? 2 : 3, bgrad ? 2 : 1);
+  const Buffer &a = c.in(0), &b = c.in(1), &o = c.out();
+  c.needF32(a), c.needF32(b), c.needF32(o);
+  if (a.shape.size() < 2 || b.shape.size() < 2 || o.shape.size() < 2)
+    c.bad("operands and result need rank >= 2");
+  bool ta = c.attrFlag("transpose_a"), tb = c.attrFlag("transpose_b");
+  size_t ra = a.shape.size(), rb = b.shape.size(), ro = o.shape.size();
+  int64_t m = ta ? a.shape[ra - 1] : a.shape[ra - 2], k = ta ? a.shape[ra - 2] : a.shape[ra - 1];
+  int64_t kb = tb ? b.shape[rb - 1] : b.shape[rb - 2], n = tb ? b.shape[rb - 2] : b.shape[rb - 1];
+  if (k != kb || o.shape[ro - 2] != m || o.shape[ro - 1] != n)
+    c.bad(cat("shapes ", shapeStr(a.shape), " x ", shapeStr(b.shape), " -> ", shapeStr(o.shape),
+              " do not form a matrix product"));
+  Shape batch(o.shape.begin(), o.shape.end() - 2);
+  Shape batchA(a.shape.begin(), a.shape.end() - 2), batchB(b.shape.begin(), b.shape.end() - 2);
+  auto sa = broadcastStrides(batchA, batch), sb = broadcastStrides(batchB, batch);
+  if (!sa || !sb)
+    c.bad("batch dimensions do not broadcast to the result");
+  // Element offsets of each batch's A and B matrices.
+  std::vector<int64_t> offA, offB;
+  forEachBroadcast(batch, *sa, *sb, [&](int64_t, int64_t ia, int64_t ib) {
+    offA.push_back(ia * m * k);
+    offB.push_back(ib * k * n);
+  });
+  float *pa = c.f32(a), *pb = c.f32(b), *po = c.f32(o);
+  float *bias = nullptr, *pre = nullptr, *preIn = nullptr, *colSums = nullptr, *res = nullptr;
+  if (residual) {
+    const Buffer &r = c.in(c.ins.in.size() - 1);
+    c.needF32(r), c.sameShape(r, o);
+    if (r.offset < o.offset + o.bytes && o.offset < r.offset + r.bytes)
+      c.bad("the residual input must not overlap the result");
+    res = c.f32(r);
+  }
+  if (withBias) {
+    c.needF32(c.in(2));
+    if (c.in(2).shape != Shape{n})
+      c.bad(cat("the bias must be [", n, "], got ", shapeStr(c.in(2).shape)));
+    bias = c.f32(c.in(2));
+  }
+  if (gelu && c.ins.out.size() == 2) {
+    c.needF32(c.out(1)), c.sameShape(c.out(1), o);
+    pre = c.f32(c.out(1));
+  }
+  if (dgelu) {
+    c.needF32(c.in(2));
+    if (count(c.in(2).shape) != count(o.shape))
+      c.bad(cat("the pre-activation ", shapeStr(c.in(2).shape), " must have as many elements as the result ",
+                shapeStr(o.shape)));
+    preIn = c.f32(c.in(2));
+  }
+  if (bgrad) {
+    c.needF32(c.out(1));
+    if (tb || batchB.size() != 0 || count(c.out(1).shape) != n)
+      c.bad(cat("the bias gradient sums an untransposed 2-D B over k: B ", shapeStr(b.shape), " gives ", n,
+                " columns, the gradient is ", shapeStr(c.out(1).shape)));
+    colSums = c.f32(c.out(1));
+  }
+  ThreadPool *pool = &c.pool;
+  int64_t batches = static_cast<int64_t>(offA.size());
+  return [=] {
+    // One task per (batch, row); each row of C is independent.
+    pool->parallelFor(batches * m, double(n * k), [&](int64_t begin, int64_t end) {
+      std::vector<float> arow(k);
+      for (int64_t t = begin; t < end; ++t) {
+        int64_t bi = t / m, i = t % m;
+        const float *A = pa + offA[bi], *B = pb + offB[bi];
+        float *C = po + (bi * m + i) * n;
+        for (int64_t kk = 0; kk < k; ++kk)
+          arow[kk] = ta ? A[kk * m + i] : A[i * k + kk];
+        if (tb) {
+          for (int64_t j = 0; j < n; ++j) {
+            const float *brow = B + j * k;
+            float acc = 0;
+            for (int64_t kk = 0; kk < k; ++kk)
+              acc += arow[kk] * brow[kk];
+            C[j] = acc;
+          }
+        } else {
+          std::fill(C, C + n, 0.0f);
+          for (int64_t kk = 0; kk < k; ++kk) {
+            float av = arow[kk];
+            const float *brow = B + kk * n;
+            for (int64_t j = 0; j < n; ++j)
+              C[j] += av * brow[j];
+          }
+        }
+        if (bias)
+          for (int64_t j = 0; j < n; ++j)
+            C[j] = C[j] + bias[j];
+        if (res) {
+          const float *x = res + (bi * m + i) * n;
+          for (int64_t j = 0; j < n; ++j)
+            C[j] = C[j] + x[j];
+        }
+        if (pre)
+          std::copy(C, C + n, pre + (bi * m + i) * n);
+        if (gelu)
+          for (int64_t j = 0; j < n; ++j)
+            C[j] = ew::geluTanh(C[j]);
+        if (preIn) {
+          const float *x = preIn + (bi * m + i) * n;
+          for (int64_t j = 0; j < n; ++j)
+            C[j] *= ew::derivative(ew::Fn::GeluTanh, x[j], 0.0f);
+        }
+      }
+    });
+    if (colSums) // B is [k, n]: sum its rows, in double, columns split over tasks
+      pool->parallelFor(n, double(k), [&](int64_t begin, int64_t end) {
+        for (int64_t j = begin; j < end; ++j) {
+          double s = 0;
+          for (int64_t kk = 0; kk < k; ++kk)
+            s += pb[kk * n + j];
+          colSums[j] = float(s);
+        }
+      });
+  };
+}
+
+} // namespace
+
+void registerMatmulBuilders(BuilderTable &table) {
+  table.insert({
+      {"matmul", buildMatmul},
+  });
+}
+
+} // namespace loom::rt::cpu

@@ -1,0 +1,131 @@
+//===- CpuOptimizer.cpp - Optimizer steps ---------------------------------===//
+//
+// The step counter, the global gradient norm that clipping reads (summed
+// over the ranks of a split model), and the AdamW and SGD updates with their
+// learning-rate schedule.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/src/cpu/CpuKernels.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace loom::rt::cpu {
+
+namespace {
+
+Kernel buildStepIncrement(const Ctx &c) {
+  c.arity(1, 1);
+  if (c.ins.in[0] != c.ins.out[0] || count(c.in(0).shape) != 1)
+    c.bad("updates the scalar step counter in place");
+  c.needF32(c.in(0));
+  float *step = c.f32(c.in(0));
+  return [=] { *step += 1; };
+}
+
+Kernel buildGlobalNorm(const Ctx &c) {
+  if (c.ins.out.size() != 1 || count(c.out().shape) != 1)
+    c.bad("writes one scalar");
+  c.needF32(c.out());
+  std::vector<std::pair<float *, int64_t>> grads;
+  for (size_t i = 0; i < c.ins.in.size(); ++i) {
+    c.needF32(c.in(i));
+    grads.push_back({c.f32(c.in(i)), count(c.in(i).shape)});
+  }
+  // A model split over ranks: each rank sums the squares of the gradients it
+  // counts ("skip" lists inputs another rank counts, such as replicas), and
+  // the sums are added over "group".
+  std::vector<bool> counted(grads.size(), true);
+  if (c.ins.attrs.contains("skip"))
+    for (int64_t i : c.attrInts("skip")) {
+      if (i < 0 || i >= int64_t(grads.size()))
+        c.bad(cat("skip names input ", i, " of ", grads.size()));
+      counted[i] = false;
+    }
+  std::string groupName = attrString(c, "group", "");
+  Communicator *comm = groupName.empty() ? nullptr : needComm(c);
+  std::vector<int> group = groupName.empty() ? std::vector<int>() : groupOf(c, groupName);
+  int rank = int(c.rank.rank);
+  float *out = c.f32(c.out());
+  return [=] {
+    double sum = 0;
+    for (size_t k = 0; k < grads.size(); ++k)
+      if (counted[k])
+        for (int64_t i = 0; i < grads[k].second; ++i)
+          sum += double(grads[k].first[i]) * grads[k].first[i];
+    if (comm) {
+      float total = static_cast<float>(sum);
+      comm->allReduce(rank, group, &total, 1, Reduction::Sum);
+      sum = total;
+    }
+    *out = static_cast<float>(std::sqrt(sum));
+  };
+}
+
+/// Learning rate at 0-based step t: linear warm-up, then cosine decay to
+/// min_lr over total_steps (constant when total_steps is 0).
+double scheduledRate(double lr, double minLr, double warmup, double total, double t) {
+  if (warmup > 0 && t < warmup)
+    return lr * (t + 1) / warmup;
+  if (total <= 0)
+    return lr;
+  double progress = std::min(1.0, (t - warmup) / std::max(1.0, total - warmup));
+  return minLr + 0.5 * (lr - minLr) * (1 + std::cos(M_PI * progress));
+}
+
+Kernel buildOptimizer(const Ctx &c, bool adam) {
+  // adamw: (param, grad, m, v, step, norm) -> (param, m, v), in place.
+  // sgd:   (param, grad, momentum, step, norm) -> (param, momentum), in place.
+  c.arity(adam ? 6 : 5, adam ? 3 : 2);
+  for (size_t i = 0; i < c.ins.in.size(); ++i)
+    c.needF32(c.in(i));
+  if (c.ins.out[0] != c.ins.in[0] || c.ins.out[1] != c.ins.in[2] || (adam && c.ins.out[2] != c.ins.in[3]))
+    c.bad("updates the parameter and its state in place");
+  for (size_t i = 1; i < (adam ? 4u : 3u); ++i)
+    c.sameShape(c.in(0), c.in(i));
+  double lr = c.attrFloat("lr"), minLr = c.attrFloat("min_lr", 0), wd = c.attrFloat("weight_decay", 0);
+  double clip = c.attrFloat("clip", 0), warmup = c.attrFloat("warmup", 0), total = c.attrFloat("total_steps", 0);
+  double b1 = adam ? c.attrFloat("beta1") : 0, b2 = adam ? c.attrFloat("beta2") : 0;
+  double eps = adam ? c.attrFloat("eps") : 0, momentum = adam ? 0 : c.attrFloat("momentum", 0);
+  int64_t n = count(c.in(0).shape);
+  float *p = c.f32(c.in(0)), *g = c.f32(c.in(1)), *m = c.f32(c.in(2));
+  float *v = adam ? c.f32(c.in(3)) : nullptr, *step = c.f32(c.in(adam ? 4 : 3));
+  float *norm = c.f32(c.in(adam ? 5 : 4));
+  return [=] {
+    double t = *step; // already counts this step (1-based)
+    double rate = scheduledRate(lr, minLr, warmup, total, t - 1);
+    double scale = clip > 0 && *norm > clip ? clip / *norm : 1.0;
+    if (adam) {
+      double c1 = 1 - std::pow(b1, t), c2 = 1 - std::pow(b2, t);
+      for (int64_t i = 0; i < n; ++i) {
+        double gi = g[i] * scale;
+        m[i] = static_cast<float>(b1 * m[i] + (1 - b1) * gi);
+        v[i] = static_cast<float>(b2 * v[i] + (1 - b2) * gi * gi);
+        double update = (m[i] / c1) / (std::sqrt(v[i] / c2) + eps) + wd * p[i];
+        p[i] = static_cast<float>(p[i] - rate * update);
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        double gi = g[i] * scale + wd * p[i];
+        m[i] = static_cast<float>(momentum * m[i] + gi);
+        p[i] = static_cast<float>(p[i] - rate * m[i]);
+      }
+    }
+  };
+}
+Kernel buildAdamW(const Ctx &c) { return buildOptimizer(c, true); }
+Kernel buildSGD(const Ctx &c) { return buildOptimizer(c, false); }
+
+} // namespace
+
+void registerOptimizerBuilders(BuilderTable &table) {
+  table.insert({
+      {"step_increment", buildStepIncrement},
+      {"global_norm", buildGlobalNorm},
+      {"adamw", buildAdamW},
+      {"sgd", buildSGD},
+  });
+}
+
+} // namespace loom::rt::cpu

@@ -1,0 +1,291 @@
+//===- CpuTransformer.cpp - Embedding, rotary, attention, cross-entropy ---===//
+//
+// The transformer's own kernels. A vocabulary may be split over ranks
+// (attribute vocab_group): the embedding reads the rows it holds and the loss
+// all-reduces softmax statistics instead of gathering logits. The attention
+// backward and the packed (q|k|v columns) attention are declared in
+// CpuKernels.h, for attention_grad in CpuGradients.cpp.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/src/cpu/CpuKernels.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+
+namespace loom::rt::cpu {
+
+namespace {
+
+Kernel buildEmbedding(const Ctx &c) {
+  c.arity(2, 1);
+  const Buffer &table = c.in(0), &ids = c.in(1), &o = c.out();
+  c.needF32(table), c.needInt(ids), c.needF32(o);
+  if (table.shape.size() != 2)
+    c.bad("table must be [vocab, hidden]");
+  Shape want = ids.shape;
+  want.push_back(table.shape[1]);
+  if (o.shape != want)
+    c.bad(cat("result must be ", shapeStr(want)));
+  int64_t vocab = table.shape[0], h = table.shape[1], n = count(ids.shape);
+  auto [start, parts] = vocabSlice(c, vocab);
+  IndexReader read{c.arena + ids.offset, ids.dtype == LOOM_I64};
+  float *pt = c.f32(table), *po = c.f32(o);
+  std::string where = c.where, name = ids.name;
+  return [=] {
+    checkIndices(where, "token id in '" + name + "'", read, n, vocab * parts);
+    // A vocabulary split over ranks: rows held elsewhere contribute zeros,
+    // and the all-reduce that follows sums the parts.
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t row = read(i) - start;
+      if (row >= 0 && row < vocab)
+        std::copy(pt + row * h, pt + (row + 1) * h, po + i * h);
+      else
+        std::fill(po + i * h, po + (i + 1) * h, 0.0f);
+    }
+  };
+}
+
+Kernel buildRotary(const Ctx &c) {
+  c.arity(1, 1);
+  const Buffer &x = c.in(0);
+  c.needF32(x), c.needF32(c.out());
+  c.sameShape(x, c.out());
+  int64_t heads = c.attrInt("num_heads");
+  if (x.shape.size() != 3 || heads < 1 || x.shape[2] % heads != 0 || (x.shape[2] / heads) % 2)
+    c.bad("input must be [B, S, heads * even head_dim]");
+  int64_t b = x.shape[0], s = x.shape[1], w = x.shape[2], d = w / heads;
+  double theta = c.attrFloat("theta", 10000.0);
+  double sign = c.attrFlag("inverse") ? -1.0 : 1.0; // the gradient rotates back
+  float *px = c.f32(x), *py = c.f32(c.out());
+  return [=] {
+    for (int64_t bi = 0; bi < b; ++bi)
+      for (int64_t si = 0; si < s; ++si)
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t i = 0; i < d / 2; ++i) {
+            double angle = sign * si * std::pow(theta, -2.0 * i / d);
+            float cs = static_cast<float>(std::cos(angle)), sn = static_cast<float>(std::sin(angle));
+            int64_t at = (bi * s + si) * w + h * d + 2 * i;
+            float x0 = px[at], x1 = px[at + 1];
+            py[at] = x0 * cs - x1 * sn;
+            py[at + 1] = x0 * sn + x1 * cs;
+          }
+  };
+}
+
+/// exp(q . k_t * scale - max) for keys t < last of one query row (`keys`:
+/// the row's batch and key/value head; rows KV*D apart), into p; their sum.
+double expScores(const AttentionDims &d, const float *qrow, const float *keys, int64_t last, float *p) {
+  float mx = -INFINITY;
+  for (int64_t ti = 0; ti < last; ++ti) {
+    const float *krow = keys + ti * d.kvHeads * d.D;
+    float acc = 0;
+    for (int64_t dd = 0; dd < d.D; ++dd)
+      acc += qrow[dd] * krow[dd];
+    p[ti] = acc * d.scale;
+    mx = std::max(mx, p[ti]);
+  }
+  double sum = 0;
+  for (int64_t ti = 0; ti < last; ++ti)
+    sum += (p[ti] = std::exp(p[ti] - mx));
+  return sum;
+}
+
+/// O from dense q [B,S,H*D], k, v [B,T,KV*D].
+void attentionForward(ThreadPool &threads, const AttentionDims &d, const float *pq, const float *pk,
+                      const float *pv, float *po) {
+  ThreadPool *pool = &threads;
+  auto [B, S, T, heads, kvHeads, D, causal, scale] = d;
+  int64_t group = heads / kvHeads;
+  pool->parallelFor(B * heads * S, double(2 * T * D), [&](int64_t begin, int64_t end) {
+    std::vector<float> p(T);
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t bi = t / (heads * S), h = (t / S) % heads, si = t % S, kh = h / group;
+      const float *qrow = pq + (bi * S + si) * heads * D + h * D;
+      int64_t last = causal ? std::min(T, si + 1 + (T - S)) : T;
+      double sum = expScores(d, qrow, pk + bi * T * kvHeads * D + kh * D, last, p.data());
+      float *orow = po + (bi * S + si) * heads * D + h * D;
+      std::fill(orow, orow + D, 0.0f);
+      for (int64_t ti = 0; ti < last; ++ti) {
+        float w = static_cast<float>(p[ti] / sum);
+        const float *vrow = pv + (bi * T + ti) * kvHeads * D + kh * D;
+        for (int64_t dd = 0; dd < D; ++dd)
+          orow[dd] += w * vrow[dd];
+      }
+    }
+  });
+}
+
+} // namespace
+
+void attentionBackward(ThreadPool &threads, const AttentionDims &d, const float *pq, const float *pk,
+                       const float *pv, const float *pdo, float *dq, float *dk, float *dv) {
+  ThreadPool *pool = &threads;
+  auto [B, S, T, heads, kvHeads, D, causal, scale] = d;
+  int64_t group = heads / kvHeads;
+  // One task per (batch, key/value head): its query heads only touch its dk, dv.
+  pool->parallelFor(B * kvHeads, double(group * S * T * D * 4), [&](int64_t begin, int64_t end) {
+    std::vector<float> p(T), dp(T);
+    for (int64_t task = begin; task < end; ++task) {
+      int64_t bi = task / kvHeads, kh = task % kvHeads;
+      for (int64_t ti = 0; ti < T; ++ti)
+        for (int64_t dd = 0; dd < D; ++dd) {
+          dk[(bi * T + ti) * kvHeads * D + kh * D + dd] = 0;
+          dv[(bi * T + ti) * kvHeads * D + kh * D + dd] = 0;
+        }
+      for (int64_t h = kh * group; h < (kh + 1) * group; ++h)
+        for (int64_t si = 0; si < S; ++si) {
+          const float *qrow = pq + (bi * S + si) * heads * D + h * D;
+          const float *dorow = pdo + (bi * S + si) * heads * D + h * D;
+          float *dqrow = dq + (bi * S + si) * heads * D + h * D;
+          int64_t last = causal ? std::min(T, si + 1 + (T - S)) : T;
+          double sum = expScores(d, qrow, pk + bi * T * kvHeads * D + kh * D, last, p.data());
+          double dot = 0;
+          for (int64_t ti = 0; ti < last; ++ti) {
+            p[ti] = static_cast<float>(p[ti] / sum);
+            const float *vrow = pv + (bi * T + ti) * kvHeads * D + kh * D;
+            float acc = 0;
+            for (int64_t dd = 0; dd < D; ++dd)
+              acc += dorow[dd] * vrow[dd];
+            dp[ti] = acc;
+            dot += double(p[ti]) * acc;
+          }
+          std::fill(dqrow, dqrow + D, 0.0f);
+          for (int64_t ti = 0; ti < last; ++ti) {
+            float ds = static_cast<float>(p[ti] * (dp[ti] - dot)) * scale;
+            const float *krow = pk + (bi * T + ti) * kvHeads * D + kh * D;
+            float *dkrow = dk + (bi * T + ti) * kvHeads * D + kh * D;
+            float *dvrow = dv + (bi * T + ti) * kvHeads * D + kh * D;
+            for (int64_t dd = 0; dd < D; ++dd) {
+              dqrow[dd] += ds * krow[dd];
+              dkrow[dd] += ds * qrow[dd];
+              dvrow[dd] += p[ti] * dorow[dd];
+            }
+          }
+        }
+    }
+  });
+}
+
+Kernel buildPackedAttention(const Ctx &c, bool grad) {
+  c.arity(grad ? 2 : 1, 1);
+  const Buffer &x = c.in(0);
+  const Buffer &dense = grad ? c.in(1) : c.out(); // O or dO: [B, S, H*D]
+  c.needF32(x), c.needF32(dense), c.needF32(c.out());
+  int64_t heads = c.attrInt("num_heads"), kvHeads = c.attrInt("num_kv_heads", heads);
+  std::vector<int64_t> starts = c.attrInts("packed");
+  if (x.shape.size() != 3 || dense.shape.size() != 3 || dense.shape[0] != x.shape[0] ||
+      dense.shape[1] != x.shape[1] || heads < 1 || kvHeads < 1 || heads % kvHeads || dense.shape[2] % heads ||
+      starts.size() != 3)
+    c.bad(cat("inconsistent packed attention: x ", shapeStr(x.shape), ", ", grad ? "dO " : "O ",
+              shapeStr(dense.shape), ", ", heads, " heads, ", kvHeads, " kv heads, ", starts.size(), " starts"));
+  if (grad)
+    c.sameShape(x, c.out());
+  int64_t B = x.shape[0], S = x.shape[1], W = x.shape[2], D = dense.shape[2] / heads;
+  int64_t widths[3] = {heads * D, kvHeads * D, kvHeads * D};
+  for (int i = 0; i < 3; ++i)
+    if (starts[i] < 0 || starts[i] + widths[i] > W)
+      c.bad(cat("packed part ", i, " [", starts[i], ", ", starts[i] + widths[i], ") is outside x's ", W, " columns"));
+  AttentionDims d{B, S, S, heads, kvHeads, D, c.attrFlag("causal"),
+                  static_cast<float>(c.attrFloat("scale", 1.0 / std::sqrt(double(D))))};
+  const float *px = c.f32(x), *pdense = c.f32(dense);
+  float *out = c.f32(c.out());
+  ThreadPool *pool = &c.pool;
+  std::array<int64_t, 3> at{starts[0], starts[1], starts[2]}, width{widths[0], widths[1], widths[2]};
+  return [=] {
+    std::vector<float> parts[3], grads[3];
+    for (int i = 0; i < 3; ++i) {
+      parts[i].resize(size_t(B * S * width[i]));
+      for (int64_t r = 0; r < B * S; ++r)
+        std::copy_n(px + r * W + at[i], width[i], parts[i].data() + r * width[i]);
+    }
+    if (!grad) {
+      attentionForward(*pool, d, parts[0].data(), parts[1].data(), parts[2].data(), out);
+      return;
+    }
+    for (int i = 0; i < 3; ++i)
+      grads[i].resize(parts[i].size());
+    attentionBackward(*pool, d, parts[0].data(), parts[1].data(), parts[2].data(), pdense, grads[0].data(),
+                      grads[1].data(), grads[2].data());
+    std::fill(out, out + B * S * W, 0.0f);
+    for (int i = 0; i < 3; ++i)
+      for (int64_t r = 0; r < B * S; ++r)
+        for (int64_t j = 0; j < width[i]; ++j)
+          out[r * W + at[i] + j] += grads[i][r * width[i] + j];
+  };
+}
+
+namespace {
+
+Kernel buildAttention(const Ctx &c) {
+  if (c.ins.attrs.contains("packed"))
+    return buildPackedAttention(c, false);
+  c.arity(3, 1);
+  const Buffer &q = c.in(0), &k = c.in(1), &v = c.in(2), &o = c.out();
+  for (const Buffer *buf : {&q, &k, &v, &o})
+    c.needF32(*buf);
+  int64_t heads = c.attrInt("num_heads"), kvHeads = c.attrInt("num_kv_heads", heads);
+  if (q.shape.size() != 3 || k.shape.size() != 3 || k.shape != v.shape || o.shape != q.shape ||
+      heads < 1 || kvHeads < 1 || heads % kvHeads || q.shape[2] % heads ||
+      k.shape[2] != q.shape[2] / heads * kvHeads || k.shape[0] != q.shape[0])
+    c.bad(cat("inconsistent attention shapes q ", shapeStr(q.shape), ", k ", shapeStr(k.shape),
+              ", v ", shapeStr(v.shape), " with ", heads, " heads and ", kvHeads, " kv heads"));
+  int64_t B = q.shape[0], S = q.shape[1], T = k.shape[1], D = q.shape[2] / heads;
+  bool causal = c.attrFlag("causal");
+  float scale = static_cast<float>(c.attrFloat("scale", 1.0 / std::sqrt(double(D))));
+  float *pq = c.f32(q), *pk = c.f32(k), *pv = c.f32(v), *po = c.f32(o);
+  AttentionDims d{B, S, T, heads, kvHeads, D, causal, scale};
+  ThreadPool *pool = &c.pool;
+  return [=] { attentionForward(*pool, d, pq, pk, pv, po); };
+}
+
+Kernel buildCrossEntropy(const Ctx &c) {
+  c.arity(2, 1);
+  const Buffer &logits = c.in(0), &targets = c.in(1), &o = c.out();
+  c.needF32(logits), c.needInt(targets), c.needF32(o);
+  if (logits.shape.empty() || Shape(logits.shape.begin(), logits.shape.end() - 1) != targets.shape ||
+      count(o.shape) != 1)
+    c.bad("expects logits [..., V], targets [...] and a scalar result");
+  int64_t V = logits.shape.back(), rows = count(targets.shape);
+  IndexReader read{c.arena + targets.offset, targets.dtype == LOOM_I64};
+  float *pl = c.f32(logits), *po = c.f32(o);
+  std::string where = c.where, name = targets.name;
+  if (auto [start, parts] = vocabSlice(c, V); parts > 1) {
+    VocabStats stats(c, V, rows, start, parts);
+    return [=]() mutable {
+      checkIndices(where, "target class in '" + name + "'", read, rows, V * parts);
+      stats.compute(pl, read);
+      double total = 0;
+      for (int64_t r = 0; r < rows; ++r)
+        total += std::log(double(stats.sum[r])) + stats.max[r] - stats.target[r];
+      *po = static_cast<float>(total / std::max<int64_t>(rows, 1));
+    };
+  }
+  return [=] {
+    checkIndices(where, "target class in '" + name + "'", read, rows, V);
+    double total = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float *row = pl + r * V;
+      float mx = *std::max_element(row, row + V);
+      double sum = 0;
+      for (int64_t j = 0; j < V; ++j)
+        sum += std::exp(double(row[j]) - mx);
+      total += std::log(sum) + mx - row[read(r)];
+    }
+    *po = static_cast<float>(total / std::max<int64_t>(rows, 1));
+  };
+}
+
+} // namespace
+
+void registerTransformerBuilders(BuilderTable &table) {
+  table.insert({
+      {"embedding", buildEmbedding},
+      {"rotary", buildRotary},
+      {"attention", buildAttention},
+      {"cross_entropy", buildCrossEntropy},
+  });
+}
+
+} // namespace loom::rt::cpu
