@@ -1,0 +1,379 @@
+//===- CudaBackendImpl.h - The CUDA backend's class, by concern -*- C++ -*-===//
+//
+// Private to runtime/src/cuda/. The backend is one class whose member
+// functions live in files by concern: the device, programs and their
+// launches (CudaBackend.cu), CUDA graphs (CudaGraphs.cu), matrix products
+// (CudaGemm.cu), attention (CudaAttention.cu), elementwise kernels
+// (CudaElementwise.cu), copies, gathers and embedding lookups
+// (CudaLayout.cu), norms and reductions (CudaNorms.cu), the loss
+// (CudaLoss.cu), the optimizers (CudaOptimizer.cu), convolutional networks
+// (CudaConv.cu), the compiler's generated kernels (CudaGenerated.cu) and
+// NCCL (CudaCollectives.cu). Each file adds the instructions it builds to
+// one table, which build() looks them up in.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef LOOM_RUNTIME_CUDA_CUDABACKENDIMPL_H
+#define LOOM_RUNTIME_CUDA_CUDABACKENDIMPL_H
+
+#include "runtime/src/Backend.h"
+#include "runtime/src/Error.h"
+#include "runtime/src/cuda/CudaKernelsCommon.cuh"
+#include "runtime/src/cuda/CudnnAttention.h"
+#include "runtime/src/cuda/FlashAttention.h"
+#include "runtime/src/cuda/NcclWorld.h"
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace loom::rt::cuda {
+
+/// Every CUDA and cuBLAS call is checked and becomes an Error naming the call.
+void checkCuda(cudaError_t e, const char *what, const char *file, int line);
+void checkCublas(cublasStatus_t s, const char *what, const char *file, int line);
+#define LOOM_CUDA_CHECK(expr) ::loom::rt::cuda::checkCuda((expr), #expr, __FILE__, __LINE__)
+#define LOOM_CUBLAS_CHECK(expr) ::loom::rt::cuda::checkCublas((expr), #expr, __FILE__, __LINE__)
+
+inline int blocksFor(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535 * 8)); }
+
+/// Row-major strides of a shape; those of `in` broadcast to `out` (0 along
+/// broadcast dims); and the index map kernels walk `shape` with.
+std::vector<int64_t> stridesOf(const Shape &s);
+std::vector<int64_t> broadcastTo(const Shape &in, const Shape &out);
+Strided strided(const Shape &shape, const std::vector<int64_t> &a, const std::vector<int64_t> &b = {});
+
+/// f32 products run on TF32 tensor cores (10-bit mantissas) unless
+/// LOOM_CUDA_TF32=0 asks for full f32 (slower; for checking numerics).
+cublasComputeType_t f32Compute();
+/// Whether the compiler's generated kernels (norms, softmax, loss, AdamW)
+/// run where a bundle has them; LOOM_CUDA_GENERATED=0 runs ours instead.
+bool generatedKernelsOn();
+/// Launches a generated kernel: its parameters are bare pointers (MLIR's
+/// bare-pointer convention for memrefs), in order.
+void launchGenerated(cudaKernel_t fn, unsigned grid, unsigned block, std::vector<void *> pointers, cudaStream_t s);
+
+struct OptimizerArgs; // CudaOptimizer.cu
+
+using Launch = std::function<void(cudaStream_t)>;
+
+class CudaBackendImpl : public Backend {
+public:
+  CudaBackendImpl(const RankProgram &rank, int device, NcclWorld *world, const std::string &ptx);
+  ~CudaBackendImpl() override;
+
+  std::string name() const override { return "cuda"; }
+  bool replaysGraphs() const override { return graphsWanted(); }
+
+  void upload(const Buffer &b, const void *src) override;
+  void download(const Buffer &b, void *dst) const override;
+  bool has(const std::string &program) const override { return programs.count(program) > 0; }
+
+  void prepare(const std::string &program, const std::vector<Instruction> &instrs) override;
+  void run(const std::string &program) override;
+
+private:
+  char *ptr(const Buffer &b) { return arena + b.offset; }
+  static char *ptr(DPtr p) { return static_cast<char *>(p.p); }
+#ifdef LOOM_HAVE_NCCL
+  ncclDataType_t ncclType(int64_t id) { return fp(id).bf ? ncclBfloat16 : ncclFloat32; }
+#endif
+  /// An f32 tensor (optimizer state, losses, workspaces of reductions).
+  float *f(int64_t id) {
+    if (buf(id).dtype != LOOM_F32)
+      fail(LOOM_UNSUPPORTED, where, ": buffer '", buf(id).name, "' is ", dtypeName(buf(id).dtype),
+           "; the CUDA backend runs this operation on f32 only");
+    return reinterpret_cast<float *>(arena + rank.buffers[id].offset);
+  }
+  /// A floating-point tensor of either dtype the kernels read and write.
+  DPtr fp(int64_t id) {
+    const Buffer &b = buf(id);
+    if (b.dtype != LOOM_F32 && b.dtype != LOOM_BF16)
+      fail(LOOM_UNSUPPORTED, where, ": buffer '", b.name, "' is ", dtypeName(b.dtype),
+           "; the CUDA backend computes on f32 and bf16 tensors only");
+    return {arena + b.offset, b.dtype == LOOM_BF16};
+  }
+  static bool isBf16(const Buffer &b) { return b.dtype == LOOM_BF16; }
+  /// Whether the 16-byte vector kernels apply to these tensors: one float
+  /// dtype, 16-byte aligned, every count a multiple of the pack and n < 2^31.
+  bool vectorizable(std::initializer_list<int64_t> ids, std::initializer_list<int64_t> counts) {
+    loom_dtype_t dt = buf(*ids.begin()).dtype;
+    if (dt != LOOM_F32 && dt != LOOM_BF16)
+      return false;
+    int64_t pack = 16 / dtypeSize(dt);
+    for (int64_t id : ids)
+      if (buf(id).dtype != dt || reinterpret_cast<uintptr_t>(ptr(buf(id))) % 16 != 0)
+        return false;
+    for (int64_t c : counts)
+      if (c % pack != 0 || c <= 0 || c >= (int64_t(1) << 31))
+        return false;
+    return true;
+  }
+  /// Whether a norm's rows take the bf16 register kernels: bf16 tensors
+  /// (the gamma and beta of either dtype), h a multiple of 256 up to 2048,
+  /// every operand 16-byte aligned.
+  bool bf16Rows(const Instruction &ins, int64_t h);
+  static unsigned vecBlocks(int64_t n, int pack) {
+    return unsigned(std::min<int64_t>((n / pack + kThreads - 1) / kThreads, 65535 * 8));
+  }
+  const Buffer &buf(int64_t id) const { return rank.buffers[id]; }
+  static int64_t count(const Shape &s) { return numElements(s).value_or(0); }
+
+  /// Workspace bytes the program needs at most (one shared workspace).
+  size_t reserve(size_t bytes) {
+    workspaceBytes = std::max(workspaceBytes, (bytes + 255) / 256 * 256);
+    return 0;
+  }
+  template <typename T> T *deviceArray(const std::vector<T> &host) {
+    void *p = nullptr;
+    LOOM_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(host.size(), 1) * sizeof(T)));
+    LOOM_CUDA_CHECK(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+    allocations.push_back(p);
+    return static_cast<T *>(p);
+  }
+
+  static bool flag(const Instruction &ins, const char *name) {
+    auto it = ins.attrs.find(name);
+    return it != ins.attrs.end() && it->is_boolean() && it->get<bool>();
+  }
+  static double num(const Instruction &ins, const char *name, double dflt) {
+    auto it = ins.attrs.find(name);
+    return it != ins.attrs.end() && it->is_number() ? it->get<double>() : dflt;
+  }
+  static int64_t axisOf(const Instruction &ins, const char *name, size_t rank, int64_t dflt) {
+    auto it = ins.attrs.find(name);
+    int64_t a = it != ins.attrs.end() && it->is_number_integer() ? it->get<int64_t>() : dflt;
+    return a < 0 ? a + static_cast<int64_t>(rank) : a;
+  }
+
+  //===--- Matrix products (CudaGemm.cu) ----------------------------------===//
+  /// Element types of a GEMM: f32 operands run on TF32 tensor cores, bf16
+  /// operands on bf16 tensor cores; both accumulate in f32.
+  struct GemmTypes {
+    cudaDataType ab = CUDA_R_32F, c = CUDA_R_32F;
+    cublasComputeType_t compute = f32Compute();
+    int64_t abSize = 4, cSize = 4;
+  };
+  GemmTypes gemmTypes(const Buffer &a, const Buffer &b, const Buffer &c);
+  /// A planned row-major C[M,N] = op(A) op(B): cuBLASLt descriptors and the
+  /// fastest of cuBLASLt's candidate algorithms, timed once per shape on
+  /// this GPU when the program is prepared (C = B^T A^T in column-major).
+  struct GemmPlan {
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+  };
+  std::map<std::string, std::shared_ptr<GemmPlan>> gemmPlans;
+  /// A cuBLASLt epilogue: its kind, the bias vector (read, or written by a
+  /// bias gradient) and the auxiliary matrix (GELU's pre-activation, ld
+  /// elements apart).
+  struct GemmEpilogue {
+    cublasLtEpilogue_t kind = CUBLASLT_EPILOGUE_DEFAULT;
+    const void *bias = nullptr, *aux = nullptr;
+    int64_t auxLd = 0;
+    const void *residual = nullptr; // C, added with beta = 1 (the result is D)
+  };
+  /// Null when `epilogue` is given and cuBLASLt has no algorithm for it
+  /// (the caller runs the product and its epilogue apart).
+  std::shared_ptr<GemmPlan> planGemm(const GemmTypes &t, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
+                                     const void *a, int64_t lda, const void *b, int64_t ldb, void *c, int64_t ldc,
+                                     int64_t offsetAlign = 256, const GemmEpilogue *epilogue = nullptr);
+  void gemm(const GemmPlan &p, const void *a, const void *b, void *c, cudaStream_t s,
+            const GemmEpilogue *epilogue = nullptr);
+  void gemmBatched(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float **a,
+                   int64_t lda, const float **b, int64_t ldb, float beta, float **c, int64_t ldc, int64_t count);
+
+  //===--- Instruction builders -------------------------------------------===//
+  // build() looks an instruction up in builders(), the one table that each
+  // file of the backend adds the instructions it builds to.
+  using Builder = std::function<Launch(CudaBackendImpl &, const Instruction &)>;
+  using BuilderTable = std::map<std::string, Builder>;
+  static const BuilderTable &builders();
+  static void addElementwiseBuilders(BuilderTable &table);
+  static void addLayoutBuilders(BuilderTable &table);
+  static void addNormBuilders(BuilderTable &table);
+  static void addGemmBuilders(BuilderTable &table);
+  static void addAttentionBuilders(BuilderTable &table);
+  static void addLossBuilders(BuilderTable &table);
+  static void addOptimizerBuilders(BuilderTable &table);
+  static void addConvBuilders(BuilderTable &table);
+  static void addGeneratedBuilders(BuilderTable &table);
+  static void addCollectiveBuilders(BuilderTable &table);
+  Launch build(const Instruction &ins);
+  // CudaElementwise.cu
+  Launch buildFill(const Instruction &ins);
+  Launch buildBinary(const Instruction &ins);
+  Launch buildUnary(const Instruction &ins);
+  Launch buildUnaryGrad(const Instruction &ins);
+  Launch buildCast(const Instruction &ins);
+  Launch buildRotary(const Instruction &ins);
+  // CudaLayout.cu
+  Launch buildSliceOrConcat(const Instruction &ins);
+  Launch buildTransposeOrBroadcast(const Instruction &ins);
+  Launch buildEmbedding(const Instruction &ins);
+  // CudaNorms.cu
+  Launch buildReduce(const Instruction &ins);
+  Launch buildNorm(const Instruction &ins);
+  Launch buildNormGrad(const Instruction &ins);
+  // CudaGemm.cu
+  Launch buildMatmul(const Instruction &ins);
+  Launch buildGemm(const Instruction &ins);
+  // CudaAttention.cu
+  Launch buildAttention(const Instruction &ins, bool grad);
+  using AttentionKey = std::tuple<int64_t, int64_t, int64_t>;
+  Launch buildPackedAttention(const Instruction &ins, bool grad);
+  Launch flashForward(const flash::Params &p, int64_t out, AttentionKey key);
+  std::shared_ptr<cudnn::Attention> cudnnAttention(const flash::Params &p, bool backward);
+  Launch flashBackward(const flash::Params &p, char *pdo, char *gq, char *gk, char *gv, AttentionKey key,
+                       char *clear, int64_t clearBytes);
+  // CudaLoss.cu
+  Launch buildCrossEntropy(const Instruction &ins);
+  // CudaGenerated.cu
+  Launch buildFused(const Instruction &ins);
+  Launch buildRowKernel(const Instruction &ins);
+  Launch buildCrossEntropyKernel(const Instruction &ins);
+  cudaKernel_t generatedKernel(const Instruction &ins);
+  void requireVectorAligned(std::initializer_list<const std::vector<int64_t> *> lists, int64_t vector);
+  // CudaCollectives.cu
+  Launch buildCommunication(const Instruction &ins);
+  Launch buildEventWait(const Instruction &ins);
+  // CudaOptimizer.cu
+  Launch buildAdamw(const std::vector<const Instruction *> &group);
+  Launch buildGeneratedAdamw(const std::vector<const Instruction *> &group);
+  /// Whether this adamw runs in the compiler's generated kernel.
+  bool generatedAdamw(const Instruction &ins) const {
+    return kernelsLibrary && generatedKernelsOn() && ins.attrs.is_object() && ins.attrs.contains("kernel");
+  }
+  Launch buildCasts(const std::vector<Instruction> &instrs, size_t begin, size_t end);
+  OptimizerArgs optimizerArgs(const Instruction &ins);
+  Launch buildSgd(const Instruction &ins);
+  Launch buildGlobalNorm(const Instruction &ins);
+  Launch buildStepIncrement(const Instruction &ins);
+  /// The sum of squares of the instruction's inputs (those not in `skip`),
+  /// as a double at the start of the workspace: global_norm's first half,
+  /// local or across a group.
+  Launch buildSumOfSquares(const Instruction &ins, const std::set<int64_t> &skip);
+  // CudaConv.cu
+  Launch buildConv2d(const Instruction &ins);
+  Launch buildBatchNorm(const Instruction &ins);
+  Launch buildPool(const Instruction &ins);
+
+  //===--- State ----------------------------------------------------------===//
+  std::string kernelsPtx;
+  cudaLibrary_t kernelsLibrary = nullptr;
+
+  const RankProgram &rank;
+  int device;
+  NcclWorld *world = nullptr;
+  cudaStream_t stream = nullptr, sendStream = nullptr;
+  /// "async" collectives (data-parallel gradient buckets) run here, after
+  /// an event marks their inputs ready on the compute stream; each records
+  /// its bundle event, which an event_wait makes the compute stream wait for.
+  cudaStream_t commStream = nullptr;
+  std::map<int64_t, cudaEvent_t> commEvents;
+  std::vector<cudaEvent_t> readyEvents;
+  cudaEvent_t commEvent(int64_t id);
+  /// Sends go out of staging copies on their own stream, so the compute
+  /// stream never waits for a receiver and may reuse the sent buffer's
+  /// memory at once. Each send instruction has its own copy, made when it is
+  /// prepared: nothing is allocated and no host thread waits on a transfer
+  /// while programs run (a host that blocks on its send while its peer
+  /// blocks on its own deadlocks both once transfers outgrow NCCL's buffers).
+  /// A copy is rewritten once its previous send is done (a wait on the GPU).
+  struct Staging {
+    char *data = nullptr;
+    int64_t bytes = 0;
+    cudaEvent_t copied = nullptr, sent = nullptr;
+    bool used = false;
+  };
+  std::deque<Staging> staging;
+  int64_t startOf(const Instruction &ins, int64_t localRows, int64_t &parts) const {
+    auto it = ins.attrs.find("vocab_group");
+    parts = 1;
+    if (it == ins.attrs.end() || !it->is_string())
+      return 0;
+    const std::vector<int64_t> &members = rank.groups.at(it->get<std::string>());
+    parts = int64_t(members.size());
+    return int64_t(std::find(members.begin(), members.end(), rank.rank) - members.begin()) * localRows;
+  }
+  cublasHandle_t blas = nullptr;
+  cublasLtHandle_t lt = nullptr;
+  static constexpr size_t kBlasWorkspace = 32 << 20;
+  void *blasWorkspace = nullptr;
+  char *arena = nullptr;
+  long long *errorWord = nullptr;
+  char *workspace = nullptr;
+  size_t workspaceBytes = 0, workspaceAllocated = 0;
+  std::vector<void *> allocations;
+  std::string where;
+  struct Step {
+    std::string what, op;
+    double flops;
+    Launch launch;
+    cudaEvent_t start, end;
+    // CUDA graphs: whether the launch may be captured (no host-memory
+    // copies, no second stream), whether a captured launch may replay now
+    // (host state it read when captured still holds), and the host state a
+    // replay must update in its stead.
+    bool capturable = true;
+    std::function<bool()> replayable;
+    std::function<void()> replayed;
+  };
+  /// What the instruction being built tells its Step (see Step).
+  bool buildCapturable = true;
+  std::function<bool()> buildReplayable;
+  std::function<void()> buildReplayed;
+  /// A program's captured CUDA graph: the steady state replays it in one
+  /// launch. Captured at the second run (the first warms up); off for
+  /// --profile and with LOOM_CUDA_GRAPHS=0.
+  struct Graph {
+    bool capturable = false;   // every step's launch may be captured (set at prepare)
+    std::vector<size_t> hooks; // the steps with host state to check or update on replay
+    int eagerRuns = 0;
+    bool disabled = false;
+    cudaGraphExec_t exec = nullptr;
+  };
+  std::map<std::string, Graph> graphs;
+  //===--- CUDA graphs (CudaGraphs.cu) ------------------------------------===//
+  void dropGraphs();
+  static bool graphsWanted();
+  void launchEager(std::vector<Step> &steps);
+  /// Captures the program's launches into a graph and launches it; false
+  /// (nothing launched, graphs off for this program) where capture fails.
+  bool captureAndLaunch(std::vector<Step> &steps, Graph &g);
+  double denseFlops(const Instruction &ins) const { return denseInstructionFlops(rank, ins); }
+  std::map<std::string, std::vector<Step>> programs;
+
+  /// What a bf16 attention forward leaves its backward: the rows'
+  /// log-sum-exps (ours) and which buffer holds its output. `fresh` is set by
+  /// the forward's launch and cleared by the backward's, on the host thread
+  /// that issues both.
+  struct AttentionSave {
+    float *lse = nullptr; // our kernels' base-2 log-sum-exps, or cuDNN's statistics
+    bool cudnnStats = false;
+    int64_t out = -1;
+    std::pair<std::string, size_t> at;
+    bool fresh = false;
+  };
+  std::map<std::tuple<int64_t, int64_t, int64_t>, std::shared_ptr<AttentionSave>> attentionSaves;
+  std::map<std::string, std::vector<Instruction>> instructions; // as prepared
+  std::pair<std::string, size_t> building;                      // the instruction being built
+  /// Whether the save's output buffer still holds the forward's result when
+  /// the instruction at `use` runs: nothing between them (in program order:
+  /// one program, or "forward" then "backward") writes over its bytes.
+  bool outputIntact(const AttentionSave &save, const std::pair<std::string, size_t> &use) const;
+};
+
+} // namespace loom::rt::cuda
+
+#endif

@@ -1,0 +1,425 @@
+//===- CudaCollectives.cu - NCCL communicators, collectives and transfers ---===//
+//
+// The process's NCCL world (a communicator per group and per direction of
+// each pipeline link, created in one NCCL group), and the instructions
+// that use it: all-reduces (overlapped with the backward on the
+// communication stream when "async", joined by event_wait), ZeRO-1's
+// reduce-scatter and all-gather, broadcasts, pipeline sends (from staging
+// copies on their own stream) and receives, and the cross-rank halves of
+// global_norm and vocabulary-parallel cross-entropy.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/src/cuda/CudaBackendImpl.h"
+#include "runtime/src/Communicator.h"
+
+#include <algorithm>
+#include <set>
+
+namespace loom::rt {
+
+#ifdef LOOM_HAVE_NCCL
+void checkNccl(ncclResult_t r, const char *what, const char *file, int line) {
+  if (r != ncclSuccess && r != ncclInProgress)
+    fail(r == ncclInvalidUsage || r == ncclInvalidArgument ? LOOM_INVALID_BUNDLE : LOOM_INTERNAL, file,
+         ":", line, ": ", what, " failed: ", ncclGetErrorString(r), " (", ncclGetLastError(nullptr),
+         "); NCCL_DEBUG=WARN says more");
+}
+#define LOOM_NCCL_CHECK(expr) checkNccl((expr), #expr, __FILE__, __LINE__)
+
+void NcclWorld::createAll(const std::vector<std::vector<int>> &lists, int self, Communicator *bootstrap,
+               std::vector<std::map<int, ncclComm_t> *> targets) {
+  std::vector<ncclUniqueId> ids(lists.size());
+  for (size_t g = 0; g < lists.size(); ++g) {
+    if (self < 0 || self == lists[g][0])
+      LOOM_NCCL_CHECK(ncclGetUniqueId(&ids[g]));
+    if (self >= 0)
+      bootstrap->broadcastBytes(self, lists[g][0], &ids[g], sizeof(ncclUniqueId));
+  }
+  struct Pending {
+    size_t list;
+    int member;
+    ncclComm_t comm;
+  };
+  std::vector<Pending> pending;
+  for (size_t g = 0; g < lists.size(); ++g)
+    for (size_t i = 0; i < lists[g].size(); ++i)
+      if (self < 0 || lists[g][i] == self)
+        pending.push_back({g, lists[g][i], nullptr});
+  LOOM_NCCL_CHECK(ncclGroupStart());
+  for (Pending &p : pending) {
+    const std::vector<int> &members = lists[p.list];
+    int index = int(std::find(members.begin(), members.end(), p.member) - members.begin());
+    LOOM_CUDA_CHECK(cudaSetDevice(devices[p.member]));
+    LOOM_NCCL_CHECK(ncclCommInitRank(&p.comm, int(members.size()), ids[p.list], index));
+  }
+  LOOM_NCCL_CHECK(ncclGroupEnd());
+  for (Pending &p : pending)
+    (*targets[p.list])[p.member] = p.comm;
+}
+#endif
+
+NcclWorld::~NcclWorld() {
+#ifdef LOOM_HAVE_NCCL
+  for (auto *table : {&groups})
+    for (auto &[m, comms] : *table)
+      for (auto &[r, c] : comms)
+        aborted ? ncclCommAbort(c) : ncclCommDestroy(c);
+  for (auto &[m, comms] : links)
+    for (auto &[r, c] : comms)
+      aborted ? ncclCommAbort(c) : ncclCommDestroy(c);
+#endif
+}
+
+std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<int> &devices, int self,
+                                         Communicator *bootstrap) {
+#ifndef LOOM_HAVE_NCCL
+  (void)m, (void)devices, (void)self, (void)bootstrap;
+  fail(LOOM_UNSUPPORTED, "this runtime was built without NCCL (nccl.h was not found when it was "
+       "configured), so multi-GPU bundles cannot run; install NCCL and rebuild, or use --backend cpu");
+#else
+  if (devices.size() < m.ranks.size())
+    fail(LOOM_INVALID_ARGUMENT, "the bundle has ", m.ranks.size(), " ranks but only ", devices.size(),
+         " GPUs are given");
+  int count = 0;
+  if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0)
+    fail(LOOM_UNSUPPORTED, "no usable CUDA device for this ", m.ranks.size(), "-rank bundle (cudaGetDeviceCount: ",
+         e == cudaSuccess ? "0 devices" : cudaGetErrorString(e),
+         "); check nvidia-smi and CUDA_VISIBLE_DEVICES, or run it on CPU ranks with --backend cpu");
+  for (size_t r = 0; r < devices.size(); ++r)
+    if (int d = devices[r]; (self < 0 || int(r) == self) && (d < 0 || d >= count))
+      fail(LOOM_INVALID_ARGUMENT, "the bundle has ", m.ranks.size(), " ranks, one per GPU, but ", count,
+           " GPU(s) are visible; run it on a machine with ", m.ranks.size(),
+           " GPUs, or compile for fewer ranks");
+  auto world = std::make_shared<NcclWorld>();
+  world->devices = devices;
+  std::set<std::vector<int>> groups;
+  std::set<std::pair<int, int>> links;
+  for (const RankProgram &r : m.ranks) {
+    for (const auto &[name, members] : r.groups)
+      if (members.size() > 1)
+        groups.insert(std::vector<int>(members.begin(), members.end()));
+    for (const auto &[name, list] : r.programs)
+      for (const Instruction &ins : list)
+        if (ins.op == "send")
+          links.insert({int(r.rank), int(ins.attrs.value("peer", int64_t(-1)))});
+  }
+  // NCCL matches a link's sends and receives in order: both sides must list
+  // the same transfers in the same order.
+  for (auto [from, to] : links) {
+    std::vector<int64_t> sent, received;
+    for (const auto &[name, list] : m.ranks[from].programs)
+      for (const Instruction &ins : list)
+        if (ins.op == "send" && ins.attrs.value("peer", int64_t(-1)) == to)
+          sent.push_back(ins.attrs.value("tag", int64_t(0)));
+    for (const auto &[name, list] : m.ranks[to].programs)
+      for (const Instruction &ins : list)
+        if (ins.op == "recv" && ins.attrs.value("peer", int64_t(-1)) == from)
+          received.push_back(ins.attrs.value("tag", int64_t(0)));
+    if (sent != received)
+      fail(LOOM_UNSUPPORTED, "rank ", from, " sends to rank ", to, " in an order that rank ", to,
+           " does not receive in (NCCL matches transfers in order); this schedule runs on CPU "
+           "ranks only for now: use 1f1b or gpipe on GPUs");
+  }
+  std::vector<std::vector<int>> lists;
+  std::vector<std::map<int, ncclComm_t> *> targets;
+  for (const auto &g : groups)
+    lists.push_back(g), targets.push_back(&world->groups[g]);
+  for (auto [from, to] : links)
+    lists.push_back({from, to}), targets.push_back(&world->links[{from, to}]);
+  world->createAll(lists, self, bootstrap, targets);
+  return world;
+#endif
+}
+
+void abortNcclWorld(NcclWorld &world) {
+  world.aborted = true;
+#ifdef LOOM_HAVE_NCCL
+  for (auto &[m, comms] : world.groups)
+    for (auto &[r, c] : comms)
+      ncclCommAbort(c), c = nullptr;
+  for (auto &[m, comms] : world.links)
+    for (auto &[r, c] : comms)
+      ncclCommAbort(c), c = nullptr;
+  world.groups.clear();
+  world.links.clear();
+#endif
+}
+
+} // namespace loom::rt
+
+namespace loom::rt::cuda {
+
+namespace {
+
+__global__ void toFloatKernel(const double *acc, float *out) { *out = static_cast<float>(*acc); }
+__global__ void sqrtFloatKernel(float *x) { *x = sqrtf(*x); }
+
+} // namespace
+
+cudaEvent_t CudaBackendImpl::commEvent(int64_t id) {
+  cudaEvent_t &e = commEvents[id];
+  if (!e)
+    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  return e;
+}
+
+Launch CudaBackendImpl::buildEventWait(const Instruction &ins) {
+  buildCapturable = false;
+  if (!ins.attrs.contains("event") || !ins.attrs["event"].is_number_integer())
+    fail(LOOM_INVALID_BUNDLE, where, ": event_wait needs an integer attribute 'event'");
+  cudaEvent_t e = commEvent(ins.attrs["event"].get<int64_t>());
+  return [=](cudaStream_t s) { LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, e, 0)); };
+}
+
+Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
+  buildCapturable = false; // NCCL and the second stream stay outside graphs for now
+#ifndef LOOM_HAVE_NCCL
+  fail(LOOM_UNSUPPORTED, where, ": this runtime was built without NCCL; use --backend cpu");
+#else
+  const std::string &op = ins.op;
+  auto n = [&](int64_t id) { return count(buf(id).shape); };
+  auto n_ = n;
+  // The communicator of a named group (null for a group of one).
+  auto commOf = [&](const std::string &name) -> ncclComm_t {
+    auto g = rank.groups.find(name);
+    if (g == rank.groups.end())
+      fail(LOOM_INVALID_BUNDLE, where, ": names group '", name, "', which this rank does not have");
+    if (g->second.size() < 2)
+      return nullptr;
+    if (!world)
+      fail(LOOM_UNSUPPORTED, where, ": multi-rank bundles need every rank started together (loom-run)");
+    return world->groups.at(std::vector<int>(g->second.begin(), g->second.end())).at(int(rank.rank));
+  };
+  std::string group = ins.attrs.value("group", std::string("dp"));
+  if (op == "all_reduce") {
+    std::string kind = ins.attrs.value("reduction", std::string("sum"));
+    ncclRedOp_t red = kind == "max" ? ncclMax : kind == "mean" ? ncclAvg : ncclSum;
+    ncclComm_t comm = commOf(group);
+    std::vector<std::tuple<char *, char *, int64_t, ncclDataType_t, int64_t>> parts;
+    for (size_t i = 0; i < ins.in.size(); ++i)
+      parts.push_back({ptr(fp(ins.in[i])), ptr(fp(ins.out[i])), n(ins.in[i]), ncclType(ins.in[i]), buf(ins.in[i]).bytes});
+    auto reduce = [=](cudaStream_t s) {
+      for (auto [in, out, cnt, type, bytes] : parts)
+        if (in != out)
+          LOOM_CUDA_CHECK(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, s));
+      if (!comm)
+        return;
+      LOOM_NCCL_CHECK(ncclGroupStart()); // a bucket goes out as one group
+      for (auto [in, out, cnt, type, bytes] : parts)
+        LOOM_NCCL_CHECK(ncclAllReduce(out, out, size_t(cnt), type, red, comm, s));
+      LOOM_NCCL_CHECK(ncclGroupEnd());
+    };
+    bool async = flag(ins, "async") && ins.attrs.contains("event") && ins.attrs["event"].is_number_integer();
+    if (!async)
+      return reduce;
+    // On the communication stream, overlapped with the compute that follows:
+    // the bundle guarantees nothing touches the bucket until its event_wait.
+    cudaEvent_t done = commEvent(ins.attrs["event"].get<int64_t>()), ready;
+    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    readyEvents.push_back(ready);
+    cudaStream_t cs = commStream;
+    return [=](cudaStream_t s) {
+      LOOM_CUDA_CHECK(cudaEventRecord(ready, s));
+      LOOM_CUDA_CHECK(cudaStreamWaitEvent(cs, ready, 0));
+      reduce(cs);
+      LOOM_CUDA_CHECK(cudaEventRecord(done, cs));
+    };
+  }
+  // ZeRO-1: slice `index` of k = ceil(n / parts) elements of each tensor.
+  auto place = [&]() {
+    const std::vector<int64_t> &members = rank.groups.at(group);
+    int64_t index = std::find(members.begin(), members.end(), rank.rank) - members.begin();
+    return std::make_pair(index, int64_t(members.size()));
+  };
+  if (op == "shard_of") {
+    auto [index, parts] = place();
+    float *in = f(ins.in[0]), *out = f(ins.out[0]);
+    int64_t n = n_(ins.in[0]), k = n_(ins.out[0]), begin = index * k;
+    int64_t have = std::max<int64_t>(0, std::min(k, n - begin));
+    return [=](cudaStream_t s) {
+      if (have > 0)
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(out, in + begin, have * sizeof(float), cudaMemcpyDeviceToDevice, s));
+      if (have < k)
+        LOOM_CUDA_CHECK(cudaMemsetAsync(out + have, 0, (k - have) * sizeof(float), s));
+    };
+  }
+  if (op == "reduce_scatter") {
+    auto [index, partCount] = place();
+    int64_t parts = partCount; // a plain variable: lambdas capture it (C++17)
+    ncclComm_t comm = commOf(group);
+    bool mean = ins.attrs.value("reduction", std::string("mean")) == "mean";
+    std::vector<std::tuple<float *, float *, int64_t, int64_t>> list;
+    size_t widest = 0;
+    for (size_t i = 0; i < ins.in.size(); ++i) {
+      int64_t n = n_(ins.in[i]), k = n_(ins.out[i]);
+      list.push_back({f(ins.in[i]), f(ins.out[i]), n, k});
+      widest = std::max<size_t>(widest, size_t(k * parts));
+    }
+    reserve(widest * sizeof(float));
+    int64_t self = index;
+    return [=](cudaStream_t s) {
+      float *padded = reinterpret_cast<float *>(workspace);
+      for (auto [in, out, n, k] : list) { // one at a time through the padded workspace
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(padded, in, n * sizeof(float), cudaMemcpyDeviceToDevice, s));
+        if (k * parts > n)
+          LOOM_CUDA_CHECK(cudaMemsetAsync(padded + n, 0, (k * parts - n) * sizeof(float), s));
+        if (comm)
+          LOOM_NCCL_CHECK(ncclReduceScatter(padded, out, size_t(k), ncclFloat32, mean ? ncclAvg : ncclSum, comm, s));
+        else
+          LOOM_CUDA_CHECK(cudaMemcpyAsync(out, padded + self * k, k * sizeof(float), cudaMemcpyDeviceToDevice, s));
+      }
+    };
+  }
+  if (op == "all_gather" && ins.attrs.contains("axis")) { // parts along an axis, in group order
+    auto [index, parts] = place();
+    (void)index;
+    ncclComm_t comm = commOf(ins.attrs.value("group", std::string("tp")));
+    const Shape &in = buf(ins.in[0]).shape;
+    int64_t axis = ins.attrs.at("axis").get<int64_t>();
+    axis = axis < 0 ? axis + int64_t(in.size()) : axis;
+    int64_t outer = 1, inner = 1;
+    for (int64_t d = 0; d < axis; ++d)
+      outer *= in[d];
+    for (size_t d = axis; d < in.size(); ++d)
+      inner *= in[d];
+    float *src = f(ins.in[0]), *dst = f(ins.out[0]);
+    reserve(size_t(outer * inner * parts) * sizeof(float));
+    int64_t count = parts;
+    return [=](cudaStream_t s) {
+      float *whole = reinterpret_cast<float *>(workspace); // [parts][outer][inner]
+      if (comm)
+        LOOM_NCCL_CHECK(ncclAllGather(src, whole, size_t(outer * inner), ncclFloat32, comm, s));
+      else
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(whole, src, outer * inner * sizeof(float), cudaMemcpyDeviceToDevice, s));
+      for (int64_t r = 0; r < count; ++r) // into [outer][parts][inner]
+        LOOM_CUDA_CHECK(cudaMemcpy2DAsync(dst + r * inner, count * inner * sizeof(float), whole + r * outer * inner,
+                                          inner * sizeof(float), inner * sizeof(float), outer,
+                                          cudaMemcpyDeviceToDevice, s));
+    };
+  }
+  if (op == "all_gather") { // pairs of slice and whole tensor, gathered as one NCCL group
+    auto [index, parts] = place();
+    ncclComm_t comm = commOf(group);
+    std::vector<std::tuple<float *, float *, int64_t, int64_t, int64_t>> list; // in, out, k, n, offset
+    int64_t total = 0;
+    for (size_t i = 0; i < ins.in.size(); ++i) {
+      int64_t k = n_(ins.in[i]), n = n_(ins.out[i]);
+      list.push_back({f(ins.in[i]), f(ins.out[i]), k, n, total});
+      total += k * parts;
+    }
+    reserve(size_t(total) * sizeof(float));
+    int64_t self = index;
+    return [=](cudaStream_t s) {
+      float *whole = reinterpret_cast<float *>(workspace);
+      if (comm) {
+        LOOM_NCCL_CHECK(ncclGroupStart());
+        for (auto [in, out, k, n, offset] : list)
+          LOOM_NCCL_CHECK(ncclAllGather(in, whole + offset, size_t(k), ncclFloat32, comm, s));
+        LOOM_NCCL_CHECK(ncclGroupEnd());
+      } else {
+        for (auto [in, out, k, n, offset] : list)
+          LOOM_CUDA_CHECK(cudaMemcpyAsync(whole + offset + self * k, in, k * sizeof(float),
+                                          cudaMemcpyDeviceToDevice, s));
+      }
+      for (auto [in, out, k, n, offset] : list)
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(out, whole + offset, n * sizeof(float), cudaMemcpyDeviceToDevice, s));
+    };
+  }
+  if (op == "broadcast_from") {
+    ncclComm_t comm = commOf(group);
+    int root = int(ins.attrs.value("root", int64_t(0)));
+    char *x = ptr(fp(ins.in[0]));
+    int64_t cnt = n(ins.in[0]);
+    ncclDataType_t type = ncclType(ins.in[0]);
+    return [=](cudaStream_t s) {
+      if (comm)
+        LOOM_NCCL_CHECK(ncclBroadcast(x, x, size_t(cnt), type, root, comm, s));
+    };
+  }
+  if (op == "send" || op == "recv") {
+    int peer = int(ins.attrs.value("peer", int64_t(-1)));
+    int self = int(rank.rank);
+    std::pair<int, int> link = op == "send" ? std::make_pair(self, peer) : std::make_pair(peer, self);
+    if (!world || !world->links.count(link))
+      fail(LOOM_INVALID_BUNDLE, where, ": no transfer link from rank ", link.first, " to ", link.second);
+    ncclComm_t comm = world->links.at(link).at(self);
+    int other = link.first == self ? 1 : 0; // the peer's index in the 2-rank link (from 0, to 1)
+    if (op == "recv") {
+      char *dst = ptr(buf(ins.out[0]));
+      int64_t bytes = buf(ins.out[0]).bytes;
+      return [=](cudaStream_t s) { LOOM_NCCL_CHECK(ncclRecv(dst, size_t(bytes), ncclUint8, other, comm, s)); };
+    }
+    const char *src = ptr(buf(ins.in[0]));
+    int64_t bytes = buf(ins.in[0]).bytes;
+    Staging &slot = staging.emplace_back();
+    LOOM_CUDA_CHECK(cudaMalloc(&slot.data, std::max<int64_t>(bytes, 1)));
+    slot.bytes = bytes;
+    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&slot.sent, cudaEventDisableTiming));
+    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&slot.copied, cudaEventDisableTiming));
+    Staging *copy = &slot; // a deque's elements stay where they are
+    return [=](cudaStream_t s) {
+      if (copy->used)
+        LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, copy->sent, 0)); // its last send is done
+      copy->used = true;
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(copy->data, src, bytes, cudaMemcpyDeviceToDevice, s));
+      LOOM_CUDA_CHECK(cudaEventRecord(copy->copied, s));
+      LOOM_CUDA_CHECK(cudaStreamWaitEvent(sendStream, copy->copied, 0));
+      LOOM_NCCL_CHECK(ncclSend(copy->data, size_t(bytes), ncclUint8, other, comm, sendStream));
+      LOOM_CUDA_CHECK(cudaEventRecord(copy->sent, sendStream));
+    };
+  }
+  if (op == "global_norm") {
+    ncclComm_t comm = commOf(group);
+    std::set<int64_t> skip;
+    if (ins.attrs.contains("skip"))
+      for (auto &v : ins.attrs.at("skip"))
+        skip.insert(v.get<int64_t>());
+    Launch squares = buildSumOfSquares(ins, skip);
+    float *out = f(ins.out[0]);
+    return [=](cudaStream_t s) {
+      squares(s);
+      toFloatKernel<<<1, 1, 0, s>>>(reinterpret_cast<double *>(workspace), out);
+      if (comm)
+        LOOM_NCCL_CHECK(ncclAllReduce(out, out, 1, ncclFloat32, ncclSum, comm, s));
+      sqrtFloatKernel<<<1, 1, 0, s>>>(out);
+    };
+  }
+  // Vocabulary-parallel cross-entropy and its gradient.
+  const Buffer &logits = buf(ins.in[0]), &targets = buf(ins.in[1]);
+  int64_t v = logits.shape.back(), rows = count(targets.shape), parts = 1;
+  int64_t start = startOf(ins, v, parts), full = v * parts;
+  ncclComm_t comm = commOf(ins.attrs.at("vocab_group").get<std::string>());
+  bool wide = targets.dtype == LOOM_I64;
+  void *pt = ptr(targets);
+  DPtr pl = fp(ins.in[0]);
+  long long *err = errorWord;
+  bool grad = op == "cross_entropy_grad";
+  float *dl = grad ? f(ins.in[2]) : nullptr;
+  DPtr out = fp(ins.out[0]);
+  reserve(4 * rows * sizeof(float));
+  return [=](cudaStream_t s) {
+    float *rowMax = reinterpret_cast<float *>(workspace), *stats = rowMax + rows, *rowLoss = stats + 2 * rows;
+    rowMaxKernel<<<int(rows), kThreads, 0, s>>>(pl, rowMax, v);
+    if (comm)
+      LOOM_NCCL_CHECK(ncclAllReduce(rowMax, rowMax, size_t(rows), ncclFloat32, ncclMax, comm, s));
+    rowSumTargetKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowMax, stats, rows, v, start, full, err);
+    if (comm)
+      LOOM_NCCL_CHECK(ncclAllReduce(stats, stats, size_t(2 * rows), ncclFloat32, ncclSum, comm, s));
+    if (grad) {
+      splitCrossEntropyGradKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowMax, stats, dl, out, rows, v, start);
+    } else {
+      splitLossRowsKernel<<<blocksFor(rows), kThreads, 0, s>>>(rowMax, stats, rowLoss, rows);
+      meanKernel<<<1, 1024, 0, s>>>(rowLoss, rows, static_cast<float *>(out.p));
+    }
+  };
+#endif
+}
+
+void CudaBackendImpl::addCollectiveBuilders(BuilderTable &table) {
+  for (const char *op : {"all_reduce", "broadcast_from", "send", "recv", "reduce_scatter", "all_gather", "shard_of"})
+    table[op] = &CudaBackendImpl::buildCommunication;
+  table["event_wait"] = &CudaBackendImpl::buildEventWait;
+}
+
+} // namespace loom::rt::cuda

@@ -1,0 +1,76 @@
+//===- CudaGraphs.cu - Launching programs, eagerly or as CUDA graphs -------===//
+//
+// A program's steps launch one by one (timed per step under --profile)
+// until its second run, which captures them into a CUDA graph that later
+// runs replay in one launch; a program whose capture fails stays eager.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/src/cuda/CudaBackendImpl.h"
+
+#include <cstdlib>
+
+namespace loom::rt::cuda {
+
+void CudaBackendImpl::dropGraphs() {
+  for (auto &[name, g] : graphs)
+    if (g.exec)
+      cudaGraphExecDestroy(g.exec), g.exec = nullptr;
+}
+
+bool CudaBackendImpl::graphsWanted() {
+  static const bool on = [] {
+    const char *e = std::getenv("LOOM_CUDA_GRAPHS");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+
+void CudaBackendImpl::launchEager(std::vector<Step> &steps) {
+  for (Step &step : steps) {
+    if (profiling) {
+      if (!step.start) {
+        LOOM_CUDA_CHECK(cudaEventCreate(&step.start));
+        LOOM_CUDA_CHECK(cudaEventCreate(&step.end));
+      }
+      LOOM_CUDA_CHECK(cudaEventRecord(step.start, stream));
+    }
+    step.launch(stream);
+    cudaError_t e = cudaPeekAtLastError();
+    if (e != cudaSuccess)
+      fail(LOOM_INTERNAL, step.what, ": kernel launch failed: ", cudaGetErrorString(e));
+    if (profiling)
+      LOOM_CUDA_CHECK(cudaEventRecord(step.end, stream));
+  }
+}
+
+bool CudaBackendImpl::captureAndLaunch(std::vector<Step> &steps, Graph &g) {
+  if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+    cudaGetLastError();
+    g.disabled = true;
+    return false;
+  }
+  bool launched = true;
+  try {
+    for (Step &step : steps)
+      step.launch(stream);
+  } catch (const Error &) {
+    launched = false;
+  }
+  cudaGraph_t graph = nullptr;
+  cudaError_t e = cudaStreamEndCapture(stream, &graph);
+  if (launched && e == cudaSuccess && graph && cudaGraphInstantiate(&g.exec, graph, 0) == cudaSuccess &&
+      cudaGraphLaunch(g.exec, stream) == cudaSuccess) {
+    cudaGraphDestroy(graph);
+    return true;
+  }
+  if (graph)
+    cudaGraphDestroy(graph);
+  if (g.exec)
+    cudaGraphExecDestroy(g.exec), g.exec = nullptr;
+  cudaGetLastError(); // the failed capture's error is not the program's
+  g.disabled = true;
+  return false;
+}
+
+} // namespace loom::rt::cuda

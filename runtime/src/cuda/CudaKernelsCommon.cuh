@@ -1,0 +1,187 @@
+//===- CudaKernelsCommon.cuh - What the CUDA backend's kernels share -*- CUDA -*-===//
+//
+// The float tensor kernels load and store through (DPtr), strided index
+// arithmetic, warp and block reductions, 16-byte accesses, the device-side
+// error report, and the kernels that more than one file of the backend
+// launches (each defined once, in the file of its concern).
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef LOOM_RUNTIME_CUDA_CUDAKERNELSCOMMON_CUH
+#define LOOM_RUNTIME_CUDA_CUDAKERNELSCOMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace loom::rt::cuda {
+
+constexpr int kMaxRank = 8;
+constexpr int kThreads = 256;
+
+struct Strided {
+  int rank = 0;
+  int64_t shape[kMaxRank] = {};
+  int64_t a[kMaxRank] = {}; // element strides of the first input over `shape`
+  int64_t b[kMaxRank] = {}; // of the second input
+};
+
+__device__ inline void offsets(const Strided &s, int64_t i, int64_t &oa, int64_t &ob) {
+  oa = 0, ob = 0;
+  for (int d = s.rank - 1; d >= 0; --d) {
+    int64_t idx = i % s.shape[d];
+    i /= s.shape[d];
+    oa += idx * s.a[d];
+    ob += idx * s.b[d];
+  }
+}
+
+/// A float tensor in device memory, f32 or bf16: kernels load and store
+/// through it, computing in f32 (bf16 results rounded to nearest even, as
+/// the CPU backend rounds them). The dtype test is uniform across a launch.
+struct DPtr {
+  void *p = nullptr;
+  bool bf = false;
+  __host__ __device__ DPtr operator+(int64_t off) const {
+    return {static_cast<char *>(p) + off * (bf ? 2 : 4), bf};
+  }
+  __device__ float operator[](int64_t i) const {
+    return bf ? __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i]) : static_cast<const float *>(p)[i];
+  }
+  __device__ void st(int64_t i, float v) const {
+    if (bf)
+      static_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(v);
+    else
+      static_cast<float *>(p)[i] = v;
+  }
+  __host__ __device__ explicit operator bool() const { return p != nullptr; }
+};
+
+#define GRID_LOOP(i, n) for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); i += int64_t(gridDim.x) * blockDim.x)
+
+enum BinaryOp { kAdd, kSub, kMul, kDiv };
+
+/// Sixteen bytes of T, loaded or stored at once.
+template <typename T> struct alignas(16) Pack {
+  static constexpr int N = 16 / sizeof(T);
+  T v[N];
+};
+template <typename T> __device__ inline Pack<T> load(const T *p) { return *reinterpret_cast<const Pack<T> *>(p); }
+
+__device__ inline float warpSum(float v) {
+  for (int o = 16; o > 0; o >>= 1)
+    v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
+}
+
+__device__ inline float blockSum(float v, float *shared) {
+  v = warpSum(v);
+  int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  __syncthreads();
+  if (lane == 0)
+    shared[warp] = v;
+  __syncthreads();
+  float total = 0;
+  for (int w = 0; w < (blockDim.x + 31) / 32; ++w)
+    total += shared[w];
+  return total;
+}
+
+__device__ inline float blockMax(float v, float *shared) {
+  for (int o = 16; o > 0; o >>= 1)
+    v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+  int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  __syncthreads();
+  if (lane == 0)
+    shared[warp] = v;
+  __syncthreads();
+  float best = -INFINITY;
+  for (int w = 0; w < (blockDim.x + 31) / 32; ++w)
+    best = fmaxf(best, shared[w]);
+  return best;
+}
+
+/// Two adjacent values of p from element i (even), either dtype.
+__device__ inline float2 ld2(DPtr p, int64_t i) { // i even
+  return p.bf ? __bfloat1622float2(reinterpret_cast<const __nv_bfloat162 *>(p.p)[i / 2])
+              : reinterpret_cast<const float2 *>(p.p)[i / 2];
+}
+__device__ inline void st2(DPtr p, int64_t i, float a, float b) {
+  if (p.bf)
+    reinterpret_cast<__nv_bfloat162 *>(p.p)[i / 2] = __floats2bfloat162_rn(a, b);
+  else
+    reinterpret_cast<float2 *>(p.p)[i / 2] = make_float2(a, b);
+}
+
+using bf16 = __nv_bfloat16;
+/// Eight values of p from element i (a multiple of 8): one 16-byte load for
+/// bf16, two for f32.
+__device__ inline void load8(DPtr p, int64_t i, float out[8]) {
+  if (p.bf) {
+    Pack<bf16> v = load(static_cast<const bf16 *>(p.p) + i);
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      out[e] = __bfloat162float(v.v[e]);
+  } else {
+    Pack<float> a = load(static_cast<const float *>(p.p) + i), b = load(static_cast<const float *>(p.p) + i + 4);
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      out[e] = a.v[e], out[e + 4] = b.v[e];
+  }
+}
+__device__ inline void store8(bf16 *p, const float v[8]) {
+  Pack<bf16> o;
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    o.v[e] = __float2bfloat16_rn(v[e]);
+  *reinterpret_cast<Pack<bf16> *>(p) = o;
+}
+/// Eight values to p from element i (a multiple of 8), either dtype.
+__device__ inline void store8(DPtr p, int64_t i, const float v[8]) {
+  if (p.bf) {
+    store8(static_cast<bf16 *>(p.p) + i, v);
+  } else {
+    float4 *q = reinterpret_cast<float4 *>(static_cast<float *>(p.p) + i);
+    q[0] = make_float4(v[0], v[1], v[2], v[3]);
+    q[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+}
+
+/// Device-side error report: [code, position, value].
+__device__ inline void raise(long long *err, long long code, long long pos, long long value) {
+  if (atomicCAS(reinterpret_cast<unsigned long long *>(err), 0ull, static_cast<unsigned long long>(code)) == 0ull) {
+    err[1] = pos;
+    err[2] = value;
+  }
+}
+
+__device__ inline int64_t readIndex(const void *ids, bool wide, int64_t i) {
+  return wide ? static_cast<const int64_t *>(ids)[i] : static_cast<const int32_t *>(ids)[i];
+}
+
+//===--- Kernels launched from more than one file -------------------------===//
+
+// CudaElementwise.cu
+__global__ void castKernel(DPtr x, DPtr y, int64_t n);
+/// Same-shape operands, or a second operand repeating over leading dims (a bias).
+__global__ void binaryContiguousKernel(int op, DPtr A, DPtr B, DPtr C, int64_t n, int64_t na, int64_t nb);
+
+// CudaLoss.cu
+__global__ void meanKernel(const float *x, int64_t n, float *out);
+/// Vocabulary-parallel cross-entropy, in three steps around two all-reduces:
+/// the row maxima of the local logits; then each row's sum of exp(l - max)
+/// and its target logit (0 where another rank holds the target).
+__global__ void rowMaxKernel(DPtr logits, float *rowMaxOut, int64_t v);
+__global__ void rowSumTargetKernel(DPtr logits, const void *targets, bool wide, const float *rowMax,
+                                   float *stats, int64_t rows, int64_t v, int64_t start, int64_t full,
+                                   long long *err);
+__global__ void splitLossRowsKernel(const float *rowMax, const float *stats, float *rowLoss, int64_t rows);
+__global__ void splitCrossEntropyGradKernel(DPtr logits, const void *targets, bool wide, const float *rowMax,
+                                            const float *stats, const float *dloss, DPtr dl, int64_t rows,
+                                            int64_t v, int64_t start);
+
+} // namespace loom::rt::cuda
+
+#endif

@@ -1,0 +1,158 @@
+//===- CudaLayout.cu - Copies, gathers and embedding lookups ---------------===//
+//
+// Instructions that move data rather than compute it: slices and
+// concatenations (2-D copies of blocks of rows), transposes and broadcasts
+// (a gather over strided offsets), and embedding lookups and their
+// gradient (rows of a table by token id, vocabulary-parallel or whole).
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/src/cuda/CudaBackendImpl.h"
+
+namespace loom::rt::cuda {
+namespace {
+
+/// out[i] = in[base + offset(i)]: slices, transposes, broadcasts (E: an
+/// unsigned integer as wide as an element).
+template <typename E> __global__ void gatherKernel(const E *in, E *out, int64_t n, int64_t base, Strided s) {
+  GRID_LOOP(i, n) {
+    int64_t oa, ob;
+    offsets(s, i, oa, ob);
+    out[i] = in[base + oa];
+  }
+}
+
+/// Rows [start, start + vocab) of a vocabulary of `full` ids live here (the
+/// whole table unless tensor parallelism splits it): other ids give zeros.
+__global__ void embeddingKernel(DPtr table, const void *ids, bool wide, DPtr y, int64_t n,
+                                int64_t h, int64_t vocab, long long *err, int64_t start, int64_t full) {
+  GRID_LOOP(i, n * h) {
+    int64_t t = i / h, id = readIndex(ids, wide, t);
+    if (id < 0 || id >= full) {
+      raise(err, 1, t, id);
+      continue;
+    }
+    int64_t row = id - start;
+    y.st(i, row >= 0 && row < vocab ? table[row * h + i % h] : 0.0f);
+  }
+}
+
+__global__ void embeddingGradKernel(const void *ids, bool wide, DPtr dy, float *dt, int64_t n,
+                                    int64_t h, int64_t vocab, long long *err, int64_t start, int64_t full) {
+  GRID_LOOP(i, n * h) {
+    int64_t t = i / h, id = readIndex(ids, wide, t);
+    if (id < 0 || id >= full) {
+      raise(err, 1, t, id);
+      continue;
+    }
+    int64_t row = id - start;
+    if (row >= 0 && row < vocab)
+      atomicAdd(&dt[row * h + i % h], dy[i]);
+  }
+}
+
+} // namespace
+
+Launch CudaBackendImpl::buildSliceOrConcat(const Instruction &ins) {
+  const std::string &op = ins.op;
+  const Buffer &x = buf(ins.in[0]), &o = buf(ins.out[0]);
+  const Buffer &whole = op == "slice" ? x : o;
+  int64_t axis = axisOf(ins, "axis", whole.shape.size(), 0);
+  int64_t outer = 1, inner = dtypeSize(whole.dtype);
+  for (int64_t d = 0; d < axis; ++d)
+    outer *= whole.shape[d];
+  for (size_t d = axis + 1; d < whole.shape.size(); ++d)
+    inner *= whole.shape[d];
+  int64_t dim = whole.shape[axis], pitch = dim * inner;
+  char *po = ptr(o);
+  if (op == "slice") {
+    int64_t start = static_cast<int64_t>(num(ins, "start", 0)), width = o.shape[axis] * inner;
+    char *pi = ptr(x) + start * inner;
+    return [=](cudaStream_t s) {
+      LOOM_CUDA_CHECK(cudaMemcpy2DAsync(po, width, pi, pitch, width, outer, cudaMemcpyDeviceToDevice, s));
+    };
+  }
+  std::vector<std::tuple<char *, int64_t, int64_t>> parts; // source, first byte of a row, width
+  int64_t offset = op == "slice_grad" ? static_cast<int64_t>(num(ins, "start", 0)) : 0;
+  for (int64_t id : ins.in) {
+    const Buffer &part = buf(id);
+    if (part.dtype != o.dtype)
+      fail(LOOM_INVALID_BUNDLE, where, ": joins ", dtypeName(part.dtype), " into ", dtypeName(o.dtype));
+    parts.push_back({ptr(part), offset * inner, part.shape[axis] * inner});
+    offset += part.shape[axis];
+  }
+  // A slice's gradient is zero outside the slice: clear only that.
+  int64_t start = std::get<1>(parts.front()), end = start + std::get<2>(parts.front());
+  bool grad = op == "slice_grad";
+  return [=](cudaStream_t s) {
+    if (grad && start > 0)
+      LOOM_CUDA_CHECK(cudaMemset2DAsync(po, pitch, 0, start, outer, s));
+    if (grad && end < pitch)
+      LOOM_CUDA_CHECK(cudaMemset2DAsync(po + end, pitch, 0, pitch - end, outer, s));
+    for (auto [src, at, width] : parts)
+      LOOM_CUDA_CHECK(cudaMemcpy2DAsync(po + at, pitch, src, width, width, outer, cudaMemcpyDeviceToDevice, s));
+  };
+}
+
+Launch CudaBackendImpl::buildTransposeOrBroadcast(const Instruction &ins) {
+  const std::string &op = ins.op;
+  const Buffer &x = buf(ins.in[0]), &o = buf(ins.out[0]);
+  std::vector<int64_t> st;
+  int64_t base = 0;
+  if (op == "transpose") {
+    std::vector<int64_t> in = stridesOf(x.shape);
+    for (auto &p : ins.attrs.at("permutation"))
+      st.push_back(in[p.get<int64_t>()]);
+  } else {
+    st = broadcastTo(x.shape, o.shape);
+  }
+  Strided sd = strided(o.shape, st);
+  char *pi = ptr(x), *po = ptr(o);
+  int64_t cnt = count(o.shape);
+  int64_t size = dtypeSize(x.dtype);
+  return [=](cudaStream_t s) {
+    if (size == 2)
+      gatherKernel<<<blocksFor(cnt), kThreads, 0, s>>>(reinterpret_cast<uint16_t *>(pi), reinterpret_cast<uint16_t *>(po), cnt, base, sd);
+    else if (size == 4)
+      gatherKernel<<<blocksFor(cnt), kThreads, 0, s>>>(reinterpret_cast<uint32_t *>(pi), reinterpret_cast<uint32_t *>(po), cnt, base, sd);
+    else
+      gatherKernel<<<blocksFor(cnt), kThreads, 0, s>>>(reinterpret_cast<uint64_t *>(pi), reinterpret_cast<uint64_t *>(po), cnt, base, sd);
+  };
+}
+
+Launch CudaBackendImpl::buildEmbedding(const Instruction &ins) {
+  const std::string &op = ins.op;
+  bool grad = op == "embedding_grad";
+  const Buffer &table = grad ? buf(ins.out[0]) : buf(ins.in[0]), &ids = grad ? buf(ins.in[0]) : buf(ins.in[1]);
+  int64_t vocab = table.shape[0], h = table.shape[1], cnt = count(ids.shape);
+  bool wide = ids.dtype == LOOM_I64;
+  void *pid = ptr(ids);
+  long long *err = errorWord;
+  int64_t parts = 1, start = startOf(ins, vocab, parts), full = vocab * parts;
+  if (!grad) {
+    DPtr pt = fp(ins.in[0]), y = fp(ins.out[0]);
+    return [=](cudaStream_t s) { embeddingKernel<<<blocksFor(cnt * h), kThreads, 0, s>>>(pt, pid, wide, y, cnt, h, vocab, err, start, full); };
+  }
+  // Accumulates in f32 (in the workspace for a bf16 table), rounding once.
+  DPtr dy = fp(ins.in[1]), dt = fp(ins.out[0]);
+  if (dt.bf)
+    reserve(size_t(vocab * h) * sizeof(float));
+  return [=](cudaStream_t s) {
+    float *acc = dt.bf ? reinterpret_cast<float *>(workspace) : static_cast<float *>(dt.p);
+    LOOM_CUDA_CHECK(cudaMemsetAsync(acc, 0, vocab * h * sizeof(float), s));
+    embeddingGradKernel<<<blocksFor(cnt * h), kThreads, 0, s>>>(pid, wide, dy, acc, cnt, h, vocab, err, start, full);
+    if (dt.bf)
+      castKernel<<<blocksFor(vocab * h), kThreads, 0, s>>>(DPtr{acc, false}, dt, vocab * h);
+  };
+}
+
+void CudaBackendImpl::addLayoutBuilders(BuilderTable &table) {
+  for (const char *op : {"slice", "slice_grad", "concat"})
+    table[op] = &CudaBackendImpl::buildSliceOrConcat;
+  for (const char *op : {"transpose", "broadcast"})
+    table[op] = &CudaBackendImpl::buildTransposeOrBroadcast;
+  for (const char *op : {"embedding", "embedding_grad"})
+    table[op] = &CudaBackendImpl::buildEmbedding;
+}
+
+} // namespace loom::rt::cuda

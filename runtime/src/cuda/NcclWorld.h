@@ -1,0 +1,50 @@
+//===- NcclWorld.h - The NCCL communicators of a multi-rank bundle -*- C++ -*-===//
+//
+// Made once per process (makeNcclWorld in runtime/src/Backend.h) before the
+// ranks' backends are; each rank's CUDA backend takes its communicators from
+// it. Defined in CudaCollectives.cu.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef LOOM_RUNTIME_CUDA_NCCLWORLD_H
+#define LOOM_RUNTIME_CUDA_NCCLWORLD_H
+
+#include "runtime/src/Backend.h"
+
+#ifdef LOOM_HAVE_NCCL
+#include <nccl.h>
+#endif
+
+#include <atomic>
+#include <map>
+#include <utility>
+#include <vector>
+
+namespace loom::rt {
+
+/// Communicators of every group (one per member list) and one per direction
+/// of every pipeline transfer, so that a rank's sends (on their own stream)
+/// never queue behind its receives.
+class NcclWorld {
+public:
+#ifdef LOOM_HAVE_NCCL
+  std::map<std::vector<int>, std::map<int, ncclComm_t>> groups; // members -> rank -> comm
+  std::map<std::pair<int, int>, std::map<int, ncclComm_t>> links; // (from, to) -> rank -> comm
+#endif
+  std::vector<int> devices;
+  std::atomic<bool> aborted{false};
+
+#ifdef LOOM_HAVE_NCCL
+  /// Unique ids for every communicator, then every communicator this process
+  /// holds, created together (one NCCL group, so no order among them can
+  /// deadlock). One process: all ranks; under mpirun: `self` only, with ids
+  /// broadcast from each group's first member over `bootstrap`.
+  void createAll(const std::vector<std::vector<int>> &lists, int self, Communicator *bootstrap,
+                 std::vector<std::map<int, ncclComm_t> *> targets);
+#endif
+  ~NcclWorld();
+};
+
+} // namespace loom::rt
+
+#endif
