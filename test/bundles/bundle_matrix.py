@@ -63,13 +63,16 @@ def hash_bundle(directory):
 
 
 def compile_entry(loomc, model_path, model, entry, scratch):
+    model_path_root = os.path.abspath(os.path.dirname(model_path))
+    model_path = os.path.join(os.path.basename(model_path_root), os.path.basename(model_path))
     precision, mode, plan = entry.split("/")
     out = os.path.join(scratch, entry.replace("/", "_") + ".loom")
     cmd = [loomc, "compile", model_path, "--batch", str(BATCH), "--seed", "7", "-o", out]
     cmd += PRECISIONS[precision] + MODES[mode] + PLANS[plan]
     if model not in SMALL:
         cmd.append("--no-weights")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # Errors name the model as models/X.mlir, wherever the test runs from.
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(model_path_root))
     if proc.returncode != 0:
         lines = [l for l in proc.stderr.splitlines() if l.strip()]
         return {"error": lines[0] if lines else f"exit {proc.returncode}"}
@@ -94,6 +97,7 @@ def main():
     ap.add_argument("--record", action="store_true", help="write the fixture instead of checking")
     ap.add_argument("--jobs", type=int, default=1)
     args = ap.parse_args()
+    args.loomc = os.path.abspath(args.loomc)
     models = args.model or sorted(p.stem for p in pathlib.Path(args.models).glob("*.mlir"))
     failures = 0
     for model in models:
