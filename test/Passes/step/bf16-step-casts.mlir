@@ -1,0 +1,53 @@
+// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=2 precision=bf16 until=loom-packed-qkv-attention" | FileCheck %s --check-prefix=BEFORE
+// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=2 precision=bf16 until=loom-packed-qkv-attention" | loom-opt --loom-bf16-step-casts | FileCheck %s
+// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=2 mb=2 precision=bf16 until=loom-packed-qkv-attention" | FileCheck %s --check-prefix=MB-BEFORE
+// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=2 mb=2 precision=bf16 until=loom-packed-qkv-attention" | loom-opt --loom-bf16-step-casts | FileCheck %s --check-prefix=MB
+
+// loom-bf16-step-casts: the optimizer and the clipping norm read bf16
+// gradients directly where nothing else reads their f32 copies; the weights'
+// casts move to the start of the forward; a pipelined step casts each
+// weight once for all microbatches.
+
+// Before: layer.0.ln1.g's gradient is the f32 cast of the bf16
+// layernorm_grad result, and the weights are cast where they are read.
+// BEFORE: loomrt.buffer 220 "layer.0.grad.layernorm_grad" : tensor<64xbf16> "activation" at 0
+// BEFORE: loomrt.buffer 224 "layer.0.grad.cast" : tensor<64xf32> "activation" at 0
+// BEFORE: loomrt.param "layer.0.ln1.g" = 8 "ones"(0.000000e+00) {grad = 224 : i64}
+// BEFORE: loomrt.instr "cast" [220] -> [224]
+// BEFORE: loomrt.program "forward" {
+// BEFORE-NEXT: loomrt.instr "cast" [3] -> [4]
+// BEFORE-NEXT: loomrt.instr "cast" [2] -> [5]
+// BEFORE-NEXT: loomrt.instr "embedding" [5, 0] -> [6]
+// BEFORE: loomrt.instr "adamw" [8, 224, {{.*}}] -> [8,
+
+// After: the gradient is the bf16 buffer itself, with no cast to f32; the
+// norm and AdamW read it.
+// CHECK: loomrt.param "layer.0.ln1.g" = 8 "ones"(0.000000e+00) {grad = 220 : i64}
+// CHECK: loomrt.program "backward" {
+// CHECK-NOT: loomrt.instr "cast" [220]
+// CHECK: loomrt.instr "layernorm_grad" [{{[0-9]+}}, 9, {{[0-9]+}}] -> [{{[0-9]+}}, 220, 221]
+// CHECK-NOT: loomrt.instr "cast" [220]
+// Every weight (28 parameters, the tied embedding cast twice: once for the
+// lookup, once for the head) is cast at the start of the forward.
+// CHECK: loomrt.program "forward" {
+// CHECK-NEXT: loomrt.instr "cast" [3] -> [4]
+// CHECK-NEXT: loomrt.instr "cast" [2] -> [5]
+// CHECK-COUNT-27: loomrt.instr "cast"
+// CHECK-NEXT: loomrt.instr "embedding" [5, 0] -> [6]
+// CHECK-NOT: loomrt.instr "cast"
+// CHECK: loomrt.program "update" {
+// CHECK: loomrt.instr "global_norm" [{{.*}}, 220, 221, {{.*}}] -> [{{[0-9]+}}]
+// CHECK: loomrt.instr "adamw" [8, 220, {{.*}}] -> [8,
+
+// Two microbatches: wte was cast for each microbatch's lookup and head (4
+// casts); now once, and both microbatches' lookups read that cast.
+// MB-BEFORE: loomrt.program "step" {
+// MB-BEFORE-COUNT-4: loomrt.instr "cast" [2] ->
+// MB-BEFORE-NOT: loomrt.instr "cast" [2] ->
+// MB: loomrt.program "step" {
+// MB: loomrt.instr "cast" [2] -> [[[WTE:[0-9]+]]]
+// MB-NOT: loomrt.instr "cast" [2] ->
+// MB: loomrt.instr "embedding" [[[WTE]], {{[0-9]+}}] ->
+// MB-NOT: loomrt.instr "cast" [2] ->
+// MB: loomrt.instr "embedding" [[[WTE]], {{[0-9]+}}] ->
+// MB-NOT: loomrt.instr "cast" [2] ->

@@ -1,0 +1,81 @@
+// RUN: loom-opt %models/mlp.mlir --loom-compile="train=true batch=4 dp=2 until=loom-pipeline-schedule" | FileCheck %s --check-prefix=BEFORE
+// RUN: loom-opt %models/mlp.mlir --loom-compile="train=true batch=4 dp=2 until=loom-pipeline-schedule" | loom-opt --loom-data-parallel | FileCheck %s --check-prefix=ONE
+// RUN: loom-opt %models/mlp.mlir --loom-compile="train=true batch=4 dp=2 until=loom-pipeline-schedule" | sed 's/bucket_bytes = 26214400/bucket_bytes = 262144/' | loom-opt --loom-data-parallel | FileCheck %s --check-prefix=BUCKETS
+// RUN: loom-opt %models/mlp.mlir --loom-compile="train=true batch=4 dp=2 zero=1 until=loom-pipeline-schedule" | loom-opt --loom-data-parallel | FileCheck %s --check-prefix=ZERO
+// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=2 pp=2 mb=2 until=loom-pipeline-schedule" | loom-opt --loom-data-parallel | FileCheck %s --check-prefix=TIED
+
+// loom-data-parallel: every gradient is averaged over the data-parallel
+// replicas in buckets of about bucket_bytes, each an async all_reduce on the
+// communication stream issued right after backward finishes its last
+// gradient (reduce_scatter into this rank's slice with ZeRO-1); the `update`
+// program opens by waiting for them and averages the loss. A parameter held
+// by several stages sums its gradient over them.
+
+// BEFORE-NOT: "all_reduce"
+// BEFORE-NOT: "update"
+
+// One bucket (25 MiB holds the whole MLP), issued at the end of backward.
+// ONE-LABEL: loomrt.rank 0
+// ONE: loomrt.param "in.w" = 2 "normal"(3.571430e-02) {grad = 41 : i64}
+// ONE: loomrt.program "backward" {
+// ONE-NOT: "all_reduce"
+// ONE: loomrt.instr "matmul" [0, 38] -> [41] {transpose_a = true}
+// ONE-NEXT: loomrt.instr "all_reduce" [25, 27, 30, 32, 35, 37, 40, 41] -> [25, 27, 30, 32, 35, 37, 40, 41] {async = true, event = 0 : i64, group = "dp", reduction = "mean"}
+// ONE-NEXT: {{^ *}}}
+// ONE: loomrt.program "update" {
+// ONE-NEXT: loomrt.instr "event_wait" [] -> [] {event = 0 : i64}
+// ONE-NEXT: loomrt.instr "all_reduce" [21] -> [21] {group = "dp", reduction = "mean"}
+// ONE-NEXT: {{^ *}}}
+// ONE-LABEL: loomrt.rank 1
+// ONE: "all_reduce" [25, 27, 30, 32, 35, 37, 40, 41] {{.*}}async = true
+// ONE: loomrt.program "update" {
+// ONE-NEXT: loomrt.instr "event_wait"
+
+// 256 KiB buckets: three, each issued as soon as its last gradient is done
+// (a layer weight is 256 KiB, so each bucket closes at a weight gradient).
+// BUCKETS-LABEL: loomrt.rank 0
+// BUCKETS: loomrt.program "backward" {
+// BUCKETS: loomrt.instr "matmul" [11, 28] -> [32] {transpose_a = true}
+// BUCKETS-NEXT: loomrt.instr "all_reduce" [25, 27, 30, 32] -> [25, 27, 30, 32] {async = true, event = 0 : i64, group = "dp", reduction = "mean"}
+// BUCKETS: loomrt.instr "matmul" [6, 33] -> [37] {transpose_a = true}
+// BUCKETS-NEXT: loomrt.instr "all_reduce" [35, 37] -> [35, 37] {async = true, event = 1 : i64, group = "dp", reduction = "mean"}
+// BUCKETS: loomrt.instr "matmul" [0, 38] -> [41] {transpose_a = true}
+// BUCKETS-NEXT: loomrt.instr "all_reduce" [40, 41] -> [40, 41] {async = true, event = 2 : i64, group = "dp", reduction = "mean"}
+// BUCKETS-NEXT: {{^ *}}}
+// BUCKETS: loomrt.program "update" {
+// BUCKETS-NEXT: loomrt.instr "event_wait" [] -> [] {event = 2 : i64}
+// BUCKETS-NEXT: loomrt.instr "all_reduce" [21] -> [21] {group = "dp", reduction = "mean"}
+
+// ZeRO-1: each gradient is reduce-scattered into a flat slice of half its
+// size (loomrt.zero_shard), not all-reduced.
+// ZERO-LABEL: loomrt.rank 0
+// ZERO: loomrt.buffer 42 "in.w.grad_shard" : tensor<100352xf32> "activation" at 0
+// ZERO: loomrt.buffer 49 "out.b.grad_shard" : tensor<5xf32> "activation" at 0
+// ZERO: loomrt.zero_shard 2 = 42
+// ZERO-COUNT-6: loomrt.zero_shard
+// ZERO-NEXT: loomrt.zero_shard 18 = 49
+// ZERO: loomrt.program "backward" {
+// ZERO-NOT: "all_reduce"
+// ZERO: loomrt.instr "reduce_scatter" [25, 27, 30, 32, 35, 37, 40, 41] -> [49, 48, 47, 46, 45, 44, 43, 42] {async = true, event = 0 : i64, group = "dp", reduction = "mean"}
+// ZERO-NEXT: {{^ *}}}
+// ZERO: loomrt.program "update" {
+// ZERO-NEXT: loomrt.instr "event_wait" [] -> [] {event = 0 : i64}
+// ZERO-NEXT: loomrt.instr "all_reduce" [21] -> [21] {group = "dp", reduction = "mean"}
+
+// GPT over two stages: the tied embedding's gradient is summed over the
+// stages that hold it (a new group), and the loss is broadcast from the last
+// stage; with dp = 1 there is nothing to average.
+// TIED-LABEL: loomrt.rank 0
+// TIED: loomrt.group "pp" = [0, 1]
+// TIED-NEXT: loomrt.group "stages.0.1" = [0, 1]
+// TIED: loomrt.param "wte" = 2 "normal"(2.000000e-02) {grad = [[WTE:[0-9]+]] : i64}
+// TIED: loomrt.output "loss" = [[LOSS:[0-9]+]]
+// TIED-NOT: "event_wait"
+// TIED: loomrt.program "update" {
+// TIED-NEXT: loomrt.instr "all_reduce" [[[WTE]]] -> [[[WTE]]] {group = "stages.0.1", reduction = "sum"}
+// TIED-NEXT: loomrt.instr "broadcast_from" [[[LOSS]]] -> [[[LOSS]]] {group = "pp", root = 1 : i64}
+// TIED-NEXT: {{^ *}}}
+// TIED-LABEL: loomrt.rank 1
+// TIED: loomrt.group "stages.0.1" = [0, 1]
+// TIED: loomrt.program "update" {
+// TIED-NEXT: loomrt.instr "all_reduce" [[[WTE]]] -> [[[WTE]]] {group = "stages.0.1", reduction = "sum"}

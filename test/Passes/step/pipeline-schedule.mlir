@@ -1,0 +1,129 @@
+// RUN: loom-opt %models/mlp.mlir --loom-compile="train=true batch=4 pp=2 mb=2 schedule=gpipe until=loom-distribute-ranks" | FileCheck %s --check-prefix=BEFORE
+// RUN: loom-opt %models/mlp.mlir --loom-compile="train=true batch=4 pp=2 mb=2 schedule=gpipe until=loom-distribute-ranks" | loom-opt --loom-pipeline-schedule | FileCheck %s --check-prefix=GPIPE
+// RUN: loom-opt %models/mlp.mlir --loom-compile="train=true batch=4 pp=2 mb=4 schedule=1f1b until=loom-distribute-ranks" | loom-opt --loom-pipeline-schedule | FileCheck %s --check-prefix=1F1B
+// RUN: loom-opt %models/mlp.mlir --loom-compile="train=true batch=4 until=loom-distribute-ranks" | loom-opt --loom-pipeline-schedule | FileCheck %s --check-prefix=NOPIPE
+
+// loom-pipeline-schedule replaces forward and backward with one `step`
+// program per rank: the tasks of the chunks the rank holds, per microbatch
+// (a slice of the inputs), in the schedule's order, with recv before a task
+// of what the other stage produced and send after it of what it needs;
+// parameter gradients are zeroed, then summed over microbatches, and the
+// loss is summed and averaged.
+
+// Before: each of the two ranks has the whole forward and backward.
+// BEFORE: loomrt.rank 0
+// BEFORE: loomrt.program "backward"
+// BEFORE: loomrt.program "forward"
+// BEFORE: loomrt.rank 1
+// BEFORE: loomrt.program "backward"
+// BEFORE: loomrt.program "forward"
+// BEFORE-NOT: "step"
+// BEFORE-NOT: "send"
+
+// GPipe, stage 0 (the input layer and layer.0; the gradients of in.w, in.b,
+// layer.0.w, layer.0.b): both forwards, then both backwards.
+// GPIPE-LABEL: loomrt.rank 0 "cpu" attributes {{{.*}}coords = {dp = 0 : i64, pp = 0 : i64, tp = 0 : i64}, loom.loss_stage = 1 : i64
+// GPIPE: loomrt.param "in.w" = 2 "normal"(3.571430e-02) {grad = [[G0:[0-9]+]] : i64}
+// GPIPE: loomrt.param "layer.1.w" = 12 "normal"(6.250000e-02){{$}}
+// GPIPE: loomrt.input "input" = [[IN:[0-9]+]]
+// GPIPE-NOT: loomrt.program "forward"
+// GPIPE-NOT: loomrt.program "backward"
+// GPIPE: loomrt.program "step" {
+// GPIPE-NEXT: loomrt.instr "fill" [] -> [{{[0-9]+}}] {value = 0.000000e+00 : f64}
+// GPIPE-NEXT: loomrt.instr "fill" [] -> [[[G0]]] {value = 0.000000e+00 : f64}
+// GPIPE-COUNT-3: loomrt.instr "fill"
+// GPIPE-NEXT: loomrt.instr "slice" [[[IN]]] -> [[[MB0:[0-9]+]]] {axis = 0 : i64, size = 2 : i64, start = 0 : i64}
+// GPIPE-NEXT: loomrt.instr "matmul" [[[MB0]], 2] -> [{{[0-9]+}}]
+// GPIPE: loomrt.instr "send" [{{[0-9]+}}] -> [] {peer = 1 : i64, tag = [[T0:[0-9]+]] : i64}
+// GPIPE-NEXT: loomrt.instr "slice" [[[IN]]] -> [{{[0-9]+}}] {axis = 0 : i64, size = 2 : i64, start = 2 : i64}
+// GPIPE: loomrt.instr "send" [{{[0-9]+}}] -> [] {peer = 1 : i64, tag = [[T1:[0-9]+]] : i64}
+// GPIPE-NEXT: loomrt.instr "recv" [] -> [{{[0-9]+}}] {peer = 1 : i64, tag = [[B0:[0-9]+]] : i64}
+// GPIPE-NEXT: loomrt.instr "unary_grad"
+// GPIPE: loomrt.instr "add" [[[G0]], {{[0-9]+}}] -> [[[G0]]]
+// GPIPE: loomrt.instr "recv" [] -> [{{[0-9]+}}] {peer = 1 : i64, tag = [[B1:[0-9]+]] : i64}
+// GPIPE: loomrt.instr "add" [[[G0]], {{[0-9]+}}] -> [[[G0]]]
+// GPIPE-NOT: "send"
+// GPIPE-NOT: "recv"
+// GPIPE: }
+// Stage 1 (layer.1 and the head): receives what stage 0 sent, with the same
+// tags, computes the loss per microbatch and averages it.
+// GPIPE-LABEL: loomrt.rank 1 "cpu" attributes {{{.*}}coords = {dp = 0 : i64, pp = 1 : i64, tp = 0 : i64}
+// GPIPE: loomrt.param "in.w" = 2 "normal"(3.571430e-02){{$}}
+// GPIPE: loomrt.param "layer.1.w" = 12 "normal"(6.250000e-02) {grad = {{[0-9]+}} : i64}
+// GPIPE: loomrt.output "loss" = [[LOSS:[0-9]+]]
+// GPIPE: loomrt.program "step" {
+// GPIPE-NEXT: loomrt.instr "fill" [] -> [[[LOSS]]] {value = 0.000000e+00 : f64}
+// GPIPE: loomrt.instr "recv" [] -> [{{[0-9]+}}] {peer = 0 : i64, tag = [[T0]] : i64}
+// GPIPE: loomrt.instr "cross_entropy" [{{[0-9]+}}, {{[0-9]+}}] -> [[[L0:[0-9]+]]]
+// GPIPE-NEXT: loomrt.instr "add" [[[LOSS]], [[L0]]] -> [[[LOSS]]]
+// GPIPE-NEXT: loomrt.instr "recv" [] -> [{{[0-9]+}}] {peer = 0 : i64, tag = [[T1]] : i64}
+// GPIPE: loomrt.instr "cross_entropy"
+// The loss gradient's seed is 1 / microbatches.
+// GPIPE: loomrt.instr "fill" [] -> [{{[0-9]+}}] {value = 5.000000e-01 : f64}
+// GPIPE-NEXT: loomrt.instr "cross_entropy_grad"
+// GPIPE: loomrt.instr "send" [{{[0-9]+}}] -> [] {peer = 0 : i64, tag = [[B0]] : i64}
+// GPIPE-NEXT: loomrt.instr "fill" [] -> [{{[0-9]+}}] {value = 5.000000e-01 : f64}
+// GPIPE: loomrt.instr "send" [{{[0-9]+}}] -> [] {peer = 0 : i64, tag = [[B1]] : i64}
+// GPIPE-NEXT: loomrt.instr "scale" [[[LOSS]]] -> [[[LOSS]]] {factor = 5.000000e-01 : f64}
+// GPIPE-NEXT: {{^ *}}}
+
+// 1F1B with four microbatches: stage 0 runs one forward ahead, then
+// alternates (F0 F1 B0 F2 B1 F3 B2 B3); the last stage runs each
+// microbatch's backward right after its forward.
+// 1F1B-LABEL: loomrt.rank 0
+// 1F1B: loomrt.program "step"
+// 1F1B: loomrt.instr "send" {{.*}}peer = 1
+// 1F1B-NOT: "recv"
+// 1F1B: loomrt.instr "send" {{.*}}peer = 1
+// 1F1B-NOT: "send"
+// 1F1B: loomrt.instr "recv" {{.*}}peer = 1
+// 1F1B-NOT: "recv"
+// 1F1B: loomrt.instr "send" {{.*}}peer = 1
+// 1F1B-NOT: "send"
+// 1F1B: loomrt.instr "recv" {{.*}}peer = 1
+// 1F1B-NOT: "recv"
+// 1F1B: loomrt.instr "send" {{.*}}peer = 1
+// 1F1B-NOT: "send"
+// 1F1B: loomrt.instr "recv" {{.*}}peer = 1
+// 1F1B-NOT: "send"
+// 1F1B: loomrt.instr "recv" {{.*}}peer = 1
+// 1F1B-NOT: "send"
+// 1F1B-NOT: "recv"
+// 1F1B-LABEL: loomrt.rank 1
+// 1F1B: loomrt.program "step"
+// 1F1B: loomrt.instr "recv" {{.*}}peer = 0
+// 1F1B-NOT: "send"
+// 1F1B: loomrt.instr "cross_entropy"
+// 1F1B-NOT: "recv"
+// 1F1B: loomrt.instr "cross_entropy_grad"
+// 1F1B-NOT: "recv"
+// 1F1B: loomrt.instr "send" {{.*}}peer = 0
+// 1F1B: loomrt.instr "recv" {{.*}}peer = 0
+// 1F1B-NOT: "send"
+// 1F1B: loomrt.instr "cross_entropy"
+// 1F1B-NOT: "recv"
+// 1F1B: loomrt.instr "cross_entropy_grad"
+// 1F1B-NOT: "recv"
+// 1F1B: loomrt.instr "send" {{.*}}peer = 0
+// 1F1B: loomrt.instr "recv" {{.*}}peer = 0
+// 1F1B-NOT: "send"
+// 1F1B: loomrt.instr "cross_entropy"
+// 1F1B-NOT: "recv"
+// 1F1B: loomrt.instr "cross_entropy_grad"
+// 1F1B-NOT: "recv"
+// 1F1B: loomrt.instr "send" {{.*}}peer = 0
+// 1F1B: loomrt.instr "recv" {{.*}}peer = 0
+// 1F1B-NOT: "send"
+// 1F1B: loomrt.instr "cross_entropy"
+// 1F1B-NOT: "recv"
+// 1F1B: loomrt.instr "cross_entropy_grad"
+// 1F1B-NOT: "recv"
+// 1F1B: loomrt.instr "send" {{.*}}peer = 0
+// 1F1B-NOT: "recv"
+// 1F1B: loomrt.instr "scale" [{{[0-9]+}}] -> [{{[0-9]+}}] {factor = 2.500000e-01 : f64}
+
+// One stage, one microbatch: nothing to schedule.
+// NOPIPE-NOT: "step"
+// NOPIPE: loomrt.program "backward"
+// NOPIPE: loomrt.program "forward"
+// NOPIPE-NOT: "step"
