@@ -667,6 +667,12 @@ int runModels() {
 int main(int argc, char **argv) {
   llvm::InitLLVM init(argc, argv);
   cl::HideUnrelatedOptions({&zooCategory, &trainCategory, &cl::getGeneralCategory()});
+  // LLVM registers hundreds of its own options (codegen, AMDGPU, ...) at the
+  // top level, where loomc has none: `loomc --help` lists the subcommands
+  // only, and each subcommand's --help its own options.
+  for (auto &[name, option] : cl::getRegisteredOptions(cl::SubCommand::getTopLevel()))
+    if (!name.starts_with("help") && name != "version")
+      option->setHiddenFlag(cl::ReallyHidden);
   cl::ParseCommandLineOptions(
       argc, argv,
       "Loom: compile neural networks written in the loom dialect and plan them over GPUs.\n\n"
