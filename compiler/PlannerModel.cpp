@@ -15,20 +15,24 @@ namespace pl = ::loom::planner;
 
 namespace {
 
-enum class Split { Replicated, Sharded };
-
 double elements(Value v) {
   auto t = dyn_cast<RankedTensorType>(v.getType());
   return t && t.hasStaticShape() ? static_cast<double>(t.getNumElements()) : 0;
 }
 
-/// Accumulates one layer's numbers while walking its ops.
+/// How each value is laid out over the tensor-parallel ranks.
+using Layouts = DenseMap<Value, TpState>;
+
+/// Accumulates one layer's numbers while walking its ops. What tensor
+/// parallelism does to each op (which parameters split, what is
+/// all-reduced, what tp must divide) is the op's TensorParallelOpInterface
+/// rule, the one loom-partition-tp applies; an op with no rule for its
+/// inputs' layout leaves the layer unsplittable.
 class LayerBuilder {
 public:
   explicit LayerBuilder(std::string name) { layer.name = std::move(name); }
 
-  void visit(Operation &op, DenseMap<Value, Split> &split) {
-    auto state = [&](Value v) { return split.lookup(v); };
+  void visit(Operation &op, Layouts &split) {
     auto isParam = [](Value v) { return v.getDefiningOp<GetOp>() != nullptr; };
     auto countParam = [&](Value v, bool sharded) {
       auto get = v.getDefiningOp<GetOp>();
@@ -43,36 +47,45 @@ public:
     if (!isa<GetOp, ReshapeOp, GradAllReduceOp>(op)) // views and parameter reads launch nothing
       layer.instructions += 1;
 
-    if (auto mm = dyn_cast<MatmulOp>(op)) {
-      Value x = mm.getLhs(), w = mm.getRhs();
-      auto wt = cast<RankedTensorType>(w.getType());
-      if (isParam(w) && wt.getRank() == 2) {
-        layer.shardedFlops += flops;
-        int64_t out = mm.getTransposeB() ? wt.getDimSize(0) : wt.getDimSize(1);
-        int64_t in = mm.getTransposeB() ? wt.getDimSize(1) : wt.getDimSize(0);
-        if (state(x) == Split::Replicated) { // column-parallel (or vocabulary-parallel head)
-          divisor = std::gcd(divisor, out);
-          countParam(w, true);
-          split[mm.getResult()] = Split::Sharded;
-          if (mm.getTransposeB())
-            layer.lossBytes = elements(mm.getResult()) * 4; // logits kept in fp32 for the loss
-        } else {                              // row-parallel: ends in an all-reduce
-          divisor = std::gcd(divisor, in);
-          countParam(w, true);
-          ++layer.tpAllReduces;
-          split[mm.getResult()] = Split::Replicated;
-        }
-        return;
-      }
-      split[mm.getResult()] = Split::Replicated; // activation x activation: no rule
-      return;
+    TpRule rule;
+    if (isa<Conv2DOp>(op)) { // convolutions are not split: no tensor parallelism for the layer
+      noRule = true;
+    } else {
+      SmallVector<TpState> operands;
+      for (Value v : op.getOperands())
+        operands.push_back(split.lookup(v));
+      auto paramType = [](Value v) {
+        auto get = v.getDefiningOp<GetOp>();
+        return get ? dyn_cast<RankedTensorType>(get.getType()) : RankedTensorType();
+      };
+      FailureOr<TpRule> found = tensorParallelRule(&op, {operands, paramType, /*tp=*/0, false});
+      if (succeeded(found))
+        rule = std::move(*found);
+      else
+        noRule = true;
     }
-    if (auto emb = dyn_cast<EmbeddingOp>(op)) { // vocabulary-parallel, then all-reduce
-      divisor = std::gcd(divisor, cast<RankedTensorType>(emb.getTable().getType()).getDimSize(0));
-      countParam(emb.getTable(), true);
+    for (const TpShard &shard : rule.shards) {
+      Value param = op.getOperand(shard.operand);
+      divisor = std::gcd(divisor, cast<RankedTensorType>(param.getType()).getDimSize(shard.axis) /
+                                      shard.blocks);
+      countParam(param, true);
+    }
+    for (int64_t d : rule.mustDivide)
+      divisor = std::gcd(divisor, d);
+    if (rule.reduceAfter)
       ++layer.tpAllReduces;
-      split[emb.getResult()] = Split::Replicated;
-      traffic(op);
+    for (Value v : op.getOperands())
+      countParam(v, false);
+    for (auto [i, r] : llvm::enumerate(op.getResults()))
+      split[r] = i < rule.results.size() ? rule.results[i] : TpState{};
+
+    if (auto mm = dyn_cast<MatmulOp>(op)) {
+      auto wt = cast<RankedTensorType>(mm.getRhs().getType());
+      if (isParam(mm.getRhs()) && wt.getRank() == 2) {
+        layer.shardedFlops += flops;
+        if (rule.entersRegion && mm.getTransposeB()) // vocabulary-parallel head
+          layer.lossBytes = elements(mm.getResult()) * 4; // logits kept in fp32 for the loss
+      }
       return;
     }
     if (auto attn = dyn_cast<AttentionOp>(op)) {
@@ -84,31 +97,8 @@ public:
       layer.heads = static_cast<double>(attn.getNumHeads());
       divisor = std::gcd(divisor, attn.getNumHeads());
       divisor = std::gcd(divisor, attn.getKvHeads());
-      bool sharded = state(attn.getQ()) == Split::Sharded;
-      split[attn.getResult()] = sharded ? Split::Sharded : Split::Replicated;
       return;
     }
-    if (isa<Conv2DOp>(op)) {
-      noRule = true;
-      for (Value v : op.getOperands())
-        countParam(v, false);
-      split[op.getResult(0)] = Split::Replicated;
-      traffic(op);
-      return;
-    }
-    // Everything else: parameters replicate unless they follow a sharded
-    // activation (a bias after a column-parallel linear); the result is
-    // sharded if any activation operand is.
-    bool anySharded = false;
-    for (Value v : op.getOperands())
-      anySharded |= !isParam(v) && state(v) == Split::Sharded;
-    bool normalises = isa<LayerNormOp, RMSNormOp, BatchNormOp, SoftmaxOp, CrossEntropyOp,
-                          ReduceSumOp, ReduceMaxOp, ReduceMeanOp>(op);
-    for (Value v : op.getOperands())
-      if (isParam(v))
-        countParam(v, anySharded && !normalises);
-    for (Value r : op.getResults())
-      split[r] = anySharded && !normalises ? Split::Sharded : Split::Replicated;
     if (!isa<GetOp, ParamOp, ReshapeOp>(op))
       traffic(op);
   }
@@ -153,7 +143,7 @@ class SpecBuilder {
 public:
   explicit SpecBuilder(ModuleOp module) : module(module) {}
 
-  LogicalResult walk(Region &region, DenseMap<Value, Split> &split, int depth = 0) {
+  LogicalResult walk(Region &region, Layouts &split, int depth = 0) {
     if (depth > 32)
       return region.getParentOp()->emitError() << "calls nest more than 32 deep";
     for (Operation &op : region.getOps()) {
@@ -176,7 +166,7 @@ public:
         flush(repeat.getInputs().empty() ? Value() : repeat.getInputs().front(), Value());
         BlockOp block = repeat.lookupBlock();
         LayerBuilder lb(block.getSymName().str());
-        DenseMap<Value, Split> inner;
+        Layouts inner;
         for (Operation &bop : block.getBody().getOps())
           if (!isa<ParamOp, YieldOp>(bop))
             lb.visit(bop, inner);
@@ -189,7 +179,7 @@ public:
           layers.push_back(spec);
         }
         for (Value r : repeat.getResults())
-          split[r] = Split::Replicated;
+          split[r] = TpState{};
         continue;
       }
       pending.visit(op, split);
@@ -238,7 +228,7 @@ FailureOr<pl::ModelSpec> mlir::loom::buildModelSpec(ModuleOp original, StringRef
   if (!entry)
     entry = module->lookupSymbol<func::FuncOp>("forward");
   SpecBuilder builder(*module);
-  DenseMap<Value, Split> split;
+  Layouts split;
   if (failed(builder.walk(entry.getBody(), split)))
     return failure();
   builder.finishHead();

@@ -43,10 +43,7 @@ namespace {
 
 /// A value is replicated on every rank, or split along its last dimension
 /// (viewed as `blocks` equal blocks, each split in tp parts).
-struct State {
-  bool split = false;
-  int64_t blocks = 1;
-};
+using State = TpState;
 
 struct Shard {
   int64_t axis = 0, blocks = 1;
@@ -80,7 +77,6 @@ public:
   }
 
 private:
-  static int64_t lastDim(Value v) { return cast<RankedTensorType>(v.getType()).getShape().back(); }
 
   static ParamOp paramOf(Value v) {
     auto get = v.getDefiningOp<GetOp>();
@@ -100,27 +96,6 @@ private:
       return user->emitError() << "splits @" << param.getSymName() << " along dimension " << s.axis
                                << ", but another use splits it along " << it->second.axis;
     return success();
-  }
-
-  /// How many equal blocks the columns of a column-parallel result fall
-  /// into: a fused projection read through equal slices (q|k|v) has one
-  /// block per slice, so each rank keeps its heads of every block.
-  int64_t blocksOf(Value result) {
-    int64_t n = lastDim(result);
-    Value v = result;
-    if (v.hasOneUse())
-      if (auto add = dyn_cast<AddOp>(*v.getUsers().begin()))
-        if (paramOf(add.getLhs() == v ? add.getRhs() : add.getLhs()))
-          v = add.getResult();
-    int64_t size = 0;
-    for (Operation *user : v.getUsers()) {
-      auto slice = dyn_cast<SliceOp>(user);
-      int64_t rank = cast<RankedTensorType>(v.getType()).getRank();
-      if (!slice || slice.getAxis() != rank - 1 || (size && slice.getSize() != size))
-        return 1;
-      size = slice.getSize();
-    }
-    return size > 0 && size < n && n % size == 0 ? n / size : 1;
   }
 
   LogicalResult analyse(FunctionOpInterface fn) {
@@ -161,111 +136,37 @@ private:
     if (isa<RepeatOp>(op))
       return replicated(op);
 
-    if (auto mm = dyn_cast<MatmulOp>(op)) {
-      ParamOp w = paramOf(mm.getRhs());
-      if (!w || w.getTensorType().getRank() != 2 || paramOf(mm.getLhs()) || mm.getTransposeA())
-        return replicated(op);
-      State x = st(mm.getLhs());
-      bool tb = mm.getTransposeB();
-      if (!x.split) { // column-parallel
-        int64_t blocks = blocksOf(mm.getResult());
-        if (failed(shardParam(&op, w, {tb ? 0 : 1, blocks})))
-          return failure();
-        enter.insert(mm);
-        state[mm.getResult()] = {true, blocks};
-      } else { // row-parallel: partial sums, then all-reduce
-        if (failed(shardParam(&op, w, {tb ? 1 : 0, x.blocks})))
-          return failure();
-        reduceAfter.push_back(&op);
-      }
-      return success();
-    }
-    if (isa<AddOp, SubOp, MulOp, DivOp>(op)) {
-      Value a = op.getOperand(0), b = op.getOperand(1);
-      if (!st(a).split && !st(b).split)
-        return replicated(op);
-      if (st(a).split && st(b).split && st(a).blocks == st(b).blocks &&
-          a.getType() == b.getType()) {
-        state[op.getResult(0)] = st(a);
-        return success();
-      }
-      Value s = st(a).split ? a : b, other = st(a).split ? b : a;
-      ParamOp bias = paramOf(other);
-      if (bias && bias.getTensorType().getRank() == 1 &&
-          bias.getTensorType().getDimSize(0) == lastDim(s)) {
-        if (failed(shardParam(&op, bias, {0, st(s).blocks})))
-          return failure();
-        state[op.getResult(0)] = st(s);
-        return success();
-      }
-      return op.emitError() << "combines an input split over tp with a replicated one ("
-                            << other.getType() << "); tensor parallelism has no rule for this";
-    }
-    if (isa<GeluOp, ReluOp, SiluOp, ExpOp, TanhOp, RsqrtOp, NegOp, ScaleOp, CastOp>(op)) {
-      state[op.getResult(0)] = st(op.getOperand(0));
-      return success();
-    }
-    if (auto slice = dyn_cast<SliceOp>(op)) {
-      State x = st(slice.getX());
-      int64_t rank = cast<RankedTensorType>(slice.getX().getType()).getRank();
-      if (!x.split || (slice.getAxis() != rank - 1 && slice.getAxis() != -1)) {
-        state[slice.getResult()] = x;
-        return success();
-      }
-      int64_t block = lastDim(slice.getX()) / x.blocks;
-      if (slice.getSize() != block || slice.getStart() % block != 0)
-        return op.emitError() << "slices [" << slice.getStart() << ", "
-                              << slice.getStart() + slice.getSize()
-                              << ") of a tensor split over tp in blocks of " << block
-                              << "; only whole blocks can be taken";
-      slices.push_back(slice);
-      state[slice.getResult()] = {true, 1};
-      return success();
-    }
-    if (auto attn = dyn_cast<AttentionOp>(op)) {
-      bool q = st(attn.getQ()).split, k = st(attn.getK()).split, v = st(attn.getV()).split;
-      if (!q && !k && !v)
-        return replicated(op);
-      if (!(q && k && v))
-        return op.emitError() << "needs q, k and v all split by heads or all replicated";
-      if (attn.getNumHeads() % tp || attn.getKvHeads() % tp)
-        return op.emitError() << "has " << attn.getNumHeads() << " heads and " << attn.getKvHeads()
-                              << " key/value heads; tp = " << tp << " must divide both";
-      heads.push_back(&op);
-      state[attn.getResult()] = {true, 1};
-      return success();
-    }
-    if (auto rot = dyn_cast<RotaryOp>(op)) {
-      if (!st(rot.getX()).split)
-        return replicated(op);
-      if (rot.getNumHeads() % tp)
-        return op.emitError() << "has " << rot.getNumHeads() << " heads; tp = " << tp
-                              << " must divide them";
-      heads.push_back(&op);
-      state[rot.getResult()] = st(rot.getX());
-      return success();
-    }
-    if (auto emb = dyn_cast<EmbeddingOp>(op)) {
-      ParamOp table = paramOf(emb.getTable());
-      if (!table || st(emb.getIds()).split)
-        return replicated(op);
-      if (failed(shardParam(&op, table, {0, 1})))
+    // Every other op by its rule (TensorParallelOpInterface).
+    SmallVector<TpState> operands;
+    for (Value v : op.getOperands())
+      operands.push_back(st(v));
+    auto paramType = [&](Value v) {
+      ParamOp p = paramOf(v);
+      return p ? p.getTensorType() : RankedTensorType();
+    };
+    FailureOr<TpRule> rule = tensorParallelRule(&op, {operands, paramType, tp, /*emitErrors=*/true});
+    if (failed(rule))
+      return failure();
+    for (const TpShard &shard : rule->shards)
+      if (failed(shardParam(&op, paramOf(op.getOperand(shard.operand)), {shard.axis, shard.blocks})))
         return failure();
-      vocab.push_back(&op);
+    if (rule->readsWhole)
+      for (Value v : op.getOperands())
+        if (ParamOp p = paramOf(v))
+          replicatedUse.insert({p, &op});
+    if (rule->entersRegion)
+      enter.insert(&op);
+    if (rule->reduceAfter)
       reduceAfter.push_back(&op);
-      return success();
-    }
-    if (auto ce = dyn_cast<CrossEntropyOp>(op)) {
-      State l = st(ce.getLogits());
-      if (!l.split)
-        return replicated(op);
-      if (l.blocks != 1)
-        return op.emitError() << "reads logits split in blocks; only a contiguous vocabulary split "
-                                 "is supported";
+    if (rule->splitsHeads)
+      heads.push_back(&op);
+    if (rule->vocabParallel)
       vocab.push_back(&op);
-      return success();
-    }
-    return replicated(op);
+    if (rule->slicesBlocks)
+      slices.push_back(cast<SliceOp>(op));
+    for (auto [result, layout] : llvm::zip(op.getResults(), rule->results))
+      state[result] = {layout.split, layout.blocks};
+    return success();
   }
 
   void rewrite() {

@@ -7,6 +7,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "compiler/ModelSummary.h"
+#include "compiler/PlannerModel.h"
 #include "dialects/loom/IR/LoomDialect.h"
 #include "mlir/Dialect/Func/IR/FuncOps.h"
 #include "mlir/IR/MLIRContext.h"
@@ -19,17 +20,17 @@ using namespace mlir;
 namespace {
 class ModelSummaryTest : public ::testing::Test {
 protected:
-  ModelSummaryTest() { context.loadDialect<loom::LoomDialect, func::FuncDialect>(); }
+  ModelSummaryTest() { context.loadDialect<mlir::loom::LoomDialect, func::FuncDialect>(); }
 
-  loom::ModelSummary summarize(const std::string &file) {
+  mlir::loom::ModelSummary summarize(const std::string &file) {
     std::string path = std::string(LOOM_MODELS_DIR) + "/" + file;
     module = parseSourceFile<ModuleOp>(path, &context);
     EXPECT_TRUE(module) << "cannot parse " << path;
     if (!module)
       return {};
-    FailureOr<loom::ModelSummary> summary = loom::summarizeModel(*module);
+    FailureOr<mlir::loom::ModelSummary> summary = mlir::loom::summarizeModel(*module);
     EXPECT_TRUE(succeeded(summary));
-    return succeeded(summary) ? *summary : loom::ModelSummary();
+    return succeeded(summary) ? *summary : mlir::loom::ModelSummary();
   }
 
   /// 6N + 12 L h s: training FLOPs per token of a GPT (Kaplan et al.; Megatron-LM).
@@ -43,7 +44,7 @@ protected:
 } // namespace
 
 TEST_F(ModelSummaryTest, Gpt2Small) {
-  loom::ModelSummary s = summarize("gpt2-124m.mlir");
+  mlir::loom::ModelSummary s = summarize("gpt2-124m.mlir");
   EXPECT_EQ(s.numParams, 124439808);
   EXPECT_EQ(s.tokensPerExample, 1024);
   ASSERT_EQ(s.repeats.size(), 1u);
@@ -60,7 +61,7 @@ TEST_F(ModelSummaryTest, Gpt2Small) {
 }
 
 TEST_F(ModelSummaryTest, Gpt2Medium) {
-  loom::ModelSummary s = summarize("gpt2-350m.mlir");
+  mlir::loom::ModelSummary s = summarize("gpt2-350m.mlir");
   EXPECT_EQ(s.numParams, 354871296);
   double perToken = s.trainingFlops() / s.tokensPerExample;
   double formula = gptTrainingFlopsPerToken(354871296, 24, 1024, 1024);
@@ -68,14 +69,14 @@ TEST_F(ModelSummaryTest, Gpt2Medium) {
 }
 
 TEST_F(ModelSummaryTest, LlamaStyle) {
-  loom::ModelSummary s = summarize("llama-1.1b.mlir");
+  mlir::loom::ModelSummary s = summarize("llama-1.1b.mlir");
   EXPECT_EQ(s.numParams, 1100048384); // TinyLlama-1.1B
   EXPECT_EQ(s.opCounts["rotary"], 44);
   EXPECT_EQ(s.opCounts["rmsnorm"], 45);
 }
 
 TEST_F(ModelSummaryTest, BertBase) {
-  loom::ModelSummary s = summarize("bert-base.mlir");
+  mlir::loom::ModelSummary s = summarize("bert-base.mlir");
   int64_t h = 768, v = 30522, f = 3072;
   int64_t layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h;
   int64_t embeddings = v * h + 512 * h + 2 * h;
@@ -84,7 +85,7 @@ TEST_F(ModelSummaryTest, BertBase) {
 }
 
 TEST_F(ModelSummaryTest, ResNet50) {
-  loom::ModelSummary s = summarize("resnet50.mlir");
+  mlir::loom::ModelSummary s = summarize("resnet50.mlir");
   EXPECT_EQ(s.numParams, 25557032); // torchvision's count, BatchNorm affine included
   EXPECT_EQ(s.opCounts["conv2d"], 53);
   // About 4.1 G multiply-adds per 224x224 image.
@@ -93,7 +94,7 @@ TEST_F(ModelSummaryTest, ResNet50) {
 }
 
 TEST_F(ModelSummaryTest, Mlp) {
-  loom::ModelSummary s = summarize("mlp.mlir");
+  mlir::loom::ModelSummary s = summarize("mlp.mlir");
   EXPECT_EQ(s.numParams, 784 * 256 + 256 + 2 * (256 * 256 + 256) + 256 * 10 + 10);
   EXPECT_DOUBLE_EQ(s.forwardFlops, 2.0 * (784 * 256 + 2 * 256 * 256 + 256 * 10));
 }
@@ -108,13 +109,37 @@ TEST_F(ModelSummaryTest, NeedsForward) {
       "func.func @other(%x: tensor<2xf32>) -> tensor<2xf32> { return %x : tensor<2xf32> }",
       &context);
   ASSERT_TRUE(module);
-  EXPECT_TRUE(failed(loom::summarizeModel(*module)));
+  EXPECT_TRUE(failed(mlir::loom::summarizeModel(*module)));
   EXPECT_NE(diagnostics.find("no @forward"), std::string::npos) << diagnostics;
 }
 
 TEST(WithThousands, Groups) {
-  EXPECT_EQ(loom::withThousands(0), "0");
-  EXPECT_EQ(loom::withThousands(999), "999");
-  EXPECT_EQ(loom::withThousands(124439808), "124,439,808");
-  EXPECT_EQ(loom::withThousands(-1234), "-1,234");
+  EXPECT_EQ(mlir::loom::withThousands(0), "0");
+  EXPECT_EQ(mlir::loom::withThousands(999), "999");
+  EXPECT_EQ(mlir::loom::withThousands(124439808), "124,439,808");
+  EXPECT_EQ(mlir::loom::withThousands(-1234), "-1,234");
+}
+
+// The planner's view takes each op's tensor-parallel rule from the same
+// interface loom-partition-tp applies: a GPT layer splits (tp divides the
+// heads, two all-reduces), and BERT's masked-LM head, whose layernorm reads
+// a column-parallel result, does not (loom-partition-tp refuses it too).
+TEST_F(ModelSummaryTest, PlannerViewUsesTheTensorParallelRules) {
+  summarize("gpt2-350m.mlir");
+  FailureOr<::loom::planner::ModelSpec> gpt = mlir::loom::buildModelSpec(*module, "gpt2-350m");
+  ASSERT_TRUE(succeeded(gpt));
+  const ::loom::planner::LayerSpec *layer = nullptr;
+  for (const auto &l : gpt->layers)
+    if (l.name == "layer.0")
+      layer = &l;
+  ASSERT_NE(layer, nullptr);
+  EXPECT_EQ(layer->tpDivisor, 16);
+  EXPECT_EQ(layer->tpAllReduces, 2);
+  EXPECT_GT(layer->shardedParams, 0.9 * layer->params);
+
+  summarize("bert-tiny.mlir");
+  FailureOr<::loom::planner::ModelSpec> bert = mlir::loom::buildModelSpec(*module, "bert-tiny");
+  ASSERT_TRUE(succeeded(bert));
+  EXPECT_EQ(bert->layers.back().name, "head");
+  EXPECT_EQ(bert->layers.back().tpDivisor, 1);
 }

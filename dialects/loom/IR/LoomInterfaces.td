@@ -20,4 +20,22 @@ def LoomDifferentiableOpInterface : OpInterface<"DifferentiableOpInterface"> {
   ];
 }
 
+def LoomTensorParallelOpInterface : OpInterface<"TensorParallelOpInterface"> {
+  let description = [{
+    An op with a Megatron-style tensor-parallel rule: given how its operands
+    are laid out over the tensor-parallel ranks (whole, or split along the
+    last dimension in blocks), how its results are, which parameters it
+    splits and along which axis, and what collectives follow (TpRule,
+    dialects/loom/IR/TensorParallel.h). loom-partition-tp rewrites by these
+    rules and the planner prices them; ops without one take their operands
+    whole.
+  }];
+  let cppNamespace = "::mlir::loom";
+  let methods = [
+    InterfaceMethod<"The rule for these operand layouts; failure when there is none.",
+      "::mlir::FailureOr<::mlir::loom::TpRule>", "tensorParallelRule",
+      (ins "const ::mlir::loom::TpQuery &":$query)>,
+  ];
+}
+
 #endif // LOOM_INTERFACES_TD

@@ -15,6 +15,7 @@
 #include "mlir/Interfaces/SideEffectInterfaces.h"
 
 #include "dialects/loom/IR/GradientBuilder.h"
+#include "dialects/loom/IR/TensorParallel.h"
 #include "dialects/loom/IR/LoomInterfaces.h.inc"
 
 #define GET_OP_CLASSES

@@ -119,7 +119,7 @@ def Loom_RepeatOp : Loom_Op<"repeat", [DeclareOpInterfaceMethods<SymbolUserOpInt
 //===----------------------------------------------------------------------===//
 
 class Loom_BinaryOp<string mnemonic, string what>
-    : Loom_Op<mnemonic, [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
+    : Loom_Op<mnemonic, [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>, DeclareOpInterfaceMethods<LoomTensorParallelOpInterface>]> {
   let summary = "Elementwise " # what # " with broadcasting";
   let description = [{
     Operands broadcast as in NumPy: dimensions are aligned from the right and
@@ -137,7 +137,7 @@ def Loom_MulOp : Loom_BinaryOp<"mul", "multiplication">;
 def Loom_DivOp : Loom_BinaryOp<"div", "division">;
 
 class Loom_UnaryOp<string mnemonic, string what, dag extraArgs = (ins)>
-    : Loom_Op<mnemonic, [Pure, AllTypesMatch<["x", "result"]>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
+    : Loom_Op<mnemonic, [Pure, AllTypesMatch<["x", "result"]>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>, DeclareOpInterfaceMethods<LoomTensorParallelOpInterface>]> {
   let summary = "Elementwise " # what;
   let arguments = !con((ins Loom_FloatTensor:$x), extraArgs);
   let results = (outs Loom_FloatTensor:$result);
@@ -159,7 +159,7 @@ def Loom_ScaleOp : Loom_UnaryOp<"scale", "multiplication by the constant `factor
 // Linear algebra and reductions
 //===----------------------------------------------------------------------===//
 
-def Loom_MatmulOp : Loom_Op<"matmul", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
+def Loom_MatmulOp : Loom_Op<"matmul", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>, DeclareOpInterfaceMethods<LoomTensorParallelOpInterface>]> {
   let summary = "(Batched) matrix product";
   let description = [{
     `lhs` is `[..., M, K]` (`[..., K, M]` with `transpose_a`) and `rhs` is
@@ -241,7 +241,7 @@ def Loom_BatchNormOp : Loom_Op<"batchnorm", [Pure, AllTypesMatch<["x", "result"]
 // Transformer building blocks
 //===----------------------------------------------------------------------===//
 
-def Loom_EmbeddingOp : Loom_Op<"embedding", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
+def Loom_EmbeddingOp : Loom_Op<"embedding", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>, DeclareOpInterfaceMethods<LoomTensorParallelOpInterface>]> {
   let summary = "Looks up rows of a table";
   let description = [{
     `table` is `[V, H]`, `ids` any shape `[...]`; the result is `[..., H]`.
@@ -256,7 +256,7 @@ def Loom_EmbeddingOp : Loom_Op<"embedding", [Pure, DeclareOpInterfaceMethods<Inf
   let assemblyFormat = "$table `,` $ids attr-dict `:` type($table) `,` type($ids)";
 }
 
-def Loom_RotaryOp : Loom_Op<"rotary", [Pure, AllTypesMatch<["x", "result"]>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
+def Loom_RotaryOp : Loom_Op<"rotary", [Pure, AllTypesMatch<["x", "result"]>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>, DeclareOpInterfaceMethods<LoomTensorParallelOpInterface>]> {
   let summary = "Rotary position embedding (RoPE) applied per head";
   let description = [{
     `x` is `[B, S, heads * head_dim]`. Each head's pairs `(x[2i], x[2i+1])`
@@ -269,7 +269,7 @@ def Loom_RotaryOp : Loom_Op<"rotary", [Pure, AllTypesMatch<["x", "result"]>, Dec
   let hasVerifier = 1;
 }
 
-def Loom_AttentionOp : Loom_Op<"attention", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
+def Loom_AttentionOp : Loom_Op<"attention", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>, DeclareOpInterfaceMethods<LoomTensorParallelOpInterface>]> {
   let summary = "Multi-head scaled dot-product attention";
   let description = [{
     `q` is `[B, S, heads * D]`; `k` and `v` are `[B, Skv, kv_heads * D]`.
@@ -288,7 +288,7 @@ def Loom_AttentionOp : Loom_Op<"attention", [Pure, DeclareOpInterfaceMethods<Inf
   }];
 }
 
-def Loom_CrossEntropyOp : Loom_Op<"cross_entropy", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
+def Loom_CrossEntropyOp : Loom_Op<"cross_entropy", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>, DeclareOpInterfaceMethods<LoomTensorParallelOpInterface>]> {
   let summary = "Mean softmax cross-entropy over all positions";
   let description = [{
     `logits` is `[..., V]` and `targets` `[...]` holds class ids in `[0, V)`.
@@ -369,7 +369,7 @@ def Loom_TransposeOp : Loom_Op<"transpose", [Pure, DeclareOpInterfaceMethods<Inf
   let assemblyFormat = "$x attr-dict `:` type($x)";
 }
 
-def Loom_SliceOp : Loom_Op<"slice", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
+def Loom_SliceOp : Loom_Op<"slice", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>, DeclareOpInterfaceMethods<LoomTensorParallelOpInterface>]> {
   let summary = "Takes `size` elements from `start` along `axis`";
   let arguments = (ins AnyRankedTensor:$x, I64Attr:$axis, I64Attr:$start, I64Attr:$size);
   let results = (outs AnyRankedTensor:$result);
@@ -391,7 +391,7 @@ def Loom_BroadcastOp : Loom_Op<"broadcast", [Pure, DeclareOpInterfaceMethods<Loo
   let hasVerifier = 1;
 }
 
-def Loom_CastOp : Loom_Op<"cast", [Pure, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
+def Loom_CastOp : Loom_Op<"cast", [Pure, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>, DeclareOpInterfaceMethods<LoomTensorParallelOpInterface>]> {
   let summary = "Converts the element type, keeping the shape";
   let arguments = (ins AnyRankedTensor:$x);
   let results = (outs AnyRankedTensor:$result);
