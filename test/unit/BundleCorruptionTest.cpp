@@ -12,6 +12,7 @@
 #include "mlir/Dialect/Func/IR/FuncOps.h"
 #include "mlir/IR/MLIRContext.h"
 #include "mlir/Parser/Parser.h"
+#include "runtime/src/Bundle.h"
 #include "runtime/src/Safetensors.h"
 
 #include <gtest/gtest.h>
@@ -141,6 +142,76 @@ TEST_F(BundleCorruptionTest, BufferOutsideArena) {
   expectRefused(dir, LOOM_INVALID_BUNDLE, "ranks[0].buffers[5].offset' places");
 }
 
+TEST_F(BundleCorruptionTest, BufferOffsetThatOverflows) {
+  // offset + bytes wraps past INT64_MAX; the bounds check must still fail.
+  std::string dir = copy();
+  json m = manifest(dir);
+  m["ranks"][0]["buffers"][5]["offset"] = INT64_MAX - 7;
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "ranks[0].buffers[5].offset' places");
+}
+
+TEST_F(BundleCorruptionTest, MisalignedBuffer) {
+  std::string dir = copy();
+  json m = manifest(dir);
+  json &b = m["ranks"][0]["buffers"][5];
+  ASSERT_EQ(b["dtype"], "f32");
+  b["offset"] = b["offset"].get<int64_t>() + 3;
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "ranks[0].buffers[5].offset' is " +
+                                              std::to_string(b["offset"].get<int64_t>()) +
+                                              ", not a multiple of 4 (the size of f32)");
+}
+
+/// Ids of the first two buffers with `role` that are not views.
+static std::vector<int64_t> buffersWithRole(const json &m, const std::string &role) {
+  std::vector<int64_t> ids;
+  for (const json &b : m["ranks"][0]["buffers"])
+    if (b["role"] == role && !b.contains("view_of") && ids.size() < 2)
+      ids.push_back(b["id"].get<int64_t>());
+  return ids;
+}
+
+TEST_F(BundleCorruptionTest, ParametersThatOverlap) {
+  std::string dir = copy();
+  json m = manifest(dir);
+  std::vector<int64_t> params = buffersWithRole(m, "param");
+  ASSERT_EQ(params.size(), 2u);
+  json &buffers = m["ranks"][0]["buffers"];
+  buffers[params[1]]["offset"] = buffers[params[0]]["offset"];
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE,
+                "ranks[0].buffers[" + std::to_string(params[1]) + "].offset' places param '" +
+                    buffers[params[1]]["name"].get<std::string>() + "'");
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "parameters, inputs, outputs and state may not share storage");
+}
+
+TEST_F(BundleCorruptionTest, ActivationOverAnInput) {
+  std::string dir = copy();
+  json m = manifest(dir);
+  std::vector<int64_t> inputs = buffersWithRole(m, "input"), acts = buffersWithRole(m, "activation");
+  ASSERT_FALSE(inputs.empty());
+  ASSERT_FALSE(acts.empty());
+  json &buffers = m["ranks"][0]["buffers"];
+  buffers[acts[0]]["offset"] = buffers[inputs[0]]["offset"];
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "over input 'tokens'");
+}
+
+TEST_F(BundleCorruptionTest, ActivationsMayShareStorage) {
+  // The compiler packs activations by lifetime; two at one offset are fine
+  // as far as the reader is concerned.
+  std::string dir = copy();
+  json m = manifest(dir);
+  std::vector<int64_t> acts = buffersWithRole(m, "activation");
+  ASSERT_EQ(acts.size(), 2u);
+  json &buffers = m["ranks"][0]["buffers"];
+  ASSERT_LE(buffers[acts[1]]["bytes"].get<int64_t>(), buffers[acts[0]]["bytes"].get<int64_t>());
+  buffers[acts[1]]["offset"] = buffers[acts[0]]["offset"];
+  writeManifest(dir, m);
+  EXPECT_NO_THROW(loom::rt::readManifest(dir));
+}
+
 TEST_F(BundleCorruptionTest, BufferSizeDisagreesWithShape) {
   std::string dir = copy();
   json m = manifest(dir);
@@ -244,6 +315,17 @@ TEST_F(BundleCorruptionTest, ShardThatDoesNotFitItsParameter) {
   json m = manifest(dir);
   json &param = m["ranks"][0]["parameters"][0]; // wte, f32[256, 64]
   param["shard"] = {{"full_shape", {256, 64}}, {"axis", 0}, {"parts", 3}, {"index", 0}, {"blocks", 1}};
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "field 'ranks[0].parameters[0].shard' does not describe a part");
+}
+
+TEST_F(BundleCorruptionTest, ShardWhoseSlicesOverflow) {
+  // blocks x parts wraps to 0; checking divisibility by it must not trap.
+  std::string dir = copy();
+  json m = manifest(dir);
+  json &param = m["ranks"][0]["parameters"][0]; // wte, f32[256, 64]
+  param["shard"] = {{"full_shape", {256, 64}}, {"axis", 0}, {"parts", int64_t(1) << 32},
+                    {"index", 0}, {"blocks", int64_t(1) << 32}};
   writeManifest(dir, m);
   expectRefused(dir, LOOM_INVALID_BUNDLE, "field 'ranks[0].parameters[0].shard' does not describe a part");
 }
