@@ -409,6 +409,9 @@ int runCompile() {
 }
 
 int runPlan() {
+  if (planBatch < 0)
+    return fail("--batch must be positive (or 0: 8 examples per device), got " +
+                std::to_string(planBatch));
   ::loom::planner::Cluster cluster;
   std::string error;
   if (!::loom::planner::parseCluster(planCluster, cluster, error))

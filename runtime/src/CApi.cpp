@@ -4,6 +4,7 @@
 #include "runtime/src/Error.h"
 #include "runtime/src/MpiCommunicator.h"
 #include "runtime/src/Session.h"
+#include "runtime/src/ThreadPool.h"
 
 #include <new>
 #include <string>
@@ -97,6 +98,9 @@ loom_status_t *loom_session_create(const char *bundle_path, const loom_session_o
     if (options) {
       if (options->backend)
         opts.backend = options->backend;
+      if (options->num_threads < 0 || options->num_threads > loom::rt::kMaxThreads)
+        loom::rt::fail(LOOM_INVALID_ARGUMENT, "options.num_threads must be from 0 (one per core) to ",
+                       loom::rt::kMaxThreads, ", got ", options->num_threads);
       opts.threads = options->num_threads;
     }
     // A multi-rank bundle in a job started by mpirun: this process is the

@@ -22,6 +22,7 @@
 #include "runtime/src/Session.h"
 #include "runtime/src/Communicator.h"
 #include "runtime/src/MpiCommunicator.h"
+#include "runtime/src/ThreadPool.h"
 
 #include <algorithm>
 #include <chrono>
@@ -31,8 +32,10 @@
 #include <sys/stat.h>
 #include <mutex>
 #include <thread>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <cstring>
 #include <random>
 #include <string>
@@ -384,14 +387,18 @@ int run(int argc, char **argv) {
         fail(LOOM_INVALID_ARGUMENT, a, " needs a value");
       return argv[++i];
     };
-    auto number = [&]() -> long long {
+    auto number = [&](long long max) -> long long {
       std::string v = value();
       char *end = nullptr;
+      errno = 0;
       long long n = std::strtoll(v.c_str(), &end, 10);
       if (v.empty() || *end || n < 0)
         fail(LOOM_INVALID_ARGUMENT, a, " needs a non-negative integer, got '", v, "'");
+      if (errno == ERANGE || n > max)
+        fail(LOOM_INVALID_ARGUMENT, a, " must be at most ", max, ", got '", v, "'");
       return n;
     };
+    constexpr long long kMaxInt = std::numeric_limits<int>::max();
     if (a == "--help" || a == "-h") {
       usage(stdout);
       return 0;
@@ -400,11 +407,11 @@ int run(int argc, char **argv) {
     } else if (a == "--output") {
       output = value();
     } else if (a == "--steps") {
-      steps = static_cast<int>(number());
+      steps = static_cast<int>(number(kMaxInt));
     } else if (a == "--threads") {
-      threads = static_cast<int>(number());
+      threads = static_cast<int>(number(kMaxThreads));
     } else if (a == "--seed") {
-      seed = static_cast<uint64_t>(number());
+      seed = static_cast<uint64_t>(number(std::numeric_limits<long long>::max()));
     } else if (a == "--profile") {
       profilePath = value();
     } else if (a == "--backend") {
@@ -414,7 +421,7 @@ int run(int argc, char **argv) {
     } else if (a == "--data-dtype") {
       dataDtype = value();
     } else if (a == "--save-every") {
-      saveEvery = static_cast<int>(number());
+      saveEvery = static_cast<int>(number(kMaxInt));
     } else if (a == "--checkpoint") {
       checkpointDir = value();
     } else if (a == "--resume") {

@@ -310,6 +310,22 @@ TEST_F(BundleCorruptionTest, AtomicWriteLeavesNoTemporaryFiles) {
   loom_session_destroy(session);
 }
 
+TEST_F(BundleCorruptionTest, ThreadCountOutOfRange) {
+  for (int32_t threads : {100000, -1}) {
+    loom_session_options_t options;
+    loom_session_options_init(&options);
+    options.num_threads = threads;
+    loom_session_t *session = nullptr;
+    loom_status_t *st = loom_session_create(good.c_str(), &options, &session);
+    ASSERT_NE(st, nullptr) << "num_threads " << threads << " was accepted";
+    EXPECT_EQ(session, nullptr);
+    EXPECT_EQ(loom_status_code(st), LOOM_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(loom_status_message(st)),
+              "options.num_threads must be from 0 (one per core) to 1024, got " + std::to_string(threads));
+    loom_status_free(st);
+  }
+}
+
 TEST_F(BundleCorruptionTest, ShardThatDoesNotFitItsParameter) {
   std::string dir = copy();
   json m = manifest(dir);

@@ -62,7 +62,7 @@ typedef struct loom_session_t loom_session_t;
 typedef struct loom_session_options_t {
   /* "cpu" (default) or "cuda" when the runtime was built with CUDA. */
   const char *backend;
-  /* Threads for the CPU backend; 0 = all hardware threads. */
+  /* Threads for the CPU backend, at most 1024; 0 = all hardware threads. */
   int32_t num_threads;
 } loom_session_options_t;
 
