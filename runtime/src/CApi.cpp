@@ -34,6 +34,8 @@ template <typename F> loom_status_t *guarded(F body) {
     return makeStatus(LOOM_INVALID_ARGUMENT, "out of host memory");
   } catch (const std::exception &e) {
     return makeStatus(LOOM_INTERNAL, std::string("internal error: ") + e.what());
+  } catch (...) {
+    return makeStatus(LOOM_INTERNAL, "internal error: an exception that is not a std::exception");
   }
 }
 
@@ -190,7 +192,11 @@ loom_status_t *loom_session_train_step(loom_session_t *session, float *out_loss)
 }
 
 int64_t loom_session_step(const loom_session_t *session) {
-  return session ? session->session->step() : 0;
+  if (!session)
+    return 0;
+  int64_t step = -1;
+  loom_status_free(guarded([&] { step = session->session->step(); }));
+  return step;
 }
 
 loom_status_t *loom_session_save_checkpoint(loom_session_t *session, const char *path) {

@@ -5,12 +5,16 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cctype>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <functional>
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace loom::rt {
@@ -24,6 +28,9 @@ std::vector<char> readWholeFile(const std::string &path) {
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in)
     fail(LOOM_IO_ERROR, "cannot open '", path, "': ", std::strerror(errno));
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+    fail(LOOM_IO_ERROR, "cannot read '", path, "': not a regular file");
   std::streamsize size = in.tellg();
   if (size < 0)
     fail(LOOM_IO_ERROR, "cannot read '", path, "'");
