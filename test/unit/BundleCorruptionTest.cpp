@@ -10,6 +10,7 @@
 #include "dialects/loom/IR/LoomDialect.h"
 #include "loom/runtime.h"
 #include "mlir/Dialect/Func/IR/FuncOps.h"
+#include "mlir/IR/Diagnostics.h"
 #include "mlir/IR/MLIRContext.h"
 #include "mlir/Parser/Parser.h"
 #include "runtime/src/Bundle.h"
@@ -20,6 +21,8 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sys/wait.h>
+#include <unistd.h>
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -324,6 +327,65 @@ TEST_F(BundleCorruptionTest, ThreadCountOutOfRange) {
               "options.num_threads must be from 0 (one per core) to 1024, got " + std::to_string(threads));
     loom_status_free(st);
   }
+}
+
+/// A process id that no process has now: a child that has exited.
+static pid_t deadPid() {
+  pid_t pid = ::fork();
+  if (pid == 0)
+    ::_exit(0);
+  ::waitpid(pid, nullptr, 0);
+  return pid;
+}
+
+TEST_F(BundleCorruptionTest, SaveRemovesStaleTemporaries) {
+  std::string dir = copy();
+  std::string target = dir + "/w.safetensors";
+  std::string stale = target + ".tmp-" + std::to_string(deadPid());
+  std::string live = target + ".tmp-1"; // init: running, so possibly still writing
+  std::ofstream(stale) << "interrupted";
+  std::ofstream(live) << "in progress";
+  loom_session_t *session = nullptr;
+  ASSERT_EQ(loom_session_create(dir.c_str(), nullptr, &session), nullptr);
+  ASSERT_EQ(loom_session_save_weights(session, target.c_str()), nullptr);
+  EXPECT_FALSE(fs::exists(stale)) << "a dead process's temporary file was left";
+  EXPECT_TRUE(fs::exists(live)) << "a running process's temporary file was removed";
+  loom_session_destroy(session);
+}
+
+TEST_F(BundleCorruptionTest, CompileReplacesABundleAsAUnit) {
+  std::string dir = copy();
+  std::string stale = dir + ".tmp-" + std::to_string(deadPid());
+  fs::create_directory(stale);
+  std::ofstream(stale + "/manifest.json") << "half";
+  std::ofstream(dir + "/leftover.txt") << "from the old bundle";
+  mlir::MLIRContext context;
+  context.loadDialect<mlir::loom::LoomDialect, mlir::func::FuncDialect>();
+  auto module = mlir::parseSourceFile<mlir::ModuleOp>(std::string(LOOM_MODELS_DIR) + "/gpt-tiny.mlir",
+                                                      &context);
+  ASSERT_TRUE(module);
+  mlir::loom::BundleOptions options;
+  options.batch = 3;
+  ASSERT_TRUE(mlir::succeeded(mlir::loom::writeBundle(*module, options, dir)));
+  EXPECT_EQ(manifest(dir)["batch"], 3);
+  EXPECT_FALSE(fs::exists(dir + "/leftover.txt")) << "the new bundle was mixed into the old";
+  EXPECT_FALSE(fs::exists(stale)) << "a killed compile's staging directory was left";
+  for (auto &entry : fs::directory_iterator(fs::path(dir).parent_path()))
+    EXPECT_EQ(entry.path().string().find(dir + ".tmp-"), std::string::npos) << entry.path();
+
+  // A directory that is not a bundle is never replaced.
+  std::string other = dir + ".notes";
+  fs::create_directory(other);
+  dirs.push_back(other);
+  std::ofstream(other + "/notes.txt") << "keep me";
+  mlir::ScopedDiagnosticHandler quiet(&context, [](mlir::Diagnostic &d) {
+    EXPECT_NE(d.str().find("exists and is not a bundle directory; refusing to replace it"),
+              std::string::npos)
+        << d.str();
+    return mlir::success();
+  });
+  EXPECT_TRUE(mlir::failed(mlir::loom::writeBundle(*module, options, other)));
+  EXPECT_TRUE(fs::exists(other + "/notes.txt"));
 }
 
 TEST_F(BundleCorruptionTest, ShardThatDoesNotFitItsParameter) {
