@@ -329,6 +329,44 @@ TEST_F(BundleCorruptionTest, ThreadCountOutOfRange) {
   }
 }
 
+/// The bytes of parameter `name` as the session holds it now.
+static std::vector<char> parameterBytes(loom_session_t *session, const std::string &path,
+                                        const std::string &name) {
+  EXPECT_EQ(loom_session_save_weights(session, path.c_str()), nullptr);
+  loom::rt::SafetensorsFile f = loom::rt::readSafetensors(path);
+  const char *p = f.bytesOf(name);
+  return std::vector<char>(p, p + f.tensors.at(name).bytes);
+}
+
+TEST_F(BundleCorruptionTest, LoadWeightsChecksEveryTensorFirst) {
+  // wte (the first parameter) is good and different; a later one is missing.
+  // The load is refused and wte keeps its old value.
+  std::string dir = copy();
+  loom_session_t *session = nullptr;
+  ASSERT_EQ(loom_session_create(dir.c_str(), nullptr, &session), nullptr);
+  std::vector<char> before = parameterBytes(session, dir + "/before.safetensors", "wte");
+  loom::rt::SafetensorsFile w = loom::rt::readSafetensors(dir + "/weights.safetensors");
+  std::vector<float> sevens(w.tensors.at("wte").bytes / 4, 7.0f);
+  std::vector<loom::rt::SafetensorsTensorRef> refs;
+  for (auto &[name, e] : w.tensors) {
+    if (name == "layer.1.mlp.fc.w")
+      continue;
+    const void *data = name == "wte" ? static_cast<const void *>(sevens.data()) : w.data.data() + e.offset;
+    refs.push_back({name, e.dtype, e.shape, data, e.bytes});
+  }
+  std::string bad = dir + "/bad.safetensors";
+  loom::rt::writeSafetensors(bad, refs);
+  loom_status_t *st = loom_session_load_weights(session, bad.c_str());
+  ASSERT_NE(st, nullptr);
+  EXPECT_NE(std::string(loom_status_message(st)).find("parameter 'layer.1.mlp.fc.w' is missing"),
+            std::string::npos)
+      << loom_status_message(st);
+  loom_status_free(st);
+  EXPECT_EQ(parameterBytes(session, dir + "/after.safetensors", "wte"), before)
+      << "a refused load changed a parameter";
+  loom_session_destroy(session);
+}
+
 /// A process id that no process has now: a child that has exited.
 static pid_t deadPid() {
   pid_t pid = ::fork();
