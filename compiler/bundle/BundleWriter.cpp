@@ -9,6 +9,7 @@
 #include "compiler/bundle/BundleWriter.h"
 #include "compiler/Pipeline.h"
 #include "compiler/bundle/KernelGen.h"
+#include "runtime/src/Checked.h"
 #include "runtime/src/Error.h"
 #include "runtime/src/Init.h"
 #include "runtime/src/Safetensors.h"
@@ -21,6 +22,7 @@
 #include <optional>
 #include <set>
 #include <sys/stat.h>
+#include <unistd.h>
 
 using namespace mlir;
 using namespace mlir::loom;
@@ -112,6 +114,19 @@ LogicalResult mlir::loom::writeBundle(ModuleOp module, const BundleOptions &opti
           }
           all.push_back({p, b});
         }
+    // Weights past the host's memory end in LLVM's fatal out-of-memory
+    // handler (an abort) as soon as they are allocated: refuse them first.
+    std::optional<int64_t> weightBytes = 0;
+    for (const auto &[p, b] : all)
+      weightBytes = weightBytes ? rt::checkedAdd(*weightBytes, b.bytes) : std::nullopt;
+    int64_t hostBytes = int64_t(::sysconf(_SC_PHYS_PAGES)) * int64_t(::sysconf(_SC_PAGE_SIZE));
+    if (!options.noWeights && (!weightBytes || (hostBytes > 0 && *weightBytes > hostBytes)))
+      return emitError(module.getLoc())
+             << "the parameters need "
+             << (weightBytes ? std::to_string(*weightBytes) : std::string("more than 2^63"))
+             << " bytes, more than this machine's " << hostBytes
+             << " bytes of memory; compile with --no-weights (the runtime initialises them when "
+                "it loads the bundle)";
     storage.reserve(all.size());
     for (const auto &[p, b] : all) {
       if (options.noWeights)
