@@ -7,6 +7,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "compiler/ModelZoo.h"
+#include "dialects/loom/IR/LoomOps.h"
 
 #include <cmath>
 #include <sstream>
@@ -593,6 +594,11 @@ std::string mlir::loom::applyDefaults(ModelConfig &c) {
 bool mlir::loom::writeModel(const ModelConfig &c, std::string &text, std::string &error) {
   if (c.dtype != "f32" && c.dtype != "bf16" && c.dtype != "f16" && c.dtype != "f64") {
     error = "unknown dtype '" + c.dtype + "'; expected f32, bf16, f16 or f64";
+    return false;
+  }
+  if (c.layers > RepeatOp::kMaxCount) {
+    error = "--layers must be at most " + std::to_string(RepeatOp::kMaxCount) +
+            " (loom.repeat's limit), got " + std::to_string(c.layers);
     return false;
   }
   if (c.family == "gpt" || c.family == "llama" || c.family == "bert") {

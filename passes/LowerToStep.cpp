@@ -158,7 +158,10 @@ private:
     b.name = name;
     b.dtype = *dtype;
     b.shape.assign(tensor.getShape().begin(), tensor.getShape().end());
-    b.bytes = tensor.getNumElements() * static_cast<int64_t>(rt::dtypeSize(*dtype));
+    std::optional<int64_t> count = rt::numElements(b.shape);
+    if (!count)
+      return emitError(loc) << "cannot lower " << type << ": a buffer holds at most 2^48 elements";
+    b.bytes = *count * static_cast<int64_t>(rt::dtypeSize(*dtype));
     b.role = role;
     rank.buffers.push_back(b);
     return b.id;

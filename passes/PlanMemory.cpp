@@ -6,6 +6,7 @@
 
 #include "passes/Passes.h"
 #include "passes/StepState.h"
+#include "runtime/src/Checked.h"
 #include <algorithm>
 #include <climits>
 
@@ -21,10 +22,9 @@ using json = nlohmann::json;
 
 namespace {
 constexpr int64_t kAlignment = 64;
-int64_t alignUp(int64_t v) { return (v + kAlignment - 1) / kAlignment * kAlignment; }
 } // namespace
 
-void mlir::loom::planMemory(rt::RankProgram &rank, const std::vector<std::string> &programNames) {
+LogicalResult mlir::loom::planMemory(rt::RankProgram &rank, const std::vector<std::string> &programNames) {
   std::vector<rt::Instruction> program; // all programs in execution order
   for (const std::string &name : programNames)
     if (auto it = rank.programs.find(name); it != rank.programs.end())
@@ -52,8 +52,9 @@ void mlir::loom::planMemory(rt::RankProgram &rank, const std::vector<std::string
       last[r] = static_cast<int64_t>(program.size());
       first[r] = std::min<int64_t>(first[r], last[r]);
     }
-  // Persistent buffers first, in id order.
-  int64_t offset = 0;
+  // Persistent buffers first, in id order. Sizes are below 2^51 bytes each
+  // (LowerToStep's limit), but thousands of them can still pass int64.
+  std::optional<int64_t> offset = 0;
   std::vector<int64_t> activations;
   for (rt::Buffer &b : rank.buffers) {
     if (b.viewOf >= 0)
@@ -62,10 +63,13 @@ void mlir::loom::planMemory(rt::RankProgram &rank, const std::vector<std::string
       activations.push_back(b.id);
       continue;
     }
-    b.offset = offset;
-    offset += alignUp(b.bytes);
+    std::optional<int64_t> size = rt::checkedAlignUp(b.bytes, kAlignment);
+    offset = size ? rt::checkedAdd(*offset, *size) : std::nullopt;
+    if (!offset)
+      return failure();
+    b.offset = *offset - *size;
   }
-  int64_t base = offset;
+  int64_t base = *offset;
   // Greedy by size: each activation takes the lowest offset that does not
   // overlap a placed activation whose lifetime intersects its own.
   std::stable_sort(activations.begin(), activations.end(), [&](int64_t a, int64_t b) {
@@ -77,7 +81,10 @@ void mlir::loom::planMemory(rt::RankProgram &rank, const std::vector<std::string
   std::vector<Placed> placed;
   int64_t peak = 0;
   for (int64_t id : activations) {
-    int64_t size = alignUp(rank.buffers[id].bytes);
+    std::optional<int64_t> aligned = rt::checkedAlignUp(rank.buffers[id].bytes, kAlignment);
+    if (!aligned)
+      return failure();
+    int64_t size = *aligned;
     std::vector<std::pair<int64_t, int64_t>> busy;
     for (const Placed &p : placed)
       if (!(p.last < first[id] || last[id] < p.first))
@@ -85,19 +92,23 @@ void mlir::loom::planMemory(rt::RankProgram &rank, const std::vector<std::string
     std::sort(busy.begin(), busy.end());
     int64_t at = 0;
     for (auto [b, e] : busy) {
-      if (at + size <= b)
+      if (std::optional<int64_t> end = rt::checkedAdd(at, size); end && *end <= b)
         break;
       at = std::max(at, e);
     }
-    placed.push_back({at, at + size, first[id], last[id]});
+    std::optional<int64_t> end = rt::checkedAdd(at, size);
+    if (!end || !rt::checkedAdd(base, *end))
+      return failure();
+    placed.push_back({at, *end, first[id], last[id]});
     rank.buffers[id].offset = base + at;
-    peak = std::max(peak, at + size);
+    peak = std::max(peak, *end);
   }
   for (rt::Buffer &b : rank.buffers)
     if (b.viewOf >= 0)
       b.offset = rank.buffers[root(b.id)].offset;
   rank.peakActivationBytes = peak;
   rank.arenaBytes = base + peak;
+  return success();
 }
 
 namespace {
@@ -105,9 +116,10 @@ namespace {
 struct PlanMemoryPass : mlir::loom::impl::PlanMemoryBase<PlanMemoryPass> {
   void runOnOperation() override {
     auto rewrite = [&](Step &step) -> LogicalResult {
-      for (StepRank &sr : step.ranks) {
-        planMemory(sr.program, {"forward", "step", "backward", "update"});
-      }
+      for (StepRank &sr : step.ranks)
+        if (failed(planMemory(sr.program, {"forward", "step", "backward", "update"})))
+          return getOperation().emitError()
+                 << "rank " << sr.program.rank << " needs an arena of more than 2^63 bytes";
       return success();
     };
     if (failed(updateStep(getOperation(), getArgument(), rewrite)))

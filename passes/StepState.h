@@ -139,8 +139,9 @@ bool isFloatRole(const ::loom::rt::Buffer &b);
 
 /// Packs the activation buffers of a rank into the arena by lifetime and
 /// fills offsets, arena size and peak; persistent buffers (parameters,
-/// inputs, outputs) come first (loom-plan-memory).
-void planMemory(::loom::rt::RankProgram &rank, const std::vector<std::string> &programs);
+/// inputs, outputs) come first (loom-plan-memory). Fails where the arena
+/// would not fit in int64.
+LogicalResult planMemory(::loom::rt::RankProgram &rank, const std::vector<std::string> &programs);
 
 /// JSON values as MLIR attributes and back, losslessly for what the
 /// compiler writes: integers (i64), doubles (f64), booleans, strings, arrays

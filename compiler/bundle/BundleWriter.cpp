@@ -9,14 +9,20 @@
 #include "compiler/bundle/BundleWriter.h"
 #include "compiler/Pipeline.h"
 #include "compiler/bundle/KernelGen.h"
+#include "runtime/src/Checked.h"
 #include "runtime/src/Error.h"
 #include "runtime/src/Init.h"
 #include "runtime/src/Safetensors.h"
 
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <fcntl.h>
+#include <filesystem>
 #include <optional>
 #include <set>
 #include <sys/stat.h>
+#include <unistd.h>
 
 using namespace mlir;
 using namespace mlir::loom;
@@ -34,12 +40,61 @@ FailureOr<rt::Manifest> mlir::loom::lowerForward(ModuleOp original, const Bundle
   return toManifest(*step);
 }
 
+namespace {
+/// Puts the bundle written to `staged` at `dir` in one step, so a kill at any
+/// moment leaves the old bundle or the new one there, whole, never a mix.
+void replaceBundle(const std::string &staged, const std::string &dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(dir, ec)) {
+    // Only a bundle (or an empty directory) is replaced: `-o ~` must not
+    // delete a home directory.
+    if (!fs::is_directory(dir, ec) ||
+        (!fs::is_empty(dir, ec) && !fs::exists(fs::path(dir) / "manifest.json", ec)))
+      rt::fail(LOOM_IO_ERROR, "'", dir, "' exists and is not a bundle directory; refusing to "
+               "replace it (remove it, or write the bundle elsewhere)");
+  }
+  // Swap the two directories atomically; then the staging name holds the old bundle.
+  if (::renameat2(AT_FDCWD, staged.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
+    fs::remove_all(staged, ec);
+    return;
+  }
+  if (errno == ENOENT) { // no old bundle
+    if (std::rename(staged.c_str(), dir.c_str()) != 0)
+      rt::fail(LOOM_IO_ERROR, "cannot rename '", staged, "' to '", dir, "': ", std::strerror(errno));
+    return;
+  }
+  // A file system without the exchange: move the old bundle aside first. A
+  // kill in between leaves it whole at DIR.tmp-PID.old.
+  std::string aside = staged + ".old";
+  if (std::rename(dir.c_str(), aside.c_str()) != 0 || std::rename(staged.c_str(), dir.c_str()) != 0)
+    rt::fail(LOOM_IO_ERROR, "cannot replace '", dir, "' with '", staged, "': ", std::strerror(errno));
+  fs::remove_all(aside, ec);
+}
+} // namespace
+
 LogicalResult mlir::loom::writeBundle(ModuleOp module, const BundleOptions &options,
-                                      const std::string &dir, rt::Manifest *out) {
+                                      const std::string &bundleDir, rt::Manifest *out) {
   FailureOr<rt::Manifest> manifest = lowerForward(module, options);
   if (failed(manifest))
     return failure();
+  // Everything goes to a staging directory beside the bundle, which then
+  // replaces it as a unit; the staging directories of killed compiles go.
+  rt::removeStaleTemporaries(bundleDir);
+  const std::string dir = rt::temporaryPath(bundleDir);
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  struct RemoveStaging {
+    const std::string &dir;
+    ~RemoveStaging() {
+      std::error_code ignored;
+      std::filesystem::remove_all(dir, ignored);
+    }
+  } removeStaging{dir};
   try {
+    if (::mkdir(dir.c_str(), 0755) != 0)
+      rt::fail(LOOM_IO_ERROR, "cannot write bundle '", bundleDir, "': cannot create '", dir,
+               "': ", std::strerror(errno));
     std::vector<std::vector<char>> storage;
     std::vector<rt::SafetensorsTensorRef> refs;
     std::optional<rt::SafetensorsFile> given;
@@ -59,6 +114,19 @@ LogicalResult mlir::loom::writeBundle(ModuleOp module, const BundleOptions &opti
           }
           all.push_back({p, b});
         }
+    // Weights past the host's memory end in LLVM's fatal out-of-memory
+    // handler (an abort) as soon as they are allocated: refuse them first.
+    std::optional<int64_t> weightBytes = 0;
+    for (const auto &[p, b] : all)
+      weightBytes = weightBytes ? rt::checkedAdd(*weightBytes, b.bytes) : std::nullopt;
+    int64_t hostBytes = int64_t(::sysconf(_SC_PHYS_PAGES)) * int64_t(::sysconf(_SC_PAGE_SIZE));
+    if (!options.noWeights && (!weightBytes || (hostBytes > 0 && *weightBytes > hostBytes)))
+      return emitError(module.getLoc())
+             << "the parameters need "
+             << (weightBytes ? std::to_string(*weightBytes) : std::string("more than 2^63"))
+             << " bytes, more than this machine's " << hostBytes
+             << " bytes of memory; compile with --no-weights (the runtime initialises them when "
+                "it loads the bundle)";
     storage.reserve(all.size());
     for (const auto &[p, b] : all) {
       if (options.noWeights)
@@ -68,10 +136,10 @@ LogicalResult mlir::loom::writeBundle(ModuleOp module, const BundleOptions &opti
       if (given) {
         auto it = given->tensors.find(p.name);
         if (it == given->tensors.end())
-          return module.emitError() << options.weightsFile << ": parameter '" << p.name
+          return emitError(module.getLoc()) << options.weightsFile << ": parameter '" << p.name
                                     << "' is missing";
         if (it->second.dtype != b.dtype || it->second.shape != b.shape)
-          return module.emitError()
+          return emitError(module.getLoc())
                  << options.weightsFile << ": parameter '" << p.name << "' is "
                  << rt::dtypeName(it->second.dtype) << rt::shapeStr(it->second.shape)
                  << " but the model declares " << rt::dtypeName(b.dtype) << rt::shapeStr(b.shape);
@@ -88,7 +156,6 @@ LogicalResult mlir::loom::writeBundle(ModuleOp module, const BundleOptions &opti
         return emitError(module.getLoc()) << error;
       if (!ptx->empty()) {
         manifest->kernels = "kernels.ptx";
-        ::mkdir(dir.c_str(), 0755);
         rt::writeFileAtomically(dir + "/kernels.ptx", ptx->data(), ptx->size());
       }
     }
@@ -100,8 +167,9 @@ LogicalResult mlir::loom::writeBundle(ModuleOp module, const BundleOptions &opti
       rt::writeSafetensors(dir + "/" + manifest->weights, refs,
                            {{"model", options.modelName}, {"seed", std::to_string(options.seed)}});
     }
+    replaceBundle(dir, bundleDir);
   } catch (const rt::Error &e) {
-    return module.emitError() << e.what();
+    return emitError(module.getLoc()) << e.what();
   }
   if (out)
     *out = std::move(*manifest);

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -99,6 +100,11 @@ bool parseCluster(const std::string &spec, Cluster &out, std::string &error) {
   size_t colon = spec.find(':');
   if (colon == std::string::npos) {
     // A JSON file: {"device": {...} or "preset name", "devices_per_node": G, "nodes": K}.
+    std::error_code ec;
+    if (std::filesystem::is_directory(spec, ec)) {
+      error = "cluster '" + spec + "' is a directory, not a preset or a JSON file";
+      return false;
+    }
     std::ifstream in(spec);
     if (!in) {
       error = "cluster '" + spec + "' is neither a preset (NAME:N or NAME:GxK with NAME one of " +

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -675,9 +676,10 @@ std::string explainPlan(const PlanResult &r, const ModelSpec &model, const Clust
 
 bool loadProfile(const std::string &path, CostOptions &options, const Cluster &cluster,
                  std::string &error) {
+  std::error_code ec;
   std::ifstream in(path);
-  if (!in) {
-    error = "cannot read profile '" + path + "'";
+  if (!in || std::filesystem::is_directory(path, ec)) {
+    error = "cannot read profile '" + path + "'" + (in ? ": it is a directory" : "");
     return false;
   }
   json doc = json::parse(in, nullptr, false);

@@ -218,6 +218,51 @@ std::unique_ptr<ModelFile> parseModelFile(const std::string &path) {
   return model->module ? std::move(model) : nullptr;
 }
 
+/// The fields of a plan file that compile reads, checked before any is used;
+/// "" when they are fine, else the first problem, naming the file and field.
+std::string checkPlanFields(const nlohmann::json &plan, const std::string &path) {
+  auto bad = [&](const std::string &field, const std::string &what, const nlohmann::json &got) {
+    return path + ": field '" + field + "' must be " + what + ", got " + got.dump();
+  };
+  auto isInteger = [](const nlohmann::json &v, int64_t min) {
+    if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX))
+      return false;
+    return v.is_number_integer() && v.get<int64_t>() >= min;
+  };
+  for (const char *key : {"devices", "batch", "dp", "tp", "pp", "vpp", "microbatches", "zero"}) {
+    int64_t min = std::string(key) == "zero" ? 0 : 1;
+    if (plan.contains(key) && !isInteger(plan[key], min))
+      return bad(key, "an integer of at least " + std::to_string(min), plan[key]);
+  }
+  for (const char *key : {"schedule", "recompute"})
+    if (plan.contains(key) && !plan[key].is_string())
+      return bad(key, "a string", plan[key]);
+  if (!plan.contains("stages"))
+    return "";
+  const nlohmann::json &stages = plan["stages"];
+  if (!stages.is_array())
+    return bad("stages", "a list", stages);
+  for (size_t i = 0; i < stages.size(); ++i) {
+    std::string at = "stages[" + std::to_string(i) + "]";
+    const nlohmann::json &stage = stages[i];
+    if (!stage.is_object())
+      return bad(at, "an object", stage);
+    if (stage.contains("stage") && !isInteger(stage["stage"], 0))
+      return bad(at + ".stage", "a non-negative integer", stage["stage"]);
+    if (!stage.contains("layer_chunks"))
+      continue;
+    const nlohmann::json &chunks = stage["layer_chunks"];
+    if (!chunks.is_array())
+      return bad(at + ".layer_chunks", "a list", chunks);
+    for (size_t c = 0; c < chunks.size(); ++c)
+      if (!chunks[c].is_array() || chunks[c].size() != 2 || !isInteger(chunks[c][0], 0) ||
+          !isInteger(chunks[c][1], 0))
+        return bad(at + ".layer_chunks[" + std::to_string(c) + "]",
+                   "a pair of non-negative integers", chunks[c]);
+  }
+  return "";
+}
+
 int runVerify() {
   auto model = parseModelFile(verifyInput);
   if (!model)
@@ -264,10 +309,14 @@ int runCompile() {
   // device needs no search.
   nlohmann::json plan = nlohmann::json::object();
   if (!compilePlan.empty()) {
+    if (llvm::sys::fs::is_directory(compilePlan))
+      return fail(compilePlan + ": is a directory, not a plan written by loomc plan --json");
     std::ifstream in(compilePlan);
     plan = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
     if (!in || plan.is_discarded() || !plan.is_object() || plan.value("format", "") != "loom-plan")
       return fail(compilePlan + ": not a plan written by loomc plan --json");
+    if (std::string problem = checkPlanFields(plan, compilePlan); !problem.empty())
+      return fail(problem);
     if (plan.value("devices", int64_t(0)) != cluster.numDevices())
       return fail(compilePlan + " is a plan for " + std::to_string(plan.value("devices", int64_t(0))) +
                   " devices but --cluster " + compileCluster + " has " +
@@ -409,6 +458,9 @@ int runCompile() {
 }
 
 int runPlan() {
+  if (planBatch < 0)
+    return fail("--batch must be positive (or 0: 8 examples per device), got " +
+                std::to_string(planBatch));
   ::loom::planner::Cluster cluster;
   std::string error;
   if (!::loom::planner::parseCluster(planCluster, cluster, error))
@@ -682,16 +734,24 @@ int main(int argc, char **argv) {
       "  loomc compile MODEL.mlir [--train] [--batch N] [--seed S] [--weights F] -o OUT.loom\n"
       "  loomc models gpt|llama|bert|mlp|resnet [--layers L --hidden H ...] [-o MODEL.mlir]\n\n"
       "Run 'loomc SUBCOMMAND --help' for the options of each.\n");
-  if (verifyCmd)
-    return runVerify();
-  if (modelsCmd)
-    return runModels();
-  if (compileCmd)
-    return runCompile();
-  if (planCmd)
-    return runPlan();
-  if (inspectCmd)
-    return runInspect();
+  // Every failure is an error message and exit 1; an exception that got
+  // this far (a library's, or a bug) must not end in std::terminate.
+  try {
+    if (verifyCmd)
+      return runVerify();
+    if (modelsCmd)
+      return runModels();
+    if (compileCmd)
+      return runCompile();
+    if (planCmd)
+      return runPlan();
+    if (inspectCmd)
+      return runInspect();
+  } catch (const std::exception &e) {
+    return fail(e.what());
+  } catch (...) {
+    return fail("an exception that is not a std::exception");
+  }
   cl::PrintHelpMessage(false, true);
   return 1;
 }

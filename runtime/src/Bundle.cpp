@@ -1,6 +1,7 @@
 //===- Bundle.cpp - The bundle: the compiler's only output ----------------===//
 
 #include "runtime/src/Bundle.h"
+#include "runtime/src/Checked.h"
 #include "runtime/src/Error.h"
 #include "runtime/src/Safetensors.h"
 
@@ -127,6 +128,41 @@ Buffer parseBuffer(const Field &f) {
   return b;
 }
 
+/// Parameters, inputs, outputs and state live for the whole run, so none may
+/// share storage with another buffer; activations may share with each other
+/// (the compiler packs them by lifetime). Views share their root's storage.
+void checkPersistentOverlap(const RankProgram &r, const Field &buffers) {
+  std::vector<const Buffer *> placed;
+  for (const Buffer &b : r.buffers)
+    if (b.viewOf < 0 && b.bytes > 0)
+      placed.push_back(&b);
+  std::sort(placed.begin(), placed.end(), [](const Buffer *a, const Buffer *b) {
+    return a->offset != b->offset ? a->offset < b->offset : a->id < b->id;
+  });
+  // Sweeping by offset, a buffer overlaps an earlier one exactly when that
+  // one ends past its start: compare with the earlier buffer that reaches
+  // furthest, and with the furthest persistent one.
+  const Buffer *furthest = nullptr, *furthestPersistent = nullptr;
+  auto describe = [](const Buffer &b) {
+    return cat(roleName(b.role), " '", b.name, "' (buffer ", b.id, ", bytes [", b.offset, ", ",
+               b.offset + b.bytes, "))");
+  };
+  for (const Buffer *b : placed) {
+    bool persistent = b->role != BufferRole::Activation;
+    const Buffer *other = persistent ? furthest : furthestPersistent;
+    if (other && other->offset + other->bytes > b->offset)
+      buffers[size_t(b->id)].at("offset").bad(
+          "places " + describe(*b) + " over " + describe(*other) +
+          "; parameters, inputs, outputs and state may not share storage");
+    if (!furthest || b->offset + b->bytes > furthest->offset + furthest->bytes)
+      furthest = b;
+    if (persistent &&
+        (!furthestPersistent ||
+         b->offset + b->bytes > furthestPersistent->offset + furthestPersistent->bytes))
+      furthestPersistent = b;
+  }
+}
+
 RankProgram parseRank(const Field &f, size_t index) {
   RankProgram r;
   r.rank = f.at("rank").integer(0);
@@ -141,10 +177,15 @@ RankProgram parseRank(const Field &f, size_t index) {
     Buffer b = parseBuffer(buffers[i]);
     if (b.id != static_cast<int64_t>(i))
       buffers[i].at("id").bad("must be " + std::to_string(i) + " (buffers are listed by id)");
-    if (b.offset + b.bytes > r.arenaBytes)
+    std::optional<int64_t> end = checkedAdd(b.offset, b.bytes);
+    if (!end || *end > r.arenaBytes)
       buffers[i].at("offset").bad("places " + std::to_string(b.bytes) + " bytes at " +
                                   std::to_string(b.offset) + ", past the arena of " +
                                   std::to_string(r.arenaBytes) + " bytes");
+    if (int64_t size = int64_t(dtypeSize(b.dtype)); b.offset % size != 0)
+      buffers[i].at("offset").bad("is " + std::to_string(b.offset) + ", not a multiple of " +
+                                  std::to_string(size) + " (the size of " + dtypeName(b.dtype) +
+                                  "): the buffer would be misaligned");
     if (b.viewOf >= 0) {
       if (b.viewOf >= static_cast<int64_t>(i))
         buffers[i].at("view_of").bad("must name an earlier buffer");
@@ -154,6 +195,7 @@ RankProgram parseRank(const Field &f, size_t index) {
     }
     r.buffers.push_back(b);
   }
+  checkPersistentOverlap(r, buffers);
   auto bufferRef = [&](const Field &fld) {
     int64_t id = fld.integer(0);
     if (id >= static_cast<int64_t>(r.buffers.size()))
@@ -205,9 +247,11 @@ RankProgram parseRank(const Field &f, size_t index) {
       const Shape &full = p.shard.fullShape;
       bool ok = full.size() == local.size() && p.shard.axis < int64_t(full.size()) &&
                 p.shard.index < p.shard.parts;
+      std::optional<int64_t> slices = checkedMul(p.shard.blocks, p.shard.parts);
+      ok = ok && slices && numElements(full);
       for (size_t d = 0; ok && d < full.size(); ++d)
         ok = int64_t(d) == p.shard.axis
-                 ? full[d] % (p.shard.blocks * p.shard.parts) == 0 && local[d] * p.shard.parts == full[d]
+                 ? full[d] % *slices == 0 && checkedMul(local[d], p.shard.parts) == full[d]
                  : full[d] == local[d];
       if (!ok)
         sh.bad("does not describe a part of " + shapeStr(full) + " shaped " + shapeStr(local));

@@ -4,6 +4,7 @@
 #include "runtime/src/Error.h"
 #include "runtime/src/MpiCommunicator.h"
 #include "runtime/src/Session.h"
+#include "runtime/src/ThreadPool.h"
 
 #include <new>
 #include <string>
@@ -33,6 +34,8 @@ template <typename F> loom_status_t *guarded(F body) {
     return makeStatus(LOOM_INVALID_ARGUMENT, "out of host memory");
   } catch (const std::exception &e) {
     return makeStatus(LOOM_INTERNAL, std::string("internal error: ") + e.what());
+  } catch (...) {
+    return makeStatus(LOOM_INTERNAL, "internal error: an exception that is not a std::exception");
   }
 }
 
@@ -97,6 +100,9 @@ loom_status_t *loom_session_create(const char *bundle_path, const loom_session_o
     if (options) {
       if (options->backend)
         opts.backend = options->backend;
+      if (options->num_threads < 0 || options->num_threads > loom::rt::kMaxThreads)
+        loom::rt::fail(LOOM_INVALID_ARGUMENT, "options.num_threads must be from 0 (one per core) to ",
+                       loom::rt::kMaxThreads, ", got ", options->num_threads);
       opts.threads = options->num_threads;
     }
     // A multi-rank bundle in a job started by mpirun: this process is the
@@ -186,7 +192,11 @@ loom_status_t *loom_session_train_step(loom_session_t *session, float *out_loss)
 }
 
 int64_t loom_session_step(const loom_session_t *session) {
-  return session ? session->session->step() : 0;
+  if (!session)
+    return 0;
+  int64_t step = -1;
+  loom_status_free(guarded([&] { step = session->session->step(); }));
+  return step;
 }
 
 loom_status_t *loom_session_save_checkpoint(loom_session_t *session, const char *path) {

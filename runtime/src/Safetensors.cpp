@@ -5,12 +5,16 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cctype>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <functional>
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace loom::rt {
@@ -24,6 +28,9 @@ std::vector<char> readWholeFile(const std::string &path) {
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in)
     fail(LOOM_IO_ERROR, "cannot open '", path, "': ", std::strerror(errno));
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+    fail(LOOM_IO_ERROR, "cannot read '", path, "': not a regular file");
   std::streamsize size = in.tellg();
   if (size < 0)
     fail(LOOM_IO_ERROR, "cannot read '", path, "'");
@@ -113,8 +120,38 @@ SafetensorsFile readSafetensors(const std::string &path) {
   return out;
 }
 
+std::string temporaryPath(const std::string &path) {
+  return path + ".tmp-" + std::to_string(::getpid());
+}
+
+void removeStaleTemporaries(const std::string &path) {
+  namespace fs = std::filesystem;
+  fs::path target(path);
+  fs::path parent = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  std::string prefix = target.filename().string() + ".tmp-";
+  std::error_code ec;
+  for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {
+    std::string name = it->path().filename().string();
+    if (name.compare(0, prefix.size(), prefix) != 0)
+      continue;
+    size_t digits = prefix.size();
+    while (digits < name.size() && std::isdigit(static_cast<unsigned char>(name[digits])))
+      ++digits;
+    if (digits == prefix.size() || digits > prefix.size() + 9 ||
+        (digits < name.size() && name[digits] != '.'))
+      continue;
+    pid_t pid = static_cast<pid_t>(std::stol(name.substr(prefix.size(), digits - prefix.size())));
+    // A process that is alive (or not ours to signal) may still be writing it.
+    if (pid == ::getpid() || ::kill(pid, 0) == 0 || errno != ESRCH)
+      continue;
+    std::error_code ignored; // best effort: the next save tries again
+    fs::remove_all(it->path(), ignored);
+  }
+}
+
 void writeAtomically(const std::string &path, const std::function<bool(FILE *)> &write) {
-  std::string tmp = path + ".tmp-" + std::to_string(::getpid());
+  removeStaleTemporaries(path);
+  std::string tmp = temporaryPath(path);
   FILE *f = std::fopen(tmp.c_str(), "wb");
   if (!f)
     fail(LOOM_IO_ERROR, "cannot create '", tmp, "': ", std::strerror(errno));

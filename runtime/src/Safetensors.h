@@ -60,8 +60,16 @@ void writeSafetensors(const std::string &path, const std::vector<SafetensorsTens
 void writeFileAtomically(const std::string &path, const void *data, size_t bytes);
 
 /// Calls `write` on a temporary file beside `path`, syncs it and renames it
-/// into place; removes it and throws if `write` returns false.
+/// into place; removes it and throws if `write` returns false. First removes
+/// what interrupted writes to `path` left (removeStaleTemporaries).
 void writeAtomically(const std::string &path, const std::function<bool(FILE *)> &write);
+
+/// The temporary beside `path` this process writes: PATH.tmp-PID.
+std::string temporaryPath(const std::string &path);
+
+/// Removes PATH.tmp-PID files and directories (and PATH.tmp-PID.* ones) left
+/// by processes that are no longer running: a killed save or compile.
+void removeStaleTemporaries(const std::string &path);
 
 } // namespace loom::rt
 

@@ -246,6 +246,9 @@ void Session::runForward() {
 
 void Session::loadWeights(const std::string &path) {
   SafetensorsFile file = readSafetensors(path);
+  // Every parameter is checked before any is overwritten, so a bad file
+  // leaves the session as it was.
+  std::vector<const SafetensorsEntry *> entries;
   for (const Parameter &p : rank().params) {
     const Buffer &b = rank().buffers[p.buffer];
     auto it = file.tensors.find(p.name);
@@ -257,6 +260,12 @@ void Session::loadWeights(const std::string &path) {
       fail(LOOM_INVALID_BUNDLE, path, ": parameter '", p.name, "' is ", dtypeName(e.dtype),
            shapeStr(e.shape), " in the file but ", dtypeName(b.dtype), shapeStr(want),
            " in the bundle");
+    entries.push_back(&e);
+  }
+  for (size_t i = 0; i < rank().params.size(); ++i) {
+    const Parameter &p = rank().params[i];
+    const Buffer &b = rank().buffers[p.buffer];
+    const SafetensorsEntry &e = *entries[i];
     if (p.shard.axis >= 0) { // weight files hold full tensors; this rank takes its part
       std::vector<char> part(b.bytes);
       extractShard(p.shard, dtypeSize(b.dtype), file.data.data() + e.offset, part.data());

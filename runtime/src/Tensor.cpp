@@ -1,6 +1,7 @@
 //===- Tensor.cpp - Element types and shapes ------------------------------===//
 
 #include "runtime/src/Tensor.h"
+#include "runtime/src/Checked.h"
 
 namespace loom::rt {
 
@@ -47,9 +48,10 @@ std::optional<loom_dtype_t> parseSafetensorsDtype(const std::string &name) {
 std::optional<int64_t> numElements(const Shape &shape) {
   int64_t n = 1;
   for (int64_t d : shape) {
-    if (d < 0 || (d > 0 && n > (int64_t(1) << 48) / d))
+    std::optional<int64_t> next = d < 0 ? std::nullopt : checkedMul(n, d);
+    if (!next || *next > kMaxElements)
       return std::nullopt;
-    n *= d;
+    n = *next;
   }
   return n;
 }

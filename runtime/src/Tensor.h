@@ -35,7 +35,11 @@ std::optional<loom_dtype_t> parseDtype(const std::string &name);
 const char *safetensorsDtype(loom_dtype_t t);
 std::optional<loom_dtype_t> parseSafetensorsDtype(const std::string &name);
 
-/// Element count; nullopt on a negative extent or overflow past 2^48.
+/// The most elements a tensor may have (2^48): its size in bytes, at most 8
+/// an element, stays far inside int64.
+constexpr int64_t kMaxElements = int64_t(1) << 48;
+
+/// Element count; nullopt on a negative extent or more than kMaxElements.
 std::optional<int64_t> numElements(const Shape &shape);
 std::string shapeStr(const Shape &shape);
 

@@ -1,19 +1,32 @@
 //===- ThreadPool.cpp - Parallel loops for the CPU backend ----------------===//
 
 #include "runtime/src/ThreadPool.h"
+#include "runtime/src/Error.h"
 
 #include <algorithm>
+#include <system_error>
 
 namespace loom::rt {
 
 ThreadPool::ThreadPool(int threads) {
-  if (threads <= 0)
-    threads = std::max(1u, std::thread::hardware_concurrency());
-  for (int i = 1; i < threads; ++i)
-    workers.emplace_back([this, i] { workerLoop(i); });
+  if (threads < 0 || threads > kMaxThreads)
+    fail(LOOM_INVALID_ARGUMENT, "the thread count must be from 0 (one per core) to ", kMaxThreads,
+         ", got ", threads);
+  if (threads == 0)
+    threads = std::min(kMaxThreads, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  try {
+    for (int i = 1; i < threads; ++i)
+      workers.emplace_back([this, i] { workerLoop(i); });
+  } catch (const std::system_error &e) {
+    stopWorkers(); // no destructor runs for a pool whose constructor throws
+    fail(LOOM_INVALID_ARGUMENT, "cannot start ", threads, " CPU threads (", e.what(),
+         "); ask for fewer");
+  }
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::~ThreadPool() { stopWorkers(); }
+
+void ThreadPool::stopWorkers() {
   {
     std::lock_guard<std::mutex> lock(mutex);
     stopping = true;
@@ -21,6 +34,7 @@ ThreadPool::~ThreadPool() {
   wake.notify_all();
   for (std::thread &t : workers)
     t.join();
+  workers.clear();
 }
 
 void ThreadPool::workerLoop(int) {

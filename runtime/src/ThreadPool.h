@@ -11,10 +11,16 @@
 
 namespace loom::rt {
 
+/// The most threads a pool (a CPU session) may have: far above any machine's
+/// cores, far below what starves a machine of processes.
+constexpr int kMaxThreads = 1024;
+
 /// A fixed set of workers that split [0, n) into contiguous chunks. The
 /// calling thread takes a chunk too; small loops run inline.
 class ThreadPool {
 public:
+  /// `threads` in [0, kMaxThreads]; 0 means one per hardware thread. Throws
+  /// Error where the threads cannot be started.
   explicit ThreadPool(int threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool &) = delete;
@@ -28,6 +34,7 @@ public:
 
 private:
   void workerLoop(int index);
+  void stopWorkers();
 
   std::vector<std::thread> workers;
   std::mutex mutex;

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 
 using namespace loom::rt;
 
@@ -55,7 +56,10 @@ int main(int argc, char **argv) {
                   rel, tolerance);
     }
     return ok ? 0 : 1;
-  } catch (const Error &e) {
+  } catch (const std::bad_alloc &) {
+    std::fprintf(stderr, "loom-compare: error: out of host memory\n");
+    return 1;
+  } catch (const std::exception &e) { // Error, and anything else: never std::terminate
     std::fprintf(stderr, "loom-compare: error: %s\n", e.what());
     return 1;
   }

@@ -22,6 +22,7 @@
 #include "runtime/src/Session.h"
 #include "runtime/src/Communicator.h"
 #include "runtime/src/MpiCommunicator.h"
+#include "runtime/src/ThreadPool.h"
 
 #include <algorithm>
 #include <chrono>
@@ -31,8 +32,10 @@
 #include <sys/stat.h>
 #include <mutex>
 #include <thread>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <cstring>
 #include <random>
 #include <string>
@@ -207,6 +210,20 @@ void reportProfile(const Session &s, const std::string &path, double stepSeconds
   std::printf("wrote %s\n", path.c_str());
 }
 
+/// Runs `work`, turning any other exception into an Error: one escaping a
+/// rank's thread would end the process.
+template <typename Work> void asError(Work work) {
+  try {
+    work();
+  } catch (const Error &) {
+    throw;
+  } catch (const std::bad_alloc &) {
+    fail(LOOM_INVALID_ARGUMENT, "out of host memory");
+  } catch (const std::exception &e) {
+    fail(LOOM_INTERNAL, "internal error: ", e.what());
+  }
+}
+
 /// Runs `work` on every rank of this process, each in its own thread; the
 /// first rank to fail stops the others (through the communicator, and NCCL
 /// aborts), and its error, naming the rank, is the one thrown.
@@ -217,7 +234,7 @@ void onEveryRank(std::vector<std::unique_ptr<Session>> &ranks, const std::shared
   std::optional<Error> first;
   auto guarded = [&](size_t r) {
     try {
-      work(*ranks[r]);
+      asError([&] { work(*ranks[r]); });
     } catch (const Error &e) {
       std::lock_guard<std::mutex> lock(mutex);
       int64_t rank = ranks[r]->rank().rank;
@@ -384,14 +401,18 @@ int run(int argc, char **argv) {
         fail(LOOM_INVALID_ARGUMENT, a, " needs a value");
       return argv[++i];
     };
-    auto number = [&]() -> long long {
+    auto number = [&](long long max) -> long long {
       std::string v = value();
       char *end = nullptr;
+      errno = 0;
       long long n = std::strtoll(v.c_str(), &end, 10);
       if (v.empty() || *end || n < 0)
         fail(LOOM_INVALID_ARGUMENT, a, " needs a non-negative integer, got '", v, "'");
+      if (errno == ERANGE || n > max)
+        fail(LOOM_INVALID_ARGUMENT, a, " must be at most ", max, ", got '", v, "'");
       return n;
     };
+    constexpr long long kMaxInt = std::numeric_limits<int>::max();
     if (a == "--help" || a == "-h") {
       usage(stdout);
       return 0;
@@ -400,11 +421,11 @@ int run(int argc, char **argv) {
     } else if (a == "--output") {
       output = value();
     } else if (a == "--steps") {
-      steps = static_cast<int>(number());
+      steps = static_cast<int>(number(kMaxInt));
     } else if (a == "--threads") {
-      threads = static_cast<int>(number());
+      threads = static_cast<int>(number(kMaxThreads));
     } else if (a == "--seed") {
-      seed = static_cast<uint64_t>(number());
+      seed = static_cast<uint64_t>(number(std::numeric_limits<long long>::max()));
     } else if (a == "--profile") {
       profilePath = value();
     } else if (a == "--backend") {
@@ -414,7 +435,7 @@ int run(int argc, char **argv) {
     } else if (a == "--data-dtype") {
       dataDtype = value();
     } else if (a == "--save-every") {
-      saveEvery = static_cast<int>(number());
+      saveEvery = static_cast<int>(number(kMaxInt));
     } else if (a == "--checkpoint") {
       checkpointDir = value();
     } else if (a == "--resume") {
@@ -483,7 +504,7 @@ int run(int argc, char **argv) {
         if (mine.nccl && !mpiComm)
           mine.device = static_cast<int>(local[i]);
         try {
-          ranks[i] = std::make_unique<Session>(bundle, mine);
+          asError([&] { ranks[i] = std::make_unique<Session>(bundle, mine); });
         } catch (const Error &e) {
           std::lock_guard<std::mutex> lock(mutex);
           if (!failed)
@@ -597,17 +618,20 @@ int run(int argc, char **argv) {
 } // namespace
 
 int main(int argc, char **argv) {
+  std::string message;
   try {
     int rc = run(argc, argv);
     finalizeMpi();
     return rc;
-  } catch (const Error &e) {
-    std::fprintf(stderr, "loom-run: error: %s\n", e.what());
-    if (mpiComm) // under mpirun: end the whole job, not just this process
-      mpiComm->abort(mpiRankOfProcess, e.what());
-    return 1;
+  } catch (const std::bad_alloc &) {
+    message = "out of host memory";
   } catch (const std::exception &e) {
-    std::fprintf(stderr, "loom-run: internal error: %s\n", e.what());
-    return 2;
+    message = e.what();
+  } catch (...) {
+    message = "an exception that is not a std::exception";
   }
+  std::fprintf(stderr, "loom-run: error: %s\n", message.c_str());
+  if (mpiComm) // under mpirun: end the whole job, not just this process
+    mpiComm->abort(mpiRankOfProcess, message);
+  return 1;
 }

@@ -381,6 +381,28 @@ func.func @repeat_shape(%x: tensor<2x4xf32>) {
 
 // -----
 
+loom.block @step(%x: tensor<2x4xf32>) -> tensor<2x4xf32> {
+  loom.yield %x : tensor<2x4xf32>
+}
+func.func @repeat_negative(%x: tensor<2x4xf32>) {
+  // expected-error @+1 {{'loom.repeat' op count must be between 1 and 16384, got -1}}
+  %0 = loom.repeat -1 @step(%x) : (tensor<2x4xf32>) -> tensor<2x4xf32>
+  return
+}
+
+// -----
+
+loom.block @step(%x: tensor<2x4xf32>) -> tensor<2x4xf32> {
+  loom.yield %x : tensor<2x4xf32>
+}
+func.func @repeat_huge(%x: tensor<2x4xf32>) {
+  // expected-error @+1 {{'loom.repeat' op count must be between 1 and 16384, got 9223372036854775807}}
+  %0 = loom.repeat 9223372036854775807 @step(%x) : (tensor<2x4xf32>) -> tensor<2x4xf32>
+  return
+}
+
+// -----
+
 func.func @repeat_missing(%x: tensor<2x4xf32>) {
   // expected-error @+1 {{'loom.repeat' op @nothing is not a loom.block of this module}}
   %0 = loom.repeat 2 @nothing(%x) : (tensor<2x4xf32>) -> tensor<2x4xf32>

@@ -10,8 +10,10 @@
 #include "dialects/loom/IR/LoomDialect.h"
 #include "loom/runtime.h"
 #include "mlir/Dialect/Func/IR/FuncOps.h"
+#include "mlir/IR/Diagnostics.h"
 #include "mlir/IR/MLIRContext.h"
 #include "mlir/Parser/Parser.h"
+#include "runtime/src/Bundle.h"
 #include "runtime/src/Safetensors.h"
 
 #include <gtest/gtest.h>
@@ -19,6 +21,8 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sys/wait.h>
+#include <unistd.h>
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -141,6 +145,76 @@ TEST_F(BundleCorruptionTest, BufferOutsideArena) {
   expectRefused(dir, LOOM_INVALID_BUNDLE, "ranks[0].buffers[5].offset' places");
 }
 
+TEST_F(BundleCorruptionTest, BufferOffsetThatOverflows) {
+  // offset + bytes wraps past INT64_MAX; the bounds check must still fail.
+  std::string dir = copy();
+  json m = manifest(dir);
+  m["ranks"][0]["buffers"][5]["offset"] = INT64_MAX - 7;
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "ranks[0].buffers[5].offset' places");
+}
+
+TEST_F(BundleCorruptionTest, MisalignedBuffer) {
+  std::string dir = copy();
+  json m = manifest(dir);
+  json &b = m["ranks"][0]["buffers"][5];
+  ASSERT_EQ(b["dtype"], "f32");
+  b["offset"] = b["offset"].get<int64_t>() + 3;
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "ranks[0].buffers[5].offset' is " +
+                                              std::to_string(b["offset"].get<int64_t>()) +
+                                              ", not a multiple of 4 (the size of f32)");
+}
+
+/// Ids of the first two buffers with `role` that are not views.
+static std::vector<int64_t> buffersWithRole(const json &m, const std::string &role) {
+  std::vector<int64_t> ids;
+  for (const json &b : m["ranks"][0]["buffers"])
+    if (b["role"] == role && !b.contains("view_of") && ids.size() < 2)
+      ids.push_back(b["id"].get<int64_t>());
+  return ids;
+}
+
+TEST_F(BundleCorruptionTest, ParametersThatOverlap) {
+  std::string dir = copy();
+  json m = manifest(dir);
+  std::vector<int64_t> params = buffersWithRole(m, "param");
+  ASSERT_EQ(params.size(), 2u);
+  json &buffers = m["ranks"][0]["buffers"];
+  buffers[params[1]]["offset"] = buffers[params[0]]["offset"];
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE,
+                "ranks[0].buffers[" + std::to_string(params[1]) + "].offset' places param '" +
+                    buffers[params[1]]["name"].get<std::string>() + "'");
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "parameters, inputs, outputs and state may not share storage");
+}
+
+TEST_F(BundleCorruptionTest, ActivationOverAnInput) {
+  std::string dir = copy();
+  json m = manifest(dir);
+  std::vector<int64_t> inputs = buffersWithRole(m, "input"), acts = buffersWithRole(m, "activation");
+  ASSERT_FALSE(inputs.empty());
+  ASSERT_FALSE(acts.empty());
+  json &buffers = m["ranks"][0]["buffers"];
+  buffers[acts[0]]["offset"] = buffers[inputs[0]]["offset"];
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "over input 'tokens'");
+}
+
+TEST_F(BundleCorruptionTest, ActivationsMayShareStorage) {
+  // The compiler packs activations by lifetime; two at one offset are fine
+  // as far as the reader is concerned.
+  std::string dir = copy();
+  json m = manifest(dir);
+  std::vector<int64_t> acts = buffersWithRole(m, "activation");
+  ASSERT_EQ(acts.size(), 2u);
+  json &buffers = m["ranks"][0]["buffers"];
+  ASSERT_LE(buffers[acts[1]]["bytes"].get<int64_t>(), buffers[acts[0]]["bytes"].get<int64_t>());
+  buffers[acts[1]]["offset"] = buffers[acts[0]]["offset"];
+  writeManifest(dir, m);
+  EXPECT_NO_THROW(loom::rt::readManifest(dir));
+}
+
 TEST_F(BundleCorruptionTest, BufferSizeDisagreesWithShape) {
   std::string dir = copy();
   json m = manifest(dir);
@@ -239,11 +313,135 @@ TEST_F(BundleCorruptionTest, AtomicWriteLeavesNoTemporaryFiles) {
   loom_session_destroy(session);
 }
 
+TEST_F(BundleCorruptionTest, ThreadCountOutOfRange) {
+  for (int32_t threads : {100000, -1}) {
+    loom_session_options_t options;
+    loom_session_options_init(&options);
+    options.num_threads = threads;
+    loom_session_t *session = nullptr;
+    loom_status_t *st = loom_session_create(good.c_str(), &options, &session);
+    ASSERT_NE(st, nullptr) << "num_threads " << threads << " was accepted";
+    EXPECT_EQ(session, nullptr);
+    EXPECT_EQ(loom_status_code(st), LOOM_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(loom_status_message(st)),
+              "options.num_threads must be from 0 (one per core) to 1024, got " + std::to_string(threads));
+    loom_status_free(st);
+  }
+}
+
+/// The bytes of parameter `name` as the session holds it now.
+static std::vector<char> parameterBytes(loom_session_t *session, const std::string &path,
+                                        const std::string &name) {
+  EXPECT_EQ(loom_session_save_weights(session, path.c_str()), nullptr);
+  loom::rt::SafetensorsFile f = loom::rt::readSafetensors(path);
+  const char *p = f.bytesOf(name);
+  return std::vector<char>(p, p + f.tensors.at(name).bytes);
+}
+
+TEST_F(BundleCorruptionTest, LoadWeightsChecksEveryTensorFirst) {
+  // wte (the first parameter) is good and different; a later one is missing.
+  // The load is refused and wte keeps its old value.
+  std::string dir = copy();
+  loom_session_t *session = nullptr;
+  ASSERT_EQ(loom_session_create(dir.c_str(), nullptr, &session), nullptr);
+  std::vector<char> before = parameterBytes(session, dir + "/before.safetensors", "wte");
+  loom::rt::SafetensorsFile w = loom::rt::readSafetensors(dir + "/weights.safetensors");
+  std::vector<float> sevens(w.tensors.at("wte").bytes / 4, 7.0f);
+  std::vector<loom::rt::SafetensorsTensorRef> refs;
+  for (auto &[name, e] : w.tensors) {
+    if (name == "layer.1.mlp.fc.w")
+      continue;
+    const void *data = name == "wte" ? static_cast<const void *>(sevens.data()) : w.data.data() + e.offset;
+    refs.push_back({name, e.dtype, e.shape, data, e.bytes});
+  }
+  std::string bad = dir + "/bad.safetensors";
+  loom::rt::writeSafetensors(bad, refs);
+  loom_status_t *st = loom_session_load_weights(session, bad.c_str());
+  ASSERT_NE(st, nullptr);
+  EXPECT_NE(std::string(loom_status_message(st)).find("parameter 'layer.1.mlp.fc.w' is missing"),
+            std::string::npos)
+      << loom_status_message(st);
+  loom_status_free(st);
+  EXPECT_EQ(parameterBytes(session, dir + "/after.safetensors", "wte"), before)
+      << "a refused load changed a parameter";
+  loom_session_destroy(session);
+}
+
+/// A process id that no process has now: a child that has exited.
+static pid_t deadPid() {
+  pid_t pid = ::fork();
+  if (pid == 0)
+    ::_exit(0);
+  ::waitpid(pid, nullptr, 0);
+  return pid;
+}
+
+TEST_F(BundleCorruptionTest, SaveRemovesStaleTemporaries) {
+  std::string dir = copy();
+  std::string target = dir + "/w.safetensors";
+  std::string stale = target + ".tmp-" + std::to_string(deadPid());
+  std::string live = target + ".tmp-1"; // init: running, so possibly still writing
+  std::ofstream(stale) << "interrupted";
+  std::ofstream(live) << "in progress";
+  loom_session_t *session = nullptr;
+  ASSERT_EQ(loom_session_create(dir.c_str(), nullptr, &session), nullptr);
+  ASSERT_EQ(loom_session_save_weights(session, target.c_str()), nullptr);
+  EXPECT_FALSE(fs::exists(stale)) << "a dead process's temporary file was left";
+  EXPECT_TRUE(fs::exists(live)) << "a running process's temporary file was removed";
+  loom_session_destroy(session);
+}
+
+TEST_F(BundleCorruptionTest, CompileReplacesABundleAsAUnit) {
+  std::string dir = copy();
+  std::string stale = dir + ".tmp-" + std::to_string(deadPid());
+  fs::create_directory(stale);
+  std::ofstream(stale + "/manifest.json") << "half";
+  std::ofstream(dir + "/leftover.txt") << "from the old bundle";
+  mlir::MLIRContext context;
+  context.loadDialect<mlir::loom::LoomDialect, mlir::func::FuncDialect>();
+  auto module = mlir::parseSourceFile<mlir::ModuleOp>(std::string(LOOM_MODELS_DIR) + "/gpt-tiny.mlir",
+                                                      &context);
+  ASSERT_TRUE(module);
+  mlir::loom::BundleOptions options;
+  options.batch = 3;
+  ASSERT_TRUE(mlir::succeeded(mlir::loom::writeBundle(*module, options, dir)));
+  EXPECT_EQ(manifest(dir)["batch"], 3);
+  EXPECT_FALSE(fs::exists(dir + "/leftover.txt")) << "the new bundle was mixed into the old";
+  EXPECT_FALSE(fs::exists(stale)) << "a killed compile's staging directory was left";
+  for (auto &entry : fs::directory_iterator(fs::path(dir).parent_path()))
+    EXPECT_EQ(entry.path().string().find(dir + ".tmp-"), std::string::npos) << entry.path();
+
+  // A directory that is not a bundle is never replaced.
+  std::string other = dir + ".notes";
+  fs::create_directory(other);
+  dirs.push_back(other);
+  std::ofstream(other + "/notes.txt") << "keep me";
+  mlir::ScopedDiagnosticHandler quiet(&context, [](mlir::Diagnostic &d) {
+    EXPECT_NE(d.str().find("exists and is not a bundle directory; refusing to replace it"),
+              std::string::npos)
+        << d.str();
+    return mlir::success();
+  });
+  EXPECT_TRUE(mlir::failed(mlir::loom::writeBundle(*module, options, other)));
+  EXPECT_TRUE(fs::exists(other + "/notes.txt"));
+}
+
 TEST_F(BundleCorruptionTest, ShardThatDoesNotFitItsParameter) {
   std::string dir = copy();
   json m = manifest(dir);
   json &param = m["ranks"][0]["parameters"][0]; // wte, f32[256, 64]
   param["shard"] = {{"full_shape", {256, 64}}, {"axis", 0}, {"parts", 3}, {"index", 0}, {"blocks", 1}};
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "field 'ranks[0].parameters[0].shard' does not describe a part");
+}
+
+TEST_F(BundleCorruptionTest, ShardWhoseSlicesOverflow) {
+  // blocks x parts wraps to 0; checking divisibility by it must not trap.
+  std::string dir = copy();
+  json m = manifest(dir);
+  json &param = m["ranks"][0]["parameters"][0]; // wte, f32[256, 64]
+  param["shard"] = {{"full_shape", {256, 64}}, {"axis", 0}, {"parts", int64_t(1) << 32},
+                    {"index", 0}, {"blocks", int64_t(1) << 32}};
   writeManifest(dir, m);
   expectRefused(dir, LOOM_INVALID_BUNDLE, "field 'ranks[0].parameters[0].shard' does not describe a part");
 }

@@ -6,6 +6,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "runtime/src/Bundle.h"
+#include "runtime/src/Checked.h"
 #include "runtime/src/Error.h"
 #include "runtime/src/Safetensors.h"
 #include "runtime/src/ThreadPool.h"
@@ -66,6 +67,20 @@ TEST(Safetensors, RejectsLies) {
   }
   EXPECT_NE(message().find("exceeds the file size"), std::string::npos) << message();
   std::remove(path.c_str());
+}
+
+TEST(Checked, RefusesOverflow) {
+  EXPECT_EQ(checkedAdd(INT64_MAX - 1, 1), INT64_MAX);
+  EXPECT_EQ(checkedAdd(INT64_MAX, 1), std::nullopt);
+  EXPECT_EQ(checkedMul(int64_t(1) << 31, int64_t(1) << 31), int64_t(1) << 62);
+  EXPECT_EQ(checkedMul(int64_t(1) << 32, int64_t(1) << 32), std::nullopt);
+  EXPECT_EQ(checkedAlignUp(65, 64), 128);
+  EXPECT_EQ(checkedAlignUp(INT64_MAX - 3, 64), std::nullopt);
+  // Shapes whose element count wraps int64 (2^32 x 2^32 = 0 mod 2^64).
+  EXPECT_EQ(numElements({int64_t(1) << 32, int64_t(1) << 32}), std::nullopt);
+  EXPECT_EQ(numElements({kMaxElements, 2}), std::nullopt);
+  EXPECT_EQ(numElements({kMaxElements}), kMaxElements);
+  EXPECT_EQ(numElements({0, INT64_MAX}), 0);
 }
 
 TEST(ThreadPool, CoversEveryIndexOnce) {

@@ -226,9 +226,15 @@ BlockOp RepeatOp::lookupBlock() {
   return dyn_cast_or_null<BlockOp>(SymbolTable::lookupSymbolIn(module, getBlockAttr().getAttr()));
 }
 
+LogicalResult RepeatOp::verify() {
+  // getCount() is unsigned: read the attribute as written, so -1 is -1.
+  int64_t count = getCountAttr().getInt();
+  if (count < 1 || count > kMaxCount)
+    return emitOpError() << "count must be between 1 and " << kMaxCount << ", got " << count;
+  return success();
+}
+
 LogicalResult RepeatOp::verifySymbolUses(SymbolTableCollection &) {
-  if (getCount() < 1)
-    return emitOpError() << "count must be at least 1, got " << getCount();
   BlockOp block = lookupBlock();
   if (!block)
     return emitOpError() << "@" << getBlock() << " is not a loom.block of this module";

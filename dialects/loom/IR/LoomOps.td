@@ -101,7 +101,8 @@ def Loom_RepeatOp : Loom_Op<"repeat", [DeclareOpInterfaceMethods<SymbolUserOpInt
     `%y = loom.repeat 12 @layer(%x) : (tensor<?x1024x768xf32>) -> tensor<?x1024x768xf32>`
     applies `@layer` 12 times, feeding each application's results to the
     next. Each application has its own parameters; the planner sees the
-    count and splits the layers into pipeline stages.
+    count and splits the layers into pipeline stages. The count is between
+    1 and 16384: each application is lowered and allocated separately.
   }];
   let arguments = (ins I64Attr:$count, FlatSymbolRefAttr:$block,
                        Variadic<AnyRankedTensor>:$inputs);
@@ -110,8 +111,10 @@ def Loom_RepeatOp : Loom_Op<"repeat", [DeclareOpInterfaceMethods<SymbolUserOpInt
     $count $block `(` $inputs `)` attr-dict `:` functional-type($inputs, $results)
   }];
   let extraClassDeclaration = [{
+    static constexpr int64_t kMaxCount = 16384;
     BlockOp lookupBlock();
   }];
+  let hasVerifier = 1;
 }
 
 //===----------------------------------------------------------------------===//

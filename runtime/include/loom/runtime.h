@@ -62,7 +62,7 @@ typedef struct loom_session_t loom_session_t;
 typedef struct loom_session_options_t {
   /* "cpu" (default) or "cuda" when the runtime was built with CUDA. */
   const char *backend;
-  /* Threads for the CPU backend; 0 = all hardware threads. */
+  /* Threads for the CPU backend, at most 1024; 0 = all hardware threads. */
   int32_t num_threads;
 } loom_session_options_t;
 
@@ -105,7 +105,8 @@ loom_status_t *loom_session_read_output(loom_session_t *session, const char *nam
 /* Training bundles (loomc compile --train): forward, backward and optimizer
  * update on the bound batch; `out_loss` (may be NULL) receives the loss. */
 loom_status_t *loom_session_train_step(loom_session_t *session, float *out_loss);
-/* Optimizer steps taken so far (0 for inference bundles). */
+/* Optimizer steps taken so far (0 for inference bundles, -1 if the device
+ * cannot be read). */
 int64_t loom_session_step(const loom_session_t *session);
 /* Parameters, optimizer state and step in one file, written to a temporary
  * file and renamed, with a checksum; loading refuses a damaged or foreign
