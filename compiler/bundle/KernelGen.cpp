@@ -755,25 +755,28 @@ FailureOr<std::string> mlir::loom::fusedKernelsPtx(const std::vector<rt::RankPro
                      "  gpu.module @loom_kernels [#nvvm.target<chip = \"sm_90a\", features = \"+ptx80\">] {\n";
   int kernels = 0;
   std::set<std::string> written; // instructions of one shape share their row kernel
+  // A generated kernel's name is a string; pooling's "kernel" is its window.
+  auto generated = [](const rt::Instruction &ins) {
+    return ins.attrs.is_object() && ins.attrs.contains("kernel") && ins.attrs["kernel"].is_string()
+               ? ins.attrs["kernel"].get<std::string>()
+               : std::string();
+  };
   for (const rt::RankProgram &rank : ranks)
     for (const auto &[name, list] : rank.programs)
       for (size_t i = 0; i < list.size(); ++i) {
         const rt::Instruction &ins = list[i];
-        if (ins.attrs.is_object() && ins.attrs.contains("kernel") &&
-            !written.insert(ins.attrs["kernel"].get<std::string>()).second)
+        if (!generated(ins).empty() && !written.insert(generated(ins)).second)
           continue;
         if (ins.op == "adamw") { // the run of instructions that names this kernel
           std::vector<const rt::Instruction *> members;
-          for (size_t j = i; j < list.size() && list[j].attrs.is_object() &&
-                             list[j].attrs.value("kernel", std::string()) == ins.attrs["kernel"].get<std::string>();
-               ++j)
+          for (size_t j = i; j < list.size() && generated(list[j]) == generated(ins); ++j)
             members.push_back(&list[j]);
           text += KernelWriter(rank, ins).writeAdam(members);
           ++kernels;
         } else if (ins.op == "fused") {
           text += KernelWriter(rank, ins).write();
           ++kernels;
-        } else if (ins.attrs.is_object() && ins.attrs.contains("kernel")) {
+        } else if (!generated(ins).empty()) {
           text += ins.op.rfind("cross_entropy", 0) == 0 ? KernelWriter(rank, ins).writeCrossEntropy()
                                                         : KernelWriter(rank, ins).writeRows();
           ++kernels;

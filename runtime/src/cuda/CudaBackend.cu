@@ -300,7 +300,9 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
   const std::string &op = ins.op;
   // Norms, softmaxes and the loss the compiler generated a kernel for;
   // LOOM_CUDA_GENERATED=0 runs ours instead (softmax has no other).
-  if (op != "fused" && ins.attrs.is_object() && ins.attrs.contains("kernel") && kernelsLibrary &&
+  // (A generated kernel's name is a string; pooling's "kernel" is its window.)
+  if (op != "fused" && ins.attrs.is_object() && ins.attrs.contains("kernel") &&
+      ins.attrs["kernel"].is_string() && kernelsLibrary &&
       (generatedKernelsOn() || op == "softmax"))
     return op.rfind("cross_entropy", 0) == 0 ? buildCrossEntropyKernel(ins) : buildRowKernel(ins);
   const BuilderTable &table = builders();
