@@ -1,6 +1,7 @@
 //===- Bundle.cpp - The bundle: the compiler's only output ----------------===//
 
 #include "runtime/src/Bundle.h"
+#include "loom/instructions.h"
 #include "runtime/src/Checked.h"
 #include "runtime/src/Error.h"
 #include "runtime/src/Safetensors.h"
@@ -42,6 +43,10 @@ public:
 
   [[noreturn]] void bad(const std::string &what) const {
     fail(LOOM_INVALID_BUNDLE, file, ": field '", path, "' ", what);
+  }
+  /// "<file>: <path>: <what>", for a problem with the whole entry.
+  [[noreturn]] void badEntry(const std::string &what, loom_status_code_t code = LOOM_INVALID_BUNDLE) const {
+    fail(code, file, ": ", path, ": ", what);
   }
   Field at(const char *key) const {
     if (!value.is_object())
@@ -163,6 +168,23 @@ void checkPersistentOverlap(const RankProgram &r, const Field &buffers) {
   }
 }
 
+/// The instruction set is loom/instructions.def: an op it does not name, a
+/// count of buffers outside its range or an attribute it does not list is
+/// refused here, before any backend sees the program.
+void checkAgainstTable(const Field &f, const Instruction &ins) {
+  const InstructionInfo *info = findInstruction(ins.op);
+  if (!info)
+    f.badEntry("'" + ins.op + "' is not an instruction this runtime knows (loom/instructions.def "
+               "lists them; was the bundle written by a newer compiler?)",
+               LOOM_UNSUPPORTED);
+  std::vector<std::string> names;
+  for (auto &[name, _] : ins.attrs.items())
+    names.push_back(name);
+  std::string problem = checkInstruction(*info, ins.in.size(), ins.out.size(), names);
+  if (!problem.empty())
+    f.badEntry(problem);
+}
+
 RankProgram parseRank(const Field &f, size_t index) {
   RankProgram r;
   r.rank = f.at("rank").integer(0);
@@ -279,6 +301,7 @@ RankProgram parseRank(const Field &f, size_t index) {
           list[i].at("attrs").bad("must be an object");
         ins.attrs = list[i].at("attrs").raw();
       }
+      checkAgainstTable(list[i], ins);
       out.push_back(std::move(ins));
     }
   }

@@ -249,7 +249,31 @@ TEST_F(BundleCorruptionTest, UnknownInstruction) {
   json m = manifest(dir);
   m["ranks"][0]["programs"]["forward"][1]["op"] = "frobnicate";
   writeManifest(dir, m);
-  expectRefused(dir, LOOM_UNSUPPORTED, "'frobnicate': the CPU backend has no kernel");
+  // Refused while the manifest is read, against the instruction table
+  // (loom/instructions.def), before any backend sees the program.
+  expectRefused(dir, LOOM_UNSUPPORTED,
+                "manifest.json: ranks[0].programs.forward[1]: 'frobnicate' is not an instruction this runtime knows");
+}
+
+TEST_F(BundleCorruptionTest, InstructionWithTooManyInputs) {
+  std::string dir = copy();
+  json m = manifest(dir);
+  for (auto &ins : m["ranks"][0]["programs"]["forward"])
+    if (ins["op"] == "matmul") {
+      ins["in"] = {ins["in"][0], ins["in"][1], ins["in"][0], ins["in"][1], ins["in"][0]};
+      break;
+    }
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "'matmul' takes 2 to 4 inputs, got 5");
+}
+
+TEST_F(BundleCorruptionTest, InstructionWithUnknownAttribute) {
+  std::string dir = copy();
+  json m = manifest(dir);
+  m["ranks"][0]["programs"]["forward"][1]["attrs"]["frobnicate"] = true;
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "ranks[0].programs.forward[1]: ");
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "has no attribute 'frobnicate'");
 }
 
 TEST_F(BundleCorruptionTest, MissingWeights) {

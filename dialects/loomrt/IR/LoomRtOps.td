@@ -126,9 +126,17 @@ def LoomRt_InstrOp : LoomRt_Op<"instr", [HasParent<"ProgramOp">]> {
     attributes. `loom.layer`, `loom.chunk` and `loom.view` are notes for
     autodiff and the pipeline split (a `loom.view` record is a reshape the
     forward pass made without an instruction).
+
+    The verifier checks each instruction against the runtime's table
+    (`runtime/include/loom/instructions.def`, which the runtime's manifest
+    reader also reads): the op must be one the runtime knows, take a number
+    of inputs and outputs in its range, and carry only attributes it lists.
+    Attributes prefixed `loom.` are the compiler's notes and are not checked;
+    a `loom.view` record is no instruction and is not checked at all.
   }];
   let arguments = (ins StrAttr:$op, DenseI64ArrayAttr:$ins, DenseI64ArrayAttr:$outs);
   let assemblyFormat = "$op $ins `->` $outs attr-dict";
+  let hasVerifier = 1;
 }
 
 #endif // LOOM_RT_OPS_TD

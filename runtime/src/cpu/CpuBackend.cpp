@@ -24,6 +24,9 @@ namespace loom::rt {
 
 namespace {
 
+/// Names exactly the instructions of loom/instructions.def, the instruction
+/// set the manifest reader validates against (InstructionTableTest checks
+/// that the two lists agree): a new kernel needs its line there too.
 const cpu::BuilderTable &builders() {
   static const cpu::BuilderTable table = [] {
     cpu::BuilderTable t;
