@@ -14,7 +14,7 @@
 #ifndef LOOM_PASSES_FUSION_H
 #define LOOM_PASSES_FUSION_H
 
-#include "runtime/src/Bundle.h"
+#include "loom/rt/Bundle.h"
 #include "mlir/IR/MLIRContext.h"
 #include "mlir/Support/LogicalResult.h"
 

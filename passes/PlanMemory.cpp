@@ -6,7 +6,7 @@
 
 #include "passes/Passes.h"
 #include "passes/StepState.h"
-#include "runtime/src/Checked.h"
+#include "loom/rt/Checked.h"
 #include <algorithm>
 #include <climits>
 

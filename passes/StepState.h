@@ -12,7 +12,7 @@
 #ifndef LOOM_PASSES_STEPSTATE_H
 #define LOOM_PASSES_STEPSTATE_H
 
-#include "runtime/src/Bundle.h"
+#include "loom/rt/Bundle.h"
 #include "mlir/IR/BuiltinOps.h"
 
 #include <map>

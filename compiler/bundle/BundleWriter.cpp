@@ -9,10 +9,10 @@
 #include "compiler/bundle/BundleWriter.h"
 #include "compiler/Pipeline.h"
 #include "compiler/bundle/KernelGen.h"
-#include "runtime/src/Checked.h"
-#include "runtime/src/Error.h"
-#include "runtime/src/Init.h"
-#include "runtime/src/Safetensors.h"
+#include "loom/rt/Checked.h"
+#include "loom/rt/Error.h"
+#include "loom/rt/Init.h"
+#include "loom/rt/Safetensors.h"
 
 #include <cerrno>
 #include <cstdio>

@@ -11,7 +11,7 @@
 #define LOOM_COMPILER_BUNDLE_BUNDLEWRITER_H
 
 #include "passes/StepState.h"
-#include "runtime/src/Bundle.h"
+#include "loom/rt/Bundle.h"
 #include "mlir/IR/BuiltinOps.h"
 
 #include <string>

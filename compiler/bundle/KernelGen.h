@@ -7,7 +7,7 @@
 #ifndef LOOM_COMPILER_BUNDLE_KERNELGEN_H
 #define LOOM_COMPILER_BUNDLE_KERNELGEN_H
 
-#include "runtime/src/Bundle.h"
+#include "loom/rt/Bundle.h"
 #include "mlir/Support/LogicalResult.h"
 
 #include <string>

@@ -8,7 +8,7 @@
 #ifndef LOOM_RUNTIME_BACKEND_H
 #define LOOM_RUNTIME_BACKEND_H
 
-#include "runtime/src/Bundle.h"
+#include "loom/rt/Bundle.h"
 
 #include <map>
 #include <memory>

@@ -1,10 +1,10 @@
 //===- Bundle.cpp - The bundle: the compiler's only output ----------------===//
 
-#include "runtime/src/Bundle.h"
+#include "loom/rt/Bundle.h"
 #include "loom/instructions.h"
-#include "runtime/src/Checked.h"
-#include "runtime/src/Error.h"
-#include "runtime/src/Safetensors.h"
+#include "loom/rt/Checked.h"
+#include "loom/rt/Error.h"
+#include "loom/rt/Safetensors.h"
 
 #include <algorithm>
 #include <cerrno>

@@ -1,7 +1,7 @@
 //===- CApi.cpp - The C API over Session ----------------------------------===//
 
 #include "loom/runtime.h"
-#include "runtime/src/Error.h"
+#include "loom/rt/Error.h"
 #include "runtime/src/MpiCommunicator.h"
 #include "runtime/src/Session.h"
 #include "runtime/src/ThreadPool.h"

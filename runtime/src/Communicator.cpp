@@ -1,7 +1,7 @@
 //===- Communicator.cpp - Collectives between ranks of one process --------===//
 
 #include "runtime/src/Communicator.h"
-#include "runtime/src/Error.h"
+#include "loom/rt/Error.h"
 
 #include <algorithm>
 #include <chrono>

@@ -1,7 +1,7 @@
 //===- Init.cpp - Deterministic parameter initialisation ------------------===//
 
-#include "runtime/src/Init.h"
-#include "runtime/src/Error.h"
+#include "loom/rt/Init.h"
+#include "loom/rt/Error.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,7 +1,7 @@
 //===- MpiCommunicator.cpp - Collectives between processes over MPI -------===//
 
 #include "runtime/src/MpiCommunicator.h"
-#include "runtime/src/Error.h"
+#include "loom/rt/Error.h"
 
 #include <cstdlib>
 

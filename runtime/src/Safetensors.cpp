@@ -1,7 +1,7 @@
 //===- Safetensors.cpp - Read and write safetensors files -----------------===//
 
-#include "runtime/src/Safetensors.h"
-#include "runtime/src/Error.h"
+#include "loom/rt/Safetensors.h"
+#include "loom/rt/Error.h"
 
 #include <nlohmann/json.hpp>
 

@@ -1,10 +1,10 @@
 //===- Session.cpp - A loaded bundle, ready to run ------------------------===//
 
 #include "runtime/src/Session.h"
-#include "runtime/src/Error.h"
-#include "runtime/src/Init.h"
+#include "loom/rt/Error.h"
+#include "loom/rt/Init.h"
 #include "runtime/src/MpiCommunicator.h"
-#include "runtime/src/Safetensors.h"
+#include "loom/rt/Safetensors.h"
 
 #include <cstdlib>
 #include <cstring>

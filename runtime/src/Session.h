@@ -3,7 +3,7 @@
 #define LOOM_RUNTIME_SESSION_H
 
 #include "runtime/src/Backend.h"
-#include "runtime/src/Bundle.h"
+#include "loom/rt/Bundle.h"
 #include "runtime/src/Communicator.h"
 
 #include <memory>

@@ -1,7 +1,7 @@
 //===- Tensor.cpp - Element types and shapes ------------------------------===//
 
-#include "runtime/src/Tensor.h"
-#include "runtime/src/Checked.h"
+#include "loom/rt/Tensor.h"
+#include "loom/rt/Checked.h"
 
 namespace loom::rt {
 

@@ -1,7 +1,7 @@
 //===- ThreadPool.cpp - Parallel loops for the CPU backend ----------------===//
 
 #include "runtime/src/ThreadPool.h"
-#include "runtime/src/Error.h"
+#include "loom/rt/Error.h"
 
 #include <algorithm>
 #include <system_error>

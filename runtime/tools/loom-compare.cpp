@@ -8,8 +8,8 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "runtime/src/Error.h"
-#include "runtime/src/Safetensors.h"
+#include "loom/rt/Error.h"
+#include "loom/rt/Safetensors.h"
 
 #include <cmath>
 #include <cstdio>

@@ -17,8 +17,8 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "runtime/src/Error.h"
-#include "runtime/src/Safetensors.h"
+#include "loom/rt/Error.h"
+#include "loom/rt/Safetensors.h"
 #include "runtime/src/Session.h"
 #include "runtime/src/Communicator.h"
 #include "runtime/src/MpiCommunicator.h"

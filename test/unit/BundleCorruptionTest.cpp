@@ -13,8 +13,8 @@
 #include "mlir/IR/Diagnostics.h"
 #include "mlir/IR/MLIRContext.h"
 #include "mlir/Parser/Parser.h"
-#include "runtime/src/Bundle.h"
-#include "runtime/src/Safetensors.h"
+#include "loom/rt/Bundle.h"
+#include "loom/rt/Safetensors.h"
 
 #include <gtest/gtest.h>
 

@@ -14,8 +14,8 @@
 #include "mlir/IR/MLIRContext.h"
 #include "mlir/Parser/Parser.h"
 #include "passes/Passes.h"
-#include "runtime/src/Init.h"
-#include "runtime/src/Safetensors.h"
+#include "loom/rt/Init.h"
+#include "loom/rt/Safetensors.h"
 #include "test/reference/ReferenceEvaluator.h"
 
 #include <gtest/gtest.h>

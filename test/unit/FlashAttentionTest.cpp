@@ -11,7 +11,7 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "runtime/src/Tensor.h"
+#include "loom/rt/Tensor.h"
 #include "runtime/src/cuda/CudnnAttention.h"
 #include "runtime/src/cuda/FlashAttention.h"
 

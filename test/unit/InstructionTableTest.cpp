@@ -8,8 +8,8 @@
 //===----------------------------------------------------------------------===//
 
 #include "loom/instructions.h"
-#include "runtime/src/Bundle.h"
-#include "runtime/src/Error.h"
+#include "loom/rt/Bundle.h"
+#include "loom/rt/Error.h"
 #include "runtime/src/cpu/CpuBackend.h"
 
 #include <gtest/gtest.h>

@@ -6,7 +6,7 @@
 #include "mlir/IR/MLIRContext.h"
 #include "mlir/Parser/Parser.h"
 #include "runtime/src/Communicator.h"
-#include "runtime/src/Error.h"
+#include "loom/rt/Error.h"
 #include "runtime/src/Session.h"
 
 #include <gtest/gtest.h>

@@ -5,10 +5,10 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "runtime/src/Bundle.h"
-#include "runtime/src/Checked.h"
-#include "runtime/src/Error.h"
-#include "runtime/src/Safetensors.h"
+#include "loom/rt/Bundle.h"
+#include "loom/rt/Checked.h"
+#include "loom/rt/Error.h"
+#include "loom/rt/Safetensors.h"
 #include "runtime/src/ThreadPool.h"
 #include "runtime/src/cpu/CpuBackend.h"
 

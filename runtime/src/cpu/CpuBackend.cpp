@@ -10,7 +10,7 @@
 
 #include "runtime/src/cpu/CpuBackend.h"
 #include "runtime/src/Backend.h"
-#include "runtime/src/Error.h"
+#include "loom/rt/Error.h"
 #include "runtime/src/cpu/CpuKernels.h"
 
 #include <algorithm>

@@ -9,7 +9,7 @@
 #ifndef LOOM_RUNTIME_CPU_CPUBACKEND_H
 #define LOOM_RUNTIME_CPU_CPUBACKEND_H
 
-#include "runtime/src/Bundle.h"
+#include "loom/rt/Bundle.h"
 #include "runtime/src/Communicator.h"
 #include "runtime/src/ThreadPool.h"
 

@@ -12,7 +12,7 @@
 #define LOOM_RUNTIME_CPU_CPUKERNELS_H
 
 #include "runtime/src/cpu/CpuBackend.h"
-#include "runtime/src/Error.h"
+#include "loom/rt/Error.h"
 
 #include <algorithm>
 #include <cmath>

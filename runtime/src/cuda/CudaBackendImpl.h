@@ -17,7 +17,7 @@
 #define LOOM_RUNTIME_CUDA_CUDABACKENDIMPL_H
 
 #include "runtime/src/Backend.h"
-#include "runtime/src/Error.h"
+#include "loom/rt/Error.h"
 #include "runtime/src/cuda/CudaKernelsCommon.cuh"
 #include "runtime/src/cuda/CudnnAttention.h"
 #include "runtime/src/cuda/FlashAttention.h"

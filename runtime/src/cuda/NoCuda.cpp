@@ -1,7 +1,7 @@
 //===- NoCuda.cpp - The CUDA backend in a build without CUDA --------------===//
 
 #include "runtime/src/Backend.h"
-#include "runtime/src/Error.h"
+#include "loom/rt/Error.h"
 
 namespace loom::rt {
 

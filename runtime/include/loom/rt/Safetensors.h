@@ -10,7 +10,7 @@
 #ifndef LOOM_RUNTIME_SAFETENSORS_H
 #define LOOM_RUNTIME_SAFETENSORS_H
 
-#include "runtime/src/Tensor.h"
+#include "loom/rt/Tensor.h"
 
 #include <cstdio>
 #include <functional>

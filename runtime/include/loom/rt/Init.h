@@ -8,7 +8,7 @@
 #ifndef LOOM_RUNTIME_INIT_H
 #define LOOM_RUNTIME_INIT_H
 
-#include "runtime/src/Bundle.h"
+#include "loom/rt/Bundle.h"
 
 #include <string>
 #include <vector>

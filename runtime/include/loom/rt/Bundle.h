@@ -9,7 +9,7 @@
 #ifndef LOOM_RUNTIME_BUNDLE_H
 #define LOOM_RUNTIME_BUNDLE_H
 
-#include "runtime/src/Tensor.h"
+#include "loom/rt/Tensor.h"
 
 #include <nlohmann/json.hpp>
 
