@@ -194,17 +194,14 @@ int64_t hoistParameterCasts(rt::RankProgram &r) {
 
 struct Bf16StepCastsPass : mlir::loom::impl::Bf16StepCastsBase<Bf16StepCastsPass> {
   void runOnOperation() override {
-    auto rewrite = [&](Step &step) -> LogicalResult {
-      for (StepRank &sr : step.ranks) {
-        castWeightsOncePerStep(sr.program);
-        optimizerReadsBf16Gradients(sr.program);
-        addsReadBf16Gradients(sr.program);
-        hoistParameterCasts(sr.program);
-      }
-      return success();
+    auto rewrite = [&](StepRank &rank) {
+      castWeightsOncePerStep(rank.program);
+      optimizerReadsBf16Gradients(rank.program);
+      addsReadBf16Gradients(rank.program);
+      hoistParameterCasts(rank.program);
     };
-    if (failed(updateStep(getOperation(), getArgument(), rewrite)))
-      return signalPassFailure();
+    if (failed(updateEachRank(getOperation(), getArgument(), rewrite)))
+      signalPassFailure();
   }
 };
 

@@ -77,19 +77,13 @@ void compactRank(rt::RankProgram &r) {
       nb.buffer = to[nb.buffer];
 }
 
-/// Units of pipelining in program order: what comes before the first layer,
-/// each layer (a block application), what sits between layers, and what
-
 struct CompactRanksPass : mlir::loom::impl::CompactRanksBase<CompactRanksPass> {
   void runOnOperation() override {
-    auto rewrite = [&](Step &step) -> LogicalResult {
-      for (StepRank &sr : step.ranks) {
-        compactRank(sr.program);
-      }
-      return success();
+    auto rewrite = [&](StepRank &rank) {
+      compactRank(rank.program);
     };
-    if (failed(updateStep(getOperation(), getArgument(), rewrite)))
-      return signalPassFailure();
+    if (failed(updateEachRank(getOperation(), getArgument(), rewrite)))
+      signalPassFailure();
   }
 };
 

@@ -74,15 +74,6 @@ int64_t placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &p
   return lastEvent;
 }
 
-/// The stages that compute each parameter's gradient (several for a tied
-/// embedding), from autodiff's per-chunk gradients.
-std::map<int64_t, std::set<int64_t>> stagesOf(const StepRank &sr, int64_t pp) {
-  std::map<int64_t, std::set<int64_t>> stages;
-  for (auto &[key, grad] : sr.paramGrads)
-    stages[key.first].insert(key.second % pp);
-  return stages;
-}
-
 struct DataParallelPass : mlir::loom::impl::DataParallelBase<DataParallelPass> {
   void runOnOperation() override {
     ModuleOp module = getOperation();
@@ -99,7 +90,7 @@ struct DataParallelPass : mlir::loom::impl::DataParallelBase<DataParallelPass> {
           return module.emitError() << "loom-data-parallel runs on a training step's ranks";
         int64_t g = r.rank, stage = grid.ppOf(g);
         int64_t lossStage = pipelined ? sr.lossStage : pp - 1;
-        std::map<int64_t, std::set<int64_t>> stagesOfParam = stagesOf(sr, pp);
+        std::map<int64_t, std::set<int64_t>> stagesOfParam = paramStages(sr, pp);
         std::vector<rt::Instruction> reduce;
         for (const rt::Parameter &p : r.params) {
           const std::set<int64_t> &stages = stagesOfParam[p.buffer];

@@ -23,14 +23,11 @@ namespace {
 struct FuseElementwisePass : mlir::loom::impl::FuseElementwiseBase<FuseElementwisePass> {
   void runOnOperation() override {
     int64_t nextKernel = 0; // numbered across ranks, in rank order
-    auto rewrite = [&](Step &step) -> LogicalResult {
-      for (StepRank &sr : step.ranks) {
-        fuseElementwise(sr.program, nextKernel);
-      }
-      return success();
+    auto rewrite = [&](StepRank &rank) {
+      fuseElementwise(rank.program, nextKernel);
     };
-    if (failed(updateStep(getOperation(), getArgument(), rewrite)))
-      return signalPassFailure();
+    if (failed(updateEachRank(getOperation(), getArgument(), rewrite)))
+      signalPassFailure();
   }
 };
 

@@ -106,14 +106,11 @@ int64_t joinSliceGradients(rt::RankProgram &r) {
 
 struct JoinSliceGradientsPass : mlir::loom::impl::JoinSliceGradientsBase<JoinSliceGradientsPass> {
   void runOnOperation() override {
-    auto rewrite = [&](Step &step) -> LogicalResult {
-      for (StepRank &sr : step.ranks) {
-        joinSliceGradients(sr.program);
-      }
-      return success();
+    auto rewrite = [&](StepRank &rank) {
+      joinSliceGradients(rank.program);
     };
-    if (failed(updateStep(getOperation(), getArgument(), rewrite)))
-      return signalPassFailure();
+    if (failed(updateEachRank(getOperation(), getArgument(), rewrite)))
+      signalPassFailure();
   }
 };
 

@@ -114,7 +114,6 @@ void buildUpdate(rt::RankProgram &rank, const TrainOptions &t, std::vector<rt::I
   rank.programs["update"] = std::move(update);
 }
 
-
 struct OptimizerUpdatePass : mlir::loom::impl::OptimizerUpdateBase<OptimizerUpdatePass> {
   void runOnOperation() override {
     ModuleOp module = getOperation();
@@ -130,9 +129,7 @@ struct OptimizerUpdatePass : mlir::loom::impl::OptimizerUpdateBase<OptimizerUpda
       for (StepRank &sr : step.ranks) {
         rt::RankProgram &r = sr.program;
         int64_t g = r.rank, stage = grid.ppOf(g);
-        std::map<int64_t, std::set<int64_t>> stagesOf; // param buffer -> stages using it
-        for (auto &[key, grad] : sr.paramGrads)
-          stagesOf[key.first].insert(key.second % pp);
+        std::map<int64_t, std::set<int64_t>> stagesOf = paramStages(sr, pp);
         // Each element of a split or replicated parameter counts once.
         std::vector<bool> normCounts;
         for (const rt::Parameter &p : r.params) {

@@ -134,15 +134,12 @@ int64_t attentionReadsPackedQkv(rt::RankProgram &r, const std::string &forwardNa
 
 struct PackedQkvAttentionPass : mlir::loom::impl::PackedQkvAttentionBase<PackedQkvAttentionPass> {
   void runOnOperation() override {
-    auto rewrite = [&](Step &step) -> LogicalResult {
-      for (StepRank &sr : step.ranks) {
-        attentionReadsPackedQkv(sr.program, "forward", "backward");
-        attentionReadsPackedQkv(sr.program, "step", "step");
-      }
-      return success();
+    auto rewrite = [&](StepRank &rank) {
+      attentionReadsPackedQkv(rank.program, "forward", "backward");
+      attentionReadsPackedQkv(rank.program, "step", "step");
     };
-    if (failed(updateStep(getOperation(), getArgument(), rewrite)))
-      return signalPassFailure();
+    if (failed(updateEachRank(getOperation(), getArgument(), rewrite)))
+      signalPassFailure();
   }
 };
 

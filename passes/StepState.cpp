@@ -398,6 +398,15 @@ LogicalResult mlir::loom::updateStep(ModuleOp module, StringRef pass,
   return success();
 }
 
+LogicalResult mlir::loom::updateEachRank(ModuleOp module, StringRef pass,
+                                         function_ref<void(StepRank &)> fn) {
+  return updateStep(module, pass, [&](Step &step) {
+    for (StepRank &rank : step.ranks)
+      fn(rank);
+    return success();
+  });
+}
+
 rt::Manifest mlir::loom::toManifest(const Step &step) {
   rt::Manifest m = step.manifest;
   m.ranks.clear();
@@ -458,6 +467,13 @@ void mlir::loom::eraseMarked(std::vector<rt::Instruction> &list, const std::vect
     if (!drop[i])
       kept.push_back(std::move(list[i]));
   list = std::move(kept);
+}
+
+std::map<int64_t, std::set<int64_t>> mlir::loom::paramStages(const StepRank &rank, int64_t pp) {
+  std::map<int64_t, std::set<int64_t>> stages;
+  for (auto &[key, grad] : rank.paramGrads)
+    stages[key.first].insert(key.second % pp);
+  return stages;
 }
 
 bool mlir::loom::isFloatRole(const rt::Buffer &b) {

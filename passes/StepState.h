@@ -106,6 +106,9 @@ void writeStep(ModuleOp module, const Step &step);
 /// runOnOperation does. Fails where reading or `fn` fails.
 LogicalResult updateStep(ModuleOp module, StringRef pass, function_ref<LogicalResult(Step &)> fn);
 
+/// updateStep for a pass that rewrites each rank on its own, in rank order.
+LogicalResult updateEachRank(ModuleOp module, StringRef pass, function_ref<void(StepRank &)> fn);
+
 /// The manifest the bundle writes: the ranks' programs without the notes
 /// passes leave for each other.
 ::loom::rt::Manifest toManifest(const Step &step);
@@ -134,6 +137,9 @@ std::set<int64_t> keptBuffers(const ::loom::rt::RankProgram &r);
 std::set<int64_t> viewedBuffers(const ::loom::rt::RankProgram &r);
 /// Removes the instructions `drop` marks, keeping the order of the rest.
 void eraseMarked(std::vector<::loom::rt::Instruction> &list, const std::vector<bool> &drop);
+/// The pipeline stages that compute each parameter's gradient (several for
+/// a tied embedding), from autodiff's per-chunk gradients.
+std::map<int64_t, std::set<int64_t>> paramStages(const StepRank &rank, int64_t pp);
 /// Parameters and optimizer state: shared by every microbatch, never copied.
 bool isFloatRole(const ::loom::rt::Buffer &b);
 
