@@ -129,16 +129,7 @@ public:
   SmallVector<int64_t> shapeOf(Handle h) override {
     return SmallVector<int64_t>(rank.buffers[h].shape.begin(), rank.buffers[h].shape.end());
   }
-  Type elementTypeOf(Handle h) override {
-    switch (rank.buffers[h].dtype) {
-    case LOOM_F64: return Float64Type::get(ctx);
-    case LOOM_BF16: return BFloat16Type::get(ctx);
-    case LOOM_F16: return Float16Type::get(ctx);
-    case LOOM_I32: return IntegerType::get(ctx, 32);
-    case LOOM_I64: return IntegerType::get(ctx, 64);
-    default: return Float32Type::get(ctx);
-    }
-  }
+  Type elementTypeOf(Handle h) override { return elementType(ctx, rank.buffers[h].dtype); }
   SmallVector<Handle> emit(StringRef op, ArrayRef<Handle> inputs, ArrayRef<Handle> likes,
                            ArrayRef<NamedAttribute> attrs) override {
     std::vector<int64_t> outs;

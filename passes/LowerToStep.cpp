@@ -28,23 +28,6 @@ using json = nlohmann::json;
 
 namespace {
 
-
-std::optional<loom_dtype_t> dtypeOf(Type t) {
-  if (t.isF32())
-    return LOOM_F32;
-  if (t.isF64())
-    return LOOM_F64;
-  if (t.isBF16())
-    return LOOM_BF16;
-  if (t.isF16())
-    return LOOM_F16;
-  if (t.isInteger(32))
-    return LOOM_I32;
-  if (t.isInteger(64))
-    return LOOM_I64;
-  return std::nullopt;
-}
-
 /// Reads "%tokens" back from the model's source text at a value's location,
 /// so that bundle inputs and outputs carry the names the model file gives
 /// them. An op's location is its name; its result is the "%name =" before it.

@@ -97,6 +97,27 @@ FailureOr<json> mlir::loom::instructionAttr(Operation *op, NamedAttribute attr) 
                          << a << ") into a bundle instruction";
 }
 
+Type mlir::loom::elementType(MLIRContext *ctx, loom_dtype_t t) {
+  switch (t) {
+  case LOOM_F64: return Float64Type::get(ctx);
+  case LOOM_BF16: return BFloat16Type::get(ctx);
+  case LOOM_F16: return Float16Type::get(ctx);
+  case LOOM_I32: return IntegerType::get(ctx, 32);
+  case LOOM_I64: return IntegerType::get(ctx, 64);
+  default: return Float32Type::get(ctx);
+  }
+}
+
+std::optional<loom_dtype_t> mlir::loom::dtypeOf(Type t) {
+  if (t.isF32()) return LOOM_F32;
+  if (t.isF64()) return LOOM_F64;
+  if (t.isBF16()) return LOOM_BF16;
+  if (t.isF16()) return LOOM_F16;
+  if (t.isInteger(32)) return LOOM_I32;
+  if (t.isInteger(64)) return LOOM_I64;
+  return std::nullopt;
+}
+
 //===----------------------------------------------------------------------===//
 // Compile options on the module
 //===----------------------------------------------------------------------===//
@@ -196,27 +217,6 @@ FailureOr<BundleOptions> mlir::loom::getCompileOptions(ModuleOp module) {
 //===----------------------------------------------------------------------===//
 
 namespace {
-
-Type elementType(MLIRContext *ctx, loom_dtype_t t) {
-  switch (t) {
-  case LOOM_F64: return Float64Type::get(ctx);
-  case LOOM_BF16: return BFloat16Type::get(ctx);
-  case LOOM_F16: return Float16Type::get(ctx);
-  case LOOM_I32: return IntegerType::get(ctx, 32);
-  case LOOM_I64: return IntegerType::get(ctx, 64);
-  default: return Float32Type::get(ctx);
-  }
-}
-
-std::optional<loom_dtype_t> dtypeOf(Type t) {
-  if (t.isF32()) return LOOM_F32;
-  if (t.isF64()) return LOOM_F64;
-  if (t.isBF16()) return LOOM_BF16;
-  if (t.isF16()) return LOOM_F16;
-  if (t.isInteger(32)) return LOOM_I32;
-  if (t.isInteger(64)) return LOOM_I64;
-  return std::nullopt;
-}
 
 std::optional<rt::BufferRole> roleOf(StringRef s) {
   for (rt::BufferRole r : {rt::BufferRole::Input, rt::BufferRole::Output, rt::BufferRole::Param,

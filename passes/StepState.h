@@ -149,6 +149,10 @@ bool isFloatRole(const ::loom::rt::Buffer &b);
 /// would not fit in int64.
 LogicalResult planMemory(::loom::rt::RankProgram &rank, const std::vector<std::string> &programs);
 
+/// A buffer's element type as MLIR's, and back (none for other types).
+Type elementType(MLIRContext *ctx, ::loom_dtype_t dtype);
+std::optional<::loom_dtype_t> dtypeOf(Type type);
+
 /// JSON values as MLIR attributes and back, losslessly for what the
 /// compiler writes: integers (i64), doubles (f64), booleans, strings, arrays
 /// (of integers: dense i64 arrays), objects (dictionaries).
