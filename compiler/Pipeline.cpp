@@ -37,6 +37,7 @@ void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o,
   if (o.train) {
     add(createPipelineSplit());
     add(createAutodiff());
+    add(createRecompute());
   }
   add(createDistributeRanks());
   if (o.train) {

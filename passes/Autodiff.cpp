@@ -23,13 +23,11 @@ using json = nlohmann::json;
 namespace {
 
 /// One forward entry as lowering left it: the loom op (a block's op once
-/// per layer), its buffers, its layer ("layer.3." or "") and its
-/// instruction in the forward program (-1: a view).
+/// per layer), its buffers and its layer ("layer.3." or "").
 struct Record {
   Operation *op;
   std::vector<int64_t> in, out;
   std::string layer;
-  int64_t instr = -1;
 };
 
 /// Reverse mode over the lowered forward ops: each op's gradient rule
@@ -40,11 +38,9 @@ public:
   /// `chunkOf` gives each forward record's pipeline chunk (all 0 without
   /// pipelining): backward instructions are tagged with their record's
   /// chunk, and a parameter used in several chunks gets one gradient per chunk.
-  Autodiff(rt::RankProgram &rank, const std::vector<Record> &records,
-           const std::vector<rt::Instruction> &forward, MLIRContext *ctx,
-           const std::set<std::string> &recompute, std::vector<int64_t> chunkOf = {})
-      : records(records), forward(forward), rank(rank), ctx(ctx), recompute(recompute),
-        chunkOf(std::move(chunkOf)) {
+  Autodiff(rt::RankProgram &rank, const std::vector<Record> &records, MLIRContext *ctx,
+           std::vector<int64_t> chunkOf = {})
+      : records(records), rank(rank), ctx(ctx), chunkOf(std::move(chunkOf)) {
     for (const rt::Parameter &p : rank.params)
       isParam.insert(p.buffer);
   }
@@ -69,9 +65,6 @@ public:
     for (auto it = records.rbegin(); it != records.rend(); ++it) {
       current = &*it;
       chunk = chunkOf.empty() ? 0 : chunkOf[records.rend() - it - 1];
-      if (!current->layer.empty() && wantsRecompute(current->layer) &&
-          !recomputed.count(current->layer))
-        recomputeLayer(current->layer);
       bool hasGrad = false;
       for (int64_t id : current->out)
         hasGrad |= grads.count(id) > 0;
@@ -99,9 +92,9 @@ public:
   /// gradients are summed.
   double lossScale = 1.0;
 
-  // GradientBuilder. Values of a recomputed layer read its recomputed copies.
-  Handle operand(unsigned i) override { return fresh(current->in.at(i)); }
-  Handle result(unsigned i) override { return fresh(current->out.at(i)); }
+  // GradientBuilder.
+  Handle operand(unsigned i) override { return current->in.at(i); }
+  Handle result(unsigned i) override { return current->out.at(i); }
   Handle resultGrad(unsigned i) override {
     auto it = grads.find(current->out.at(i));
     return it == grads.end() ? -1 : it->second;
@@ -156,45 +149,6 @@ public:
   MLIRContext *getContext() override { return ctx; }
 
 private:
-  bool wantsRecompute(const std::string &layer) const {
-    if (recompute.count("all"))
-      return true;
-    // "layer.3." matches "layer.3" and "layer" (every application of @layer).
-    std::string name = layer.substr(0, layer.size() - 1);
-    return recompute.count(name) || recompute.count(name.substr(0, name.rfind('.')));
-  }
-  Handle fresh(int64_t id) const {
-    auto it = remap.find(id);
-    return it == remap.end() ? id : it->second;
-  }
-  /// Emits the layer's forward instructions again, into new buffers, just
-  /// before its gradients: its activations need not live through the rest of
-  /// the forward pass and backward.
-  void recomputeLayer(const std::string &layer) {
-    recomputed.insert(layer);
-    for (const auto &rec : records) {
-      if (rec.layer != layer)
-        continue;
-      if (rec.instr < 0) { // a reshape: a view of the recomputed input
-        const rt::Buffer src = rank.buffers[rec.out[0]];
-        int64_t id = raw(src.dtype, src.shape, src.name + ".recomputed");
-        rank.buffers[id].viewOf = root(fresh(rec.in[0]));
-        remap[rec.out[0]] = id;
-        continue;
-      }
-      rt::Instruction ins = forward[rec.instr];
-      for (int64_t &id : ins.in)
-        id = fresh(id);
-      for (int64_t &id : ins.out) {
-        int64_t copy = like(id, rank.buffers[id].name + ".recomputed");
-        remap[id] = copy;
-        id = copy;
-      }
-      backward.push_back(std::move(ins));
-      backwardChunk.push_back(chunk);
-    }
-  }
-
   /// Gradient buffers carry their layer's prefix ("layer.3.grad.matmul").
   std::string gradName(const std::string &op) const {
     return (current ? current->layer : std::string()) + "grad." + op;
@@ -235,6 +189,9 @@ private:
     ins.in.assign(inputs.begin(), inputs.end());
     ins.out = outs;
     ins.attrs = std::move(attrs);
+    // loom-recompute finds each layer's gradients by this note.
+    if (current && !current->layer.empty())
+      ins.attrs["loom.layer"] = current->layer;
     backward.push_back(std::move(ins));
     backwardChunk.push_back(chunk);
     return outs;
@@ -260,14 +217,11 @@ private:
   int64_t root(int64_t id) const { return rt::storageOf(rank, id); }
 
   const std::vector<Record> &records;
-  const std::vector<rt::Instruction> &forward;
   rt::RankProgram &rank;
   MLIRContext *ctx;
   const Record *current = nullptr;
   std::map<int64_t, int64_t> grads;
   std::set<int64_t> needs;
-  std::set<std::string> recompute, recomputed;
-  std::map<int64_t, int64_t> remap; // forward buffer -> its recomputed copy
   LogicalResult status = success();
   std::vector<int64_t> chunkOf;
   std::set<int64_t> isParam;
@@ -312,18 +266,18 @@ struct AutodiffPass : mlir::loom::impl::AutodiffBase<AutodiffPass> {
                                        "each entry's source when it lowers a training step)";
         bool view = entry.attrs.value("loom.view", false);
         int64_t chunk = entry.attrs.value("loom.chunk", int64_t(0));
-        records.push_back({op, entry.in, entry.out, entry.attrs.value("loom.layer", std::string()),
-                           view ? -1 : int64_t(forward.size())});
+        records.push_back({op, entry.in, entry.out, entry.attrs.value("loom.layer", std::string())});
         if (pipelined)
           chunkOf.push_back(chunk);
         if (view)
           continue;
-        for (const char *note : {"loom.source", "loom.layer", "loom.chunk"})
+        // The layer note stays for loom-recompute.
+        for (const char *note : {"loom.source", "loom.chunk"})
           entry.attrs.erase(note);
         forward.push_back(std::move(entry));
         forwardChunk.push_back(chunk);
       }
-      Autodiff autodiff(rank, records, forward, &getContext(), options->training.recompute, chunkOf);
+      Autodiff autodiff(rank, records, &getContext(), chunkOf);
       autodiff.lossScale = 1.0 / double(options->microbatches);
       if (failed(autodiff.run(rank.outputs[0].buffer)))
         return failure();

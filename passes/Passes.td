@@ -98,11 +98,24 @@ def Autodiff : Pass<"loom-autodiff", "::mlir::ModuleOp"> {
     Walks the forward records in reverse and asks each op's
     DifferentiableOpInterface to build its operands' gradients as backward
     instructions; gradients of values used more than once are summed, and
-    of broadcast operands reduced to their shape. Layers the plan
-    recomputes are emitted again before their gradients. A parameter used
+    of broadcast operands reduced to their shape. Each instruction notes
+    its layer (`loom.layer`) for loom-recompute. A parameter used
     by several pipeline chunks gets one gradient per chunk
     (`loomrt.param_grad`). The loss gradient's seed is 1 / microbatches.
     Drops the model afterwards.
+  }];
+}
+
+def Recompute : Pass<"loom-recompute", "::mlir::ModuleOp"> {
+  let summary = "Recomputes the plan's layers in backward instead of keeping their activations";
+  let description = [{
+    For each layer the plan recomputes (`--recompute all`, a block such as
+    `layer` for every application of @layer, or one application such as
+    `layer.3`), copies its forward instructions, into new buffers, right
+    before its first gradient instruction, and makes backward read the
+    copies (and views of them) from there on, so the forward pass's
+    activations of that layer need not live through backward. A name that
+    is no layer of the model is an error. Drops the `loom.layer` notes.
   }];
 }
 

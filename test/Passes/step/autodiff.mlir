@@ -1,13 +1,14 @@
 // RUN: loom-opt %models/mlp.mlir --loom-compile="train=true batch=4 until=loom-pipeline-split" | FileCheck %s --check-prefix=BEFORE
 // RUN: loom-opt %models/mlp.mlir --loom-compile="train=true batch=4 until=loom-pipeline-split" | loom-opt --loom-autodiff | FileCheck %s --check-prefix=MLP
-// RUN: loom-opt %models/mlp.mlir --loom-compile="train=true batch=4 until=loom-pipeline-split" | sed 's/recompute = array<i64>/recompute = \["layer.1"\]/' | loom-opt --loom-autodiff | FileCheck %s --check-prefix=RECOMPUTE
 // RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=2 pp=2 mb=2 until=loom-pipeline-split" | loom-opt --loom-autodiff | FileCheck %s --check-prefix=GPT
 // RUN: loom-opt %s --loom-autodiff -verify-diagnostics
 
 // loom-autodiff walks the forward records in reverse and builds the
 // `backward` program from each op's gradient rule; every parameter gets its
 // gradient (`grad`, and a loomrt.param_grad per pipeline chunk); the model
-// (func.func, loom.block) is dropped, and so are the forward records' notes.
+// (func.func, loom.block) is dropped, and so are the forward records' notes
+// but their layer (`loom.layer`), which every backward instruction built for
+// a layer's op notes too, for loom-recompute.
 
 // Before: the model is still there, the forward records carry their notes,
 // and there is no backward.
@@ -35,26 +36,15 @@
 // MLP-NEXT: loomrt.instr "reduce_sum" [23] -> [24] {axes = array<i64: 0>, keepdim = true}
 // MLP-NEXT: loomrt.instr "matmul" [23, 17] -> [26] {transpose_b = true}
 // MLP-NEXT: loomrt.instr "matmul" [16, 23] -> [27] {transpose_a = true}
-// MLP-NEXT: loomrt.instr "unary_grad" [15, 16, 26] -> [28] {fn = "relu"}
+// MLP-NEXT: loomrt.instr "unary_grad" [15, 16, 26] -> [28] {fn = "relu", loom.layer = "layer.1."}
 // MLP-COUNT-9: loomrt.instr
 // No gradient of the input: the last instruction is in.w's.
 // MLP-NEXT: loomrt.instr "matmul" [0, 38] -> [41] {transpose_a = true}
 // MLP-NEXT: {{^ *}}}
 // MLP-NEXT: loomrt.program "forward" {
 // MLP-NEXT: loomrt.instr "matmul" [0, 2] -> [4]{{$}}
+// MLP: loomrt.instr "matmul" [6, 7] -> [9] {loom.layer = "layer.0."}
 // MLP-NOT: loom.source
-// MLP-NOT: loom.layer
-
-// Recomputing layer.1 emits its forward again, into new buffers, right
-// before its gradients.
-// RECOMPUTE: loomrt.program "backward" {
-// RECOMPUTE: loomrt.instr "matmul" [16, 23] -> [27] {transpose_a = true}
-// RECOMPUTE-NEXT: loomrt.instr "matmul" [11, 12] -> [28]{{$}}
-// RECOMPUTE-NEXT: loomrt.instr "add" [28, 13] -> [29]{{$}}
-// RECOMPUTE-NEXT: loomrt.instr "relu" [29] -> [30]{{$}}
-// RECOMPUTE-NEXT: loomrt.instr "unary_grad" [29, 30, 26] -> [31] {fn = "relu"}
-// RECOMPUTE-NOT: loomrt.instr "relu"
-// RECOMPUTE: loomrt.program "forward"
 
 // GPT with two stages and two microbatches: the seed is 1/2, gradients keep
 // their chunk, and the tied embedding (read by the embedding in chunk 0 and
@@ -70,9 +60,9 @@
 // GPT-NEXT: loomrt.instr "cross_entropy_grad"
 // GPT: loomrt.instr "matmul" [{{[0-9]+}}, {{[0-9]+}}] -> [[[WTE1]]] {loom.chunk = 1 : i64, transpose_a = true}
 // GPT-NEXT: loomrt.instr "layernorm_grad" [{{.*}}] -> [{{[0-9]+}}, {{[0-9]+}}, {{[0-9]+}}] {eps = 1.000000e-05 : f64, loom.chunk = 1 : i64}
-// GPT: loomrt.instr "attention_grad" {{.*}}causal = true, loom.chunk = 1 : i64, num_heads = 4 : i64}
-// GPT: loomrt.instr "layernorm_grad" {{.*}}loom.chunk = 1 : i64}
-// GPT-COUNT-2: loomrt.instr "layernorm_grad" {{.*}}loom.chunk = 0 : i64}
+// GPT: loomrt.instr "attention_grad" {{.*}}causal = true, loom.chunk = 1 : i64, loom.layer = "layer.1.", num_heads = 4 : i64}
+// GPT: loomrt.instr "layernorm_grad" {{.*}}loom.chunk = 1 : i64, loom.layer = "layer.1."}
+// GPT-COUNT-2: loomrt.instr "layernorm_grad" {{.*}}loom.chunk = 0 : i64, loom.layer = "layer.0."}
 // GPT-NOT: loomrt.instr "layernorm_grad"
 // GPT: loomrt.instr "embedding_grad" [0, {{[0-9]+}}] -> [[[WTE]]] {loom.chunk = 0 : i64}
 // GPT-NEXT: {{^ *}}}

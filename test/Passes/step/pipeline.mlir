@@ -16,6 +16,7 @@
 // CHECK: loom.chunk = 1 : i64
 // CHECK: // -----// IR Dump After Autodiff (loom-autodiff) //----- //
 // CHECK: loomrt.program "backward"
+// CHECK: // -----// IR Dump After Recompute (loom-recompute) //----- //
 // CHECK: // -----// IR Dump After DistributeRanks (loom-distribute-ranks) //----- //
 // CHECK: loomrt.rank 1 "cpu" attributes {{{.*}}coords = {dp = 0 : i64, pp = 1 : i64
 // CHECK: // -----// IR Dump After PipelineSchedule (loom-pipeline-schedule) //----- //
