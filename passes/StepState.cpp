@@ -230,6 +230,116 @@ std::vector<int64_t> toVector(ArrayRef<int64_t> a) { return std::vector<int64_t>
 
 } // namespace
 
+namespace {
+
+FailureOr<rt::Instruction> readInstr(loomrt::InstrOp ins) {
+  rt::Instruction i;
+  i.op = ins.getOp().str();
+  i.in = toVector(ins.getIns());
+  i.out = toVector(ins.getOuts());
+  FailureOr<json> attrs = attrToJson(ins->getDiscardableAttrDictionary());
+  if (failed(attrs))
+    return ins.emitError() << "has an attribute that is not JSON";
+  i.attrs = std::move(*attrs);
+  return i;
+}
+
+/// A fused region as the runtime's `fused` instruction: its steps (op,
+/// attributes, and args indexing the inputs then the earlier steps) and the
+/// values it stores (`results`).
+FailureOr<rt::Instruction> readFused(loomrt::FusedOp fused) {
+  rt::Instruction i;
+  i.op = "fused";
+  i.in = toVector(fused.getIns());
+  i.out = toVector(fused.getOuts());
+  FailureOr<json> attrs = attrToJson(fused->getDiscardableAttrDictionary());
+  if (failed(attrs))
+    return fused.emitError() << "has an attribute that is not JSON";
+  i.attrs = std::move(*attrs);
+  Block &body = fused.getBody().front();
+  llvm::DenseMap<Value, int64_t> index;
+  for (BlockArgument arg : body.getArguments())
+    index[arg] = arg.getArgNumber();
+  json steps = json::array();
+  for (auto step : body.getOps<loomrt::StepOp>()) {
+    FailureOr<json> s = attrToJson(step->getDiscardableAttrDictionary());
+    if (failed(s))
+      return step.emitError() << "has an attribute that is not JSON";
+    (*s)["op"] = step.getOp().str();
+    json args = json::array();
+    for (Value v : step.getArgs())
+      args.push_back(index.at(v));
+    (*s)["args"] = std::move(args);
+    index[step.getResult()] = static_cast<int64_t>(body.getNumArguments() + steps.size());
+    steps.push_back(std::move(*s));
+  }
+  json results = json::array();
+  for (Value v : cast<loomrt::YieldOp>(body.getTerminator()).getValues())
+    results.push_back(index.at(v));
+  i.attrs["steps"] = std::move(steps);
+  i.attrs["results"] = std::move(results);
+  return i;
+}
+
+/// Writes a `fused` instruction as a loomrt.fused region; false (and
+/// nothing written) where its steps are not a well-formed chain.
+bool writeFused(OpBuilder &b, Location loc, const rt::RankProgram &r, const rt::Instruction &i) {
+  MLIRContext *ctx = b.getContext();
+  if (!i.attrs.is_object() || !i.attrs.contains("steps") || !i.attrs.contains("results") ||
+      !i.attrs["steps"].is_array() || !i.attrs["results"].is_array() ||
+      i.attrs["results"].size() != i.out.size())
+    return false;
+  for (int64_t id : i.in)
+    if (id < 0 || id >= static_cast<int64_t>(r.buffers.size()))
+      return false;
+  // Check the chain before building anything.
+  size_t values = i.in.size();
+  for (const json &step : i.attrs["steps"]) {
+    if (!step.is_object() || !step.contains("op") || !step["op"].is_string() ||
+        !step.contains("args") || !step["args"].is_array())
+      return false;
+    for (const json &a : step["args"])
+      if (!a.is_number_integer() || a.get<int64_t>() < 0 || a.get<size_t>() >= values)
+        return false;
+    ++values;
+  }
+  for (const json &v : i.attrs["results"])
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<size_t>() >= values)
+      return false;
+  json rest = i.attrs;
+  rest.erase("steps");
+  rest.erase("results");
+  OpBuilder::InsertionGuard guard(b);
+  auto fused = b.create<loomrt::FusedOp>(loc, i.in, i.out);
+  if (!rest.empty())
+    fused->setDiscardableAttrs(cast<DictionaryAttr>(jsonToAttr(ctx, rest)));
+  Block *body = new Block();
+  fused.getBody().push_back(body);
+  SmallVector<Value> value;
+  for (int64_t id : i.in)
+    value.push_back(body->addArgument(elementType(ctx, r.buffers[id].dtype), loc));
+  b.setInsertionPointToEnd(body);
+  for (const json &step : i.attrs["steps"]) {
+    SmallVector<Value> args;
+    for (const json &a : step["args"])
+      args.push_back(value[a.get<size_t>()]);
+    auto op = b.create<loomrt::StepOp>(loc, b.getF32Type(), step["op"].get<std::string>(), args);
+    json attrs = step;
+    attrs.erase("op");
+    attrs.erase("args");
+    if (!attrs.empty())
+      op->setDiscardableAttrs(cast<DictionaryAttr>(jsonToAttr(ctx, attrs)));
+    value.push_back(op.getResult());
+  }
+  SmallVector<Value> yielded;
+  for (const json &v : i.attrs["results"])
+    yielded.push_back(value[v.get<size_t>()]);
+  b.create<loomrt::YieldOp>(loc, yielded);
+  return true;
+}
+
+} // namespace
+
 FailureOr<Step> mlir::loom::readStep(ModuleOp module, StringRef pass) {
   loomrt::BundleOp bundle;
   for (auto b : module.getOps<loomrt::BundleOp>())
@@ -306,16 +416,17 @@ FailureOr<Step> mlir::loom::readStep(ModuleOp module, StringRef pass) {
         sr.zeroShards[z.getParam()] = z.getShard();
       } else if (auto prog = dyn_cast<loomrt::ProgramOp>(op)) {
         std::vector<rt::Instruction> &list = r.programs[prog.getName().str()];
-        for (auto ins : prog.getBody().getOps<loomrt::InstrOp>()) {
-          rt::Instruction i;
-          i.op = ins.getOp().str();
-          i.in = toVector(ins.getIns());
-          i.out = toVector(ins.getOuts());
-          FailureOr<json> attrs = attrToJson(ins->getDiscardableAttrDictionary());
-          if (failed(attrs))
-            return ins.emitError() << "has an attribute that is not JSON";
-          i.attrs = std::move(*attrs);
-          list.push_back(std::move(i));
+        for (Operation &o : prog.getBody().front()) {
+          FailureOr<rt::Instruction> i = failure();
+          if (auto ins = dyn_cast<loomrt::InstrOp>(o))
+            i = readInstr(ins);
+          else if (auto fused = dyn_cast<loomrt::FusedOp>(o))
+            i = readFused(fused);
+          else
+            return o.emitError() << "is not an instruction of a loomrt.program";
+          if (failed(i))
+            return failure();
+          list.push_back(std::move(*i));
         }
       }
     }
@@ -381,6 +492,8 @@ void mlir::loom::writeStep(ModuleOp module, const Step &step) {
       prog.getBody().push_back(pb);
       b.setInsertionPointToEnd(pb);
       for (const rt::Instruction &i : list) {
+        if (i.op == "fused" && writeFused(b, loc, r, i))
+          continue;
         auto ins = b.create<loomrt::InstrOp>(loc, i.op, i.in, i.out);
         if (i.attrs.is_object() && !i.attrs.empty())
           ins->setDiscardableAttrs(cast<DictionaryAttr>(jsonToAttr(ctx, i.attrs)));

@@ -43,3 +43,34 @@ LogicalResult InstrOp::verify() {
     return emitOpError() << problem;
   return success();
 }
+
+LogicalResult FusedOp::verify() {
+  Block &body = getBody().front();
+  if (body.getNumArguments() != getIns().size())
+    return emitOpError() << "has " << body.getNumArguments() << " block arguments for "
+                         << getIns().size() << " inputs";
+  auto yield = cast<YieldOp>(body.getTerminator());
+  if (yield.getValues().size() != getOuts().size())
+    return emitOpError() << "yields " << yield.getValues().size() << " values for "
+                         << getOuts().size() << " outputs";
+  for (Operation &op : body.without_terminator())
+    if (!isa<StepOp>(op))
+      return op.emitOpError() << "is not a loomrt.step: a fused body holds only steps";
+  return success();
+}
+
+/// A step is an elementwise runtime instruction: one output, checked
+/// against the runtime's table like loomrt.instr.
+LogicalResult StepOp::verify() {
+  const ::loom::InstructionInfo *info = ::loom::findInstruction(getOp());
+  if (!info)
+    return emitOpError() << "'" << getOp()
+                         << "' is not a runtime instruction (runtime/include/loom/instructions.def)";
+  std::vector<std::string> names;
+  for (NamedAttribute attr : (*this)->getDiscardableAttrs())
+    names.push_back(attr.getName().str());
+  std::string problem = ::loom::checkInstruction(*info, getArgs().size(), 1, names, "loom.");
+  if (!problem.empty())
+    return emitOpError() << problem;
+  return success();
+}

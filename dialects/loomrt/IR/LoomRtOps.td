@@ -14,6 +14,7 @@
 
 include "mlir/IR/OpBase.td"
 include "mlir/IR/BuiltinAttributes.td"
+include "mlir/Interfaces/SideEffectInterfaces.td"
 
 def LoomRt_Dialect : Dialect {
   let name = "loomrt";
@@ -137,6 +138,48 @@ def LoomRt_InstrOp : LoomRt_Op<"instr", [HasParent<"ProgramOp">]> {
   let arguments = (ins StrAttr:$op, DenseI64ArrayAttr:$ins, DenseI64ArrayAttr:$outs);
   let assemblyFormat = "$op $ins `->` $outs attr-dict";
   let hasVerifier = 1;
+}
+
+def LoomRt_FusedOp : LoomRt_Op<"fused", [HasParent<"ProgramOp">, SingleBlock,
+                                         SingleBlockImplicitTerminator<"YieldOp">]> {
+  let summary = "A chain of elementwise instructions run as one generated kernel";
+  let description = [{
+    What loom-fuse-elementwise makes of a chain: one kernel that reads the
+    buffers `ins` and writes `outs`, element by element. The body says what
+    it computes for one element: its block arguments are the elements of
+    `ins` (of their buffers' element types), each `loomrt.step` applies one
+    runtime elementwise instruction to earlier values (in f32, as the
+    kernels compute), and `loomrt.yield` gives the values stored to `outs`
+    (converted to their buffers' element types). The op's other attributes
+    (`kernel`, `launch`) name the generated kernel and its launch shape.
+
+    The bundle writes it as the runtime's `fused` instruction: the steps as
+    a `steps` list (each its op, attributes and `args`, which index the
+    inputs and then the earlier steps) and the yielded values as `results`.
+  }];
+  let arguments = (ins DenseI64ArrayAttr:$ins, DenseI64ArrayAttr:$outs);
+  let regions = (region SizedRegion<1>:$body);
+  let assemblyFormat = "$ins `->` $outs attr-dict-with-keyword $body";
+  let hasVerifier = 1;
+}
+
+def LoomRt_StepOp : LoomRt_Op<"step", [HasParent<"FusedOp">, Pure]> {
+  let summary = "One elementwise instruction inside a fused kernel";
+  let description = [{
+    `op` is a runtime instruction with one output (`add`, `gelu`,
+    `unary_grad`, ...); its attributes are this op's discardable attributes.
+  }];
+  let arguments = (ins StrAttr:$op, Variadic<AnyType>:$args);
+  let results = (outs F32:$result);
+  let assemblyFormat = "$op `(` $args `)` attr-dict `:` type($args)";
+  let hasVerifier = 1;
+}
+
+def LoomRt_YieldOp : LoomRt_Op<"yield", [HasParent<"FusedOp">, Terminator, Pure]> {
+  let summary = "The values a fused kernel stores to its outputs, in order";
+  let arguments = (ins Variadic<AnyType>:$values);
+  let assemblyFormat = "attr-dict ($values^ `:` type($values))?";
+  let builders = [OpBuilder<(ins), [{ build($_builder, $_state, ValueRange()); }]>];
 }
 
 #endif // LOOM_RT_OPS_TD
