@@ -10,6 +10,7 @@ packages=(
   llvm-19-dev libmlir-19-dev mlir-19-tools llvm-19-tools
   nlohmann-json3-dev libgtest-dev
   libopenmpi-dev openmpi-bin
+  libopenblas-dev
 )
 
 missing=()

@@ -29,23 +29,31 @@ template <typename Op> Kernel binary(const Ctx &c, Op op) {
   std::vector<int64_t> stA = *sa, stB = *sb;
   if (a.shape == o.shape && b.shape == o.shape) {
     int64_t n = count(shape);
+    ThreadPool *pool = &c.pool;
     return [=] {
-      for (int64_t i = 0; i < n; ++i)
-        po[i] = op(pa[i], pb[i]);
+      pool->parallelFor(n, 1.0, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i)
+          po[i] = op(pa[i], pb[i]);
+      });
     };
   }
   return [=] { forEachBroadcast(shape, stA, stB, [&](int64_t i, int64_t ia, int64_t ib) { po[i] = op(pa[ia], pb[ib]); }); };
 }
 
-template <typename Op> Kernel unary(const Ctx &c, Op op) {
+/// `cost`: the rough work of one element, in multiply-adds, for whether
+/// threads pay off (a tanh or an exp costs tens).
+template <typename Op> Kernel unary(const Ctx &c, Op op, double cost = 1.0) {
   c.arity(1, 1);
   c.needF32(c.in(0)), c.needF32(c.out());
   c.sameShape(c.in(0), c.out());
   float *x = c.f32(c.in(0)), *y = c.f32(c.out());
   int64_t n = count(c.out().shape);
+  ThreadPool *pool = &c.pool;
   return [=] {
-    for (int64_t i = 0; i < n; ++i)
-      y[i] = op(x[i]);
+    pool->parallelFor(n, cost, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        y[i] = op(x[i]);
+    });
   };
 }
 
@@ -57,12 +65,12 @@ Kernel buildSub(const Ctx &c) { return binary(c, [](float a, float b) { return a
 Kernel buildMul(const Ctx &c) { return binary(c, [](float a, float b) { return a * b; }); }
 Kernel buildDiv(const Ctx &c) { return binary(c, [](float a, float b) { return a / b; }); }
 Kernel buildGelu(const Ctx &c) {
-  return c.attrFlag("approximate") ? unary(c, geluTanh) : unary(c, geluErf);
+  return c.attrFlag("approximate") ? unary(c, geluTanh, 20.0) : unary(c, geluErf, 20.0);
 }
 Kernel buildRelu(const Ctx &c) { return unary(c, ew::relu); }
-Kernel buildSilu(const Ctx &c) { return unary(c, ew::silu); }
-Kernel buildExp(const Ctx &c) { return unary(c, [](float x) { return std::exp(x); }); }
-Kernel buildTanh(const Ctx &c) { return unary(c, [](float x) { return std::tanh(x); }); }
+Kernel buildSilu(const Ctx &c) { return unary(c, ew::silu, 20.0); }
+Kernel buildExp(const Ctx &c) { return unary(c, [](float x) { return std::exp(x); }, 20.0); }
+Kernel buildTanh(const Ctx &c) { return unary(c, [](float x) { return std::tanh(x); }, 20.0); }
 Kernel buildRsqrt(const Ctx &c) { return unary(c, ew::rsqrt); }
 Kernel buildNeg(const Ctx &c) { return unary(c, [](float x) { return -x; }); }
 Kernel buildScale(const Ctx &c) {

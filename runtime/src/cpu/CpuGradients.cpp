@@ -36,9 +36,12 @@ Kernel buildUnaryGrad(const Ctx &c) {
   ew::Fn d = ew::parseFn(fn);
   if (d == ew::Fn::Unknown)
     c.bad("attribute 'fn' must name gelu, gelu_tanh, silu, relu, tanh, exp or rsqrt");
+  ThreadPool *pool = &c.pool;
   return [=] {
-    for (int64_t i = 0; i < n; ++i)
-      dx[i] = dy[i] * ew::derivative(d, x[i], y[i]);
+    pool->parallelFor(n, 20.0, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        dx[i] = dy[i] * ew::derivative(d, x[i], y[i]);
+    });
   };
 }
 

@@ -1,8 +1,10 @@
 //===- CpuMatmul.cpp - Matrix products and their epilogues ----------------===//
 //
-// The batched matrix product, one task per row of C, with the epilogues the
-// compiler fuses into it (bias, GELU, residual, bias gradient) applied to C's
-// f32 values before anything is rounded.
+// The batched matrix product, runs of C's rows split over the session's
+// threads, each through OpenBLAS's sgemm where the build has it (the
+// backend's own loops otherwise), with the epilogues the compiler fuses into
+// it (bias, GELU, residual, bias gradient) applied to C's f32 values before
+// anything is rounded.
 //
 //===----------------------------------------------------------------------===//
 
@@ -10,7 +12,12 @@
 #include "runtime/src/Elementwise.h"
 
 #include <algorithm>
+#include <mutex>
 #include <set>
+
+#ifdef LOOM_HAVE_OPENBLAS
+#include <cblas.h>
+#endif
 
 namespace loom::rt::cpu {
 
@@ -100,9 +107,55 @@ Kernel buildMatmul(const Ctx &c) {
   }
   ThreadPool *pool = &c.pool;
   int64_t batches = static_cast<int64_t>(offA.size());
+#ifdef LOOM_HAVE_OPENBLAS
+  // The session's pool splits the work; OpenBLAS's own threads would only
+  // compete with it (and with other ranks' pools in the same process).
+  static std::once_flag single;
+  std::call_once(single, [] { openblas_set_num_threads(1); });
+#endif
   return [=] {
-    // One task per (batch, row); each row of C is independent.
+    // C's rows after the product: the epilogue, on f32 values.
+    auto epilogueRow = [&](int64_t bi, int64_t i) {
+      float *C = po + (bi * m + i) * n;
+      if (bias)
+        for (int64_t j = 0; j < n; ++j)
+          C[j] = C[j] + bias[j];
+      if (res) {
+        const float *x = res + (bi * m + i) * n;
+        for (int64_t j = 0; j < n; ++j)
+          C[j] = C[j] + x[j];
+      }
+      if (pre)
+        std::copy(C, C + n, pre + (bi * m + i) * n);
+      if (gelu)
+        for (int64_t j = 0; j < n; ++j)
+          C[j] = ew::geluTanh(C[j]);
+      if (preIn) {
+        const float *x = preIn + (bi * m + i) * n;
+        for (int64_t j = 0; j < n; ++j)
+          C[j] *= ew::derivative(ew::Fn::GeluTanh, x[j], 0.0f);
+      }
+    };
+    // Tasks take contiguous runs of (batch, row); each row of C is independent.
     pool->parallelFor(batches * m, double(n * k), [&](int64_t begin, int64_t end) {
+#ifdef LOOM_HAVE_OPENBLAS
+      // One product per batch's run of rows (OpenBLAS single-threaded: the
+      // pool's tasks are the threads, so a result does not depend on them).
+      for (int64_t t = begin; t < end;) {
+        int64_t bi = t / m, i0 = t % m, rows = std::min(end - t, m - i0);
+        const float *A = pa + offA[bi], *B = pb + offB[bi];
+        float *C = po + (bi * m + i0) * n;
+        if (k == 0)
+          std::fill(C, C + rows * n, 0.0f);
+        else if (n > 0)
+          cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+                      blasint(rows), blasint(n), blasint(k), 1.0f, ta ? A + i0 : A + i0 * k,
+                      blasint(ta ? m : k), B, blasint(tb ? k : n), 0.0f, C, blasint(n));
+        for (int64_t i = i0; i < i0 + rows; ++i)
+          epilogueRow(bi, i);
+        t += rows;
+      }
+#else
       std::vector<float> arow(k);
       for (int64_t t = begin; t < end; ++t) {
         int64_t bi = t / m, i = t % m;
@@ -127,25 +180,9 @@ Kernel buildMatmul(const Ctx &c) {
               C[j] += av * brow[j];
           }
         }
-        if (bias)
-          for (int64_t j = 0; j < n; ++j)
-            C[j] = C[j] + bias[j];
-        if (res) {
-          const float *x = res + (bi * m + i) * n;
-          for (int64_t j = 0; j < n; ++j)
-            C[j] = C[j] + x[j];
-        }
-        if (pre)
-          std::copy(C, C + n, pre + (bi * m + i) * n);
-        if (gelu)
-          for (int64_t j = 0; j < n; ++j)
-            C[j] = ew::geluTanh(C[j]);
-        if (preIn) {
-          const float *x = preIn + (bi * m + i) * n;
-          for (int64_t j = 0; j < n; ++j)
-            C[j] *= ew::derivative(ew::Fn::GeluTanh, x[j], 0.0f);
-        }
+        epilogueRow(bi, i);
       }
+#endif
     });
     if (colSums) // B is [k, n]: sum its rows, in double, columns split over tasks
       pool->parallelFor(n, double(k), [&](int64_t begin, int64_t end) {

@@ -92,25 +92,30 @@ Kernel buildOptimizer(const Ctx &c, bool adam) {
   float *p = c.f32(c.in(0)), *g = c.f32(c.in(1)), *m = c.f32(c.in(2));
   float *v = adam ? c.f32(c.in(3)) : nullptr, *step = c.f32(c.in(adam ? 4 : 3));
   float *norm = c.f32(c.in(adam ? 5 : 4));
+  ThreadPool *pool = &c.pool;
   return [=] {
     double t = *step; // already counts this step (1-based)
     double rate = scheduledRate(lr, minLr, warmup, total, t - 1);
     double scale = clip > 0 && *norm > clip ? clip / *norm : 1.0;
     if (adam) {
       double c1 = 1 - std::pow(b1, t), c2 = 1 - std::pow(b2, t);
-      for (int64_t i = 0; i < n; ++i) {
-        double gi = g[i] * scale;
-        m[i] = static_cast<float>(b1 * m[i] + (1 - b1) * gi);
-        v[i] = static_cast<float>(b2 * v[i] + (1 - b2) * gi * gi);
-        double update = (m[i] / c1) / (std::sqrt(v[i] / c2) + eps) + wd * p[i];
-        p[i] = static_cast<float>(p[i] - rate * update);
-      }
+      pool->parallelFor(n, 20.0, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          double gi = g[i] * scale;
+          m[i] = static_cast<float>(b1 * m[i] + (1 - b1) * gi);
+          v[i] = static_cast<float>(b2 * v[i] + (1 - b2) * gi * gi);
+          double update = (m[i] / c1) / (std::sqrt(v[i] / c2) + eps) + wd * p[i];
+          p[i] = static_cast<float>(p[i] - rate * update);
+        }
+      });
     } else {
-      for (int64_t i = 0; i < n; ++i) {
-        double gi = g[i] * scale + wd * p[i];
-        m[i] = static_cast<float>(momentum * m[i] + gi);
-        p[i] = static_cast<float>(p[i] - rate * m[i]);
-      }
+      pool->parallelFor(n, 4.0, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          double gi = g[i] * scale + wd * p[i];
+          m[i] = static_cast<float>(momentum * m[i] + gi);
+          p[i] = static_cast<float>(p[i] - rate * m[i]);
+        }
+      });
     }
   };
 }

@@ -14,6 +14,10 @@
 #include <array>
 #include <cmath>
 
+#ifdef LOOM_HAVE_OPENBLAS
+#include <cblas.h>
+#endif
+
 namespace loom::rt::cpu {
 
 namespace {
@@ -92,8 +96,8 @@ double expScores(const AttentionDims &d, const float *qrow, const float *keys, i
   return sum;
 }
 
-/// O from dense q [B,S,H*D], k, v [B,T,KV*D].
-void attentionForward(ThreadPool &threads, const AttentionDims &d, const float *pq, const float *pk,
+/// O from dense q [B,S,H*D], k, v [B,T,KV*D], row by row.
+[[maybe_unused]] void attentionForwardRows(ThreadPool &threads, const AttentionDims &d, const float *pq, const float *pk,
                       const float *pv, float *po) {
   ThreadPool *pool = &threads;
   auto [B, S, T, heads, kvHeads, D, causal, scale] = d;
@@ -117,10 +121,116 @@ void attentionForward(ThreadPool &threads, const AttentionDims &d, const float *
   });
 }
 
+#ifdef LOOM_HAVE_OPENBLAS
+/// Query row si's keys: all T, or with a causal mask those up to its position
+/// (queries are the last S of T positions); none where that is before 0.
+int64_t visibleKeys(const AttentionDims &d, int64_t si) {
+  return d.causal ? std::max<int64_t>(0, std::min(d.T, si + 1 + (d.T - d.S))) : d.T;
+}
+
+/// One (batch, head)'s probabilities P [S, T] = softmax(q k^T * scale) with
+/// the mask's entries 0, the scores through sgemm.
+void probabilities(const AttentionDims &d, const float *q, const float *k, float *P) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, blasint(d.S), blasint(d.T), blasint(d.D), d.scale, q,
+              blasint(d.heads * d.D), k, blasint(d.kvHeads * d.D), 0.0f, P, blasint(d.T));
+  for (int64_t si = 0; si < d.S; ++si) {
+    float *row = P + si * d.T;
+    int64_t last = visibleKeys(d, si);
+    float mx = -INFINITY;
+    for (int64_t ti = 0; ti < last; ++ti)
+      mx = std::max(mx, row[ti]);
+    double sum = 0;
+    for (int64_t ti = 0; ti < last; ++ti)
+      sum += (row[ti] = std::exp(row[ti] - mx));
+    for (int64_t ti = 0; ti < last; ++ti)
+      row[ti] = static_cast<float>(row[ti] / sum);
+    std::fill(row + last, row + d.T, 0.0f);
+  }
+}
+
+/// O = P v per (batch, head), through sgemm.
+void attentionForwardBlas(ThreadPool &threads, const AttentionDims &d, const float *pq, const float *pk,
+                          const float *pv, float *po) {
+  int64_t group = d.heads / d.kvHeads;
+  threads.parallelFor(d.B * d.heads, double(4 * d.S * d.T * d.D), [&](int64_t begin, int64_t end) {
+    std::vector<float> P(size_t(d.S * d.T));
+    for (int64_t task = begin; task < end; ++task) {
+      int64_t bi = task / d.heads, h = task % d.heads, kh = h / group;
+      const float *q = pq + bi * d.S * d.heads * d.D + h * d.D;
+      const float *k = pk + bi * d.T * d.kvHeads * d.D + kh * d.D;
+      const float *v = pv + bi * d.T * d.kvHeads * d.D + kh * d.D;
+      probabilities(d, q, k, P.data());
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, blasint(d.S), blasint(d.D), blasint(d.T), 1.0f,
+                  P.data(), blasint(d.T), v, blasint(d.kvHeads * d.D), 0.0f,
+                  po + bi * d.S * d.heads * d.D + h * d.D, blasint(d.heads * d.D));
+    }
+  });
+}
+
+/// The backward per (batch, key/value head), its query heads in turn:
+/// dP = dO v^T, dS = P (dP - rowsum(P dP)) scale, dq = dS k, dk += dS^T q,
+/// dv += P^T dO, each product through sgemm.
+void attentionBackwardBlas(ThreadPool &threads, const AttentionDims &d, const float *pq, const float *pk,
+                           const float *pv, const float *pdo, float *dq, float *dk, float *dv) {
+  int64_t group = d.heads / d.kvHeads;
+  blasint ldq = blasint(d.heads * d.D), ldk = blasint(d.kvHeads * d.D), S = blasint(d.S), T = blasint(d.T),
+          D = blasint(d.D);
+  threads.parallelFor(d.B * d.kvHeads, double(group * d.S * d.T * d.D * 10), [&](int64_t begin, int64_t end) {
+    std::vector<float> P(size_t(d.S * d.T)), dS(size_t(d.S * d.T));
+    for (int64_t task = begin; task < end; ++task) {
+      int64_t bi = task / d.kvHeads, kh = task % d.kvHeads;
+      const float *k = pk + bi * d.T * d.kvHeads * d.D + kh * d.D;
+      const float *v = pv + bi * d.T * d.kvHeads * d.D + kh * d.D;
+      float *dkb = dk + bi * d.T * d.kvHeads * d.D + kh * d.D;
+      float *dvb = dv + bi * d.T * d.kvHeads * d.D + kh * d.D;
+      for (int64_t ti = 0; ti < d.T; ++ti) {
+        std::fill(dkb + ti * ldk, dkb + ti * ldk + d.D, 0.0f);
+        std::fill(dvb + ti * ldk, dvb + ti * ldk + d.D, 0.0f);
+      }
+      for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
+        const float *q = pq + bi * d.S * d.heads * d.D + h * d.D;
+        const float *dout = pdo + bi * d.S * d.heads * d.D + h * d.D;
+        float *dqb = dq + bi * d.S * d.heads * d.D + h * d.D;
+        probabilities(d, q, k, P.data());
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, S, T, D, 1.0f, dout, ldq, v, ldk, 0.0f, dS.data(), T);
+        for (int64_t si = 0; si < d.S; ++si) {
+          const float *p = P.data() + si * d.T;
+          float *ds = dS.data() + si * d.T;
+          int64_t last = visibleKeys(d, si);
+          double dot = 0;
+          for (int64_t ti = 0; ti < last; ++ti)
+            dot += double(p[ti]) * ds[ti];
+          for (int64_t ti = 0; ti < last; ++ti)
+            ds[ti] = static_cast<float>(p[ti] * (ds[ti] - dot)) * d.scale;
+          std::fill(ds + last, ds + d.T, 0.0f);
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, S, D, T, 1.0f, dS.data(), T, k, ldk, 0.0f, dqb, ldq);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, D, S, 1.0f, dS.data(), T, q, ldq, 1.0f, dkb, ldk);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, D, S, 1.0f, P.data(), T, dout, ldq, 1.0f, dvb, ldk);
+      }
+    }
+  });
+}
+#endif
+
+/// O from dense q [B,S,H*D], k, v [B,T,KV*D].
+void attentionForward(ThreadPool &threads, const AttentionDims &d, const float *pq, const float *pk,
+                      const float *pv, float *po) {
+#ifdef LOOM_HAVE_OPENBLAS
+  if (d.S > 0 && d.T > 0 && d.D > 0)
+    return attentionForwardBlas(threads, d, pq, pk, pv, po);
+#endif
+  attentionForwardRows(threads, d, pq, pk, pv, po);
+}
+
 } // namespace
 
 void attentionBackward(ThreadPool &threads, const AttentionDims &d, const float *pq, const float *pk,
                        const float *pv, const float *pdo, float *dq, float *dk, float *dv) {
+#ifdef LOOM_HAVE_OPENBLAS
+  if (d.S > 0 && d.T > 0 && d.D > 0)
+    return attentionBackwardBlas(threads, d, pq, pk, pv, pdo, dq, dk, dv);
+#endif
   ThreadPool *pool = &threads;
   auto [B, S, T, heads, kvHeads, D, causal, scale] = d;
   int64_t group = heads / kvHeads;
