@@ -10,8 +10,10 @@
 
 #include "loom/rt/Bundle.h"
 
+#include <chrono>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -41,9 +43,33 @@ public:
   void setProfiling(bool on) { profiling = on; }
   const std::map<std::string, OpTime> &profile() const { return times; }
 
+  /// One interval of the timeline (loom-run --trace): an instruction on one
+  /// of the rank's tracks ("compute", "communication"), in seconds of
+  /// traceClock(), which every rank of the process shares.
+  struct TraceEvent {
+    std::string name, track, where;
+    double start = 0, seconds = 0;
+  };
+  static double traceClock() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  /// Records every instruction run while on (CUDA: in eager launches).
+  void setTracing(bool on) { tracing = on; }
+  std::vector<TraceEvent> takeTrace() {
+    std::lock_guard<std::mutex> lock(traceMutex);
+    return std::move(traceEvents);
+  }
+
 protected:
-  bool profiling = false;
+  /// Thread-safe: the communication thread records its own events.
+  void addTrace(TraceEvent e) {
+    std::lock_guard<std::mutex> lock(traceMutex);
+    traceEvents.push_back(std::move(e));
+  }
+  bool profiling = false, tracing = false;
   std::map<std::string, OpTime> times;
+  std::mutex traceMutex;
+  std::vector<TraceEvent> traceEvents;
 };
 
 /// Dense FLOPs of a matrix instruction (matmul, attention and its gradient),

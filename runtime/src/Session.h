@@ -65,6 +65,9 @@ public:
   void write(const Buffer &b, const void *src);
   /// Times every instruction by op from now on (loom-run --profile).
   void setProfiling(bool on) { backend->setProfiling(on); }
+  /// Records every instruction's interval from now on (loom-run --trace).
+  void setTracing(bool on) { backend->setTracing(on); }
+  std::vector<Backend::TraceEvent> takeTrace() { return backend->takeTrace(); }
   bool replaysGraphs() const { return backend->replaysGraphs(); }
   const std::map<std::string, Backend::OpTime> &profile() const { return backend->profile(); }
 

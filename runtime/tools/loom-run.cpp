@@ -23,6 +23,7 @@
 #include "runtime/src/Communicator.h"
 #include "runtime/src/MpiCommunicator.h"
 #include "runtime/src/ThreadPool.h"
+#include "runtime/src/Trace.h"
 
 #include <algorithm>
 #include <chrono>
@@ -61,7 +62,10 @@ void usage(FILE *to) {
                "  --threads T             CPU threads (default: all)\n"
                "  --seed S                seed for synthetic inputs (default 0)\n"
                "  --profile F.json        time every instruction by op, print the table and\n"
-               "                          write the calibration profile for loomc plan --profile\n\n"
+               "                          write the calibration profile for loomc plan --profile\n"
+               "  --trace F.json          write every rank's instructions as a timeline (Chrome\n"
+               "                          trace events: open in ui.perfetto.dev); under mpirun\n"
+               "                          each process writes F.rankN.json\n\n"
                "Training bundles (loomc compile --train):\n"
                "  --steps N               train until step N (default 10)\n"
                "  --data F                token file: flat uint16 ids (uint32 with --data-dtype)\n"
@@ -391,7 +395,7 @@ int train(std::vector<std::unique_ptr<Session>> &ranks,
 
 int run(int argc, char **argv) {
   std::string bundle, input, output, data, dataDtype = "uint16", checkpointDir, resume;
-  std::string backend = "cpu", profilePath;
+  std::string backend = "cpu", profilePath, tracePath;
   int steps = -1, threads = 0, saveEvery = 0;
   uint64_t seed = 0;
   for (int i = 1; i < argc; ++i) {
@@ -428,6 +432,8 @@ int run(int argc, char **argv) {
       seed = static_cast<uint64_t>(number(std::numeric_limits<long long>::max()));
     } else if (a == "--profile") {
       profilePath = value();
+    } else if (a == "--trace") {
+      tracePath = value();
     } else if (a == "--backend") {
       backend = value();
     } else if (a == "--data") {
@@ -453,6 +459,9 @@ int run(int argc, char **argv) {
     return 1;
   }
 
+  if (!tracePath.empty() && backend != "cpu")
+    fail(LOOM_UNSUPPORTED, "--trace records the CPU backend's timeline; the CUDA backend's is not "
+         "written yet (Nsight Systems' nsys profile shows it)");
   SessionOptions options;
   options.threads = threads;
   options.backend = backend;
@@ -534,9 +543,38 @@ int run(int argc, char **argv) {
               r.arenaBytes / 1048576.0, r.peakActivationBytes / 1048576.0, s.backendName().c_str());
   if (!profilePath.empty())
     s.setProfiling(true);
+  if (!tracePath.empty())
+    for (auto &rank : ranks)
+      rank->setTracing(true);
+  // Every local rank's timeline, written once the runs are done.
+  auto writeTrace = [&] {
+    if (tracePath.empty())
+      return;
+    std::vector<RankTrace> traces;
+    size_t events = 0;
+    for (auto &rank : ranks) {
+      RankTrace t;
+      t.rank = rank->rank().rank;
+      t.coords = std::map<std::string, int64_t>(rank->rank().coords.begin(), rank->rank().coords.end());
+      t.events = rank->takeTrace();
+      rank->setTracing(false);
+      events += t.events.size();
+      traces.push_back(std::move(t));
+    }
+    std::string path = tracePath;
+    if (mpiComm) {
+      size_t dot = path.rfind(".json");
+      std::string tag = ".rank" + std::to_string(mpiRankOfProcess);
+      path = dot == std::string::npos ? path + tag : path.substr(0, dot) + tag + path.substr(dot);
+    }
+    writeChromeTrace(path, traces);
+    std::printf("wrote %s: %zu events of %zu rank%s (open in ui.perfetto.dev)\n", path.c_str(), events,
+                traces.size(), traces.size() == 1 ? "" : "s");
+  };
   if (s.canTrain()) {
     int rc = train(ranks, comm, steps < 0 ? 10 : steps, data, dataDtype, saveEvery, checkpointDir,
                    resume, seed);
+    writeTrace();
     if (!profilePath.empty()) {
       // The step as it runs without events (CUDA graphs, no per-instruction
       // timing): 3 warm-up and 5 timed steps more, for the planner's calibration.
@@ -611,6 +649,7 @@ int run(int argc, char **argv) {
     writeSafetensors(output, refs);
     std::printf("wrote %s\n", output.c_str());
   }
+  writeTrace();
   if (!profilePath.empty())
     reportProfile(s, profilePath);
   return 0;

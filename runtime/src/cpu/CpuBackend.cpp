@@ -58,10 +58,15 @@ AsyncComm::~AsyncComm() {
   worker.join();
 }
 
-void AsyncComm::submit(std::function<void()> task, int64_t event) {
+void AsyncComm::setTracer(std::function<void(const std::string &, double, double)> t) {
+  std::lock_guard<std::mutex> lock(mutex);
+  tracer = std::move(t);
+}
+
+void AsyncComm::submit(std::function<void()> task, int64_t event, std::string label) {
   {
     std::lock_guard<std::mutex> lock(mutex);
-    tasks.push_back({std::move(task), event});
+    tasks.push_back({std::move(task), event, std::move(label)});
     ++submitted;
     if (event >= 0)
       eventAt[event] = submitted;
@@ -90,14 +95,19 @@ void AsyncComm::loop() {
     cv.wait(lock, [&] { return stopping || !tasks.empty(); });
     if (tasks.empty())
       return; // stopping
-    std::function<void()> task = std::move(tasks.front().first);
+    Task task = std::move(tasks.front());
     tasks.pop_front();
     ++running;
     bool failed = error != nullptr;
+    auto trace = task.label.empty() ? nullptr : tracer;
     lock.unlock();
     try {
-      if (!failed)
-        task();
+      if (!failed) {
+        double t0 = Backend::traceClock();
+        task.run();
+        if (trace)
+          trace(task.label, t0, Backend::traceClock());
+      }
     } catch (...) {
       std::lock_guard<std::mutex> relock(mutex);
       if (!error)
@@ -198,7 +208,9 @@ CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &
           for (int64_t e = 0; e < c.count; ++e)
             reinterpret_cast<uint16_t *>(c.bf16)[e] = floatToBf16(c.f32[e]);
       };
-    steps.push_back(Step{where, ins.op, std::move(kernel)});
+    // An "async" collective only hands its work to the communication thread.
+    bool queues = async && ins.attrs.is_object() && ins.attrs.value("async", false);
+    steps.push_back(Step{where, ins.op, std::move(kernel), queues});
   }
 }
 
@@ -219,13 +231,11 @@ void CpuProgram::run() {
     runStep(step);
 }
 
-void CpuProgram::runProfiled(std::map<std::string, std::pair<double, int64_t>> &times) {
+void CpuProgram::runTimed(const std::function<void(const CpuProgramStep &, double, double)> &timed) {
   for (Step &step : steps) {
-    auto t0 = std::chrono::steady_clock::now();
+    double t0 = Backend::traceClock();
     runStep(step);
-    auto &slot = times[step.op];
-    slot.first += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    slot.second += 1;
+    timed(step, t0, Backend::traceClock());
   }
 }
 
@@ -289,15 +299,28 @@ public:
   }
   bool has(const std::string &program) const override { return programs.count(program) > 0; }
   void run(const std::string &program) override {
-    if (!profiling)
+    if (!profiling && !tracing)
       return programs.at(program)->run();
-    std::map<std::string, std::pair<double, int64_t>> local;
-    programs.at(program)->runProfiled(local);
-    for (auto &[op, t] : local) {
-      times[op].seconds += t.first;
-      times[op].count += t.second;
-      times[op].flops += programFlops[program][op];
-    }
+    // The communication thread's collectives get their own track.
+    // (Its labels are the instructions' "instruction backward[12] 'all_reduce'".)
+    async.setTracer(tracing ? [this](const std::string &what, double t0, double t1) {
+      size_t close = what.rfind('\''), open = close == std::string::npos || close == 0
+                                                  ? std::string::npos : what.rfind('\'', close - 1);
+      std::string op = open == std::string::npos ? what : what.substr(open + 1, close - open - 1);
+      addTrace({op, "communication", what, t0, t1 - t0});
+    } : std::function<void(const std::string &, double, double)>());
+    std::map<std::string, int64_t> counted;
+    programs.at(program)->runTimed([&](const CpuProgram::Step &step, double t0, double t1) {
+      if (profiling) {
+        OpTime &t = times[step.op];
+        t.seconds += t1 - t0;
+        t.count += 1;
+        if (!counted[step.op]++)
+          t.flops += programFlops[program][step.op];
+      }
+      if (tracing && !step.queues) // its interval is on the communication track
+        addTrace({step.op, "compute", step.what, t0, t1 - t0});
+    });
   }
   char *hostData(const Buffer &b) override { return arena.get() + b.offset; }
 

@@ -37,7 +37,11 @@ public:
   AsyncComm();
   ~AsyncComm();
   /// Queues `task`; when it is done, event `event` (if >= 0) is recorded.
-  void submit(std::function<void()> task, int64_t event = -1);
+  /// `label` names it on the timeline (loom-run --trace).
+  void submit(std::function<void()> task, int64_t event = -1, std::string label = "");
+  /// Called with each labelled task's label, start and end (traceClock
+  /// seconds) while set; null: no timing.
+  void setTracer(std::function<void(const std::string &, double, double)> tracer);
   /// Waits for `event` (-1: for everything submitted).
   void wait(int64_t event = -1);
 
@@ -45,13 +49,26 @@ private:
   void loop();
   std::mutex mutex;
   std::condition_variable cv;
-  std::deque<std::pair<std::function<void()>, int64_t>> tasks;
+  struct Task {
+    std::function<void()> run;
+    int64_t event;
+    std::string label;
+  };
+  std::deque<Task> tasks;
+  std::function<void(const std::string &, double, double)> tracer;
   std::map<int64_t, int64_t> eventAt; // event -> the submission that records it
   int64_t submitted = 0, completed = 0;
   int64_t running = 0;
   bool stopping = false;
   std::exception_ptr error;
   std::thread worker;
+};
+
+struct CpuProgramStep {
+  std::string what; // "forward[12] attention" for error messages
+  std::string op;
+  std::function<void()> kernel;
+  bool queues = false; // an async collective: the kernel queues it on the communication thread
 };
 
 class CpuProgram {
@@ -65,14 +82,12 @@ public:
   /// Runs every instruction in order; throws Error naming the instruction
   /// when a run-time check fails (a token id outside the vocabulary, say).
   void run();
-  /// Runs every instruction, adding its time to `times` under its op name.
-  void runProfiled(std::map<std::string, std::pair<double, int64_t>> &times);
+  /// Runs every instruction, calling `timed(step, start, end)` (seconds of
+  /// Backend::traceClock) after each.
+  void runTimed(const std::function<void(const CpuProgramStep &, double, double)> &timed);
 
-  struct Step {
-    std::string what; // "forward[12] attention" for error messages
-    std::string op;
-    std::function<void()> kernel;
-  };
+  using Step = CpuProgramStep;
+
 private:
   std::vector<Step> steps;
   std::vector<std::vector<float>> scratch; // f32 copies of bf16 operands

@@ -64,7 +64,8 @@ Kernel buildAllReduce(const Ctx &c) {
   if (c.attrFlag("async") && c.async) {
     AsyncComm *async = c.async;
     int64_t event = c.attrInt("event", -1);
-    return [=] { async->submit(reduce, event); };
+    std::string label = c.where;
+    return [=] { async->submit(reduce, event, label); };
   }
   return reduce;
 }
@@ -115,7 +116,8 @@ Kernel buildReduceScatter(const Ctx &c) {
   if (c.attrFlag("async") && c.async) {
     AsyncComm *async = c.async;
     int64_t event = c.attrInt("event", -1);
-    return [=] { async->submit(work, event); };
+    std::string label = c.where;
+    return [=] { async->submit(work, event, label); };
   }
   return work;
 }
