@@ -459,9 +459,6 @@ int run(int argc, char **argv) {
     return 1;
   }
 
-  if (!tracePath.empty() && backend != "cpu")
-    fail(LOOM_UNSUPPORTED, "--trace records the CPU backend's timeline; the CUDA backend's is not "
-         "written yet (Nsight Systems' nsys profile shows it)");
   SessionOptions options;
   options.threads = threads;
   options.backend = backend;

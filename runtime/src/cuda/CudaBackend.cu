@@ -226,7 +226,10 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
       continue;
     }
     buildCapturable = true, buildReplayable = nullptr, buildReplayed = nullptr;
+    buildTraceStream = nullptr, buildTrack = "compute";
     steps.push_back({where, label, denseFlops(instrs[i]), build(instrs[i]), nullptr, nullptr});
+    steps.back().traceStream = buildTraceStream;
+    steps.back().track = buildTrack;
     steps.back().capturable = buildCapturable;
     steps.back().replayable = std::move(buildReplayable);
     steps.back().replayed = std::move(buildReplayed);
@@ -252,7 +255,13 @@ void CudaBackendImpl::run(const std::string &program) {
   LOOM_CUDA_CHECK(cudaSetDevice(device));
   auto &steps = programs.at(program);
   Graph &g = graphs[program];
-  bool graphable = graphsWanted() && !profiling && !g.disabled && g.capturable;
+  bool graphable = graphsWanted() && !profiling && !tracing && !g.disabled && g.capturable;
+  if (tracing) { // the streams are idle (the last run synchronised them): the base is now
+    if (!traceBase)
+      LOOM_CUDA_CHECK(cudaEventCreate(&traceBase));
+    traceBaseHost = traceClock();
+    LOOM_CUDA_CHECK(cudaEventRecord(traceBase, stream));
+  }
   bool done = false;
   if (graphable && g.exec) {
     if (std::all_of(g.hooks.begin(), g.hooks.end(),
@@ -286,6 +295,16 @@ void CudaBackendImpl::run(const std::string &program) {
       t.seconds += ms / 1e3;
       t.count += 1;
       t.flops += step.flops;
+    }
+  if (tracing)
+    for (Step &step : steps) {
+      float at = 0, ms = 0;
+      LOOM_CUDA_CHECK(cudaEventElapsedTime(&at, traceBase, step.start));
+      LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, step.start, step.end));
+      std::string op = step.what.substr(step.what.rfind(' ') + 1);
+      if (op.size() >= 2 && op.front() == '\'' && op.back() == '\'')
+        op = op.substr(1, op.size() - 2);
+      addTrace({op, step.track, step.what, traceBaseHost + at / 1e3, std::max(0.0f, ms) / 1e3});
     }
   long long err[3];
   LOOM_CUDA_CHECK(cudaMemcpy(err, errorWord, sizeof(err), cudaMemcpyDeviceToHost));

@@ -328,9 +328,18 @@ private:
     bool capturable = true;
     std::function<bool()> replayable;
     std::function<void()> replayed;
+    // loom-run --trace: the stream where the step's work ends (null: the
+    // compute stream) and the timeline track it is drawn on.
+    cudaStream_t traceStream = nullptr;
+    std::string track = "compute";
   };
   /// What the instruction being built tells its Step (see Step).
   bool buildCapturable = true;
+  cudaStream_t buildTraceStream = nullptr;
+  std::string buildTrack = "compute";
+  /// Tracing: an event at the start of each run, and the host's clock then.
+  cudaEvent_t traceBase = nullptr;
+  double traceBaseHost = 0;
   std::function<bool()> buildReplayable;
   std::function<void()> buildReplayed;
   /// A program's captured CUDA graph: the steady state replays it in one

@@ -219,6 +219,7 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
     readyEvents.push_back(ready);
     cudaStream_t cs = commStream;
+    buildTraceStream = commStream, buildTrack = "communication";
     return [=](cudaStream_t s) {
       LOOM_CUDA_CHECK(cudaEventRecord(ready, s));
       LOOM_CUDA_CHECK(cudaStreamWaitEvent(cs, ready, 0));
@@ -358,6 +359,7 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&slot.sent, cudaEventDisableTiming));
     LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&slot.copied, cudaEventDisableTiming));
     Staging *copy = &slot; // a deque's elements stay where they are
+    buildTraceStream = sendStream, buildTrack = "send";
     return [=](cudaStream_t s) {
       if (copy->used)
         LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, copy->sent, 0)); // its last send is done

@@ -27,8 +27,9 @@ bool CudaBackendImpl::graphsWanted() {
 }
 
 void CudaBackendImpl::launchEager(std::vector<Step> &steps) {
+  bool timed = profiling || tracing;
   for (Step &step : steps) {
-    if (profiling) {
+    if (timed) {
       if (!step.start) {
         LOOM_CUDA_CHECK(cudaEventCreate(&step.start));
         LOOM_CUDA_CHECK(cudaEventCreate(&step.end));
@@ -39,8 +40,11 @@ void CudaBackendImpl::launchEager(std::vector<Step> &steps) {
     cudaError_t e = cudaPeekAtLastError();
     if (e != cudaSuccess)
       fail(LOOM_INTERNAL, step.what, ": kernel launch failed: ", cudaGetErrorString(e));
-    if (profiling)
-      LOOM_CUDA_CHECK(cudaEventRecord(step.end, stream));
+    // A trace ends work handed to another stream where that stream finishes
+    // it (its start is when the compute stream had its inputs ready); the
+    // profile keeps timing the compute stream's part.
+    if (timed)
+      LOOM_CUDA_CHECK(cudaEventRecord(step.end, tracing && step.traceStream ? step.traceStream : stream));
   }
 }
 
