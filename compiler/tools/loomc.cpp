@@ -7,6 +7,7 @@
 
 #include "compiler/ModelSummary.h"
 #include "compiler/ModelZoo.h"
+#include "compiler/NestingLimit.h"
 #include "compiler/PlannerModel.h"
 #include "compiler/planner/PipelineSchedule.h"
 #include "loom/rt/Bundle.h"
@@ -211,7 +212,9 @@ std::unique_ptr<ModelFile> parseModelFile(const std::string &path) {
     return nullptr;
   }
   auto model = std::make_unique<ModelFile>();
-  model->sourceMgr.AddNewSourceBuffer(std::move(file), llvm::SMLoc());
+  unsigned buffer = model->sourceMgr.AddNewSourceBuffer(std::move(file), llvm::SMLoc());
+  if (failed(mlir::loom::checkNesting(model->sourceMgr, buffer)))
+    return nullptr;
   loadDialects(model->context);
   model->diagnostics = std::make_unique<SourceMgrDiagnosticHandler>(model->sourceMgr, &model->context);
   model->module = parseSourceFile<ModuleOp>(model->sourceMgr, &model->context);
