@@ -17,7 +17,7 @@ int joinMpiJob(const Manifest &manifest, const std::string &bundleDir, SessionOp
   static std::shared_ptr<Communicator> mpi;
   static int rank = 0, size = 1;
   if (!mpi) {
-    mpi = makeMpiCommunicator(rank, size);
+    mpi = makeMpiCommunicator(rank, size, options.timeoutSeconds);
     std::atexit(finalizeMpi);
   }
   int64_t ranks = static_cast<int64_t>(manifest.ranks.size());
