@@ -10,6 +10,7 @@
 #include "compiler/NestingLimit.h"
 #include "compiler/PlannerModel.h"
 #include "compiler/planner/PipelineSchedule.h"
+#include "compiler/planner/PlanFile.h"
 #include "loom/rt/Bundle.h"
 #include "compiler/bundle/BundleWriter.h"
 #include "compiler/planner/Cluster.h"
@@ -221,51 +222,6 @@ std::unique_ptr<ModelFile> parseModelFile(const std::string &path) {
   return model->module ? std::move(model) : nullptr;
 }
 
-/// The fields of a plan file that compile reads, checked before any is used;
-/// "" when they are fine, else the first problem, naming the file and field.
-std::string checkPlanFields(const nlohmann::json &plan, const std::string &path) {
-  auto bad = [&](const std::string &field, const std::string &what, const nlohmann::json &got) {
-    return path + ": field '" + field + "' must be " + what + ", got " + got.dump();
-  };
-  auto isInteger = [](const nlohmann::json &v, int64_t min) {
-    if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX))
-      return false;
-    return v.is_number_integer() && v.get<int64_t>() >= min;
-  };
-  for (const char *key : {"devices", "batch", "dp", "tp", "pp", "vpp", "microbatches", "zero"}) {
-    int64_t min = std::string(key) == "zero" ? 0 : 1;
-    if (plan.contains(key) && !isInteger(plan[key], min))
-      return bad(key, "an integer of at least " + std::to_string(min), plan[key]);
-  }
-  for (const char *key : {"schedule", "recompute"})
-    if (plan.contains(key) && !plan[key].is_string())
-      return bad(key, "a string", plan[key]);
-  if (!plan.contains("stages"))
-    return "";
-  const nlohmann::json &stages = plan["stages"];
-  if (!stages.is_array())
-    return bad("stages", "a list", stages);
-  for (size_t i = 0; i < stages.size(); ++i) {
-    std::string at = "stages[" + std::to_string(i) + "]";
-    const nlohmann::json &stage = stages[i];
-    if (!stage.is_object())
-      return bad(at, "an object", stage);
-    if (stage.contains("stage") && !isInteger(stage["stage"], 0))
-      return bad(at + ".stage", "a non-negative integer", stage["stage"]);
-    if (!stage.contains("layer_chunks"))
-      continue;
-    const nlohmann::json &chunks = stage["layer_chunks"];
-    if (!chunks.is_array())
-      return bad(at + ".layer_chunks", "a list", chunks);
-    for (size_t c = 0; c < chunks.size(); ++c)
-      if (!chunks[c].is_array() || chunks[c].size() != 2 || !isInteger(chunks[c][0], 0) ||
-          !isInteger(chunks[c][1], 0))
-        return bad(at + ".layer_chunks[" + std::to_string(c) + "]",
-                   "a pair of non-negative integers", chunks[c]);
-  }
-  return "";
-}
-
 int runVerify() {
   auto model = parseModelFile(verifyInput);
   if (!model)
@@ -312,14 +268,11 @@ int runCompile() {
   // device needs no search.
   nlohmann::json plan = nlohmann::json::object();
   if (!compilePlan.empty()) {
-    if (llvm::sys::fs::is_directory(compilePlan))
-      return fail(compilePlan + ": is a directory, not a plan written by loomc plan --json");
-    std::ifstream in(compilePlan);
-    plan = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (!in || plan.is_discarded() || !plan.is_object() || plan.value("format", "") != "loom-plan")
-      return fail(compilePlan + ": not a plan written by loomc plan --json");
-    if (std::string problem = checkPlanFields(plan, compilePlan); !problem.empty())
-      return fail(problem);
+    auto spec = mlir::loom::buildModelSpec(*module, llvm::sys::path::stem(compileInput));
+    if (failed(spec))
+      return 1;
+    if (!::loom::planner::readPlanFile(compilePlan, *spec, plan, error))
+      return fail(error);
     if (plan.value("devices", int64_t(0)) != cluster.numDevices())
       return fail(compilePlan + " is a plan for " + std::to_string(plan.value("devices", int64_t(0))) +
                   " devices but --cluster " + compileCluster + " has " +
@@ -496,6 +449,9 @@ int runPlan() {
     nlohmann::json doc = ::loom::planner::planToJson(result.best, *spec, cluster, batch);
     if (!calibration.empty())
       doc["calibration"] = calibration;
+    // What compile --plan checks the model against besides its name and
+    // layers (kept out of planToJson: --force plans go into the manifest).
+    doc["model_parameters"] = static_cast<int64_t>(spec->totalParams);
     nlohmann::json alternatives = nlohmann::json::array();
     for (const auto &alt : result.alternatives)
       alternatives.push_back({{"plan", alt.shortName()},
