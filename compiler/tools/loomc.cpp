@@ -26,9 +26,11 @@
 #include "llvm/Support/FileSystem.h"
 #include "llvm/Support/Path.h"
 
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <set>
+#include <sstream>
 #include "llvm/Support/InitLLVM.h"
 #include "llvm/Support/SourceMgr.h"
 #include "llvm/Support/ToolOutputFile.h"
@@ -196,13 +198,30 @@ void loadDialects(MLIRContext &context) {
 }
 
 /// A model file, parsed and verified, its diagnostics printed as file:line:col.
-/// Members are destroyed in reverse: the module before its context.
+/// Diagnostics about no place in it (the output directory, a weights file)
+/// have an unknown location and print as the tool's own errors. Members are
+/// destroyed in reverse: the module and handlers before their context.
 struct ModelFile {
   llvm::SourceMgr sourceMgr;
   MLIRContext context;
   std::unique_ptr<SourceMgrDiagnosticHandler> diagnostics;
+  std::unique_ptr<ScopedDiagnosticHandler> unlocated;
   OwningOpRef<ModuleOp> module;
 };
+
+LogicalResult printUnlocated(Diagnostic &d) {
+  if (!isa<UnknownLoc>(d.getLocation()))
+    return failure(); // the source manager's handler prints it at its line
+  llvm::raw_ostream &os = d.getSeverity() == DiagnosticSeverity::Error
+                              ? llvm::WithColor::error(llvm::errs(), "loomc")
+                          : d.getSeverity() == DiagnosticSeverity::Warning
+                              ? llvm::WithColor::warning(llvm::errs(), "loomc")
+                              : llvm::WithColor::note(llvm::errs(), "loomc");
+  os << d << "\n";
+  for (const Diagnostic &note : d.getNotes())
+    llvm::WithColor::note(llvm::errs(), "loomc") << note << "\n";
+  return success();
+}
 
 /// Null (with the error printed) when the file cannot be read or does not verify.
 std::unique_ptr<ModelFile> parseModelFile(const std::string &path) {
@@ -218,8 +237,39 @@ std::unique_ptr<ModelFile> parseModelFile(const std::string &path) {
     return nullptr;
   loadDialects(model->context);
   model->diagnostics = std::make_unique<SourceMgrDiagnosticHandler>(model->sourceMgr, &model->context);
+  model->unlocated = std::make_unique<ScopedDiagnosticHandler>(&model->context, printUnlocated);
+  // An error is one located line, not the line and the whole module printed
+  // after it ("see current operation").
+  model->context.printOpOnDiagnostic(false);
   model->module = parseSourceFile<ModuleOp>(model->sourceMgr, &model->context);
   return model->module ? std::move(model) : nullptr;
+}
+
+/// The first training option out of its range, named; "" when all are fine.
+/// Infinities and NaNs (`--lr inf`, `--lr 1e400`) are out of every range.
+std::string checkTrainingOptions() {
+  struct Range {
+    const cl::opt<double> &option;
+    bool zeroAllowed, belowOne; // else: above 0, finite
+  };
+  for (const Range &r : {Range{trainLr, false, false}, Range{trainMinLr, true, false},
+                         Range{trainBeta1, true, true}, Range{trainBeta2, true, true},
+                         Range{trainEps, false, false}, Range{trainDecay, true, false},
+                         Range{trainMomentum, true, true}, Range{trainClip, true, false}}) {
+    double v = r.option;
+    if ((r.zeroAllowed ? v >= 0 : v > 0) && (r.belowOne ? v < 1 : std::isfinite(v)))
+      continue;
+    std::string range = r.belowOne      ? "at least 0 and below 1"
+                        : r.zeroAllowed ? "a finite number of at least 0"
+                                        : "a finite number above 0";
+    std::ostringstream got;
+    got << v;
+    return ("--" + r.option.ArgStr + " must be " + range + ", got " + got.str()).str();
+  }
+  if (trainWarmup < 0 || trainTotal < 0)
+    return (trainWarmup < 0 ? "--warmup" : "--total-steps") + std::string(" must be at least 0, got ") +
+           std::to_string(trainWarmup < 0 ? trainWarmup : trainTotal);
+  return "";
 }
 
 int runVerify() {
@@ -240,10 +290,8 @@ int runCompile() {
     return fail("--train and --infer are exclusive");
   if (trainOptimizer != "adamw" && trainOptimizer != "sgd" && trainOptimizer != "none")
     return fail("--optimizer must be adamw, sgd or none, got '" + trainOptimizer + "'");
-  if (!(trainLr > 0) || trainMinLr < 0 || trainWarmup < 0 || trainTotal < 0 || trainClip < 0 ||
-      !(trainBeta1 >= 0 && trainBeta1 < 1) || !(trainBeta2 >= 0 && trainBeta2 < 1) || !(trainEps > 0))
-    return fail("training options out of range: need lr > 0, 0 <= beta < 1, eps > 0 and "
-                "non-negative min-lr, warmup, total-steps and clip");
+  if (std::string problem = checkTrainingOptions(); !problem.empty())
+    return fail(problem);
   if (compileTarget != "cpu" && compileTarget != "cuda")
     return fail("--target must be cpu or cuda (NVIDIA Hopper, sm_90a), got '" + compileTarget + "'");
   bool cuda = compileTarget == "cuda";

@@ -8,6 +8,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <unistd.h>
 #include <fstream>
 #include <iterator>
 
@@ -54,6 +55,13 @@ Session::Session(const std::string &bundleDir, const SessionOptions &options)
     fail(LOOM_UNSUPPORTED, bundleDir, ": the bundle has ", bundle.ranks.size(),
          " ranks; run it with loom-run, which starts every rank");
   const RankProgram &r = rank();
+  // An arena past the host's memory fails to allocate, or is allocated and
+  // then ends the process when the kernel runs out of pages: refuse it here.
+  int64_t hostBytes = int64_t(::sysconf(_SC_PHYS_PAGES)) * int64_t(::sysconf(_SC_PAGE_SIZE));
+  if (options.backend == "cpu" && hostBytes > 0 && r.arenaBytes > hostBytes)
+    fail(LOOM_INVALID_ARGUMENT, bundleDir, "/manifest.json: field 'ranks[", rankIndex,
+         "].arena_bytes' is ", r.arenaBytes, " bytes, more than this machine's ", hostBytes,
+         " bytes of memory");
   if (options.backend == "cpu")
     backend = makeCpuBackend(r, options.threads, comm.get());
   else if (options.backend == "cuda") {
