@@ -78,6 +78,9 @@ LogicalResult mlir::loom::writeBundle(ModuleOp module, const BundleOptions &opti
   FailureOr<rt::Manifest> manifest = lowerForward(module, options);
   if (failed(manifest))
     return failure();
+  // Errors about the output directory and the weights file are at no line
+  // of the model.
+  Location nowhere = UnknownLoc::get(module.getContext());
   // Everything goes to a staging directory beside the bundle, which then
   // replaces it as a unit; the staging directories of killed compiles go.
   rt::removeStaleTemporaries(bundleDir);
@@ -136,10 +139,10 @@ LogicalResult mlir::loom::writeBundle(ModuleOp module, const BundleOptions &opti
       if (given) {
         auto it = given->tensors.find(p.name);
         if (it == given->tensors.end())
-          return emitError(module.getLoc()) << options.weightsFile << ": parameter '" << p.name
+          return emitError(nowhere) << options.weightsFile << ": parameter '" << p.name
                                     << "' is missing";
         if (it->second.dtype != b.dtype || it->second.shape != b.shape)
-          return emitError(module.getLoc())
+          return emitError(nowhere)
                  << options.weightsFile << ": parameter '" << p.name << "' is "
                  << rt::dtypeName(it->second.dtype) << rt::shapeStr(it->second.shape)
                  << " but the model declares " << rt::dtypeName(b.dtype) << rt::shapeStr(b.shape);
@@ -169,7 +172,7 @@ LogicalResult mlir::loom::writeBundle(ModuleOp module, const BundleOptions &opti
     }
     replaceBundle(dir, bundleDir);
   } catch (const rt::Error &e) {
-    return emitError(module.getLoc()) << e.what();
+    return emitError(nowhere) << e.what();
   }
   if (out)
     *out = std::move(*manifest);

@@ -29,6 +29,23 @@ bool readNumber(const json &obj, const char *key, double &out, std::string &erro
   return true;
 }
 
+/// Device counts, as many as a preset's NAME:N can write (nine digits), so
+/// their product fits in int64 and "0.5 devices" is not 0 of them.
+constexpr int64_t kMaxCount = 999999999;
+
+bool readCount(const json &obj, const char *key, int64_t &out, std::string &error,
+               const std::string &where) {
+  auto it = obj.find(key);
+  if (it == obj.end() || !it->is_number_integer() || it->get<double>() < 1 ||
+      it->get<double>() > kMaxCount) {
+    error = where + ": field '" + key + "' must be an integer from 1 to " +
+            std::to_string(kMaxCount) + ", got " + (it == obj.end() ? "nothing" : it->dump());
+    return false;
+  }
+  out = it->get<int64_t>();
+  return true;
+}
+
 bool readDevice(const std::string &name, const json &obj, DeviceSpec &dev, int64_t &perNode,
                 std::string &error, const std::string &where) {
   if (!obj.is_object()) {
@@ -136,13 +153,8 @@ bool parseCluster(const std::string &spec, Cluster &out, std::string &error) {
                            spec)) {
       return false;
     }
-    double perNode = 0, nodes = 0;
-    if (!readNumber(doc, "devices_per_node", perNode, error, spec) ||
-        !readNumber(doc, "nodes", nodes, error, spec))
-      return false;
-    out.devicesPerNode = static_cast<int64_t>(perNode);
-    out.nodes = static_cast<int64_t>(nodes);
-    return true;
+    return readCount(doc, "devices_per_node", out.devicesPerNode, error, spec) &&
+           readCount(doc, "nodes", out.nodes, error, spec);
   }
 
   std::string name = spec.substr(0, colon), count = spec.substr(colon + 1);

@@ -595,7 +595,7 @@ json planToJson(const Plan &plan, const ModelSpec &model, const Cluster &cluster
                       {"activation_gib", s.activationBytes / kGiB}});
   }
   return {{"format", "loom-plan"},
-          {"version", 1},
+          {"version", kPlanVersion},
           {"model", model.name},
           {"cluster", cluster.describe()},
           {"devices", cluster.numDevices()},

@@ -167,6 +167,9 @@ private:
   CostOptions options;
 };
 
+/// The plan format planToJson writes (its "version") and readPlanFile reads.
+constexpr int64_t kPlanVersion = 1;
+
 nlohmann::json planToJson(const Plan &plan, const ModelSpec &model, const Cluster &cluster,
                           int64_t batch);
 /// Human-readable plan: degrees, stage table, time split, alternatives.

@@ -7,8 +7,10 @@
 
 #include "compiler/ModelSummary.h"
 #include "compiler/ModelZoo.h"
+#include "compiler/NestingLimit.h"
 #include "compiler/PlannerModel.h"
 #include "compiler/planner/PipelineSchedule.h"
+#include "compiler/planner/PlanFile.h"
 #include "loom/rt/Bundle.h"
 #include "compiler/bundle/BundleWriter.h"
 #include "compiler/planner/Cluster.h"
@@ -24,9 +26,11 @@
 #include "llvm/Support/FileSystem.h"
 #include "llvm/Support/Path.h"
 
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <set>
+#include <sstream>
 #include "llvm/Support/InitLLVM.h"
 #include "llvm/Support/SourceMgr.h"
 #include "llvm/Support/ToolOutputFile.h"
@@ -194,13 +198,30 @@ void loadDialects(MLIRContext &context) {
 }
 
 /// A model file, parsed and verified, its diagnostics printed as file:line:col.
-/// Members are destroyed in reverse: the module before its context.
+/// Diagnostics about no place in it (the output directory, a weights file)
+/// have an unknown location and print as the tool's own errors. Members are
+/// destroyed in reverse: the module and handlers before their context.
 struct ModelFile {
   llvm::SourceMgr sourceMgr;
   MLIRContext context;
   std::unique_ptr<SourceMgrDiagnosticHandler> diagnostics;
+  std::unique_ptr<ScopedDiagnosticHandler> unlocated;
   OwningOpRef<ModuleOp> module;
 };
+
+LogicalResult printUnlocated(Diagnostic &d) {
+  if (!isa<UnknownLoc>(d.getLocation()))
+    return failure(); // the source manager's handler prints it at its line
+  llvm::raw_ostream &os = d.getSeverity() == DiagnosticSeverity::Error
+                              ? llvm::WithColor::error(llvm::errs(), "loomc")
+                          : d.getSeverity() == DiagnosticSeverity::Warning
+                              ? llvm::WithColor::warning(llvm::errs(), "loomc")
+                              : llvm::WithColor::note(llvm::errs(), "loomc");
+  os << d << "\n";
+  for (const Diagnostic &note : d.getNotes())
+    llvm::WithColor::note(llvm::errs(), "loomc") << note << "\n";
+  return success();
+}
 
 /// Null (with the error printed) when the file cannot be read or does not verify.
 std::unique_ptr<ModelFile> parseModelFile(const std::string &path) {
@@ -211,55 +232,43 @@ std::unique_ptr<ModelFile> parseModelFile(const std::string &path) {
     return nullptr;
   }
   auto model = std::make_unique<ModelFile>();
-  model->sourceMgr.AddNewSourceBuffer(std::move(file), llvm::SMLoc());
+  unsigned buffer = model->sourceMgr.AddNewSourceBuffer(std::move(file), llvm::SMLoc());
+  if (failed(mlir::loom::checkNesting(model->sourceMgr, buffer)))
+    return nullptr;
   loadDialects(model->context);
   model->diagnostics = std::make_unique<SourceMgrDiagnosticHandler>(model->sourceMgr, &model->context);
+  model->unlocated = std::make_unique<ScopedDiagnosticHandler>(&model->context, printUnlocated);
+  // An error is one located line, not the line and the whole module printed
+  // after it ("see current operation").
+  model->context.printOpOnDiagnostic(false);
   model->module = parseSourceFile<ModuleOp>(model->sourceMgr, &model->context);
   return model->module ? std::move(model) : nullptr;
 }
 
-/// The fields of a plan file that compile reads, checked before any is used;
-/// "" when they are fine, else the first problem, naming the file and field.
-std::string checkPlanFields(const nlohmann::json &plan, const std::string &path) {
-  auto bad = [&](const std::string &field, const std::string &what, const nlohmann::json &got) {
-    return path + ": field '" + field + "' must be " + what + ", got " + got.dump();
+/// The first training option out of its range, named; "" when all are fine.
+/// Infinities and NaNs (`--lr inf`, `--lr 1e400`) are out of every range.
+std::string checkTrainingOptions() {
+  struct Range {
+    const cl::opt<double> &option;
+    bool zeroAllowed, belowOne; // else: above 0, finite
   };
-  auto isInteger = [](const nlohmann::json &v, int64_t min) {
-    if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX))
-      return false;
-    return v.is_number_integer() && v.get<int64_t>() >= min;
-  };
-  for (const char *key : {"devices", "batch", "dp", "tp", "pp", "vpp", "microbatches", "zero"}) {
-    int64_t min = std::string(key) == "zero" ? 0 : 1;
-    if (plan.contains(key) && !isInteger(plan[key], min))
-      return bad(key, "an integer of at least " + std::to_string(min), plan[key]);
-  }
-  for (const char *key : {"schedule", "recompute"})
-    if (plan.contains(key) && !plan[key].is_string())
-      return bad(key, "a string", plan[key]);
-  if (!plan.contains("stages"))
-    return "";
-  const nlohmann::json &stages = plan["stages"];
-  if (!stages.is_array())
-    return bad("stages", "a list", stages);
-  for (size_t i = 0; i < stages.size(); ++i) {
-    std::string at = "stages[" + std::to_string(i) + "]";
-    const nlohmann::json &stage = stages[i];
-    if (!stage.is_object())
-      return bad(at, "an object", stage);
-    if (stage.contains("stage") && !isInteger(stage["stage"], 0))
-      return bad(at + ".stage", "a non-negative integer", stage["stage"]);
-    if (!stage.contains("layer_chunks"))
+  for (const Range &r : {Range{trainLr, false, false}, Range{trainMinLr, true, false},
+                         Range{trainBeta1, true, true}, Range{trainBeta2, true, true},
+                         Range{trainEps, false, false}, Range{trainDecay, true, false},
+                         Range{trainMomentum, true, true}, Range{trainClip, true, false}}) {
+    double v = r.option;
+    if ((r.zeroAllowed ? v >= 0 : v > 0) && (r.belowOne ? v < 1 : std::isfinite(v)))
       continue;
-    const nlohmann::json &chunks = stage["layer_chunks"];
-    if (!chunks.is_array())
-      return bad(at + ".layer_chunks", "a list", chunks);
-    for (size_t c = 0; c < chunks.size(); ++c)
-      if (!chunks[c].is_array() || chunks[c].size() != 2 || !isInteger(chunks[c][0], 0) ||
-          !isInteger(chunks[c][1], 0))
-        return bad(at + ".layer_chunks[" + std::to_string(c) + "]",
-                   "a pair of non-negative integers", chunks[c]);
+    std::string range = r.belowOne      ? "at least 0 and below 1"
+                        : r.zeroAllowed ? "a finite number of at least 0"
+                                        : "a finite number above 0";
+    std::ostringstream got;
+    got << v;
+    return ("--" + r.option.ArgStr + " must be " + range + ", got " + got.str()).str();
   }
+  if (trainWarmup < 0 || trainTotal < 0)
+    return (trainWarmup < 0 ? "--warmup" : "--total-steps") + std::string(" must be at least 0, got ") +
+           std::to_string(trainWarmup < 0 ? trainWarmup : trainTotal);
   return "";
 }
 
@@ -281,10 +290,8 @@ int runCompile() {
     return fail("--train and --infer are exclusive");
   if (trainOptimizer != "adamw" && trainOptimizer != "sgd" && trainOptimizer != "none")
     return fail("--optimizer must be adamw, sgd or none, got '" + trainOptimizer + "'");
-  if (!(trainLr > 0) || trainMinLr < 0 || trainWarmup < 0 || trainTotal < 0 || trainClip < 0 ||
-      !(trainBeta1 >= 0 && trainBeta1 < 1) || !(trainBeta2 >= 0 && trainBeta2 < 1) || !(trainEps > 0))
-    return fail("training options out of range: need lr > 0, 0 <= beta < 1, eps > 0 and "
-                "non-negative min-lr, warmup, total-steps and clip");
+  if (std::string problem = checkTrainingOptions(); !problem.empty())
+    return fail(problem);
   if (compileTarget != "cpu" && compileTarget != "cuda")
     return fail("--target must be cpu or cuda (NVIDIA Hopper, sm_90a), got '" + compileTarget + "'");
   bool cuda = compileTarget == "cuda";
@@ -309,14 +316,11 @@ int runCompile() {
   // device needs no search.
   nlohmann::json plan = nlohmann::json::object();
   if (!compilePlan.empty()) {
-    if (llvm::sys::fs::is_directory(compilePlan))
-      return fail(compilePlan + ": is a directory, not a plan written by loomc plan --json");
-    std::ifstream in(compilePlan);
-    plan = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (!in || plan.is_discarded() || !plan.is_object() || plan.value("format", "") != "loom-plan")
-      return fail(compilePlan + ": not a plan written by loomc plan --json");
-    if (std::string problem = checkPlanFields(plan, compilePlan); !problem.empty())
-      return fail(problem);
+    auto spec = mlir::loom::buildModelSpec(*module, llvm::sys::path::stem(compileInput));
+    if (failed(spec))
+      return 1;
+    if (!::loom::planner::readPlanFile(compilePlan, *spec, plan, error))
+      return fail(error);
     if (plan.value("devices", int64_t(0)) != cluster.numDevices())
       return fail(compilePlan + " is a plan for " + std::to_string(plan.value("devices", int64_t(0))) +
                   " devices but --cluster " + compileCluster + " has " +
@@ -493,6 +497,9 @@ int runPlan() {
     nlohmann::json doc = ::loom::planner::planToJson(result.best, *spec, cluster, batch);
     if (!calibration.empty())
       doc["calibration"] = calibration;
+    // What compile --plan checks the model against besides its name and
+    // layers (kept out of planToJson: --force plans go into the manifest).
+    doc["model_parameters"] = static_cast<int64_t>(spec->totalParams);
     nlohmann::json alternatives = nlohmann::json::array();
     for (const auto &alt : result.alternatives)
       alternatives.push_back({{"plan", alt.shortName()},

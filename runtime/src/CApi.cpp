@@ -85,6 +85,7 @@ void loom_session_options_init(loom_session_options_t *options) {
   if (options) {
     options->backend = "cpu";
     options->num_threads = 0;
+    options->timeout_seconds = loom::rt::kDefaultTimeoutSeconds;
   }
 }
 
@@ -104,6 +105,8 @@ loom_status_t *loom_session_create(const char *bundle_path, const loom_session_o
         loom::rt::fail(LOOM_INVALID_ARGUMENT, "options.num_threads must be from 0 (one per core) to ",
                        loom::rt::kMaxThreads, ", got ", options->num_threads);
       opts.threads = options->num_threads;
+      loom::rt::checkTimeout(options->timeout_seconds, "options.timeout_seconds");
+      opts.timeoutSeconds = options->timeout_seconds;
     }
     // A multi-rank bundle in a job started by mpirun: this process is the
     // rank MPI gave it, connected to the others over MPI (and NCCL on GPUs).

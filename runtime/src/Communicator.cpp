@@ -5,10 +5,17 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 
 namespace loom::rt {
+
+void checkTimeout(double seconds, const std::string &option) {
+  if (!(std::isfinite(seconds) && seconds > 0 && seconds <= kMaxTimeoutSeconds))
+    fail(LOOM_INVALID_ARGUMENT, option, " must be above 0 and at most ", kMaxTimeoutSeconds,
+         " seconds, got ", seconds);
+}
 
 InProcessCommunicator::InProcessCommunicator(int size, double timeoutSeconds)
     : ranks(size), timeout(timeoutSeconds), everyone(static_cast<size_t>(size)) {

@@ -27,6 +27,16 @@ namespace loom::rt {
 
 enum class Reduction { Sum, Mean, Max };
 
+/// How long a rank waits for its peers in one collective or transfer before
+/// it fails and stops every rank (loom-run --timeout, the C API's
+/// `timeout_seconds`); a day at most.
+constexpr double kDefaultTimeoutSeconds = 300;
+constexpr double kMaxTimeoutSeconds = 86400;
+
+/// Throws Error unless `seconds` is finite, above 0 and at most
+/// kMaxTimeoutSeconds; `option` names where it came from.
+void checkTimeout(double seconds, const std::string &option);
+
 /// What the CPU backend's collective and transfer instructions call. Every
 /// call names the calling (global) rank; implementations: in-process
 /// (threads) below, and MPI between processes (MpiCommunicator.h).
@@ -58,7 +68,7 @@ Communicator &validationCommunicator();
 
 class InProcessCommunicator : public Communicator {
 public:
-  explicit InProcessCommunicator(int size, double timeoutSeconds = 300);
+  explicit InProcessCommunicator(int size, double timeoutSeconds = kDefaultTimeoutSeconds);
   int size() const override { return ranks; }
   void allReduce(int rank, const std::vector<int> &group, float *data, int64_t count,
                  Reduction op) override;

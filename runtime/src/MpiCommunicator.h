@@ -23,7 +23,7 @@ bool launchedByMpi();
 /// Initialises MPI (once) and returns the communicator of this job; throws
 /// Error when Loom was built without MPI. `rank` receives this process's rank.
 std::shared_ptr<Communicator> makeMpiCommunicator(int &rank, int &size,
-                                                  double timeoutSeconds = 300);
+                                                  double timeoutSeconds = kDefaultTimeoutSeconds);
 
 /// Finalises MPI if it was initialised (call before exit).
 void finalizeMpi();

@@ -8,6 +8,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <unistd.h>
 #include <fstream>
 #include <iterator>
 
@@ -17,7 +18,7 @@ int joinMpiJob(const Manifest &manifest, const std::string &bundleDir, SessionOp
   static std::shared_ptr<Communicator> mpi;
   static int rank = 0, size = 1;
   if (!mpi) {
-    mpi = makeMpiCommunicator(rank, size);
+    mpi = makeMpiCommunicator(rank, size, options.timeoutSeconds);
     std::atexit(finalizeMpi);
   }
   int64_t ranks = static_cast<int64_t>(manifest.ranks.size());
@@ -54,6 +55,13 @@ Session::Session(const std::string &bundleDir, const SessionOptions &options)
     fail(LOOM_UNSUPPORTED, bundleDir, ": the bundle has ", bundle.ranks.size(),
          " ranks; run it with loom-run, which starts every rank");
   const RankProgram &r = rank();
+  // An arena past the host's memory fails to allocate, or is allocated and
+  // then ends the process when the kernel runs out of pages: refuse it here.
+  int64_t hostBytes = int64_t(::sysconf(_SC_PHYS_PAGES)) * int64_t(::sysconf(_SC_PAGE_SIZE));
+  if (options.backend == "cpu" && hostBytes > 0 && r.arenaBytes > hostBytes)
+    fail(LOOM_INVALID_ARGUMENT, bundleDir, "/manifest.json: field 'ranks[", rankIndex,
+         "].arena_bytes' is ", r.arenaBytes, " bytes, more than this machine's ", hostBytes,
+         " bytes of memory");
   if (options.backend == "cpu")
     backend = makeCpuBackend(r, options.threads, comm.get());
   else if (options.backend == "cuda") {

@@ -1,7 +1,7 @@
 //===- loom-run.cpp - Run a bundle ----------------------------------------===//
 //
 // loom-run OUT.loom [--input F.safetensors] [--output F.safetensors]
-//                   [--steps N] [--threads T] [--seed S]
+//                   [--steps N] [--threads T] [--seed S] [--timeout SECONDS]
 // loom-run TRAIN.loom --steps N [--data F.bin] [--save-every K --checkpoint DIR]
 //                     [--resume DIR]
 //
@@ -61,6 +61,10 @@ void usage(FILE *to) {
                "  --backend B             cpu (default) or cuda\n"
                "  --threads T             CPU threads (default: all)\n"
                "  --seed S                seed for synthetic inputs (default 0)\n"
+               "  --timeout SECONDS       how long a rank of a multi-rank bundle waits for the\n"
+               "                          others in one collective or transfer before every\n"
+               "                          rank stops with an error (default 300, at most 86400;\n"
+               "                          CPU ranks: threads or mpirun processes)\n"
                "  --profile F.json        time every instruction by op, print the table and\n"
                "                          write the calibration profile for loomc plan --profile\n"
                "  --trace F.json          write every rank's instructions as a timeline (Chrome\n"
@@ -398,6 +402,7 @@ int run(int argc, char **argv) {
   std::string backend = "cpu", profilePath, tracePath;
   int steps = -1, threads = 0, saveEvery = 0;
   uint64_t seed = 0;
+  double timeout = kDefaultTimeoutSeconds;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -430,6 +435,13 @@ int run(int argc, char **argv) {
       threads = static_cast<int>(number(kMaxThreads));
     } else if (a == "--seed") {
       seed = static_cast<uint64_t>(number(std::numeric_limits<long long>::max()));
+    } else if (a == "--timeout") {
+      std::string v = value();
+      char *end = nullptr;
+      timeout = std::strtod(v.c_str(), &end);
+      if (v.empty() || *end)
+        fail(LOOM_INVALID_ARGUMENT, "--timeout needs a number of seconds, got '", v, "'");
+      checkTimeout(timeout, "--timeout");
     } else if (a == "--profile") {
       profilePath = value();
     } else if (a == "--trace") {
@@ -462,6 +474,7 @@ int run(int argc, char **argv) {
   SessionOptions options;
   options.threads = threads;
   options.backend = backend;
+  options.timeoutSeconds = timeout;
   // Every rank of the bundle runs in this process, one thread each; under
   // mpirun, each process runs one rank and MPI connects them.
   Manifest manifest = readManifest(bundle);
@@ -490,7 +503,7 @@ int run(int argc, char **argv) {
     for (int64_t k = 0; k < numRanks; ++k)
       local.push_back(k);
     if (numRanks > 1) {
-      comm = std::make_shared<InProcessCommunicator>(static_cast<int>(numRanks));
+      comm = std::make_shared<InProcessCommunicator>(static_cast<int>(numRanks), timeout);
       options.comm = comm;
       if (threads == 0)
         options.threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency() / numRanks));

@@ -169,6 +169,22 @@ func.func @layernorm_eps(%x: tensor<2x64xf32>, %g: tensor<64xf32>) {
 
 // -----
 
+func.func @layernorm_negative_eps(%x: tensor<2x64xf32>, %g: tensor<64xf32>) {
+  // expected-error @+1 {{'loom.layernorm' op eps must be positive, got -1.000000e-05}}
+  %0 = loom.layernorm %x, %g, %g {eps = -1.0e-05 : f64} : tensor<2x64xf32>, tensor<64xf32>, tensor<64xf32>
+  return
+}
+
+// -----
+
+func.func @rmsnorm_infinite_eps(%x: tensor<2x64xf32>, %g: tensor<64xf32>) {
+  // expected-error @+1 {{'loom.rmsnorm' op eps must be finite, got}}
+  %0 = loom.rmsnorm %x, %g {eps = 0x7FF0000000000000 : f64} : tensor<2x64xf32>, tensor<64xf32>
+  return
+}
+
+// -----
+
 func.func @rmsnorm_dtype(%x: tensor<2x64xbf16>, %g: tensor<64xf32>) {
   // expected-error @+1 {{'loom.rmsnorm' op gamma has element type 'f32' but input 'tensor<2x64xbf16>' has 'bf16'}}
   %0 = loom.rmsnorm %x, %g : tensor<2x64xbf16>, tensor<64xf32>

@@ -353,6 +353,29 @@ TEST_F(BundleCorruptionTest, ThreadCountOutOfRange) {
   }
 }
 
+TEST_F(BundleCorruptionTest, TimeoutOutOfRange) {
+  loom_session_options_t options;
+  loom_session_options_init(&options);
+  EXPECT_EQ(options.timeout_seconds, 300.0);
+  for (double seconds : {0.0, -1.0, 1e9, std::nan(""), double(INFINITY)}) {
+    options.timeout_seconds = seconds;
+    loom_session_t *session = nullptr;
+    loom_status_t *st = loom_session_create(good.c_str(), &options, &session);
+    ASSERT_NE(st, nullptr) << "timeout_seconds " << seconds << " was accepted";
+    EXPECT_EQ(session, nullptr);
+    EXPECT_EQ(loom_status_code(st), LOOM_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(loom_status_message(st))
+                  .rfind("options.timeout_seconds must be above 0 and at most 86400 seconds, got ", 0),
+              0u)
+        << loom_status_message(st);
+    loom_status_free(st);
+  }
+  options.timeout_seconds = 0.5;
+  loom_session_t *session = nullptr;
+  ASSERT_EQ(loom_session_create(good.c_str(), &options, &session), nullptr);
+  loom_session_destroy(session);
+}
+
 /// The bytes of parameter `name` as the session holds it now.
 static std::vector<char> parameterBytes(loom_session_t *session, const std::string &path,
                                         const std::string &name) {

@@ -100,3 +100,18 @@ TEST(Cluster, MalformedJsonSaysWhy) {
   EXPECT_NE(error.find("devices_per_node"), std::string::npos) << error;
   std::remove(path.c_str());
 }
+
+TEST(Cluster, DeviceCountsAreWholeNumbers) {
+  // 0.5 devices per node used to truncate to a cluster of no devices, which
+  // the planner then reported without naming the file or the field.
+  Cluster c;
+  std::string error;
+  for (const char *counts : {R"("devices_per_node": 0.5, "nodes": 1)", R"("devices_per_node": 8, "nodes": 1e30)",
+                             R"("devices_per_node": 8, "nodes": -2)", R"("devices_per_node": "8", "nodes": 1)"}) {
+    std::string path = writeTemp(std::string(R"({"device": "h100", )") + counts + "}");
+    EXPECT_FALSE(parseCluster(path, c, error)) << counts;
+    EXPECT_EQ(error.rfind(path + ": field '", 0), 0u) << error;
+    EXPECT_NE(error.find("must be an integer from 1 to 999999999, got "), std::string::npos) << error;
+    std::remove(path.c_str());
+  }
+}

@@ -2,6 +2,7 @@
 
 #include "bench/MegatronComparison.h"
 #include "compiler/planner/CostModel.h"
+#include "compiler/planner/PlanFile.h"
 #include "compiler/planner/Planner.h"
 
 #include <gtest/gtest.h>
@@ -246,6 +247,37 @@ TEST(Planner, JsonCarriesThePlan) {
   EXPECT_EQ(j["dp"].get<int64_t>() * j["tp"].get<int64_t>() * j["pp"].get<int64_t>(), 8);
   EXPECT_EQ(j["stages"].size(), static_cast<size_t>(r.best.pp));
   EXPECT_NEAR(j["predicted"]["step_ms"].get<double>(), r.best.stepTime * 1e3, 1e-9);
+}
+
+/// Every plan the planner writes reads back for its own model (interleaved
+/// stages included) and is refused for another model, naming the field.
+TEST(PlanFile, PlansReadBackForTheirModelOnly) {
+  std::string path = ::testing::TempDir() + "/plan-file-test.json";
+  ModelSpec model = handModel(12, 768, 1024, 12, 50304);
+  Planner planner(model, cluster("h100:8"));
+  for (const char *force : {"", "pp=2,tp=1,dp=4", "pp=2,tp=2,dp=2,vpp=2,schedule=interleaved",
+                            "pp=4,tp=2,dp=1,schedule=gpipe,recompute=full"}) {
+    Constraints c;
+    std::string error;
+    ASSERT_TRUE(parseConstraints(force, c, error)) << error;
+    PlanResult r = planner.search(64, c);
+    ASSERT_TRUE(r.found) << force << ": " << r.error;
+    std::ofstream(path) << planToJson(r.best, model, planner.cluster(), 64).dump(1);
+    nlohmann::json plan;
+    EXPECT_TRUE(readPlanFile(path, model, plan, error)) << force << ": " << error;
+    EXPECT_EQ(plan["pp"].get<int64_t>(), r.best.pp);
+
+    ModelSpec deeper = handModel(16, 768, 1024, 12, 50304);
+    EXPECT_FALSE(readPlanFile(path, deeper, plan, error)) << force;
+    EXPECT_NE(error.find(path + ": field 'stages"), std::string::npos) << error;
+    ModelSpec renamed = model;
+    renamed.name = "other";
+    EXPECT_FALSE(readPlanFile(path, renamed, plan, error)) << force;
+    EXPECT_NE(error.find(path + ": field 'model' is 'hand' but the model compiled is 'other'"),
+              std::string::npos)
+        << error;
+  }
+  std::remove(path.c_str());
 }
 
 /// The published Megatron-LM runs (SC21, A100 80GB): the prediction for each

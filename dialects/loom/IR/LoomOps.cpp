@@ -11,6 +11,7 @@
 #include "mlir/Interfaces/FunctionImplementation.h"
 #include "llvm/ADT/STLExtras.h"
 #include "llvm/ADT/SmallSet.h"
+#include <cmath>
 
 using namespace mlir;
 using namespace mlir::loom;
@@ -419,6 +420,8 @@ static LogicalResult verifyFeatureParam(Operation *op, StringRef what, Type para
 static LogicalResult verifyEps(Operation *op, double eps) {
   if (!(eps > 0.0))
     return op->emitOpError() << "eps must be positive, got " << eps;
+  if (std::isinf(eps)) // normalises every row to zero
+    return op->emitOpError() << "eps must be finite, got " << eps;
   return success();
 }
 

@@ -59,11 +59,18 @@ typedef struct loom_tensor_info_t {
 
 typedef struct loom_session_t loom_session_t;
 
+/* Fill with loom_session_options_init before setting fields: fields are only
+ * ever added at the end, and the init gives each its default. */
 typedef struct loom_session_options_t {
   /* "cpu" (default) or "cuda" when the runtime was built with CUDA. */
   const char *backend;
   /* Threads for the CPU backend, at most 1024; 0 = all hardware threads. */
   int32_t num_threads;
+  /* Multi-rank bundles under mpirun: seconds a rank waits for its peers in
+   * one collective or transfer before it fails and every rank stops; above 0
+   * and at most 86400 (default 300). The process's first multi-rank session
+   * sets it for the process. */
+  double timeout_seconds;
 } loom_session_options_t;
 
 void loom_session_options_init(loom_session_options_t *options);

@@ -279,8 +279,8 @@ public:
     size_t bytes = (static_cast<size_t>(rank.arenaBytes) + 63) / 64 * 64;
     arena.reset(static_cast<char *>(std::aligned_alloc(64, std::max<size_t>(bytes, 64))));
     if (!arena)
-      fail(LOOM_INVALID_ARGUMENT, "cannot allocate the arena of ", rank.arenaBytes,
-           " bytes that the bundle asks for");
+      fail(LOOM_INVALID_ARGUMENT, "cannot allocate rank ", rank.rank, "'s arena of ", rank.arenaBytes,
+           " bytes (manifest field 'arena_bytes'): out of host memory");
     std::memset(arena.get(), 0, bytes);
   }
   std::string name() const override { return "cpu"; }
