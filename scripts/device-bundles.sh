@@ -7,6 +7,7 @@
 #   single  one-GPU checks and the GPT-2 350M benchmark (scripts/device-test.sh)
 #   multi   2- and 4-GPU plans of tiny GPT and GPT-2 350M (scripts/device-multigpu.sh)
 #   scale   GPT-2 350M and GPT 1.3B on 4 GPUs, planner-chosen and forced (scripts/device-scale.sh)
+#   trace   timelines of one GPU, dp2 and pp2 (scripts/device-trace.sh)
 # The named sets replace what was there: the carried tree must stay under 64 MiB
 # (bundles carry no weights; every set together is a few MiB).
 set -euo pipefail
@@ -45,6 +46,14 @@ multi() {
         -o $out/gpt-tiny-bf16-${plan%%=*}2.loom
     c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 "${bf[@]}" --cluster h100:2 --force $plan,zero=0 \
         -o $out/gpt2-350m-bf16-${plan%%=*}2.loom
+  done
+}
+trace() {
+  c models/gpt-tiny.mlir --batch 8 --train --lr 1e-3 -o $out/gpt-tiny-one.loom
+  for plan in dp=2,mb=1 pp=2,mb=4,schedule=1f1b; do
+    c models/gpt-tiny.mlir --batch 8 --train --lr 1e-3 --cluster h100:2 --force $plan,zero=0 -o $out/gpt-tiny-${plan%%=*}2.loom
+    c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --precision bf16 --fuse --cluster h100:2 \
+        --force $plan,zero=0 -o $out/gpt2-350m-bf16-${plan%%=*}2.loom
   done
 }
 scale() {
@@ -107,8 +116,8 @@ c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --weight-decay 0.1 --clip 1.
 }
 for set_name in "${sets[@]}"; do
   case $set_name in
-    single | multi | scale) "$set_name" ;;
-    *) echo "device-bundles.sh: unknown set '$set_name' (single, multi, scale)" >&2; exit 2 ;;
+    single | multi | scale | trace) "$set_name" ;;
+    *) echo "device-bundles.sh: unknown set '$set_name' (single, multi, scale, trace)" >&2; exit 2 ;;
   esac
 done
 du -sh "$out"

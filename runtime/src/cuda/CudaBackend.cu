@@ -296,16 +296,26 @@ void CudaBackendImpl::run(const std::string &program) {
       t.count += 1;
       t.flops += step.flops;
     }
-  if (tracing)
+  if (tracing) {
+    // Work on another stream starts when its inputs are ready on the compute
+    // stream, or when that stream finishes what it had before (streams run
+    // in order), whichever is later.
+    std::map<std::string, double> free;
     for (Step &step : steps) {
-      float at = 0, ms = 0;
+      float at = 0, to = 0;
       LOOM_CUDA_CHECK(cudaEventElapsedTime(&at, traceBase, step.start));
-      LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, step.start, step.end));
+      LOOM_CUDA_CHECK(cudaEventElapsedTime(&to, traceBase, step.end));
+      double start = at, end = std::max(at, to);
+      if (step.traceStream) {
+        start = std::min(end, std::max(start, free[step.track]));
+        free[step.track] = end;
+      }
       std::string op = step.what.substr(step.what.rfind(' ') + 1);
       if (op.size() >= 2 && op.front() == '\'' && op.back() == '\'')
         op = op.substr(1, op.size() - 2);
-      addTrace({op, step.track, step.what, traceBaseHost + at / 1e3, std::max(0.0f, ms) / 1e3});
+      addTrace({op, step.track, step.what, traceBaseHost + start / 1e3, (end - start) / 1e3});
     }
+  }
   long long err[3];
   LOOM_CUDA_CHECK(cudaMemcpy(err, errorWord, sizeof(err), cudaMemcpyDeviceToHost));
   if (err[0]) {
