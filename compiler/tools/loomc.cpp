@@ -12,6 +12,7 @@
 #include "loom/rt/Bundle.h"
 #include "compiler/bundle/BundleWriter.h"
 #include "compiler/planner/Cluster.h"
+#include "compiler/planner/PlanFile.h"
 #include "dialects/loom/IR/LoomDialect.h"
 #include "mlir/Dialect/Func/IR/FuncOps.h"
 #include "mlir/IR/Diagnostics.h"
@@ -218,51 +219,6 @@ std::unique_ptr<ModelFile> parseModelFile(const std::string &path) {
   return model->module ? std::move(model) : nullptr;
 }
 
-/// The fields of a plan file that compile reads, checked before any is used;
-/// "" when they are fine, else the first problem, naming the file and field.
-std::string checkPlanFields(const nlohmann::json &plan, const std::string &path) {
-  auto bad = [&](const std::string &field, const std::string &what, const nlohmann::json &got) {
-    return path + ": field '" + field + "' must be " + what + ", got " + got.dump();
-  };
-  auto isInteger = [](const nlohmann::json &v, int64_t min) {
-    if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX))
-      return false;
-    return v.is_number_integer() && v.get<int64_t>() >= min;
-  };
-  for (const char *key : {"devices", "batch", "dp", "tp", "pp", "vpp", "microbatches", "zero"}) {
-    int64_t min = std::string(key) == "zero" ? 0 : 1;
-    if (plan.contains(key) && !isInteger(plan[key], min))
-      return bad(key, "an integer of at least " + std::to_string(min), plan[key]);
-  }
-  for (const char *key : {"schedule", "recompute"})
-    if (plan.contains(key) && !plan[key].is_string())
-      return bad(key, "a string", plan[key]);
-  if (!plan.contains("stages"))
-    return "";
-  const nlohmann::json &stages = plan["stages"];
-  if (!stages.is_array())
-    return bad("stages", "a list", stages);
-  for (size_t i = 0; i < stages.size(); ++i) {
-    std::string at = "stages[" + std::to_string(i) + "]";
-    const nlohmann::json &stage = stages[i];
-    if (!stage.is_object())
-      return bad(at, "an object", stage);
-    if (stage.contains("stage") && !isInteger(stage["stage"], 0))
-      return bad(at + ".stage", "a non-negative integer", stage["stage"]);
-    if (!stage.contains("layer_chunks"))
-      continue;
-    const nlohmann::json &chunks = stage["layer_chunks"];
-    if (!chunks.is_array())
-      return bad(at + ".layer_chunks", "a list", chunks);
-    for (size_t c = 0; c < chunks.size(); ++c)
-      if (!chunks[c].is_array() || chunks[c].size() != 2 || !isInteger(chunks[c][0], 0) ||
-          !isInteger(chunks[c][1], 0))
-        return bad(at + ".layer_chunks[" + std::to_string(c) + "]",
-                   "a pair of non-negative integers", chunks[c]);
-  }
-  return "";
-}
-
 int runVerify() {
   auto model = parseModelFile(verifyInput);
   if (!model)
@@ -312,11 +268,11 @@ int runCompile() {
     if (llvm::sys::fs::is_directory(compilePlan))
       return fail(compilePlan + ": is a directory, not a plan written by loomc plan --json");
     std::ifstream in(compilePlan);
-    plan = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (!in || plan.is_discarded() || !plan.is_object() || plan.value("format", "") != "loom-plan")
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (!in)
       return fail(compilePlan + ": not a plan written by loomc plan --json");
-    if (std::string problem = checkPlanFields(plan, compilePlan); !problem.empty())
-      return fail(problem);
+    if (!::loom::planner::parsePlanFile(text, compilePlan, plan, error))
+      return fail(error);
     if (plan.value("devices", int64_t(0)) != cluster.numDevices())
       return fail(compilePlan + " is a plan for " + std::to_string(plan.value("devices", int64_t(0))) +
                   " devices but --cluster " + compileCluster + " has " +
@@ -366,20 +322,8 @@ int runCompile() {
   // choice only applies where there are replicas to share the state.
   options.zero1 = force.zero ? *force.zero == 1 : degree("zero") == 1 && dp > 1;
   options.plan = plan;
-  if (plan.contains("stages") && plan["stages"].is_array()) {
-    // Chunk c (virtual stage c / pp of stage c % pp) takes the plan's layers.
-    std::vector<int64_t> units(static_cast<size_t>(pp * options.virtualStages), 0);
-    for (const auto &stage : plan["stages"]) {
-      int64_t s = stage.value("stage", int64_t(0));
-      if (!stage.contains("layer_chunks"))
-        continue;
-      for (size_t v = 0; v < stage["layer_chunks"].size(); ++v)
-        if (size_t c = v * pp + s; c < units.size())
-          units[c] = stage["layer_chunks"][v][1].get<int64_t>();
-    }
-    if (pp > 1)
-      options.chunkUnits = units;
-  }
+  if (pp > 1)
+    options.chunkUnits = ::loom::planner::planChunkUnits(plan);
   if (plan.value("recompute", std::string("none")) == "full")
     options.training.recompute.insert("all");
   options.training.optimizer = trainOptimizer;
