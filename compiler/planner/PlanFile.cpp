@@ -1,10 +1,12 @@
 //===- PlanFile.cpp - Reading the plan file loomc plan --json writes ------===//
 
 #include "compiler/planner/PlanFile.h"
+#include "loom/rt/Checked.h"
 
 namespace loom::planner {
 
 using json = nlohmann::json;
+using ::loom::rt::checkedMul;
 
 namespace {
 
@@ -52,16 +54,44 @@ std::string checkPlanFields(const json &plan, const std::string &path) {
   return "";
 }
 
+/// The degrees must describe the plan's devices, and its pipeline chunks
+/// (pp x vpp, which compile allocates) be few enough to hold a layer each.
+std::string checkPlanDegrees(const json &plan, const std::string &path) {
+  int64_t dp = plan.value("dp", int64_t(1)), tp = plan.value("tp", int64_t(1)),
+          pp = plan.value("pp", int64_t(1)), vpp = plan.value("vpp", int64_t(1));
+  std::optional<int64_t> ranks = checkedMul(dp, tp);
+  ranks = ranks ? checkedMul(*ranks, pp) : std::nullopt;
+  if (plan.contains("devices") && ranks != plan["devices"].get<int64_t>())
+    return path + ": fields 'dp' x 'tp' x 'pp' must equal 'devices' (" +
+           plan["devices"].dump() + "), got " + std::to_string(dp) + " x " + std::to_string(tp) +
+           " x " + std::to_string(pp);
+  std::optional<int64_t> chunks = checkedMul(pp, vpp);
+  if (!chunks || *chunks > kMaxPipelineChunks)
+    return path + ": fields 'pp' x 'vpp' (the pipeline's chunks) must be at most " +
+           std::to_string(kMaxPipelineChunks) + ", got " + std::to_string(pp) + " x " +
+           std::to_string(vpp);
+  return "";
+}
+
 } // namespace
+
+bool isPlanDocument(const json &plan) {
+  if (!plan.is_object())
+    return false;
+  auto format = plan.find("format");
+  return format != plan.end() && format->is_string() && *format == "loom-plan";
+}
 
 bool parsePlanFile(const std::string &text, const std::string &where, json &plan,
                    std::string &error) {
   plan = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (plan.is_discarded() || !plan.is_object() || plan.value("format", "") != "loom-plan") {
+  if (plan.is_discarded() || !isPlanDocument(plan)) {
     error = where + ": not a plan written by loomc plan --json";
     return false;
   }
   error = checkPlanFields(plan, where);
+  if (error.empty())
+    error = checkPlanDegrees(plan, where);
   return error.empty();
 }
 

@@ -16,6 +16,13 @@
 
 namespace loom::planner {
 
+/// The most pipeline chunks (pp x vpp) a plan may have: each holds at least
+/// one layer, and a loom.repeat at most 16384 (RepeatOp::kMaxCount).
+constexpr int64_t kMaxPipelineChunks = 16384;
+
+/// Whether `plan` is an object with "format": "loom-plan".
+bool isPlanDocument(const nlohmann::json &plan);
+
 /// Parses the text of a plan file (`where` names it in errors) and checks
 /// its fields. Returns false with a message naming the file and field.
 bool parsePlanFile(const std::string &text, const std::string &where, nlohmann::json &plan,

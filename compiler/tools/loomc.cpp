@@ -562,7 +562,7 @@ int inspectBundle() {
 int inspectPlan() {
   std::ifstream in(inspectInput);
   nlohmann::json plan = nlohmann::json::parse(in, nullptr, false);
-  if (plan.is_discarded() || !plan.is_object() || plan.value("format", "") != "loom-plan")
+  if (plan.is_discarded() || !::loom::planner::isPlanDocument(plan))
     return fail("'" + inspectInput + "' is neither a bundle directory nor a plan written by "
                 "loomc plan --json");
   try {
