@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs, idempotently, every Debian package that Loom's build and tests need,
-# and cuDNN's frontend headers (scripts/cudnn-frontend.sh, from PyPI).
+# and cuDNN's frontend headers (scripts/cudnn-frontend.sh, from PyPI). clang-19
+# and its sanitizer and libFuzzer runtimes build the sanitizer and fuzz tests
+# (scripts/sanitize.sh, scripts/fuzz.sh).
 # Safe to run again: packages already present are skipped without touching apt.
 set -euo pipefail
 here=$(dirname "$0")
@@ -10,6 +12,7 @@ packages=(
   llvm-19-dev libmlir-19-dev mlir-19-tools llvm-19-tools
   nlohmann-json3-dev libgtest-dev
   libopenmpi-dev openmpi-bin
+  clang-19 libfuzzer-19-dev libclang-rt-19-dev
 )
 
 missing=()
