@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs, idempotently, every Debian package that Loom's build and tests need,
-# and cuDNN's frontend headers (scripts/cudnn-frontend.sh, from PyPI).
+# and cuDNN's frontend headers (scripts/cudnn-frontend.sh, from PyPI). clang-19
+# and its sanitizer and libFuzzer runtimes build the sanitizer and fuzz tests
+# (scripts/sanitize.sh, scripts/fuzz.sh).
 # Safe to run again: packages already present are skipped without touching apt.
 set -euo pipefail
 here=$(dirname "$0")
@@ -11,6 +13,7 @@ packages=(
   nlohmann-json3-dev libgtest-dev
   libopenmpi-dev openmpi-bin
   libopenblas-dev
+  clang-19 libfuzzer-19-dev libclang-rt-19-dev
 )
 
 missing=()

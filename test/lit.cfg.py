@@ -8,8 +8,16 @@ config.suffixes = [".mlir", ".test"]
 config.excludes = ["unit", "Inputs", "lit.cfg.py", "lit.site.cfg.py.in", "CMakeLists.txt"]
 config.test_source_root = os.path.dirname(__file__)
 config.test_exec_root = os.path.join(config.loom_obj_root, "test")
+# scripts/sanitize.sh runs test/runtime and test/training with its sanitized
+# loom-run (LOOM_LIT_RUNTIME_DIR), writing their outputs apart from ctest's.
+runtime_dir = os.environ.get("LOOM_LIT_RUNTIME_DIR", config.loom_runtime_dir)
+if "LOOM_LIT_EXEC_ROOT" in os.environ:
+    config.test_exec_root = os.environ["LOOM_LIT_EXEC_ROOT"]
 config.environment["PATH"] = os.pathsep.join(
-    [config.loom_tools_dir, config.loom_runtime_dir, config.llvm_tools_dir, os.environ.get("PATH", "")])
+    [config.loom_tools_dir, runtime_dir, config.llvm_tools_dir, os.environ.get("PATH", "")])
+for var in ("ASAN_OPTIONS", "UBSAN_OPTIONS"):
+    if var in os.environ:
+        config.environment[var] = os.environ[var]
 import sys
 config.substitutions.append(("%python", sys.executable))
 config.substitutions.append(("%models", os.path.join(config.loom_src_root, "models")))

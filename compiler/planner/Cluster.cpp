@@ -5,8 +5,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 
 using json = nlohmann::json;
@@ -29,20 +31,33 @@ bool readNumber(const json &obj, const char *key, double &out, std::string &erro
   return true;
 }
 
-/// Device counts, as many as a preset's NAME:N can write (nine digits), so
-/// their product fits in int64 and "0.5 devices" is not 0 of them.
+/// The most devices per node, and nodes, a cluster may have: what the nine
+/// digits of a preset's NAME:GxK allow, so G x K fits in int64.
 constexpr int64_t kMaxCount = 999999999;
 
+/// A count of devices or nodes: a whole number from 1 to kMaxCount.
 bool readCount(const json &obj, const char *key, int64_t &out, std::string &error,
                const std::string &where) {
   auto it = obj.find(key);
-  if (it == obj.end() || !it->is_number_integer() || it->get<double>() < 1 ||
-      it->get<double>() > kMaxCount) {
-    error = where + ": field '" + key + "' must be an integer from 1 to " +
+  if (it == obj.end() || !it->is_number() || it->get<double>() < 1 ||
+      it->get<double>() > double(kMaxCount) || it->get<double>() != std::floor(it->get<double>())) {
+    error = where + ": field '" + key + "' must be a whole number from 1 to " +
             std::to_string(kMaxCount) + ", got " + (it == obj.end() ? "nothing" : it->dump());
     return false;
   }
-  out = it->get<int64_t>();
+  out = static_cast<int64_t>(it->get<double>());
+  return true;
+}
+
+/// An optional string field, `fallback` where it is absent.
+bool readString(const json &obj, const char *key, const char *fallback, std::string &out,
+                std::string &error, const std::string &where) {
+  auto it = obj.find(key);
+  if (it != obj.end() && !it->is_string()) {
+    error = where + ": field '" + key + "' must be a string";
+    return false;
+  }
+  out = it == obj.end() ? fallback : it->get<std::string>();
   return true;
 }
 
@@ -53,7 +68,8 @@ bool readDevice(const std::string &name, const json &obj, DeviceSpec &dev, int64
     return false;
   }
   dev.name = name;
-  dev.description = obj.value("description", "");
+  if (!readString(obj, "description", "", dev.description, error, where))
+    return false;
   auto flops = obj.find("peak_flops");
   if (flops == obj.end() || !flops->is_object() || flops->empty()) {
     error = where + ": device '" + name + "' needs 'peak_flops' per dtype, e.g. {\"bf16\": 9.89e14}";
@@ -66,14 +82,13 @@ bool readDevice(const std::string &name, const json &obj, DeviceSpec &dev, int64
     }
     dev.peakFlops[dtype] = value.get<double>();
   }
-  double gpn = 0;
   return readNumber(obj, "memory_bytes", dev.memoryBytes, error, where) &&
          readNumber(obj, "memory_bandwidth", dev.memoryBandwidth, error, where) &&
          readNumber(obj, "intra_node_bandwidth", dev.intraNodeBandwidth, error, where) &&
          readNumber(obj, "intra_node_latency", dev.intraNodeLatency, error, where) &&
          readNumber(obj, "inter_node_bandwidth", dev.interNodeBandwidth, error, where) &&
          readNumber(obj, "inter_node_latency", dev.interNodeLatency, error, where) &&
-         readNumber(obj, "gpus_per_node", gpn, error, where) && (perNode = int64_t(gpn), true);
+         readCount(obj, "gpus_per_node", perNode, error, where);
 }
 
 const json &presets() {
@@ -113,10 +128,44 @@ std::string presetNames() {
   return names;
 }
 
+bool parseClusterJson(const std::string &text, const std::string &where, Cluster &out,
+                      std::string &error) {
+  // {"device": {...} or "preset name", "devices_per_node": G, "nodes": K}.
+  json doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded() || !doc.is_object()) {
+    error = where + ": not valid JSON (expected an object with 'device', 'devices_per_node', 'nodes')";
+    return false;
+  }
+  auto dev = doc.find("device");
+  if (dev == doc.end()) {
+    error = where + ": field 'device' is missing (a preset name or a device object)";
+    return false;
+  }
+  int64_t perNodeDefault = 0;
+  if (dev->is_string()) {
+    auto &devices = presets()["devices"];
+    if (!devices.contains(dev->get<std::string>())) {
+      error = where + ": unknown device '" + dev->get<std::string>() + "'; presets are " +
+              presetNames();
+      return false;
+    }
+    if (!readDevice(dev->get<std::string>(), devices[dev->get<std::string>()], out.device,
+                    perNodeDefault, error, "built-in presets"))
+      return false;
+  } else {
+    std::string name;
+    if (!readString(doc, "name", "custom", name, error, where) ||
+        !readDevice(name, *dev, out.device, perNodeDefault, error, where))
+      return false;
+  }
+  return readCount(doc, "devices_per_node", out.devicesPerNode, error, where) &&
+         readCount(doc, "nodes", out.nodes, error, where);
+}
+
 bool parseCluster(const std::string &spec, Cluster &out, std::string &error) {
   size_t colon = spec.find(':');
   if (colon == std::string::npos) {
-    // A JSON file: {"device": {...} or "preset name", "devices_per_node": G, "nodes": K}.
+    // A JSON file.
     std::error_code ec;
     if (std::filesystem::is_directory(spec, ec)) {
       error = "cluster '" + spec + "' is a directory, not a preset or a JSON file";
@@ -128,33 +177,8 @@ bool parseCluster(const std::string &spec, Cluster &out, std::string &error) {
               presetNames() + ") nor a readable JSON file";
       return false;
     }
-    json doc = json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (doc.is_discarded() || !doc.is_object()) {
-      error = spec + ": not valid JSON (expected an object with 'device', 'devices_per_node', 'nodes')";
-      return false;
-    }
-    auto dev = doc.find("device");
-    if (dev == doc.end()) {
-      error = spec + ": field 'device' is missing (a preset name or a device object)";
-      return false;
-    }
-    int64_t perNodeDefault = 0;
-    if (dev->is_string()) {
-      auto &devices = presets()["devices"];
-      if (!devices.contains(dev->get<std::string>())) {
-        error = spec + ": unknown device '" + dev->get<std::string>() + "'; presets are " +
-                presetNames();
-        return false;
-      }
-      if (!readDevice(dev->get<std::string>(), devices[dev->get<std::string>()], out.device,
-                      perNodeDefault, error, "built-in presets"))
-        return false;
-    } else if (!readDevice(doc.value("name", "custom"), *dev, out.device, perNodeDefault, error,
-                           spec)) {
-      return false;
-    }
-    return readCount(doc, "devices_per_node", out.devicesPerNode, error, spec) &&
-           readCount(doc, "nodes", out.nodes, error, spec);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    return parseClusterJson(text, spec, out, error);
   }
 
   std::string name = spec.substr(0, colon), count = spec.substr(colon + 1);

@@ -42,6 +42,9 @@ struct Cluster {
 /// or the path of a JSON cluster file. Returns false with a message naming
 /// the fault and the fix.
 bool parseCluster(const std::string &spec, Cluster &out, std::string &error);
+/// Parses the text of a JSON cluster file; `where` names it in the error.
+bool parseClusterJson(const std::string &text, const std::string &where, Cluster &out,
+                      std::string &error);
 
 /// The names of the built-in device presets, comma separated.
 std::string presetNames();

@@ -14,6 +14,7 @@
 #include "loom/rt/Bundle.h"
 #include "compiler/bundle/BundleWriter.h"
 #include "compiler/planner/Cluster.h"
+#include "compiler/planner/PlanFile.h"
 #include "dialects/loom/IR/LoomDialect.h"
 #include "mlir/Dialect/Func/IR/FuncOps.h"
 #include "mlir/IR/Diagnostics.h"
@@ -370,20 +371,8 @@ int runCompile() {
   // choice only applies where there are replicas to share the state.
   options.zero1 = force.zero ? *force.zero == 1 : degree("zero") == 1 && dp > 1;
   options.plan = plan;
-  if (plan.contains("stages") && plan["stages"].is_array()) {
-    // Chunk c (virtual stage c / pp of stage c % pp) takes the plan's layers.
-    std::vector<int64_t> units(static_cast<size_t>(pp * options.virtualStages), 0);
-    for (const auto &stage : plan["stages"]) {
-      int64_t s = stage.value("stage", int64_t(0));
-      if (!stage.contains("layer_chunks"))
-        continue;
-      for (size_t v = 0; v < stage["layer_chunks"].size(); ++v)
-        if (size_t c = v * pp + s; c < units.size())
-          units[c] = stage["layer_chunks"][v][1].get<int64_t>();
-    }
-    if (pp > 1)
-      options.chunkUnits = units;
-  }
+  if (pp > 1)
+    options.chunkUnits = ::loom::planner::planChunkUnits(plan);
   if (plan.value("recompute", std::string("none")) == "full")
     options.training.recompute.insert("all");
   options.training.optimizer = trainOptimizer;
@@ -625,7 +614,7 @@ int inspectBundle() {
 int inspectPlan() {
   std::ifstream in(inspectInput);
   nlohmann::json plan = nlohmann::json::parse(in, nullptr, false);
-  if (plan.is_discarded() || !plan.is_object() || plan.value("format", "") != "loom-plan")
+  if (plan.is_discarded() || !::loom::planner::isPlanDocument(plan))
     return fail("'" + inspectInput + "' is neither a bundle directory nor a plan written by "
                 "loomc plan --json");
   try {

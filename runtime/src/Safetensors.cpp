@@ -23,7 +23,6 @@ using json = nlohmann::json;
 
 constexpr uint64_t kFnvOffset = 1469598103934665603ull;
 
-namespace {
 std::vector<char> readWholeFile(const std::string &path) {
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in)
@@ -40,10 +39,12 @@ std::vector<char> readWholeFile(const std::string &path) {
     fail(LOOM_IO_ERROR, "cannot read '", path, "': ", std::strerror(errno));
   return data;
 }
-} // namespace
 
 SafetensorsFile readSafetensors(const std::string &path) {
-  std::vector<char> file = readWholeFile(path);
+  return parseSafetensors(readWholeFile(path), path);
+}
+
+SafetensorsFile parseSafetensors(std::vector<char> file, const std::string &path) {
   if (file.size() < 8)
     fail(LOOM_INVALID_BUNDLE, path, ": truncated safetensors file (", file.size(),
          " bytes, less than its 8-byte header length)");

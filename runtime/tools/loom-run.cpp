@@ -24,6 +24,7 @@
 #include "runtime/src/MpiCommunicator.h"
 #include "runtime/src/ThreadPool.h"
 #include "runtime/src/Trace.h"
+#include "runtime/src/TokenData.h"
 
 #include <algorithm>
 #include <chrono>
@@ -98,56 +99,6 @@ void fillSynthetic(Session &s, const NamedBuffer &nb, std::mt19937_64 &rng) {
   }
   s.bindInput(nb.name, data.data(), data.size());
 }
-
-/// Token windows of a language-model data file: example j of step t reads
-/// ids [off, off + S) as tokens and [off + 1, off + S + 1) as targets.
-class TokenData {
-public:
-  TokenData(const std::string &path, const std::string &dtype, int64_t batch, int64_t seq,
-            int64_t vocab)
-      : batch(batch), seq(seq) {
-    if (dtype != "uint16" && dtype != "uint32")
-      fail(LOOM_INVALID_ARGUMENT, "--data-dtype must be uint16 or uint32, got '", dtype, "'");
-    size_t width = dtype == "uint16" ? 2 : 4;
-    std::ifstream in(path, std::ios::binary | std::ios::ate);
-    if (!in)
-      fail(LOOM_IO_ERROR, "cannot open data file '", path, "'");
-    size_t bytes = static_cast<size_t>(in.tellg());
-    if (bytes % width)
-      fail(LOOM_INVALID_ARGUMENT, path, ": ", bytes, " bytes is not a whole number of ", dtype,
-           " token ids");
-    std::vector<char> raw(bytes);
-    in.seekg(0);
-    in.read(raw.data(), bytes);
-    tokens.resize(bytes / width);
-    for (size_t i = 0; i < tokens.size(); ++i) {
-      tokens[i] = width == 2 ? reinterpret_cast<const uint16_t *>(raw.data())[i]
-                             : reinterpret_cast<const uint32_t *>(raw.data())[i];
-      if (vocab > 0 && tokens[i] >= vocab)
-        fail(LOOM_INVALID_ARGUMENT, path, ": token id ", tokens[i], " at position ", i,
-             " is outside the model's vocabulary of ", vocab,
-             " (wrong tokenizer, or --data-dtype?)");
-    }
-    if (static_cast<int64_t>(tokens.size()) < batch * seq + 1)
-      fail(LOOM_INVALID_ARGUMENT, path, ": ", tokens.size(), " tokens are fewer than one batch of ",
-           batch, " x ", seq, " plus one target (", batch * seq + 1, ")");
-  }
-
-  void fill(int64_t step, std::vector<int32_t> &in, std::vector<int32_t> &target) const {
-    int64_t n = static_cast<int64_t>(tokens.size()), span = n - seq;
-    for (int64_t j = 0; j < batch; ++j) {
-      int64_t off = (((step - 1) * batch + j) * seq) % span;
-      for (int64_t i = 0; i < seq; ++i) {
-        in[j * seq + i] = static_cast<int32_t>(tokens[off + i]);
-        target[j * seq + i] = static_cast<int32_t>(tokens[off + i + 1]);
-      }
-    }
-  }
-
-private:
-  int64_t batch, seq;
-  std::vector<uint32_t> tokens;
-};
 
 /// Prints where the time went by op and writes the calibration profile the
 /// planner reads (loomc plan --profile): achieved matrix FLOP/s.

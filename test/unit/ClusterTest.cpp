@@ -111,7 +111,29 @@ TEST(Cluster, DeviceCountsAreWholeNumbers) {
     std::string path = writeTemp(std::string(R"({"device": "h100", )") + counts + "}");
     EXPECT_FALSE(parseCluster(path, c, error)) << counts;
     EXPECT_EQ(error.rfind(path + ": field '", 0), 0u) << error;
-    EXPECT_NE(error.find("must be an integer from 1 to 999999999, got "), std::string::npos) << error;
+    EXPECT_NE(error.find("must be a whole number from 1 to 999999999, got "), std::string::npos) << error;
     std::remove(path.c_str());
   }
+}
+
+// Found by fuzz/ClusterFuzzer.cpp: a field of the wrong type was an uncaught
+// exception, and a count too large for int64 was converted anyway.
+TEST(Cluster, FieldsOfTheWrongTypeOrSizeSayWhich) {
+  Cluster c;
+  std::string error;
+  EXPECT_FALSE(parseClusterJson(R"({"name": 2, "device": {}, "devices_per_node": 1, "nodes": 1})",
+                                "c.json", c, error));
+  EXPECT_EQ(error, "c.json: field 'name' must be a string");
+  EXPECT_FALSE(parseClusterJson(R"({"device": {"description": [], "peak_flops": {"bf16": 1}}})",
+                                "c.json", c, error));
+  EXPECT_EQ(error, "c.json: field 'description' must be a string");
+  EXPECT_FALSE(parseClusterJson(R"({"device": "h100", "devices_per_node": 8, "nodes": 1e300})",
+                                "c.json", c, error));
+  EXPECT_EQ(error, "c.json: field 'nodes' must be a whole number from 1 to 999999999, got 1e+300");
+  EXPECT_FALSE(parseClusterJson(R"({"device": "h100", "devices_per_node": 2.5, "nodes": 1})",
+                                "c.json", c, error));
+  EXPECT_NE(error.find("field 'devices_per_node' must be a whole number"), std::string::npos) << error;
+  ASSERT_TRUE(parseClusterJson(R"({"device": "h100", "devices_per_node": 8.0, "nodes": 2})",
+                               "c.json", c, error)) << error;
+  EXPECT_EQ(c.numDevices(), 16);
 }

@@ -347,3 +347,29 @@ TEST(Planner, LaunchCostChargesEveryMicrobatchPass) {
     EXPECT_NEAR(b.stepTime - a.stepTime, expected, 1e-9) << m << " microbatches";
   }
 }
+
+// Found by fuzz/PlanFuzzer.cpp: "format": 2 threw nlohmann's type_error, and
+// degrees whose chunks (pp x vpp) overflow int64 or need terabytes reached
+// compile's allocation of one entry per chunk.
+TEST(PlanFile, FieldsCheckedBeforeUse) {
+  using loom::planner::parsePlanFile;
+  nlohmann::json plan;
+  std::string error;
+  EXPECT_FALSE(parsePlanFile(R"({"format": 2})", "p.json", plan, error));
+  EXPECT_EQ(error, "p.json: not a plan written by loomc plan --json");
+  EXPECT_FALSE(parsePlanFile(R"({"format": "loom-plan", "devices": 4, "dp": 2, "tp": 1, "pp": 1})",
+                             "p.json", plan, error));
+  EXPECT_EQ(error, "p.json: fields 'dp' x 'tp' x 'pp' must equal 'devices' (4), got 2 x 1 x 1");
+  EXPECT_FALSE(parsePlanFile(R"({"format": "loom-plan", "pp": 4611686018427387904, "vpp": 4})",
+                             "p.json", plan, error));
+  EXPECT_NE(error.find("fields 'pp' x 'vpp' (the pipeline's chunks) must be at most 16384"),
+            std::string::npos) << error;
+  EXPECT_FALSE(parsePlanFile(R"({"format": "loom-plan", "devices": 4, "pp": 4, "vpp": 8192})",
+                             "p.json", plan, error));
+  EXPECT_NE(error.find("got 4 x 8192"), std::string::npos) << error;
+  ASSERT_TRUE(parsePlanFile(R"({"format": "loom-plan", "devices": 4, "dp": 1, "tp": 2, "pp": 2,
+      "vpp": 2, "stages": [{"stage": 0, "layer_chunks": [[0, 1], [2, 1]]},
+                           {"stage": 1, "layer_chunks": [[1, 1], [3, 1]]}]})",
+                            "p.json", plan, error)) << error;
+  EXPECT_EQ(loom::planner::planChunkUnits(plan), (std::vector<int64_t>{1, 1, 1, 1}));
+}

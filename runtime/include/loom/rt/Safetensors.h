@@ -37,8 +37,13 @@ struct SafetensorsFile {
   }
 };
 
+/// The bytes of a regular file; throws Error naming it where it cannot be read.
+std::vector<char> readWholeFile(const std::string &path);
+
 /// Reads and validates a whole file; throws Error naming the file and field.
 SafetensorsFile readSafetensors(const std::string &path);
+/// Validates the bytes of a whole file; `path` names it in errors.
+SafetensorsFile parseSafetensors(std::vector<char> file, const std::string &path);
 
 struct SafetensorsTensorRef {
   std::string name;
