@@ -65,7 +65,9 @@ Kernel buildSub(const Ctx &c) { return binary(c, [](float a, float b) { return a
 Kernel buildMul(const Ctx &c) { return binary(c, [](float a, float b) { return a * b; }); }
 Kernel buildDiv(const Ctx &c) { return binary(c, [](float a, float b) { return a / b; }); }
 Kernel buildGelu(const Ctx &c) {
-  return c.attrFlag("approximate") ? unary(c, geluTanh, 20.0) : unary(c, geluErf, 20.0);
+  // Lambdas, not function pointers: the loops inline (and vectorise) them.
+  return c.attrFlag("approximate") ? unary(c, [](float x) { return geluTanh(x); }, 20.0)
+                                   : unary(c, [](float x) { return geluErf(x); }, 20.0);
 }
 Kernel buildRelu(const Ctx &c) { return unary(c, ew::relu); }
 Kernel buildSilu(const Ctx &c) { return unary(c, ew::silu, 20.0); }
