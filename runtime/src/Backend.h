@@ -50,6 +50,13 @@ public:
     std::string name, track, where;
     double start = 0, seconds = 0;
   };
+  /// The op of a step's label ("instruction backward[12] 'all_reduce'"
+  /// -> "all_reduce"); the label itself where it names none.
+  static std::string opOfLabel(const std::string &label) {
+    size_t close = label.rfind('\'');
+    size_t open = close == std::string::npos || close == 0 ? std::string::npos : label.rfind('\'', close - 1);
+    return open == std::string::npos ? label : label.substr(open + 1, close - open - 1);
+  }
   static double traceClock() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
   }

@@ -304,10 +304,7 @@ public:
     // The communication thread's collectives get their own track.
     // (Its labels are the instructions' "instruction backward[12] 'all_reduce'".)
     async.setTracer(tracing ? [this](const std::string &what, double t0, double t1) {
-      size_t close = what.rfind('\''), open = close == std::string::npos || close == 0
-                                                  ? std::string::npos : what.rfind('\'', close - 1);
-      std::string op = open == std::string::npos ? what : what.substr(open + 1, close - open - 1);
-      addTrace({op, "communication", what, t0, t1 - t0});
+      addTrace({opOfLabel(what), "communication", what, t0, t1 - t0});
     } : std::function<void(const std::string &, double, double)>());
     std::map<std::string, int64_t> counted;
     programs.at(program)->runTimed([&](const CpuProgram::Step &step, double t0, double t1) {

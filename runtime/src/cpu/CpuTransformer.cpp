@@ -78,6 +78,12 @@ Kernel buildRotary(const Ctx &c) {
   };
 }
 
+/// Query row si's keys: all T, or with a causal mask those up to its position
+/// (queries are the last S of T positions); none where that is before 0.
+int64_t visibleKeys(const AttentionDims &d, int64_t si) {
+  return d.causal ? std::max<int64_t>(0, std::min(d.T, si + 1 + (d.T - d.S))) : d.T;
+}
+
 /// exp(q . k_t * scale - max) for keys t < last of one query row (`keys`:
 /// the row's batch and key/value head; rows KV*D apart), into p; their sum.
 double expScores(const AttentionDims &d, const float *qrow, const float *keys, int64_t last, float *p) {
@@ -107,7 +113,7 @@ double expScores(const AttentionDims &d, const float *qrow, const float *keys, i
     for (int64_t t = begin; t < end; ++t) {
       int64_t bi = t / (heads * S), h = (t / S) % heads, si = t % S, kh = h / group;
       const float *qrow = pq + (bi * S + si) * heads * D + h * D;
-      int64_t last = causal ? std::min(T, si + 1 + (T - S)) : T;
+      int64_t last = visibleKeys(d, si);
       double sum = expScores(d, qrow, pk + bi * T * kvHeads * D + kh * D, last, p.data());
       float *orow = po + (bi * S + si) * heads * D + h * D;
       std::fill(orow, orow + D, 0.0f);
@@ -122,12 +128,6 @@ double expScores(const AttentionDims &d, const float *qrow, const float *keys, i
 }
 
 #ifdef LOOM_HAVE_OPENBLAS
-/// Query row si's keys: all T, or with a causal mask those up to its position
-/// (queries are the last S of T positions); none where that is before 0.
-int64_t visibleKeys(const AttentionDims &d, int64_t si) {
-  return d.causal ? std::max<int64_t>(0, std::min(d.T, si + 1 + (d.T - d.S))) : d.T;
-}
-
 /// One (batch, head)'s probabilities P [S, T] = softmax(q k^T * scale) with
 /// the mask's entries 0, the scores through sgemm.
 void probabilities(const AttentionDims &d, const float *q, const float *k, float *P) {
@@ -249,7 +249,7 @@ void attentionBackward(ThreadPool &threads, const AttentionDims &d, const float 
           const float *qrow = pq + (bi * S + si) * heads * D + h * D;
           const float *dorow = pdo + (bi * S + si) * heads * D + h * D;
           float *dqrow = dq + (bi * S + si) * heads * D + h * D;
-          int64_t last = causal ? std::min(T, si + 1 + (T - S)) : T;
+          int64_t last = visibleKeys(d, si);
           double sum = expScores(d, qrow, pk + bi * T * kvHeads * D + kh * D, last, p.data());
           double dot = 0;
           for (int64_t ti = 0; ti < last; ++ti) {

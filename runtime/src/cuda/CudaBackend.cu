@@ -310,10 +310,7 @@ void CudaBackendImpl::run(const std::string &program) {
         start = std::min(end, std::max(start, free[step.track]));
         free[step.track] = end;
       }
-      std::string op = step.what.substr(step.what.rfind(' ') + 1);
-      if (op.size() >= 2 && op.front() == '\'' && op.back() == '\'')
-        op = op.substr(1, op.size() - 2);
-      addTrace({op, step.track, step.what, traceBaseHost + start / 1e3, (end - start) / 1e3});
+      addTrace({opOfLabel(step.what), step.track, step.what, traceBaseHost + start / 1e3, (end - start) / 1e3});
     }
   }
   long long err[3];
