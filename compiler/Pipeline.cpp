@@ -23,7 +23,7 @@ void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o,
   add(createConfigurePass(o));
   // loom-configure checks the degrees first; these only have to be defined.
   SpecializeBatchOptions batch;
-  batch.batch = std::max<int64_t>(1, o.batch / std::max<int64_t>(1, dp * m));
+  batch.batch = o.serve.enabled ? 1 : std::max<int64_t>(1, o.batch / std::max<int64_t>(1, dp * m));
   add(createSpecializeBatch(batch));
   // Partition first: its rules match parameters read directly, and the
   // mixed-precision casts then go after each rank's own shards.
@@ -34,6 +34,8 @@ void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o,
   if (o.bf16)
     add(createMixedPrecision());
   add(createLowerToStep());
+  if (o.serve.enabled)
+    add(createServePrograms());
   if (o.train) {
     add(createPipelineSplit());
     add(createAutodiff());
@@ -76,6 +78,19 @@ struct CompilePipelineOptions : public PassPipelineOptions<CompilePipelineOption
                                llvm::cl::init("1f1b")};
   Option<int64_t> zero{*this, "zero", llvm::cl::desc("ZeRO stage (0 or 1)"), llvm::cl::init(0)};
   Option<int64_t> seed{*this, "seed", llvm::cl::desc("Initialisation seed"), llvm::cl::init(0)};
+  Option<bool> serve{*this, "serve", llvm::cl::desc("Serving step programs over a paged KV cache"),
+                     llvm::cl::init(false)};
+  Option<int64_t> maxBatch{*this, "max-batch", llvm::cl::desc("Serving: sequences at once"),
+                           llvm::cl::init(8)};
+  Option<int64_t> maxSeq{*this, "max-seq", llvm::cl::desc("Serving: tokens per sequence (0: the model's)"),
+                         llvm::cl::init(0)};
+  Option<int64_t> blockSize{*this, "block-size", llvm::cl::desc("Serving: tokens per cache block"),
+                            llvm::cl::init(16)};
+  Option<int64_t> kvBlocks{*this, "kv-blocks", llvm::cl::desc("Serving: cache blocks (0: full)"),
+                           llvm::cl::init(0)};
+  Option<int64_t> prefillChunk{*this, "prefill-chunk",
+                               llvm::cl::desc("Serving: most tokens per step (0: min(max-seq, 512))"),
+                               llvm::cl::init(0)};
   Option<std::string> until{*this, "until",
                             llvm::cl::desc("Stop after the pass of this argument (loom-autodiff, ...)"),
                             llvm::cl::init("")};
@@ -99,6 +114,9 @@ void mlir::loom::registerCompilePipeline() {
         o.schedule = p.schedule;
         o.zero1 = p.zero == 1;
         o.seed = p.seed;
+        o.serve.enabled = p.serve;
+        o.serve.maxBatch = p.maxBatch, o.serve.maxSeq = p.maxSeq, o.serve.blockSize = p.blockSize;
+        o.serve.kvBlocks = p.kvBlocks, o.serve.prefillChunk = p.prefillChunk;
         buildCompilePipeline(pm, o, p.until);
       });
 }

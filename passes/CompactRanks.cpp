@@ -19,11 +19,7 @@ using namespace mlir::loom;
 namespace rt = ::loom::rt;
 using json = nlohmann::json;
 
-namespace {
-
-/// Drops the buffers and parameters a rank's programs never touch (other
-/// stages' layers) and renumbers the rest densely.
-void compactRank(rt::RankProgram &r) {
+void mlir::loom::compactRank(rt::RankProgram &r) {
   std::vector<bool> used(r.buffers.size(), false);
   auto mark = [&](int64_t id) {
     for (; id >= 0; id = r.buffers[id].viewOf)
@@ -76,6 +72,8 @@ void compactRank(rt::RankProgram &r) {
     for (rt::NamedBuffer &nb : *list)
       nb.buffer = to[nb.buffer];
 }
+
+namespace {
 
 struct CompactRanksPass : mlir::loom::impl::CompactRanksBase<CompactRanksPass> {
   void runOnOperation() override {

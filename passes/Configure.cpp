@@ -31,6 +31,8 @@ static LogicalResult checkPlan(ModuleOp module, const BundleOptions &o) {
   if (!o.train && (dp > 1 || pp > 1 || m > 1))
     return module.emitError() << "inference bundles split over tensor parallelism only (tp); "
                                  "data and pipeline parallelism apply to training bundles (--train)";
+  if (o.serve.enabled && o.train)
+    return module.emitError() << "a bundle serves (--serve) or trains (--train), not both";
   planner::Schedule schedule;
   if (!planner::parseSchedule(o.schedule, schedule))
     return module.emitError() << "unknown schedule '" << o.schedule

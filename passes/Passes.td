@@ -119,6 +119,25 @@ def Recompute : Pass<"loom-recompute", "::mlir::ModuleOp"> {
   }];
 }
 
+def ServePrograms : Pass<"loom-serve-programs", "::mlir::ModuleOp"> {
+  let summary = "Prefill and decode step programs over a paged key/value cache (serving)";
+  let description = [{
+    For a serving bundle (`loomc compile --serve`), replaces the forward
+    pass of a decoder with step programs `serve.N` over N token slots, any
+    mix of prompt chunks and decoding sequences: each token carries its
+    position, its cache row (`slots`) and its sequence's block table.
+    Every causal attention becomes a `kv_write` of the step's keys and
+    values into that layer's paged cache and a `paged_attention` of each
+    token over its sequence's cached keys; a learned position table is
+    read at the tokens' positions; rotary embeddings rotate by them. The
+    final norm and output head run only on the rows whose logits are
+    sampled (`rows`). Casts of parameters move to a `prepare` program that
+    runs once, into persistent copies. Records the cache geometry and the
+    programs in the bundle's `serve` attribute. A model that is not a
+    causal decoder with batch 1 and one token input is an error.
+  }];
+}
+
 def DistributeRanks : Pass<"loom-distribute-ranks", "::mlir::ModuleOp"> {
   let summary = "One rank per device of the dp x tp x pp grid";
   let description = [{

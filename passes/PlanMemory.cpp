@@ -116,10 +116,17 @@ namespace {
 struct PlanMemoryPass : mlir::loom::impl::PlanMemoryBase<PlanMemoryPass> {
   void runOnOperation() override {
     auto rewrite = [&](Step &step) -> LogicalResult {
-      for (StepRank &sr : step.ranks)
-        if (failed(planMemory(sr.program, {"forward", "step", "backward", "update"})))
+      for (StepRank &sr : step.ranks) {
+        // The training programs run in this order; any others (a serving
+        // bundle's step programs, which run one at a time) follow.
+        std::vector<std::string> order = {"forward", "step", "backward", "update"};
+        for (const auto &[name, _] : sr.program.programs)
+          if (std::find(order.begin(), order.end(), name) == order.end())
+            order.push_back(name);
+        if (failed(planMemory(sr.program, order)))
           return getOperation().emitError()
                  << "rank " << sr.program.rank << " needs an arena of more than 2^63 bytes";
+      }
       return success();
     };
     if (failed(updateStep(getOperation(), getArgument(), rewrite)))

@@ -152,6 +152,10 @@ void mlir::loom::setCompileOptions(ModuleOp module, const BundleOptions &o) {
                {"bucket_bytes", o.bucketBytes},
                {"recompute", std::vector<std::string>(t.recompute.begin(), t.recompute.end())},
                {"record", o.plan}};
+  if (o.serve.enabled)
+    options["serve"] = {{"max_batch", o.serve.maxBatch},   {"max_seq", o.serve.maxSeq},
+                        {"block_size", o.serve.blockSize}, {"kv_blocks", o.serve.kvBlocks},
+                        {"prefill_chunk", o.serve.prefillChunk}};
   MLIRContext *ctx = module.getContext();
   module->setAttr("loom.options", jsonToAttr(ctx, options));
   module->setAttr("loom.plan", jsonToAttr(ctx, plan));
@@ -192,6 +196,16 @@ FailureOr<BundleOptions> mlir::loom::getCompileOptions(ModuleOp module) {
     t.clip = options.value("clip", t.clip);
     t.warmup = options.value("warmup", t.warmup);
     t.totalSteps = options.value("total_steps", t.totalSteps);
+    if (options.contains("serve")) {
+      const json &sv = options["serve"];
+      ServeOptions &so = o.serve;
+      so.enabled = true;
+      so.maxBatch = sv.value("max_batch", so.maxBatch);
+      so.maxSeq = sv.value("max_seq", so.maxSeq);
+      so.blockSize = sv.value("block_size", so.blockSize);
+      so.kvBlocks = sv.value("kv_blocks", so.kvBlocks);
+      so.prefillChunk = sv.value("prefill_chunk", so.prefillChunk);
+    }
     o.dataParallel = plan.value("dp", o.dataParallel);
     o.tensorParallel = plan.value("tp", o.tensorParallel);
     o.pipelineParallel = plan.value("pp", o.pipelineParallel);
@@ -220,7 +234,7 @@ namespace {
 
 std::optional<rt::BufferRole> roleOf(StringRef s) {
   for (rt::BufferRole r : {rt::BufferRole::Input, rt::BufferRole::Output, rt::BufferRole::Param,
-                           rt::BufferRole::Activation, rt::BufferRole::State})
+                           rt::BufferRole::Activation, rt::BufferRole::State, rt::BufferRole::Cache})
     if (s == rt::roleName(r))
       return r;
   return std::nullopt;
@@ -432,6 +446,16 @@ FailureOr<Step> mlir::loom::readStep(ModuleOp module, StringRef pass) {
     }
     step.ranks.push_back(std::move(sr));
   }
+  if (auto serve = bundle->getAttrOfType<DictionaryAttr>("serve")) {
+    FailureOr<json> doc = attrToJson(serve);
+    if (failed(doc))
+      return bundle.emitError() << "the serve attribute is not JSON";
+    try {
+      m.serve = rt::parseServeConfig(*doc, toManifest(step), "loomrt.bundle");
+    } catch (const std::exception &e) {
+      return bundle.emitError() << e.what();
+    }
+  }
   return step;
 }
 
@@ -446,6 +470,8 @@ void mlir::loom::writeStep(ModuleOp module, const Step &step) {
   auto bundle = b.create<loomrt::BundleOp>(
       loc, m.model, m.mode, m.batch, static_cast<int64_t>(m.seed), m.weights, m.kernels,
       cast<DictionaryAttr>(jsonToAttr(ctx, m.plan.is_object() ? m.plan : json::object())));
+  if (m.serve.enabled())
+    bundle->setAttr("serve", jsonToAttr(ctx, rt::toJson(m.serve)));
   Block *body = new Block();
   bundle.getBody().push_back(body);
   for (const StepRank &sr : step.ranks) {

@@ -36,6 +36,17 @@ struct TrainOptions {
   std::set<std::string> recompute;
 };
 
+/// A serving bundle (loomc compile --serve): step programs over a paged
+/// key/value cache instead of the forward pass (loom-serve-programs).
+struct ServeOptions {
+  bool enabled = false;
+  int64_t maxBatch = 8;     // sequences decoding at once
+  int64_t maxSeq = 0;       // prompt + generated tokens per sequence; 0: the model's sequence
+  int64_t blockSize = 16;   // tokens per cache block
+  int64_t kvBlocks = 0;     // cache blocks; 0: enough for max_batch sequences of max_seq
+  int64_t prefillChunk = 0; // most tokens per step; 0: min(max_seq, 512)
+};
+
 struct BundleOptions {
   int64_t batch = 1;
   uint64_t seed = 0;
@@ -68,6 +79,7 @@ struct BundleOptions {
   /// Recorded in the manifest: the plan this bundle was compiled for.
   nlohmann::json plan = nlohmann::json::object();
   TrainOptions training;
+  ServeOptions serve;
 };
 
 /// Writes `options` onto the module as `loom.options` (batch, seed,
@@ -142,6 +154,11 @@ void eraseMarked(std::vector<::loom::rt::Instruction> &list, const std::vector<b
 std::map<int64_t, std::set<int64_t>> paramStages(const StepRank &rank, int64_t pp);
 /// Parameters and optimizer state: shared by every microbatch, never copied.
 bool isFloatRole(const ::loom::rt::Buffer &b);
+
+/// Drops the buffers and parameters a rank's programs never touch (another
+/// pipeline stage's layers, what a rewrite replaced) and renumbers the rest
+/// densely (loom-compact-ranks).
+void compactRank(::loom::rt::RankProgram &rank);
 
 /// Packs the activation buffers of a rank into the arena by lifetime and
 /// fills offsets, arena size and peak; persistent buffers (parameters,

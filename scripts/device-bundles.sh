@@ -8,6 +8,7 @@
 #   multi   2- and 4-GPU plans of tiny GPT and GPT-2 350M (scripts/device-multigpu.sh)
 #   scale   GPT-2 350M and GPT 1.3B on 4 GPUs, planner-chosen and forced (scripts/device-scale.sh)
 #   trace   timelines of one GPU, dp2 and pp2 (scripts/device-trace.sh)
+#   serve   serving bundles and their forward references (scripts/device-serve.sh)
 # The named sets replace what was there: the carried tree must stay under 64 MiB
 # (bundles carry no weights; every set together is a few MiB).
 set -euo pipefail
@@ -76,6 +77,19 @@ scale() {
     c .deps/gpt-1.3b.mlir --batch 8 --train --lr 3e-4 --cluster h200:4 --force $plan,zero=0 -o $out/gpt-1.3b-$name.loom
   done
 }
+serve() {
+  # Greedy decoding with the paged cache against re-running the forward pass, on the GPU.
+  for m in gpt-tiny llama-tiny; do
+    c models/$m.mlir --serve --target cuda --max-batch 4 --prefill-chunk 8 -o $out/$m-serve.loom
+    c models/$m.mlir --target cuda -o $out/$m-fwd.loom
+  done
+  # The benchmark: GPT-2 350M, prompt 128 + 128 new tokens, batch 1 and 32; TinyLlama 1.1B batch 1.
+  c models/gpt2-350m.mlir --serve --target cuda --max-batch 32 --max-seq 256 -o $out/gpt2-350m-serve.loom
+  c models/gpt2-350m.mlir --serve --target cuda --max-batch 1 --max-seq 256 -o $out/gpt2-350m-serve-b1.loom
+  c models/llama-1.1b.mlir --serve --target cuda --max-batch 1 --max-seq 256 -o $out/llama-1.1b-serve-b1.loom
+  # One reference step of GPT-2 350M with the cache against its full forward pass.
+  c models/gpt2-350m.mlir --target cuda -o $out/gpt2-350m-fwd.loom
+}
 single() {
 for m in gpt-tiny llama-tiny bert-tiny mlp; do
   c models/$m.mlir --batch 4 -o $out/$m-infer.loom
@@ -116,8 +130,8 @@ c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --weight-decay 0.1 --clip 1.
 }
 for set_name in "${sets[@]}"; do
   case $set_name in
-    single | multi | scale | trace) "$set_name" ;;
-    *) echo "device-bundles.sh: unknown set '$set_name' (single, multi, scale, trace)" >&2; exit 2 ;;
+    single | multi | scale | trace | serve) "$set_name" ;;
+    *) echo "device-bundles.sh: unknown set '$set_name' (single, multi, scale, trace, serve)" >&2; exit 2 ;;
   esac
 done
 du -sh "$out"

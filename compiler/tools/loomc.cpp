@@ -157,6 +157,27 @@ cl::opt<std::string> compileWeights("weights",
                                              "of initialising them"),
                                     cl::value_desc("file"), cl::sub(compileCmd));
 
+cl::OptionCategory serveCategory("Serving options (with --serve)");
+cl::opt<bool> compileServe("serve", cl::desc("Compile a decoder for serving: step programs over a paged "
+                                             "key/value cache, for continuous batching (loom-run "
+                                             "--generate, loom-serve, the C API's loom_server_*)"),
+                           cl::sub(compileCmd));
+cl::opt<int64_t> serveMaxBatch("max-batch", cl::desc("Sequences decoding at once (default 8)"), cl::init(8),
+                               cl::sub(compileCmd), cl::cat(serveCategory));
+cl::opt<int64_t> serveMaxSeq("max-seq", cl::desc("Tokens per sequence, prompt and answer (default: the "
+                                                 "model's sequence length)"),
+                             cl::init(0), cl::sub(compileCmd), cl::cat(serveCategory));
+cl::opt<int64_t> serveBlockSize("block-size", cl::desc("Tokens per key/value cache block (default 16)"),
+                                cl::init(16), cl::sub(compileCmd), cl::cat(serveCategory));
+cl::opt<int64_t> serveKvBlocks("kv-blocks", cl::desc("Key/value cache blocks (default: enough for "
+                                                     "--max-batch sequences of --max-seq tokens)"),
+                               cl::init(0), cl::sub(compileCmd), cl::cat(serveCategory));
+cl::opt<int64_t> servePrefillChunk("prefill-chunk", cl::desc("Most tokens one step runs: prompts longer "
+                                                             "than this are split so that decoding "
+                                                             "sequences keep going (default: "
+                                                             "min(max-seq, 512))"),
+                                   cl::init(0), cl::sub(compileCmd), cl::cat(serveCategory));
+
 cl::SubCommand planCmd("plan", "Choose how to parallelise a model on a cluster, predict its step "
                                "time and memory, and explain the choice");
 cl::opt<std::string> planInput(cl::Positional, cl::desc("<model.mlir>"), cl::Required,
@@ -289,6 +310,23 @@ int runVerify() {
 int runCompile() {
   if (compileTrain && compileInfer)
     return fail("--train and --infer are exclusive");
+  if (compileServe && (compileTrain || compileInfer))
+    return fail("--serve compiles serving programs: leave out --train and --infer");
+  if (!compileServe)
+    for (auto *o : {&serveMaxBatch, &serveMaxSeq, &serveBlockSize, &serveKvBlocks, &servePrefillChunk})
+      if (o->getNumOccurrences())
+        return fail("--" + o->ArgStr.str() + " applies to serving bundles (--serve)");
+  if (compileServe) {
+    if (serveMaxBatch < 1 || serveMaxBatch > 65536)
+      return fail("--max-batch must be in [1, 65536]");
+    if (serveBlockSize < 1 || serveBlockSize > 4096)
+      return fail("--block-size must be in [1, 4096]");
+    if (serveMaxSeq < 0 || serveKvBlocks < 0 || servePrefillChunk < 0 || serveMaxSeq > (1 << 24) ||
+        servePrefillChunk > (1 << 20) || serveKvBlocks > (1 << 30))
+      return fail("--max-seq (at most 2^24), --kv-blocks (2^30) and --prefill-chunk (2^20) must be >= 0");
+    if (compileBatch.getNumOccurrences())
+      return fail("--batch does not apply to serving bundles: --max-batch sets the sequences at once");
+  }
   if (trainOptimizer != "adamw" && trainOptimizer != "sgd" && trainOptimizer != "none")
     return fail("--optimizer must be adamw, sgd or none, got '" + trainOptimizer + "'");
   if (std::string problem = checkTrainingOptions(); !problem.empty())
@@ -382,6 +420,10 @@ int runCompile() {
   options.training.eps = trainEps, options.training.weightDecay = trainDecay;
   options.training.momentum = trainMomentum, options.training.clip = trainClip;
   options.training.recompute.insert(trainRecompute.begin(), trainRecompute.end());
+  options.serve.enabled = compileServe;
+  options.serve.maxBatch = serveMaxBatch, options.serve.maxSeq = serveMaxSeq;
+  options.serve.blockSize = serveBlockSize, options.serve.kvBlocks = serveKvBlocks;
+  options.serve.prefillChunk = servePrefillChunk;
   llvm::StringRef stem = llvm::sys::path::stem(compileInput);
   options.modelName = stem.str();
   ::loom::rt::Manifest manifest;
@@ -406,6 +448,18 @@ int runCompile() {
                << llvm::format("%.1f", rank.peakActivationBytes / 1048576.0)
                << " MiB, arena " << llvm::format("%.1f", rank.arenaBytes / 1048576.0)
                << " MiB (batch " << compileBatch << (compileTrain ? ", training step" : "") << ")\n";
+  if (manifest.serve.enabled()) {
+    const ::loom::rt::ServeConfig &sv = manifest.serve;
+    int64_t cacheBytes = 0;
+    for (const auto &b : rank.buffers)
+      if (b.role == ::loom::rt::BufferRole::Cache && b.name.find("_cache") != std::string::npos)
+        cacheBytes += b.bytes;
+    llvm::outs() << "serving: " << sv.programs.size() << " step programs of " << sv.programs.front().tokens
+                 << " to " << sv.programs.back().tokens << " tokens; key/value cache of " << sv.numBlocks
+                 << " blocks of " << sv.blockSize << " tokens ("
+                 << llvm::format("%.1f", cacheBytes / 1048576.0) << " MiB); max batch " << sv.maxBatch
+                 << ", max sequence " << sv.maxSeq << "\n";
+  }
   // What the compiler's rewrites did to rank 0, read back from its programs.
   int64_t packed = 0, epilogues = 0, fused = 0, rowKernels = 0, bf16Grads = 0;
   std::map<std::string, int64_t> epilogueKinds;

@@ -29,6 +29,8 @@ const char *roleName(BufferRole role) {
     return "activation";
   case BufferRole::State:
     return "state";
+  case BufferRole::Cache:
+    return "cache";
   }
   return "?";
 }
@@ -122,8 +124,10 @@ Buffer parseBuffer(const Field &f) {
     b.role = BufferRole::Activation;
   else if (role == "state")
     b.role = BufferRole::State;
+  else if (role == "cache")
+    b.role = BufferRole::Cache;
   else
-    f.at("role").bad("must be input, output, param, state or activation, got '" + role + "'");
+    f.at("role").bad("must be input, output, param, state, cache or activation, got '" + role + "'");
   if (f.has("view_of"))
     b.viewOf = f.at("view_of").integer(0);
   std::optional<int64_t> count = numElements(b.shape);
@@ -326,7 +330,83 @@ RankProgram parseRank(const Field &f, size_t index) {
   return r;
 }
 
+/// The serving section: the cache's geometry and the step programs, each
+/// with its inputs and output in rank 0 (every rank of a tensor-parallel
+/// serving bundle binds the same names).
+ServeConfig parseServe(const Field &f, const Manifest &m) {
+  ServeConfig s;
+  s.blockSize = f.at("block_size").integer(1);
+  s.numBlocks = f.at("num_blocks").integer(1);
+  s.maxBlocksPerSeq = f.at("max_blocks_per_seq").integer(1);
+  s.maxSeq = f.at("max_seq").integer(1);
+  s.maxBatch = f.at("max_batch").integer(1);
+  s.vocab = f.at("vocab").integer(1);
+  if (f.has("prepare"))
+    s.prepare = f.at("prepare").string();
+  std::optional<int64_t> span = checkedMul(s.blockSize, s.maxBlocksPerSeq);
+  if (!span || *span < s.maxSeq)
+    f.at("max_blocks_per_seq").bad("holds fewer than max_seq tokens in blocks of block_size");
+  Field programs = f.at("programs");
+  if (programs.size() == 0)
+    programs.bad("must list at least one program");
+  for (const RankProgram &r : m.ranks) {
+    if (!s.prepare.empty() && !r.programs.count(s.prepare))
+      f.at("prepare").bad("names program '" + s.prepare + "', which rank " + std::to_string(r.rank) +
+                          " does not have");
+  }
+  for (size_t i = 0; i < programs.size(); ++i) {
+    ServeProgram p{programs[i].at("name").string(), programs[i].at("tokens").integer(1),
+                   programs[i].at("rows").integer(1)};
+    if (p.rows > p.tokens)
+      programs[i].at("rows").bad("must not exceed tokens");
+    if (!s.programs.empty() && p.tokens <= s.programs.back().tokens)
+      programs[i].at("tokens").bad("must grow from one program to the next");
+    for (const RankProgram &r : m.ranks) {
+      if (!r.programs.count(p.name))
+        programs[i].at("name").bad("names program '" + p.name + "', which rank " + std::to_string(r.rank) +
+                                   " does not have");
+      auto check = [&](const std::vector<NamedBuffer> &list, const std::string &suffix, const Shape &shape,
+                       bool integer) {
+        std::string name = p.name + "." + suffix;
+        auto it = std::find_if(list.begin(), list.end(), [&](const NamedBuffer &nb) { return nb.name == name; });
+        if (it == list.end())
+          programs[i].bad("needs rank " + std::to_string(r.rank) + " to bind '" + name + "'");
+        const Buffer &b = r.buffers[it->buffer];
+        bool typeOk = integer ? b.dtype == LOOM_I32 : (b.dtype == LOOM_F32 || b.dtype == LOOM_BF16);
+        if (b.shape != shape || !typeOk)
+          programs[i].bad("needs '" + name + "' shaped " + shapeStr(shape) + (integer ? " i32" : " f32 or bf16") +
+                          ", rank " + std::to_string(r.rank) + " has " + shapeStr(b.shape) + " " +
+                          dtypeName(b.dtype));
+      };
+      check(r.inputs, "tokens", {1, p.tokens}, true);
+      check(r.inputs, "positions", {1, p.tokens}, true);
+      check(r.inputs, "slots", {p.tokens}, true);
+      check(r.inputs, "block_table", {p.tokens, s.maxBlocksPerSeq}, true);
+      check(r.inputs, "rows", {p.rows}, true);
+      check(r.outputs, "logits", {1, p.rows, s.vocab}, false);
+    }
+    s.programs.push_back(p);
+  }
+  return s;
+}
+
 } // namespace
+
+ServeConfig parseServeConfig(const json &doc, const Manifest &m, const std::string &where) {
+  return parseServe(Field(doc, "serve", where), m);
+}
+
+json toJson(const ServeConfig &s) {
+  json programs = json::array();
+  for (const ServeProgram &p : s.programs)
+    programs.push_back({{"name", p.name}, {"tokens", p.tokens}, {"rows", p.rows}});
+  json doc = {{"block_size", s.blockSize}, {"num_blocks", s.numBlocks},
+              {"max_blocks_per_seq", s.maxBlocksPerSeq}, {"max_seq", s.maxSeq},
+              {"max_batch", s.maxBatch}, {"vocab", s.vocab}, {"programs", programs}};
+  if (!s.prepare.empty())
+    doc["prepare"] = s.prepare;
+  return doc;
+}
 
 /// Calls copy(fullOffset, partOffset, bytes) for each contiguous piece of a
 /// rank's part: rows before the axis, the axis as blocks x parts x piece.
@@ -388,6 +468,10 @@ Manifest parseManifest(const json &doc, const std::string &where) {
     ranks.bad("must list at least one rank");
   for (size_t i = 0; i < ranks.size(); ++i)
     m.ranks.push_back(parseRank(ranks[i], i));
+  if (root.has("serve"))
+    m.serve = parseServe(root.at("serve"), m);
+  if (m.mode == "serve" && !m.serve.enabled())
+    root.at("mode").bad("is 'serve' but the manifest has no 'serve' section");
   return m;
 }
 
@@ -475,6 +559,8 @@ json toJson(const Manifest &m) {
     doc["plan"] = m.plan;
   if (!m.kernels.empty())
     doc["kernels"] = m.kernels;
+  if (m.serve.enabled())
+    doc["serve"] = toJson(m.serve);
   return doc;
 }
 

@@ -1,6 +1,7 @@
 //===- CApi.cpp - The C API over Session ----------------------------------===//
 
 #include "loom/runtime.h"
+#include "runtime/src/CApiStatus.h"
 #include "loom/rt/Error.h"
 #include "runtime/src/MpiCommunicator.h"
 #include "runtime/src/Session.h"
@@ -9,39 +10,14 @@
 #include <new>
 #include <string>
 
-struct loom_status_t {
-  loom_status_code_t code;
-  std::string message;
-};
-
 struct loom_session_t {
   std::unique_ptr<loom::rt::Session> session;
 };
 
 namespace {
-loom_status_t *makeStatus(loom_status_code_t code, std::string message) {
-  return new (std::nothrow) loom_status_t{code, std::move(message)};
-}
-
-/// Runs `body`, turning every exception into a status.
-template <typename F> loom_status_t *guarded(F body) {
-  try {
-    body();
-    return nullptr;
-  } catch (const loom::rt::Error &e) {
-    return makeStatus(e.code, e.what());
-  } catch (const std::bad_alloc &) {
-    return makeStatus(LOOM_INVALID_ARGUMENT, "out of host memory");
-  } catch (const std::exception &e) {
-    return makeStatus(LOOM_INTERNAL, std::string("internal error: ") + e.what());
-  } catch (...) {
-    return makeStatus(LOOM_INTERNAL, "internal error: an exception that is not a std::exception");
-  }
-}
-
-loom_status_t *nullArgument(const char *what) {
-  return makeStatus(LOOM_INVALID_ARGUMENT, std::string(what) + " must not be NULL");
-}
+using loom::rt::capi::guarded;
+using loom::rt::capi::makeStatus;
+using loom::rt::capi::nullArgument;
 
 loom_tensor_info_t infoOf(const loom::rt::NamedBuffer &nb, const loom::rt::Buffer &b) {
   loom_tensor_info_t info{};

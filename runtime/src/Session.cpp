@@ -96,7 +96,7 @@ Session::Session(const std::string &bundleDir, const SessionOptions &options)
   } else {
     loadWeights(dir + "/" + bundle.weights);
   }
-  if (!r.programs.count("forward") && !r.programs.count("step"))
+  if (!r.programs.count("forward") && !r.programs.count("step") && !bundle.serve.enabled())
     fail(LOOM_INVALID_BUNDLE, dir, "/manifest.json: rank ", r.rank,
          " has neither a 'forward' nor a 'step' program");
   for (const auto &[name, instrs] : r.programs)

@@ -25,6 +25,7 @@
 #include "runtime/src/ThreadPool.h"
 #include "runtime/src/Trace.h"
 #include "runtime/src/TokenData.h"
+#include "runtime/tools/Generate.h"
 
 #include <algorithm>
 #include <chrono>
@@ -79,7 +80,8 @@ void usage(FILE *to) {
                "  --checkpoint DIR        where checkpoints go (DIR/checkpoint.safetensors; one\n"
                "                          file per rank, checkpoint.rank-K.safetensors, for\n"
                "                          multi-rank bundles)\n"
-               "  --resume DIR            continue from the checkpoint(s) in DIR\n");
+               "  --resume DIR            continue from the checkpoint(s) in DIR\n\n");
+  std::fputs(generateUsage(), to);
 }
 
 double valueAt(const Buffer &b, const char *p, int64_t i) { return loadAsDouble(b.dtype, p, i); }
@@ -354,8 +356,14 @@ int run(int argc, char **argv) {
   int steps = -1, threads = 0, saveEvery = 0;
   uint64_t seed = 0;
   double timeout = kDefaultTimeoutSeconds;
+  GenerateOptions generation;
+  bool generating = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
+    if (parseGenerateOption(argc, argv, i, generation)) {
+      generating = true;
+      continue;
+    }
     auto value = [&]() -> std::string {
       if (i + 1 >= argc)
         fail(LOOM_INVALID_ARGUMENT, a, " needs a value");
@@ -532,6 +540,16 @@ int run(int argc, char **argv) {
     std::printf("wrote %s: %zu events of %zu rank%s (open in ui.perfetto.dev)\n", path.c_str(), events,
                 traces.size(), traces.size() == 1 ? "" : "s");
   };
+  if (s.manifest().mode == "serve" || generating) {
+    if (steps >= 0 || !input.empty() || !output.empty() || !data.empty() || saveEvery || !resume.empty())
+      fail(LOOM_INVALID_ARGUMENT, "--steps, --input, --output, --data, --save-every and --resume do not apply "
+           "to generation; see --help for the --generate options");
+    int rc = generate(ranks, generation, options);
+    writeTrace();
+    if (!profilePath.empty())
+      reportProfile(s, profilePath);
+    return rc;
+  }
   if (s.canTrain()) {
     int rc = train(ranks, comm, steps < 0 ? 10 : steps, data, dataDtype, saveEvery, checkpointDir,
                    resume, seed);

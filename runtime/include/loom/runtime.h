@@ -25,6 +25,7 @@ typedef enum loom_status_code_e {
   LOOM_UNSUPPORTED = 3,      /* valid, but this runtime or backend cannot run it */
   LOOM_IO_ERROR = 4,         /* a file could not be read or written */
   LOOM_INTERNAL = 5,         /* a bug in Loom: please report it */
+  LOOM_RESOURCE_EXHAUSTED = 6, /* full for now (a server's queue): retry later */
 } loom_status_code_t;
 
 typedef struct loom_status_t loom_status_t;
@@ -124,6 +125,95 @@ loom_status_t *loom_session_load_checkpoint(loom_session_t *session, const char 
 /* Weights as safetensors; saving writes a temporary file and renames it. */
 loom_status_t *loom_session_save_weights(loom_session_t *session, const char *path);
 loom_status_t *loom_session_load_weights(loom_session_t *session, const char *path);
+
+/*--- Serving --------------------------------------------------------------*/
+
+/* A server runs a serving bundle (`loomc compile --serve`): every rank of it
+ * in this process (one thread each; NCCL between the GPUs of a
+ * tensor-parallel bundle with the "cuda" backend), and a scheduler that
+ * batches requests continuously over the bundle's paged key/value cache:
+ * requests join and leave between decoding steps, long prompts are split so
+ * that decoding sequences keep going. Thread-safe: submit and cancel from
+ * any thread. Tokens arrive through the request's callback, on the server's
+ * own thread, as they are produced. Example: runtime/examples/serve.c. */
+typedef struct loom_server_t loom_server_t;
+
+/* Structs below carry their own size: set by the *_init functions, so that
+ * fields added later (at the end) keep old callers working. */
+typedef struct loom_server_options_t {
+  size_t struct_size;
+  const char *backend;  /* "cpu" (default) or "cuda" */
+  int32_t num_threads;  /* CPU backend, per rank; 0 = all hardware threads */
+  int32_t max_queue;    /* requests waiting at most; more are refused with
+                           LOOM_RESOURCE_EXHAUSTED (default 1024) */
+} loom_server_options_t;
+void loom_server_options_init(loom_server_options_t *options);
+
+typedef struct loom_sampling_params_t {
+  size_t struct_size;
+  float temperature;          /* 0 (default): greedy */
+  int32_t top_k;              /* 0 (default): off */
+  float top_p;                /* 1 (default): off */
+  float repetition_penalty;   /* 1 (default): off */
+  uint64_t seed;              /* of this request's sampling (default 0) */
+  int32_t max_new_tokens;     /* default 16; a sequence also ends at the bundle's max_seq */
+  const int32_t *stop_tokens; /* generation ends after one of these; copied at submit */
+  int32_t num_stop_tokens;
+} loom_sampling_params_t;
+void loom_sampling_params_init(loom_sampling_params_t *params);
+
+typedef enum loom_finish_reason_e {
+  LOOM_FINISH_NONE = 0,      /* more tokens follow */
+  LOOM_FINISH_LENGTH = 1,    /* max_new_tokens or max_seq reached */
+  LOOM_FINISH_STOP = 2,      /* a stop token was produced (it is this event's token) */
+  LOOM_FINISH_CANCELLED = 3, /* loom_server_cancel, or the server shut down */
+  LOOM_FINISH_ERROR = 4,     /* `error` says why */
+} loom_finish_reason_t;
+
+typedef struct loom_token_event_t {
+  uint64_t request;
+  int32_t token;               /* -1 on an event that only ends the request */
+  int32_t index;               /* of the token among the request's new tokens */
+  loom_finish_reason_t finish; /* not NONE on the request's last event */
+  const char *error;           /* when finish is ERROR; valid during the callback */
+} loom_token_event_t;
+
+/* Called once per token and once more at the end unless the last token ends
+ * the request (its event then carries the finish reason). It runs on the
+ * server's thread: return quickly; it may call loom_server_submit and
+ * loom_server_cancel. */
+typedef void (*loom_token_callback_t)(const loom_token_event_t *event, void *user_data);
+
+/* Opens the serving bundle at `bundle_path` (every rank) and starts the
+ * scheduler. `options` may be NULL. */
+loom_status_t *loom_server_create(const char *bundle_path, const loom_server_options_t *options,
+                                  loom_server_t **out_server);
+/* Cancels what is still queued or running (their callbacks get CANCELLED),
+ * stops the scheduler and frees the server. */
+void loom_server_destroy(loom_server_t *server);
+/* Queues a request of `num_tokens` prompt token ids; `params` may be NULL
+ * for greedy decoding of 16 tokens. On success `out_request` (may be NULL)
+ * receives its id. Refused with LOOM_INVALID_ARGUMENT when it can never run
+ * (empty or too long a prompt, a token outside the vocabulary, bad
+ * parameters), with LOOM_RESOURCE_EXHAUSTED when the queue is full. */
+loom_status_t *loom_server_submit(loom_server_t *server, const int32_t *tokens, size_t num_tokens,
+                                  const loom_sampling_params_t *params, loom_token_callback_t callback,
+                                  void *user_data, uint64_t *out_request);
+/* Ends a request early; unknown or finished ids are ignored. */
+loom_status_t *loom_server_cancel(loom_server_t *server, uint64_t request);
+/* Refuses new requests, waits until every queued and running one finished,
+ * and stops the scheduler (what a server does on SIGTERM). */
+loom_status_t *loom_server_drain(loom_server_t *server);
+
+typedef struct loom_server_stats_t {
+  size_t struct_size;
+  uint64_t submitted, finished, refused, cancelled;
+  uint64_t prompt_tokens, generated_tokens, steps;
+  uint64_t waiting, running;
+  int64_t free_blocks, total_blocks;
+} loom_server_stats_t;
+void loom_server_stats_init(loom_server_stats_t *stats);
+loom_status_t *loom_server_stats(const loom_server_t *server, loom_server_stats_t *out_stats);
 
 #ifdef __cplusplus
 }

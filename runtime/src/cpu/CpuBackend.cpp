@@ -34,6 +34,7 @@ const cpu::BuilderTable &builders() {
     cpu::registerMatmulBuilders(t);
     cpu::registerNormBuilders(t);
     cpu::registerTransformerBuilders(t);
+    cpu::registerServeBuilders(t);
     cpu::registerShapeBuilders(t);
     cpu::registerConvBuilders(t);
     cpu::registerGradientBuilders(t);
@@ -131,7 +132,9 @@ CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &
                        char *arena, ThreadPool &pool, const std::string &programName,
                        bool allocate, Communicator *comm, AsyncComm *async) {
   static const std::set<std::string> bytewise = {"cast", "slice", "transpose", "concat",
-                                                 "broadcast", "send", "recv"};
+                                                 "broadcast", "send", "recv", "kv_write"};
+  // Operands a kernel reads in their own dtype: the key/value caches.
+  static const std::map<std::string, std::set<size_t>> native = {{"paged_attention", {1, 2}}};
   // Collectives may still read their operands after the next instructions
   // start (asynchronous ones): their f32 copies are their own. Every other
   // instruction's copies live only while it runs, so they share one buffer
@@ -191,8 +194,10 @@ CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &
         widened[id] = copy;
         list.push_back({arena + b.offset, copy, n});
       };
-      for (int64_t id : ins.in)
-        add(id, widen);
+      auto nativeOperands = native.find(ins.op);
+      for (size_t k = 0; k < ins.in.size(); ++k)
+        if (nativeOperands == native.end() || !nativeOperands->second.count(k))
+          add(ins.in[k], widen);
       for (int64_t id : ins.out)
         add(id, narrow);
     }

@@ -127,6 +127,7 @@ void registerElementwiseBuilders(BuilderTable &table);
 void registerMatmulBuilders(BuilderTable &table);
 void registerNormBuilders(BuilderTable &table);
 void registerTransformerBuilders(BuilderTable &table);
+void registerServeBuilders(BuilderTable &table);
 void registerShapeBuilders(BuilderTable &table);
 void registerConvBuilders(BuilderTable &table);
 void registerGradientBuilders(BuilderTable &table);

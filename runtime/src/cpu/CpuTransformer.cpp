@@ -52,7 +52,8 @@ Kernel buildEmbedding(const Ctx &c) {
 }
 
 Kernel buildRotary(const Ctx &c) {
-  c.arity(1, 1);
+  if (c.ins.in.size() != 1 && c.ins.in.size() != 2)
+    c.arity(1, 1);
   const Buffer &x = c.in(0);
   c.needF32(x), c.needF32(c.out());
   c.sameShape(x, c.out());
@@ -60,6 +61,15 @@ Kernel buildRotary(const Ctx &c) {
   if (x.shape.size() != 3 || heads < 1 || x.shape[2] % heads != 0 || (x.shape[2] / heads) % 2)
     c.bad("input must be [B, S, heads * even head_dim]");
   int64_t b = x.shape[0], s = x.shape[1], w = x.shape[2], d = w / heads;
+  // Each row's position: given (serving: tokens of several sequences at
+  // their own positions), or its index along the sequence.
+  std::optional<IndexReader> given;
+  if (c.ins.in.size() == 2) {
+    c.needInt(c.in(1));
+    if (count(c.in(1).shape) != b * s)
+      c.bad(cat("positions ", shapeStr(c.in(1).shape), " must hold one per row of ", shapeStr(x.shape)));
+    given = IndexReader{c.arena + c.in(1).offset, c.in(1).dtype == LOOM_I64};
+  }
   double theta = c.attrFloat("theta", 10000.0);
   double sign = c.attrFlag("inverse") ? -1.0 : 1.0; // the gradient rotates back
   float *px = c.f32(x), *py = c.f32(c.out());
@@ -68,7 +78,8 @@ Kernel buildRotary(const Ctx &c) {
       for (int64_t si = 0; si < s; ++si)
         for (int64_t h = 0; h < heads; ++h)
           for (int64_t i = 0; i < d / 2; ++i) {
-            double angle = sign * si * std::pow(theta, -2.0 * i / d);
+            double position = given ? double((*given)(bi * s + si)) : double(si);
+            double angle = sign * position * std::pow(theta, -2.0 * i / d);
             float cs = static_cast<float>(std::cos(angle)), sn = static_cast<float>(std::sin(angle));
             int64_t at = (bi * s + si) * w + h * d + 2 * i;
             float x0 = px[at], x1 = px[at + 1];

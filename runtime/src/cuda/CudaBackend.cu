@@ -317,8 +317,13 @@ void CudaBackendImpl::run(const std::string &program) {
   LOOM_CUDA_CHECK(cudaMemcpy(err, errorWord, sizeof(err), cudaMemcpyDeviceToHost));
   if (err[0]) {
     LOOM_CUDA_CHECK(cudaMemset(errorWord, 0, sizeof(err)));
-    fail(LOOM_INVALID_ARGUMENT, program, ": ", err[0] == 1 ? "token id " : "target class ", err[2],
-         " at position ", err[1], " is outside the table it indexes");
+    const char *what = err[0] == 1   ? "token id "
+                       : err[0] == 2 ? "target class "
+                       : err[0] == 3 ? "cache slot "
+                       : err[0] == 4 ? "position "
+                                     : "block table entry ";
+    fail(LOOM_INVALID_ARGUMENT, program, ": ", what, err[2], " at position ", err[1],
+         err[0] <= 2 ? " is outside the table it indexes" : " is outside the key/value cache");
   }
 }
 
@@ -351,6 +356,7 @@ const CudaBackendImpl::BuilderTable &CudaBackendImpl::builders() {
     addConvBuilders(t);
     addGeneratedBuilders(t);
     addCollectiveBuilders(t);
+    addServeBuilders(t);
     return t;
   }();
   return table;

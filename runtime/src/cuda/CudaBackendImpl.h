@@ -209,6 +209,7 @@ private:
   static void addConvBuilders(BuilderTable &table);
   static void addGeneratedBuilders(BuilderTable &table);
   static void addCollectiveBuilders(BuilderTable &table);
+  static void addServeBuilders(BuilderTable &table);
   Launch build(const Instruction &ins);
   // CudaElementwise.cu
   Launch buildFill(const Instruction &ins);
@@ -217,6 +218,8 @@ private:
   Launch buildUnaryGrad(const Instruction &ins);
   Launch buildCast(const Instruction &ins);
   Launch buildRotary(const Instruction &ins);
+  Launch buildKvWrite(const Instruction &ins);
+  Launch buildPagedAttention(const Instruction &ins);
   // CudaLayout.cu
   Launch buildSliceOrConcat(const Instruction &ins);
   Launch buildTransposeOrBroadcast(const Instruction &ins);

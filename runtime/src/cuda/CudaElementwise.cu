@@ -75,9 +75,11 @@ __global__ void unaryGradKernel(int op, DPtr x, DPtr y, DPtr dy, DPtr dx, int64_
 }
 
 __global__ void rotaryKernel(DPtr x, DPtr y, int64_t pairs, int64_t s, int64_t w,
-                             int64_t d, double theta, float sign) {
+                             int64_t d, double theta, float sign, const int32_t *positions) {
   GRID_LOOP(p, pairs) {
-    int64_t at = p * 2, pos = (at / w) % s, i = (at % d) / 2;
+    int64_t at = p * 2, i = (at % d) / 2;
+    // Serving: each row's own position; otherwise its index in the sequence.
+    int64_t pos = positions ? positions[at / w] : (at / w) % s;
     float angle = sign * pos * static_cast<float>(pow(theta, -2.0 * i / d));
     float cs = cosf(angle), sn = sinf(angle), x0 = x[at], x1 = x[at + 1];
     y.st(at, x0 * cs - x1 * sn);
@@ -261,7 +263,16 @@ Launch CudaBackendImpl::buildRotary(const Instruction &ins) {
   double theta = num(ins, "theta", 10000.0);
   float sign = flag(ins, "inverse") ? -1.0f : 1.0f;
   DPtr px = fp(ins.in[0]), y = fp(ins.out[0]);
-  return [=](cudaStream_t s) { rotaryKernel<<<blocksFor(pairs), kThreads, 0, s>>>(px, y, pairs, sLen, w, d, theta, sign); };
+  const int32_t *positions = nullptr;
+  if (ins.in.size() == 2) {
+    const Buffer &pb = buf(ins.in[1]);
+    if (pb.dtype != LOOM_I32 || count(pb.shape) != count(x.shape) / w)
+      fail(LOOM_INVALID_BUNDLE, where, ": rotary positions must be i32, one per row");
+    positions = reinterpret_cast<const int32_t *>(ptr(pb));
+  }
+  return [=](cudaStream_t s) {
+    rotaryKernel<<<blocksFor(pairs), kThreads, 0, s>>>(px, y, pairs, sLen, w, d, theta, sign, positions);
+  };
 }
 
 void CudaBackendImpl::addElementwiseBuilders(BuilderTable &table) {

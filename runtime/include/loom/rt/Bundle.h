@@ -23,8 +23,10 @@ constexpr int kBundleVersion = 1;
 constexpr const char *kBundleFormat = "loom-bundle";
 
 /// State: optimizer moments and the step counter, kept across steps and
-/// saved in checkpoints like parameters.
-enum class BufferRole { Input, Output, Param, Activation, State };
+/// saved in checkpoints like parameters. Cache: kept across runs but never
+/// saved: a serving bundle's key/value cache, and the copies of parameters
+/// its "prepare" program casts once (zero when the session starts).
+enum class BufferRole { Input, Output, Param, Activation, State, Cache };
 const char *roleName(BufferRole role);
 
 struct Buffer {
@@ -106,6 +108,34 @@ inline int64_t storageOf(const RankProgram &r, int64_t id) {
   return id;
 }
 
+/// One program of a serving bundle: a step over `tokens` token slots (any
+/// mix of prompt chunks and decoding sequences) that computes the logits of
+/// `rows` of them. Its inputs are named "<name>.tokens" [1, tokens],
+/// "<name>.positions" [1, tokens], "<name>.slots" [tokens] (cache row of each
+/// token, -1 for padding), "<name>.block_table" [tokens, max_blocks_per_seq]
+/// and "<name>.rows" [rows] (which tokens' logits); its output
+/// "<name>.logits" [1, rows, vocab].
+struct ServeProgram {
+  std::string name;
+  int64_t tokens = 0, rows = 0;
+};
+/// What a serving bundle (`loomc compile --serve`) tells the runtime's
+/// scheduler: the paged key/value cache's geometry and the step programs.
+struct ServeConfig {
+  int64_t blockSize = 0, numBlocks = 0, maxBlocksPerSeq = 0;
+  int64_t maxSeq = 0, maxBatch = 0, vocab = 0;
+  /// By tokens, ascending.
+  std::vector<ServeProgram> programs;
+  /// Run once before the first step (casts of parameters); "" when none.
+  std::string prepare;
+  bool enabled() const { return !programs.empty(); }
+};
+nlohmann::json toJson(const ServeConfig &serve);
+struct Manifest;
+/// Reads a manifest's "serve" section and checks it against the ranks'
+/// programs and bindings; throws Error naming `where` and the field.
+ServeConfig parseServeConfig(const nlohmann::json &doc, const Manifest &m, const std::string &where);
+
 struct Manifest {
   int version = kBundleVersion;
   std::string model;
@@ -118,6 +148,8 @@ struct Manifest {
   /// The parallel plan the bundle was compiled for (as `loomc plan --json`
   /// writes it, or the degrees that were forced); empty for one device.
   nlohmann::json plan = nlohmann::json::object();
+  /// Serving bundles (mode "serve") only.
+  ServeConfig serve;
   std::vector<RankProgram> ranks;
 };
 

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# On the GPU machine: builds the runtime, checks generation with the paged
+# key/value cache against re-running the forward pass (greedy, bf16, on the
+# GPU), then times GPT-2 350M (prompt 128, 128 new tokens, batch 1 and 32) and
+# TinyLlama 1.1B (batch 1) beside transformers' generate in the same call.
+# Needs .deps (scripts/device-deps.sh, then scripts/device-bundles.sh serve).
+# SKIP_HF=1 leaves out transformers.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOOM_BUILD_DIR=build-device scripts/build.sh -DLOOM_BUILD_COMPILER=OFF 2>&1 | tail -3
+B=build-device/runtime
+R=.deps/bundles
+T=$(mktemp -d)
+status=0
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+printf '1 2 3 4 5\n10 20 30\n7 9 7 9 7 9 7 9 7 9 7 9 7 9 7 9 7 9 7\n100\n50 60\n' > $T/small.txt
+echo "== greedy decoding with the cache equals re-running the forward pass (CUDA, bf16)"
+for m in gpt-tiny llama-tiny; do
+  $B/loom-run $R/$m-serve.loom --backend cuda --prompt $T/small.txt --max-new 10 --reference $R/$m-fwd.loom \
+      | grep -E "^reference|^serving" || status=1
+done
+python3 -c "
+import random; random.seed(0)
+p = lambda: ' '.join(str(random.randrange(50257)) for _ in range(128))
+open('$T/b1.txt', 'w').write(p() + '\n')
+open('$T/b32.txt', 'w').write('\n'.join(p() for _ in range(32)) + '\n')
+q = lambda: ' '.join(str(random.randrange(32000)) for _ in range(128))
+open('$T/l1.txt', 'w').write(q() + '\n')"
+head -c 200 $T/b1.txt | cut -d' ' -f1-8 > $T/short.txt
+echo "== GPT-2 350M: the cache against the full forward pass over 24 new tokens"
+$B/loom-run $R/gpt2-350m-serve-b1.loom --backend cuda --prompt $T/short.txt --max-new 24 \
+    --reference $R/gpt2-350m-fwd.loom | grep -E "^reference" || status=1
+echo "== Loom: GPT-2 350M, prompt 128, 128 new tokens"
+$B/loom-run $R/gpt2-350m-serve-b1.loom --backend cuda --prompt $T/b1.txt --max-new 128 --repeat 3 \
+    | grep -E "^serving|^time|^per-token|^throughput" | sed 's/^/batch 1: /' || status=1
+$B/loom-run $R/gpt2-350m-serve.loom --backend cuda --prompt $T/b32.txt --max-new 128 --repeat 3 \
+    | grep -E "^serving|^time|^per-token|^throughput" | sed 's/^/batch 32: /' || status=1
+echo "== Loom: TinyLlama 1.1B, prompt 128, 128 new tokens, batch 1"
+$B/loom-run $R/llama-1.1b-serve-b1.loom --backend cuda --prompt $T/l1.txt --max-new 128 --repeat 3 \
+    | grep -E "^time|^per-token|^throughput" || status=1
+if [ -z "${SKIP_HF:-}" ]; then
+  echo "== transformers generate, same models and card"
+  python3 bench/serve_hf.py --model gpt2-350m --batches 1,32 || status=1
+  python3 bench/serve_hf.py --model llama-1.1b --batches 1 || status=1
+fi
+exit $status
