@@ -22,6 +22,7 @@
 #include "runtime/src/Session.h"
 #include "runtime/src/Communicator.h"
 #include "runtime/src/MpiCommunicator.h"
+#include "runtime/src/ProcessJob.h"
 #include "runtime/src/ThreadPool.h"
 #include "runtime/src/Trace.h"
 #include "runtime/src/TokenData.h"
@@ -38,17 +39,21 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <csignal>
 #include <cstring>
+#include <pthread.h>
 #include <random>
+#include <unistd.h>
 #include <string>
 
 using namespace loom::rt;
 
 namespace {
 
-/// Set when mpirun started this process: errors end the whole job.
-Communicator *mpiComm = nullptr;
-int mpiRankOfProcess = 0;
+/// Set when a launcher (mpirun, Slurm) started this process as one rank:
+/// errors end the whole job.
+Communicator *processComm = nullptr;
+int rankOfProcess = 0;
 /// Set when the ranks are GPUs of this process: a failure aborts NCCL.
 NcclWorld *ncclWorld = nullptr;
 void usage(FILE *to) {
@@ -167,6 +172,27 @@ void reportProfile(const Session &s, const std::string &path, double stepSeconds
   std::string text = doc.dump(1);
   writeFileAtomically(path, text.data(), text.size());
   std::printf("wrote %s\n", path.c_str());
+}
+
+/// Under a launcher, SIGTERM is how mpirun (or Slurm) ends the other ranks
+/// when one dies: say which rank is gone, as Loom's own error, before going.
+/// Called before MPI starts its threads, so that every thread blocks SIGTERM
+/// and this one takes it.
+void reportLauncherSignals() {
+  static sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  std::thread([] {
+    int signal = 0;
+    while (sigwait(&set, &signal) != 0) {
+    }
+    std::string lost = describeLostMpiRanks();
+    std::fprintf(stderr, "loom-run: error: rank %d stopped by SIGTERM from the launcher: %s\n", rankOfProcess,
+                 lost.empty() ? "another rank failed or the job was cancelled" : lost.c_str());
+    std::fflush(stderr);
+    std::_Exit(1);
+  }).detach();
 }
 
 /// Runs `work`, turning any other exception into an Error: one escaping a
@@ -432,23 +458,24 @@ int run(int argc, char **argv) {
   int64_t numRanks = static_cast<int64_t>(manifest.ranks.size());
   std::shared_ptr<Communicator> comm;
   std::vector<int64_t> local;
-  if (launchedByMpi()) {
+  if (launchedAsProcesses()) {
     if (threads == 0)
       options.threads = 1;
-    int mpiRank = joinMpiJob(manifest, bundle, options);
+    reportLauncherSignals();
+    int rank = joinProcessJob(manifest, bundle, options);
     comm = options.comm;
-    mpiComm = comm.get();
-    mpiRankOfProcess = mpiRank;
+    processComm = comm.get();
+    rankOfProcess = rank;
     ncclWorld = options.nccl.get();
-    if (mpiRank != 0) // rank 0 reports; the others speak only on error
+    if (rank != 0) // rank 0 reports; the others speak only on error
       std::freopen("/dev/null", "w", stdout);
-    local = {mpiRank};
+    local = {rank};
   } else if (backend == "cuda" && numRanks > 1) {
     // One thread per GPU, rank k on GPU k, connected by NCCL.
     std::vector<int> devices;
     for (int64_t k = 0; k < numRanks; ++k)
       local.push_back(k), devices.push_back(static_cast<int>(k));
-    options.nccl = makeNcclWorld(manifest, devices);
+    options.nccl = makeNcclWorld(manifest, devices, -1, nullptr, timeout);
     ncclWorld = options.nccl.get();
   } else {
     for (int64_t k = 0; k < numRanks; ++k)
@@ -471,7 +498,7 @@ int run(int argc, char **argv) {
       loaders.emplace_back([&, i] {
         SessionOptions mine = options;
         mine.rank = static_cast<int>(local[i]);
-        if (mine.nccl && !mpiComm)
+        if (mine.nccl && !processComm)
           mine.device = static_cast<int>(local[i]);
         try {
           asError([&] { ranks[i] = std::make_unique<Session>(bundle, mine); });
@@ -496,7 +523,7 @@ int run(int argc, char **argv) {
         shape += cat(shape.empty() ? "" : " x ", axis, plan[axis].get<int64_t>());
     std::printf("%lld ranks (%s; %s)\n", (long long)numRanks,
                 shape.empty() ? "data parallel" : shape.c_str(),
-                mpiComm ? "one process each, over MPI"
+                processComm ? (launchedByMpi() ? "one process each, over MPI" : "one process each, over TCP")
                 : ncclWorld ? "one GPU and thread each, over NCCL" : "threads in this process");
   }
   std::printf("%s: model %s, batch %lld, %zu parameter tensors, arena %.1f MiB (activations %.1f MiB), %s backend\n",
@@ -523,9 +550,9 @@ int run(int argc, char **argv) {
       traces.push_back(std::move(t));
     }
     std::string path = tracePath;
-    if (mpiComm) {
+    if (processComm) {
       size_t dot = path.rfind(".json");
-      std::string tag = ".rank" + std::to_string(mpiRankOfProcess);
+      std::string tag = ".rank" + std::to_string(rankOfProcess);
       path = dot == std::string::npos ? path + tag : path.substr(0, dot) + tag + path.substr(dot);
     }
     writeChromeTrace(path, traces);
@@ -631,7 +658,7 @@ int main(int argc, char **argv) {
     message = "an exception that is not a std::exception";
   }
   std::fprintf(stderr, "loom-run: error: %s\n", message.c_str());
-  if (mpiComm) // under mpirun: end the whole job, not just this process
-    mpiComm->abort(mpiRankOfProcess, message);
+  if (processComm) // under a launcher: end the whole job, not just this process
+    processComm->abort(rankOfProcess, message);
   return 1;
 }
