@@ -60,6 +60,10 @@ public:
   /// Copies `bytes` bytes from `root` to every rank (all ranks call it);
   /// bootstraps NCCL across processes. Only the MPI communicator has it.
   virtual void broadcastBytes(int rank, int root, void *data, int64_t bytes);
+  /// The peers known to be gone (their process exited or was killed),
+  /// described for an error ("rank 1 closed its connection ..."), or "".
+  /// For waits that are not the communicator's own (NCCL's on GPUs).
+  virtual std::string lostPeers() { return ""; }
 };
 
 /// A communicator for checking instructions without running them (another

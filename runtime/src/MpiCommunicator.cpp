@@ -181,6 +181,8 @@ public:
     wait(rank, request, what);
   }
 
+  std::string lostPeers() override { return describeLostMpiRanks(); }
+
   void abort(int rank, const std::string &message) override {
     const char *stopping = "; stopping every rank";
     bool said = message.size() >= std::strlen(stopping) &&

@@ -239,6 +239,15 @@ public:
         sendFrame(r, h, {}, text.data(), Clock::now() + std::chrono::seconds(1));
   }
 
+  std::string lostPeers() override {
+    std::lock_guard<std::mutex> lock(mutex);
+    std::string lost;
+    for (int r = 0; r < ranks; ++r)
+      if (r != self && closed[r])
+        lost += cat(lost.empty() ? "" : ", ", "rank ", r);
+    return lost.empty() ? lost : lost + " closed its connection (the process exited or was killed)";
+  }
+
 private:
   using Key = std::tuple<int, uint32_t, std::vector<int>, int64_t>; // from, type, group, tag
 
