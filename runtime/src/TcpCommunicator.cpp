@@ -302,6 +302,8 @@ private:
       fail(LOOM_INVALID_ARGUMENT, "rank ", rank, " waited ", timeout, " s ", what, "; stopping every rank");
     Frame f = std::move(box.front());
     box.pop_front();
+    if (box.empty()) // every collective has a key of its own: keep the map small
+      mailboxes.erase(key);
     return f;
   }
 

@@ -223,8 +223,9 @@ void onEveryRank(std::vector<std::unique_ptr<Session>> &ranks, const std::shared
     } catch (const Error &e) {
       std::lock_guard<std::mutex> lock(mutex);
       int64_t rank = ranks[r]->rank().rank;
+      bool several = ranks[r]->manifest().ranks.size() > 1; // here, or in other processes
       if (!first)
-        first = ranks.size() > 1 ? Error(e.code, cat("rank ", rank, ": ", e.what())) : e;
+        first = several ? Error(e.code, cat("rank ", rank, ": ", e.what())) : e;
       if (comm) // the other ranks (threads or processes) stop too
         comm->abort(static_cast<int>(rank), e.what());
       if (ncclWorld) // ranks blocked in NCCL return once their communicators abort
