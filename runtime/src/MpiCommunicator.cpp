@@ -75,13 +75,6 @@ bool processGone(long pid) {
   return field == "Z";
 }
 
-/// The kinds of collective a signature names.
-enum CollectiveKind : int64_t { kAllReduce = 1, kBroadcast, kBytes };
-
-const char *kindName(int64_t kind) {
-  return kind == kAllReduce ? "all-reduce" : kind == kBroadcast ? "broadcast" : "byte broadcast";
-}
-
 class MpiCommunicator : public Communicator {
 public:
   MpiCommunicator(int size, double timeout) : ranks(size), timeout(timeout) {
@@ -96,7 +89,7 @@ public:
                  Reduction op) override {
     std::string what = cat("in an all-reduce over ranks ", list(group));
     MPI_Comm comm = commOf(rank, group);
-    agree(rank, group, comm, {kAllReduce, count, int64_t(op)}, what);
+    agree(rank, group, comm, {CollectiveSignature::AllReduce, count, int64_t(op)}, what);
     MPI_Request request;
     call([&] {
       return MPI_Iallreduce(MPI_IN_PLACE, data, int(count), MPI_FLOAT,
@@ -117,7 +110,7 @@ public:
       ++index;
     if (index == int(group.size()))
       fail(LOOM_INVALID_BUNDLE, "broadcast: root ", root, " is not in the group");
-    agree(rank, group, comm, {kBroadcast, count, root}, what);
+    agree(rank, group, comm, {CollectiveSignature::Broadcast, count, root}, what);
     MPI_Request request;
     call([&] { return MPI_Ibcast(data, int(count), MPI_FLOAT, index, comm, &request); }, "MPI_Ibcast",
          rank, what);
@@ -174,7 +167,7 @@ public:
     std::vector<int> everyone(static_cast<size_t>(ranks));
     for (int r = 0; r < ranks; ++r)
       everyone[r] = r;
-    agree(rank, everyone, MPI_COMM_WORLD, {kBytes, bytes, root}, what);
+    agree(rank, everyone, MPI_COMM_WORLD, {CollectiveSignature::Bytes, bytes, root}, what);
     MPI_Request request;
     call([&] { return MPI_Ibcast(data, int(bytes), MPI_BYTE, root, MPI_COMM_WORLD, &request); },
          "MPI_Ibcast", rank, what);
@@ -233,30 +226,18 @@ private:
   /// Before a collective, every member of the group shares what it is about
   /// to do (kind, count, root or reduction); members that disagree would make
   /// MPI truncate or overrun a buffer, so each fails naming the difference.
-  void agree(int rank, const std::vector<int> &group, MPI_Comm comm, std::vector<int64_t> mine,
+  void agree(int rank, const std::vector<int> &group, MPI_Comm comm, CollectiveSignature mine,
              const std::string &what) {
-    checkCount(mine[1], rank, what);
-    std::vector<int64_t> all(mine.size() * group.size());
+    checkCount(mine.count, rank, what);
+    std::vector<CollectiveSignature> all(group.size());
     MPI_Request request;
     call([&] {
-      return MPI_Iallgather(mine.data(), int(mine.size()), MPI_INT64_T, all.data(), int(mine.size()),
-                            MPI_INT64_T, comm, &request);
+      return MPI_Iallgather(&mine, 3, MPI_INT64_T, all.data(), 3, MPI_INT64_T, comm, &request);
     }, "MPI_Iallgather", rank, what);
     wait(rank, request, what);
-    for (size_t i = 0; i < group.size(); ++i) {
-      const int64_t *theirs = all.data() + i * mine.size();
-      if (theirs[0] != mine[0])
-        fail(LOOM_INVALID_BUNDLE, "rank ", rank, " is in a ", kindName(mine[0]), " over ranks ", list(group),
-             " but rank ", group[i], " in a ", kindName(theirs[0]), " (the ranks' programs disagree)");
-      if (theirs[1] != mine[1])
-        fail(LOOM_INVALID_BUNDLE, kindName(mine[0]), " over ranks ", list(group), ": rank ", group[i],
-             " contributes ", theirs[1], " elements but rank ", rank, " ", mine[1],
-             " (the ranks' programs disagree)");
-      if (theirs[2] != mine[2])
-        fail(LOOM_INVALID_BUNDLE, kindName(mine[0]), " over ranks ", list(group), ": rank ", group[i],
-             mine[0] == kAllReduce ? " reduces differently than rank " : " names another root than rank ",
-             rank, " (the ranks' programs disagree)");
-    }
+    for (size_t i = 0; i < group.size(); ++i)
+      if (std::string error = disagreement(rank, mine, group[i], all[i], group); !error.empty())
+        fail(LOOM_INVALID_BUNDLE, error);
   }
   /// Polls `test` (returning an MPI code and whether it is done) until it is
   /// done, the timeout passes or a peer on this host is gone.

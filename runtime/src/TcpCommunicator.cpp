@@ -106,18 +106,11 @@ constexpr uint32_t kMagic = 0x4c4f4f4d; // "LOOM"
 /// What travels between two ranks: a point-to-point message (tag), one
 /// member's part of a collective (group and sequence number), or an abort.
 enum FrameType : uint32_t { kData = 1, kCollective, kAbort };
-/// The collectives, as the group's first member checks them.
-enum CollectiveKind : int64_t { kAllReduce = 1, kBroadcast, kBytes };
-
-const char *kindName(int64_t kind) {
-  return kind == kAllReduce ? "all-reduce" : kind == kBroadcast ? "broadcast" : "byte broadcast";
-}
-
 struct FrameHeader {
   uint32_t type;
   uint32_t members; // group members that follow the header (collectives)
   int64_t tag;      // message tag, or the group's collective sequence number
-  int64_t kind, count, aux; // collectives: kind, elements, reduction or root
+  CollectiveSignature signature; // collectives
   int64_t bytes;    // payload
 };
 
@@ -174,13 +167,16 @@ public:
 
   void allReduce(int rank, const std::vector<int> &group, float *data, int64_t count,
                  Reduction op) override {
-    collective(rank, group, kAllReduce, count, int64_t(op), data, count * int64_t(sizeof(float)),
+    collective(rank, group, {CollectiveSignature::AllReduce, count, int64_t(op)}, data,
+               count * int64_t(sizeof(float)),
                cat("in an all-reduce over ranks ", list(group)), [&](std::vector<Frame> &parts) {
                  // In group order, as the in-process communicator adds them.
                  std::vector<const float *> sources;
-                 for (size_t i = 0; i < group.size(); ++i)
-                   sources.push_back(group[i] == rank ? data
-                                                      : reinterpret_cast<const float *>(parts[i].payload.data()));
+                 for (size_t i = 0; i < group.size(); ++i) {
+                   const char *part = group[i] == rank ? reinterpret_cast<const char *>(data)
+                                                       : parts[i].payload.data();
+                   sources.push_back(reinterpret_cast<const float *>(part));
+                 }
                  std::vector<float> result(static_cast<size_t>(count));
                  for (int64_t i = 0; i < count; ++i) {
                    float acc = sources[0][i];
@@ -196,21 +192,21 @@ public:
                  int64_t count) override {
     if (std::find(group.begin(), group.end(), root) == group.end())
       fail(LOOM_INVALID_BUNDLE, "broadcast: root ", root, " is not in the group");
-    rootedBroadcast(rank, group, kBroadcast, root, data, count * int64_t(sizeof(float)), count,
-                    cat("in a broadcast over ranks ", list(group)));
+    rootedBroadcast(rank, group, {CollectiveSignature::Broadcast, count, root}, data,
+                    count * int64_t(sizeof(float)), cat("in a broadcast over ranks ", list(group)));
   }
 
   void broadcastBytes(int rank, int root, void *data, int64_t bytes) override {
     std::vector<int> everyone(static_cast<size_t>(ranks));
     for (int r = 0; r < ranks; ++r)
       everyone[r] = r;
-    rootedBroadcast(rank, everyone, kBytes, root, data, bytes, bytes,
+    rootedBroadcast(rank, everyone, {CollectiveSignature::Bytes, bytes, root}, data, bytes,
                     cat("for bytes broadcast from rank ", root));
   }
 
   void send(int rank, int peer, int64_t tag, const void *data, int64_t bytes) override {
     checkPeer(rank, peer, "send", "send to");
-    FrameHeader h{kData, 0, tag, 0, 0, 0, bytes};
+    FrameHeader h{kData, 0, tag, {}, bytes};
     transmit(rank, peer, h, {}, data, cat("to send message ", tag, " to rank ", peer));
   }
 
@@ -233,7 +229,7 @@ public:
       cv.notify_all();
     }
     std::string text = cat("rank ", rank, " failed: ", message);
-    FrameHeader h{kAbort, 0, 0, 0, 0, 0, int64_t(text.size())};
+    FrameHeader h{kAbort, 0, 0, {}, int64_t(text.size())};
     for (int r = 0; r < ranks; ++r)
       if (r != self)
         sendFrame(r, h, {}, text.data(), Clock::now() + std::chrono::seconds(1));
@@ -317,9 +313,8 @@ private:
   /// (`combine`, given every member's frame in group order; the leader's own
   /// is in `data`) and sends the result back.
   template <typename Combine>
-  void collective(int rank, const std::vector<int> &group, int64_t kind, int64_t count, int64_t aux,
-                  void *data, int64_t bytes, const std::string &what, Combine combine,
-                  bool contributes = true) {
+  void collective(int rank, const std::vector<int> &group, CollectiveSignature mine, void *data,
+                  int64_t bytes, const std::string &what, Combine combine, bool contributes = true) {
     if (std::find(group.begin(), group.end(), rank) == group.end())
       fail(LOOM_INVALID_BUNDLE, "rank ", rank, " is not in its own group ", list(group));
     for (int r : group)
@@ -328,49 +323,43 @@ private:
     int leader = group[0];
     int64_t seq = nextSequence(group);
     if (rank != leader) {
-      FrameHeader h{kCollective, uint32_t(group.size()), seq, kind, count, aux, contributes ? bytes : 0};
+      FrameHeader h{kCollective, uint32_t(group.size()), seq, mine, contributes ? bytes : 0};
       transmit(rank, leader, h, group, data, what);
       Frame result = take(rank, {leader, kCollective, group, seq}, what);
-      if (result.header.kind < 0) // the leader found the members disagreeing
+      if (result.header.signature.kind < 0) // the leader found the members disagreeing
         fail(LOOM_INVALID_BUNDLE, std::string(result.payload.begin(), result.payload.end()));
       if (result.header.bytes != bytes)
-        fail(LOOM_INTERNAL, "rank ", rank, " ", what, ": got ", result.header.bytes, " bytes back, not ", bytes);
+        fail(LOOM_INTERNAL, "rank ", rank, " ", what, ": got ", result.header.bytes, " bytes back, not ",
+             bytes);
       std::memcpy(data, result.payload.data(), size_t(bytes));
       return;
     }
     std::vector<Frame> parts(group.size());
-    std::string disagreement;
+    std::string error;
     for (size_t i = 1; i < group.size(); ++i) {
       parts[i] = take(rank, {group[i], kCollective, group, seq}, what);
-      const FrameHeader &h = parts[i].header;
-      if (!disagreement.empty())
-        continue;
-      if (h.kind != kind)
-        disagreement = cat("rank ", leader, " is in a ", kindName(kind), " over ranks ", list(group),
-                           " but rank ", group[i], " in a ", kindName(h.kind), " (the ranks' programs disagree)");
-      else if (h.count != count)
-        disagreement = cat(kindName(kind), " over ranks ", list(group), ": rank ", group[i], " contributes ",
-                           h.count, " elements but rank ", leader, " ", count, " (the ranks' programs disagree)");
-      else if (h.aux != aux)
-        disagreement = cat(kindName(kind), " over ranks ", list(group), ": rank ", group[i],
-                           kind == kAllReduce ? " reduces differently than rank " : " names another root than rank ",
-                           leader, " (the ranks' programs disagree)");
+      if (error.empty())
+        error = disagreement(leader, mine, group[i], parts[i].header.signature, group);
     }
-    if (disagreement.empty())
+    if (error.empty())
       combine(parts);
-    FrameHeader reply{kCollective, uint32_t(group.size()), seq, disagreement.empty() ? kind : -1, count, aux,
-                      disagreement.empty() ? bytes : int64_t(disagreement.size())};
+    CollectiveSignature answer = mine;
+    if (!error.empty())
+      answer.kind = -1;
+    FrameHeader reply{kCollective, uint32_t(group.size()), seq, answer,
+                      error.empty() ? bytes : int64_t(error.size())};
     for (size_t i = 1; i < group.size(); ++i)
-      transmit(rank, group[i], reply, group, disagreement.empty() ? data : disagreement.data(), what);
-    if (!disagreement.empty())
-      fail(LOOM_INVALID_BUNDLE, disagreement);
+      transmit(rank, group[i], reply, group, error.empty() ? data : error.data(), what);
+    if (!error.empty())
+      fail(LOOM_INVALID_BUNDLE, error);
   }
 
-  /// A broadcast from `root` through the leader: the root's part travels
-  /// to the leader (unless it is the leader), then to every member.
-  void rootedBroadcast(int rank, const std::vector<int> &group, int64_t kind, int root, void *data,
-                       int64_t bytes, int64_t count, const std::string &what) {
-    collective(rank, group, kind, count, root, data, bytes, what, [&](std::vector<Frame> &parts) {
+  /// A broadcast from the signature's root through the leader: the root's
+  /// part travels to the leader (unless it is the leader), then to every member.
+  void rootedBroadcast(int rank, const std::vector<int> &group, CollectiveSignature mine, void *data,
+                       int64_t bytes, const std::string &what) {
+    int root = int(mine.detail);
+    collective(rank, group, mine, data, bytes, what, [&](std::vector<Frame> &parts) {
       if (root != group[0])
         for (size_t i = 1; i < group.size(); ++i)
           if (group[i] == root)
@@ -493,7 +482,8 @@ private:
         if (!readAll(fd, &h, sizeof h) || h.magic != kMagic || h.rank <= self || h.rank >= ranks ||
             sockets[h.rank] >= 0) {
           ::close(fd);
-          fail(LOOM_INVALID_ARGUMENT, "rank ", self, " was reached by something that is not a higher rank of this job");
+          fail(LOOM_INVALID_ARGUMENT, "rank ", self,
+               " was reached by something that is not a higher rank of this job");
         }
         sockets[h.rank] = fd;
       }
