@@ -28,6 +28,7 @@
 #include "runtime/src/TokenData.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <nlohmann/json.hpp>
 #include <fstream>
@@ -43,7 +44,6 @@
 #include <cstring>
 #include <pthread.h>
 #include <random>
-#include <unistd.h>
 #include <string>
 
 using namespace loom::rt;
@@ -53,7 +53,7 @@ namespace {
 /// Set when a launcher (mpirun, Slurm) started this process as one rank:
 /// errors end the whole job.
 Communicator *processComm = nullptr;
-int rankOfProcess = 0;
+std::atomic<int> rankOfProcess{0}; // read by the SIGTERM thread
 /// Set when the ranks are GPUs of this process: a failure aborts NCCL.
 NcclWorld *ncclWorld = nullptr;
 void usage(FILE *to) {
@@ -70,7 +70,7 @@ void usage(FILE *to) {
                "  --timeout SECONDS       how long a rank of a multi-rank bundle waits for the\n"
                "                          others in one collective or transfer before every\n"
                "                          rank stops with an error (default 300, at most 86400;\n"
-               "                          CPU ranks: threads or mpirun processes)\n"
+               "                          threads, processes of mpirun or Slurm, NCCL on GPUs)\n"
                "  --profile F.json        time every instruction by op, print the table and\n"
                "                          write the calibration profile for loomc plan --profile\n"
                "  --trace F.json          write every rank's instructions as a timeline (Chrome\n"
@@ -188,7 +188,8 @@ void reportLauncherSignals() {
     while (sigwait(&set, &signal) != 0) {
     }
     std::string lost = describeLostMpiRanks();
-    std::fprintf(stderr, "loom-run: error: rank %d stopped by SIGTERM from the launcher: %s\n", rankOfProcess,
+    std::fprintf(stderr, "loom-run: error: rank %d stopped by SIGTERM from the launcher: %s\n",
+                 rankOfProcess.load(),
                  lost.empty() ? "another rank failed or the job was cancelled" : lost.c_str());
     std::fflush(stderr);
     std::_Exit(1);
@@ -553,7 +554,7 @@ int run(int argc, char **argv) {
     std::string path = tracePath;
     if (processComm) {
       size_t dot = path.rfind(".json");
-      std::string tag = ".rank" + std::to_string(rankOfProcess);
+      std::string tag = ".rank" + std::to_string(rankOfProcess.load());
       path = dot == std::string::npos ? path + tag : path.substr(0, dot) + tag + path.substr(dot);
     }
     writeChromeTrace(path, traces);
