@@ -9,6 +9,7 @@
 #   scale   GPT-2 350M and GPT 1.3B on 4 GPUs, planner-chosen and forced (scripts/device-scale.sh)
 #   trace   timelines of one GPU, dp2 and pp2 (scripts/device-trace.sh)
 #   serve   serving bundles and their forward references (scripts/device-serve.sh)
+#   mpi     one process per GPU under mpirun and Slurm (scripts/device-mpi.sh)
 # The named sets replace what was there: the carried tree must stay under 64 MiB
 # (bundles carry no weights; every set together is a few MiB).
 set -euo pipefail
@@ -48,6 +49,21 @@ multi() {
     c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 "${bf[@]}" --cluster h100:2 --force $plan,zero=0 \
         -o $out/gpt2-350m-bf16-${plan%%=*}2.loom
   done
+}
+mpi() {
+  # One process per GPU (scripts/device-mpi.sh): the 2-GPU plans of GPT-2 350M,
+  # and tiny GPT dp2 with rank 1's first all-reduce removed (its peer's NCCL
+  # all-reduce never completes: the timeout must end it).
+  for plan in dp=2 tp=2 pp=2,mb=4,schedule=1f1b; do
+    c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --cluster h100:2 --force $plan,zero=0 -o $out/gpt2-350m-${plan%%=*}2.loom
+  done
+  c models/gpt-tiny.mlir --batch 8 --train --lr 1e-3 --cluster h100:2 --force dp=2,zero=0,mb=1 -o $out/gpt-tiny-stall-dp2.loom
+  python3 -c "
+import json, sys
+p = sys.argv[1]; m = json.load(open(p)); programs = m['ranks'][1]['programs']
+name = next(n for n in ('backward', 'update', 'step') if any(i['op'] == 'all_reduce' for i in programs.get(n, [])))
+programs[name].remove(next(i for i in programs[name] if i['op'] == 'all_reduce'))
+json.dump(m, open(p, 'w'))" $out/gpt-tiny-stall-dp2.loom/manifest.json
 }
 trace() {
   c models/gpt-tiny.mlir --batch 8 --train --lr 1e-3 -o $out/gpt-tiny-one.loom
@@ -130,8 +146,8 @@ c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --weight-decay 0.1 --clip 1.
 }
 for set_name in "${sets[@]}"; do
   case $set_name in
-    single | multi | scale | trace | serve) "$set_name" ;;
-    *) echo "device-bundles.sh: unknown set '$set_name' (single, multi, scale, trace, serve)" >&2; exit 2 ;;
+    single | multi | scale | trace | serve | mpi) "$set_name" ;;
+    *) echo "device-bundles.sh: unknown set '$set_name' (single, multi, scale, trace, serve, mpi)" >&2; exit 2 ;;
   esac
 done
 du -sh "$out"

@@ -92,10 +92,13 @@ std::unique_ptr<Backend> makeCpuBackend(const RankProgram &rank, int threads,
 class NcclWorld;
 class Communicator;
 /// Throws Error with the reason (built without CUDA or NCCL, too few GPUs).
-/// Under mpirun, `self` is this process's rank (only its communicators are
-/// made, devices[self] its GPU) and `bootstrap` spreads NCCL's unique ids.
+/// Under mpirun (or Slurm), `self` is this process's rank (only its
+/// communicators are made, devices[self] its GPU) and `bootstrap` spreads
+/// NCCL's unique ids. A rank waits `timeoutSeconds` at most for its
+/// collectives before it aborts every communicator.
 std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &manifest, const std::vector<int> &devices,
-                                         int self = -1, Communicator *bootstrap = nullptr);
+                                         int self = -1, Communicator *bootstrap = nullptr,
+                                         double timeoutSeconds = 300);
 /// Aborts every communicator (a rank failed): ranks blocked in NCCL return.
 void abortNcclWorld(NcclWorld &world);
 

@@ -3,7 +3,7 @@
 #include "loom/runtime.h"
 #include "runtime/src/CApiStatus.h"
 #include "loom/rt/Error.h"
-#include "runtime/src/MpiCommunicator.h"
+#include "runtime/src/ProcessJob.h"
 #include "runtime/src/Session.h"
 #include "runtime/src/ThreadPool.h"
 
@@ -84,11 +84,12 @@ loom_status_t *loom_session_create(const char *bundle_path, const loom_session_o
       loom::rt::checkTimeout(options->timeout_seconds, "options.timeout_seconds");
       opts.timeoutSeconds = options->timeout_seconds;
     }
-    // A multi-rank bundle in a job started by mpirun: this process is the
-    // rank MPI gave it, connected to the others over MPI (and NCCL on GPUs).
+    // A multi-rank bundle in a job started by mpirun (or Slurm): this process
+    // is the rank the launcher gave it, connected to the others over MPI or
+    // TCP (and NCCL on GPUs).
     loom::rt::Manifest manifest = loom::rt::readManifest(bundle_path);
-    if (manifest.ranks.size() > 1 && loom::rt::launchedByMpi())
-      loom::rt::joinMpiJob(manifest, bundle_path, opts);
+    if (manifest.ranks.size() > 1 && loom::rt::launchedAsProcesses())
+      loom::rt::joinProcessJob(manifest, bundle_path, opts);
     auto s = std::make_unique<loom_session_t>();
     s->session = std::make_unique<loom::rt::Session>(bundle_path, opts);
     *out_session = s.release();

@@ -161,6 +161,33 @@ void InProcessCommunicator::recv(int rank, int peer, int64_t tag, void *data, in
   std::memcpy(data, message.data(), message.size());
 }
 
+std::string disagreement(int rank, const CollectiveSignature &mine, int other,
+                         const CollectiveSignature &theirs, const std::vector<int> &group) {
+  auto name = [](int64_t kind) {
+    return kind == CollectiveSignature::AllReduce ? "all-reduce"
+           : kind == CollectiveSignature::Broadcast ? "broadcast" : "byte broadcast";
+  };
+  auto withArticle = [&](int64_t kind) {
+    return (kind == CollectiveSignature::AllReduce ? "an " : "a ") + std::string(name(kind));
+  };
+  std::string members;
+  for (int r : group)
+    members += (members.empty() ? "" : ",") + std::to_string(r);
+  const char *why = " (the ranks' programs disagree)";
+  if (theirs.kind != mine.kind)
+    return cat("rank ", rank, " is in ", withArticle(mine.kind), " over ranks ", members, " but rank ", other,
+               " in ", withArticle(theirs.kind), why);
+  if (theirs.count != mine.count)
+    return cat(name(mine.kind), " over ranks ", members, ": rank ", other, " contributes ", theirs.count,
+               " elements but rank ", rank, " ", mine.count, why);
+  if (theirs.detail != mine.detail)
+    return cat(name(mine.kind), " over ranks ", members, ": rank ", other,
+               mine.kind == CollectiveSignature::AllReduce ? " reduces differently than rank "
+                                                           : " names another root than rank ",
+               rank, why);
+  return "";
+}
+
 void Communicator::broadcastBytes(int, int, void *, int64_t) {
   fail(LOOM_INTERNAL, "broadcastBytes is for communicators that span processes (MPI)");
 }

@@ -60,7 +60,27 @@ public:
   /// Copies `bytes` bytes from `root` to every rank (all ranks call it);
   /// bootstraps NCCL across processes. Only the MPI communicator has it.
   virtual void broadcastBytes(int rank, int root, void *data, int64_t bytes);
+  /// The peers known to be gone (their process exited or was killed),
+  /// described for an error ("rank 1 closed its connection ..."), or "".
+  /// For waits that are not the communicator's own (NCCL's on GPUs).
+  virtual std::string lostPeers() { return ""; }
 };
+
+/// What a member of a group is about to do, as the communicators between
+/// processes compare it before a collective: ranks whose programs disagree
+/// would otherwise truncate or overrun each other's buffers.
+struct CollectiveSignature {
+  enum Kind : int64_t { AllReduce = 1, Broadcast, Bytes };
+  int64_t kind = AllReduce;
+  int64_t count = 0; // elements (bytes for Bytes)
+  int64_t detail = 0; // the reduction, or the root
+};
+
+/// "" when `rank` and `other` of `group` agree, else the error that names
+/// the difference ("all-reduce over ranks 0,1: rank 1 contributes 3
+/// elements but rank 0 4 (the ranks' programs disagree)").
+std::string disagreement(int rank, const CollectiveSignature &mine, int other,
+                         const CollectiveSignature &theirs, const std::vector<int> &group);
 
 /// A communicator for checking instructions without running them (another
 /// backend validates its programs through the CPU builders); any call throws.

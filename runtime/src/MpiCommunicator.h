@@ -3,8 +3,11 @@
 // `mpirun -np N loom-run OUT.loom` runs one rank of an N-rank bundle per
 // process; this communicator connects them. Built when CMake finds MPI.
 // Every wait polls with a timeout, so a stalled peer fails the rank with a
-// message instead of hanging, and abort (a failed rank) ends the whole job
-// through MPI_Abort after printing why.
+// message instead of hanging, and while it waits it checks that the peers on
+// its host still run, so a killed one is named within a fraction of a second.
+// Before each collective the members compare what they are about to do, so
+// ranks whose programs disagree fail with the difference, not inside MPI.
+// abort (a failed rank) ends the whole job through MPI_Abort after printing why.
 //
 //===----------------------------------------------------------------------===//
 #ifndef LOOM_RUNTIME_MPICOMMUNICATOR_H
@@ -27,6 +30,12 @@ std::shared_ptr<Communicator> makeMpiCommunicator(int &rank, int &size,
 
 /// Finalises MPI if it was initialised (call before exit).
 void finalizeMpi();
+
+/// The ranks of this MPI job that ran on this host and are no longer
+/// running ("rank 1 (pid 4242 on node7) is no longer running (killed or
+/// crashed)"), or "" if none is known to be gone. Safe from any thread, and
+/// from a signal-waiting thread: it makes no MPI call.
+std::string describeLostMpiRanks();
 
 } // namespace loom::rt
 

@@ -3,7 +3,6 @@
 #include "runtime/src/Session.h"
 #include "loom/rt/Error.h"
 #include "loom/rt/Init.h"
-#include "runtime/src/MpiCommunicator.h"
 #include "loom/rt/Safetensors.h"
 
 #include <cstdlib>
@@ -13,31 +12,6 @@
 #include <iterator>
 
 namespace loom::rt {
-
-int joinMpiJob(const Manifest &manifest, const std::string &bundleDir, SessionOptions &options) {
-  static std::shared_ptr<Communicator> mpi;
-  static int rank = 0, size = 1;
-  if (!mpi) {
-    mpi = makeMpiCommunicator(rank, size, options.timeoutSeconds);
-    std::atexit(finalizeMpi);
-  }
-  int64_t ranks = static_cast<int64_t>(manifest.ranks.size());
-  if (size != ranks)
-    fail(LOOM_INVALID_ARGUMENT, bundleDir, " has ", ranks, " ranks but mpirun started ", size,
-         " processes; run mpirun -np ", ranks, " (one rank per process)");
-  options.rank = rank;
-  options.comm = mpi;
-  if (options.backend == "cuda") {
-    const char *local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
-    if (!local)
-      local = std::getenv("MPI_LOCALRANKID");
-    options.device = local ? std::atoi(local) : rank;
-    std::vector<int> devices(static_cast<size_t>(ranks), -1);
-    devices[rank] = options.device;
-    options.nccl = makeNcclWorld(manifest, devices, rank, mpi.get());
-  }
-  return rank;
-}
 
 Session::Session(const std::string &bundleDir, const SessionOptions &options)
     : dir(bundleDir), backendKind(options.backend) {

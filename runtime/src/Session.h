@@ -16,20 +16,12 @@ struct SessionOptions {
   int threads = 0;             // CPU backend
   int device = 0;              // CUDA backend
   int rank = 0;                // which rank of the bundle this session runs
-  /// How long a rank waits for its peers (the MPI communicator joinMpiJob makes).
+  /// How long a rank waits for its peers (the communicator joinProcessJob makes).
   double timeoutSeconds = kDefaultTimeoutSeconds;
   std::shared_ptr<Communicator> comm; // shared by the ranks of one process
   /// CUDA backend, several ranks: NCCL communicators of every rank in this process.
   std::shared_ptr<NcclWorld> nccl;
 };
-
-/// Under mpirun: makes `options` this process's rank of the bundle at
-/// `bundleDir` (`manifest`: one rank per process), connected to the others
-/// over MPI, and with the cuda backend over NCCL between the processes' GPUs
-/// (GPU = the local rank). MPI starts once per process and finalises at exit;
-/// the first call's `options.timeoutSeconds` holds for the process.
-/// Returns the rank; throws when the process count is not the rank count.
-int joinMpiJob(const Manifest &manifest, const std::string &bundleDir, SessionOptions &options);
 
 class Session {
 public:

@@ -22,12 +22,14 @@
 #include "runtime/src/Session.h"
 #include "runtime/src/Communicator.h"
 #include "runtime/src/MpiCommunicator.h"
+#include "runtime/src/ProcessJob.h"
 #include "runtime/src/ThreadPool.h"
 #include "runtime/src/Trace.h"
 #include "runtime/src/TokenData.h"
 #include "runtime/tools/Generate.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <nlohmann/json.hpp>
 #include <fstream>
@@ -39,7 +41,9 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <csignal>
 #include <cstring>
+#include <pthread.h>
 #include <random>
 #include <string>
 
@@ -47,9 +51,10 @@ using namespace loom::rt;
 
 namespace {
 
-/// Set when mpirun started this process: errors end the whole job.
-Communicator *mpiComm = nullptr;
-int mpiRankOfProcess = 0;
+/// Set when a launcher (mpirun, Slurm) started this process as one rank:
+/// errors end the whole job.
+Communicator *processComm = nullptr;
+std::atomic<int> rankOfProcess{0}; // read by the SIGTERM thread
 /// Set when the ranks are GPUs of this process: a failure aborts NCCL.
 NcclWorld *ncclWorld = nullptr;
 void usage(FILE *to) {
@@ -66,7 +71,7 @@ void usage(FILE *to) {
                "  --timeout SECONDS       how long a rank of a multi-rank bundle waits for the\n"
                "                          others in one collective or transfer before every\n"
                "                          rank stops with an error (default 300, at most 86400;\n"
-               "                          CPU ranks: threads or mpirun processes)\n"
+               "                          threads, processes of mpirun or Slurm, NCCL on GPUs)\n"
                "  --profile F.json        time every instruction by op, print the table and\n"
                "                          write the calibration profile for loomc plan --profile\n"
                "  --trace F.json          write every rank's instructions as a timeline (Chrome\n"
@@ -171,6 +176,28 @@ void reportProfile(const Session &s, const std::string &path, double stepSeconds
   std::printf("wrote %s\n", path.c_str());
 }
 
+/// Under a launcher, SIGTERM is how mpirun (or Slurm) ends the other ranks
+/// when one dies: say which rank is gone, as Loom's own error, before going.
+/// Called before MPI starts its threads, so that every thread blocks SIGTERM
+/// and this one takes it.
+void reportLauncherSignals() {
+  static sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  std::thread([] {
+    int signal = 0;
+    while (sigwait(&set, &signal) != 0) {
+    }
+    std::string lost = describeLostMpiRanks();
+    std::fprintf(stderr, "loom-run: error: rank %d stopped by SIGTERM from the launcher: %s\n",
+                 rankOfProcess.load(),
+                 lost.empty() ? "another rank failed or the job was cancelled" : lost.c_str());
+    std::fflush(stderr);
+    std::_Exit(1);
+  }).detach();
+}
+
 /// Runs `work`, turning any other exception into an Error: one escaping a
 /// rank's thread would end the process.
 template <typename Work> void asError(Work work) {
@@ -199,8 +226,9 @@ void onEveryRank(std::vector<std::unique_ptr<Session>> &ranks, const std::shared
     } catch (const Error &e) {
       std::lock_guard<std::mutex> lock(mutex);
       int64_t rank = ranks[r]->rank().rank;
+      bool several = ranks[r]->manifest().ranks.size() > 1; // here, or in other processes
       if (!first)
-        first = ranks.size() > 1 ? Error(e.code, cat("rank ", rank, ": ", e.what())) : e;
+        first = several ? Error(e.code, cat("rank ", rank, ": ", e.what())) : e;
       if (comm) // the other ranks (threads or processes) stop too
         comm->abort(static_cast<int>(rank), e.what());
       if (ncclWorld) // ranks blocked in NCCL return once their communicators abort
@@ -440,23 +468,24 @@ int run(int argc, char **argv) {
   int64_t numRanks = static_cast<int64_t>(manifest.ranks.size());
   std::shared_ptr<Communicator> comm;
   std::vector<int64_t> local;
-  if (launchedByMpi()) {
+  if (launchedAsProcesses()) {
     if (threads == 0)
       options.threads = 1;
-    int mpiRank = joinMpiJob(manifest, bundle, options);
+    reportLauncherSignals();
+    int rank = joinProcessJob(manifest, bundle, options);
     comm = options.comm;
-    mpiComm = comm.get();
-    mpiRankOfProcess = mpiRank;
+    processComm = comm.get();
+    rankOfProcess = rank;
     ncclWorld = options.nccl.get();
-    if (mpiRank != 0) // rank 0 reports; the others speak only on error
+    if (rank != 0) // rank 0 reports; the others speak only on error
       std::freopen("/dev/null", "w", stdout);
-    local = {mpiRank};
+    local = {rank};
   } else if (backend == "cuda" && numRanks > 1) {
     // One thread per GPU, rank k on GPU k, connected by NCCL.
     std::vector<int> devices;
     for (int64_t k = 0; k < numRanks; ++k)
       local.push_back(k), devices.push_back(static_cast<int>(k));
-    options.nccl = makeNcclWorld(manifest, devices);
+    options.nccl = makeNcclWorld(manifest, devices, -1, nullptr, timeout);
     ncclWorld = options.nccl.get();
   } else {
     for (int64_t k = 0; k < numRanks; ++k)
@@ -479,7 +508,7 @@ int run(int argc, char **argv) {
       loaders.emplace_back([&, i] {
         SessionOptions mine = options;
         mine.rank = static_cast<int>(local[i]);
-        if (mine.nccl && !mpiComm)
+        if (mine.nccl && !processComm)
           mine.device = static_cast<int>(local[i]);
         try {
           asError([&] { ranks[i] = std::make_unique<Session>(bundle, mine); });
@@ -504,7 +533,7 @@ int run(int argc, char **argv) {
         shape += cat(shape.empty() ? "" : " x ", axis, plan[axis].get<int64_t>());
     std::printf("%lld ranks (%s; %s)\n", (long long)numRanks,
                 shape.empty() ? "data parallel" : shape.c_str(),
-                mpiComm ? "one process each, over MPI"
+                processComm ? (launchedByMpi() ? "one process each, over MPI" : "one process each, over TCP")
                 : ncclWorld ? "one GPU and thread each, over NCCL" : "threads in this process");
   }
   std::printf("%s: model %s, batch %lld, %zu parameter tensors, arena %.1f MiB (activations %.1f MiB), %s backend\n",
@@ -531,9 +560,9 @@ int run(int argc, char **argv) {
       traces.push_back(std::move(t));
     }
     std::string path = tracePath;
-    if (mpiComm) {
+    if (processComm) {
       size_t dot = path.rfind(".json");
-      std::string tag = ".rank" + std::to_string(mpiRankOfProcess);
+      std::string tag = ".rank" + std::to_string(rankOfProcess.load());
       path = dot == std::string::npos ? path + tag : path.substr(0, dot) + tag + path.substr(dot);
     }
     writeChromeTrace(path, traces);
@@ -649,7 +678,7 @@ int main(int argc, char **argv) {
     message = "an exception that is not a std::exception";
   }
   std::fprintf(stderr, "loom-run: error: %s\n", message.c_str());
-  if (mpiComm) // under mpirun: end the whole job, not just this process
-    mpiComm->abort(mpiRankOfProcess, message);
+  if (processComm) // under a launcher: end the whole job, not just this process
+    processComm->abort(rankOfProcess, message);
   return 1;
 }

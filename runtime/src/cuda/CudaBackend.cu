@@ -124,9 +124,12 @@ CudaBackendImpl::~CudaBackendImpl() {
   if (stream)
     cudaStreamSynchronize(stream);
   for (auto &[name, steps] : programs)
-    for (Step &step : steps)
+    for (Step &step : steps) {
       if (step.start)
         cudaEventDestroy(step.start), cudaEventDestroy(step.end);
+      if (step.communicated)
+        cudaEventDestroy(step.communicated);
+    }
   dropGraphs();
   for (void *p : allocations)
     cudaFree(p);
@@ -230,6 +233,8 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
     steps.push_back({where, label, denseFlops(instrs[i]), build(instrs[i]), nullptr, nullptr});
     steps.back().traceStream = buildTraceStream;
     steps.back().track = buildTrack;
+    if (world && communicates(instrs[i].op))
+      LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&steps.back().communicated, cudaEventDisableTiming));
     steps.back().capturable = buildCapturable;
     steps.back().replayable = std::move(buildReplayable);
     steps.back().replayed = std::move(buildReplayed);
@@ -282,9 +287,7 @@ void CudaBackendImpl::run(const std::string &program) {
     launchEager(steps);
     ++g.eagerRuns;
   }
-  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
-  LOOM_CUDA_CHECK(cudaStreamSynchronize(sendStream));
-  LOOM_CUDA_CHECK(cudaStreamSynchronize(commStream));
+  waitForStreams(program, steps);
   if (world && world->aborted)
     fail(LOOM_INVALID_ARGUMENT, program, ": another rank failed and stopped every rank");
   if (profiling)

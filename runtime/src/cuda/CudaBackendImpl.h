@@ -66,6 +66,8 @@ void launchGenerated(cudaKernel_t fn, unsigned grid, unsigned block, std::vector
 struct OptimizerArgs; // CudaOptimizer.cu
 
 using Launch = std::function<void(cudaStream_t)>;
+/// Whether instruction `op` talks to other ranks through NCCL.
+bool communicates(const std::string &op);
 
 class CudaBackendImpl : public Backend {
 public:
@@ -335,6 +337,10 @@ private:
     // compute stream) and the timeline track it is drawn on.
     cudaStream_t traceStream = nullptr;
     std::string track = "compute";
+    // NCCL instructions of a multi-rank bundle: recorded where the
+    // instruction's work ends, so a wait that times out names the first
+    // collective that has not finished.
+    cudaEvent_t communicated = nullptr;
   };
   /// What the instruction being built tells its Step (see Step).
   bool buildCapturable = true;
@@ -360,6 +366,11 @@ private:
   void dropGraphs();
   static bool graphsWanted();
   void launchEager(std::vector<Step> &steps);
+  /// Waits for the compute, send and communication streams after a run.
+  /// With NCCL it polls them, and every communicator's asynchronous error;
+  /// on an error or after the world's timeout it aborts every communicator
+  /// and fails naming this rank and the first unfinished collective.
+  void waitForStreams(const std::string &program, std::vector<Step> &steps);
   /// Captures the program's launches into a graph and launches it; false
   /// (nothing launched, graphs off for this program) where capture fails.
   bool captureAndLaunch(std::vector<Step> &steps, Graph &g);

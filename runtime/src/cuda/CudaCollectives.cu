@@ -14,7 +14,9 @@
 #include "runtime/src/Communicator.h"
 
 #include <algorithm>
+#include <chrono>
 #include <set>
+#include <thread>
 
 namespace loom::rt {
 
@@ -72,9 +74,9 @@ NcclWorld::~NcclWorld() {
 }
 
 std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<int> &devices, int self,
-                                         Communicator *bootstrap) {
+                                         Communicator *bootstrap, double timeoutSeconds) {
 #ifndef LOOM_HAVE_NCCL
-  (void)m, (void)devices, (void)self, (void)bootstrap;
+  (void)m, (void)devices, (void)self, (void)bootstrap, (void)timeoutSeconds;
   fail(LOOM_UNSUPPORTED, "this runtime was built without NCCL (nccl.h was not found when it was "
        "configured), so multi-GPU bundles cannot run; install NCCL and rebuild, or use --backend cpu");
 #else
@@ -93,6 +95,8 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<in
            " GPUs, or compile for fewer ranks");
   auto world = std::make_shared<NcclWorld>();
   world->devices = devices;
+  world->timeoutSeconds = timeoutSeconds;
+  world->bootstrap = bootstrap;
   std::set<std::vector<int>> groups;
   std::set<std::pair<int, int>> links;
   for (const RankProgram &r : m.ranks) {
@@ -133,6 +137,7 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<in
 }
 
 void abortNcclWorld(NcclWorld &world) {
+  std::lock_guard<std::mutex> lock(world.mutex);
   world.aborted = true;
 #ifdef LOOM_HAVE_NCCL
   for (auto &[m, comms] : world.groups)
@@ -418,10 +423,103 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
 #endif
 }
 
+namespace {
+const char *const kCommunicationOps[] = {"all_reduce", "broadcast_from", "send", "recv",
+                                         "reduce_scatter", "all_gather", "shard_of"};
+} // namespace
+
 void CudaBackendImpl::addCollectiveBuilders(BuilderTable &table) {
-  for (const char *op : {"all_reduce", "broadcast_from", "send", "recv", "reduce_scatter", "all_gather", "shard_of"})
+  for (const char *op : kCommunicationOps)
     table[op] = &CudaBackendImpl::buildCommunication;
   table["event_wait"] = &CudaBackendImpl::buildEventWait;
+}
+
+bool communicates(const std::string &op) {
+  // Besides the communication instructions, the norm and the loss of a
+  // split model all-reduce over their group.
+  for (const char *name : kCommunicationOps)
+    if (op == name)
+      return true;
+  return op == "global_norm" || op == "cross_entropy" || op == "cross_entropy_grad";
+}
+
+void CudaBackendImpl::waitForStreams(const std::string &program, std::vector<Step> &steps) {
+  cudaStream_t streams[] = {stream, sendStream, commStream};
+#ifdef LOOM_HAVE_NCCL
+  if (!world) {
+#endif
+    for (cudaStream_t s : streams)
+      LOOM_CUDA_CHECK(cudaStreamSynchronize(s));
+    (void)program, (void)steps;
+    return;
+#ifdef LOOM_HAVE_NCCL
+  }
+  // The first collective whose work has not finished ("" if none).
+  auto pending = [&]() -> std::string {
+    for (Step &step : steps)
+      if (step.communicated && cudaEventQuery(step.communicated) == cudaErrorNotReady)
+        return step.what;
+    return "";
+  };
+  auto start = std::chrono::steady_clock::now(), lastCheck = start;
+  std::string lostBefore; // a gone peer, seen at the last check with a collective unfinished
+  for (int spins = 0;; ++spins) {
+    bool idle = true;
+    for (cudaStream_t s : streams) {
+      cudaError_t e = cudaStreamQuery(s);
+      if (e == cudaErrorNotReady)
+        idle = false;
+      else
+        LOOM_CUDA_CHECK(e);
+    }
+    if (idle)
+      return;
+    if (world->aborted)
+      fail(LOOM_INVALID_ARGUMENT, program, ": another rank failed and stopped every rank");
+    std::string failure;
+    {
+      std::lock_guard<std::mutex> lock(world->mutex);
+      auto check = [&](const auto &table) {
+        for (const auto &[members, comms] : table) {
+          auto mine = comms.find(int(rank.rank));
+          ncclResult_t state = ncclSuccess;
+          if (failure.empty() && mine != comms.end() && mine->second &&
+              ncclCommGetAsyncError(mine->second, &state) == ncclSuccess && state != ncclSuccess &&
+              state != ncclInProgress)
+            failure = cat("NCCL reported '", ncclGetErrorString(state), "' (", ncclGetLastError(nullptr), ")");
+        }
+      };
+      if (!world->aborted) {
+        check(world->groups);
+        check(world->links);
+      }
+    }
+    auto now = std::chrono::steady_clock::now();
+    double waited = std::chrono::duration<double>(now - start).count();
+    if (failure.empty() && waited > world->timeoutSeconds)
+      failure = cat("waited ", world->timeoutSeconds, " s");
+    // A peer process that is gone while a collective is unfinished (twice in
+    // a row, 200 ms apart: one that just finished the same step and exited
+    // is no failure).
+    if (failure.empty() && world->bootstrap && now - lastCheck > std::chrono::milliseconds(200)) {
+      lastCheck = now;
+      std::string lost = world->bootstrap->lostPeers(), what = pending();
+      if (!lost.empty() && !what.empty() && lostBefore == lost + what)
+        failure = cat("waited while ", lost);
+      lostBefore = lost.empty() || what.empty() ? "" : lost + what;
+    }
+    if (!failure.empty()) {
+      std::string what = pending();
+      if (what.empty())
+        what = cat("the collectives of program '", program, "'");
+      abortNcclWorld(*world); // the kernels waiting on peers return, on every rank of this process
+      fail(LOOM_INVALID_ARGUMENT, "rank ", rank.rank, " ", failure, " in ", what,
+           "; aborted every NCCL communicator and stopping every rank");
+    }
+    if (spins > 1000)
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+#endif
 }
 
 } // namespace loom::rt::cuda

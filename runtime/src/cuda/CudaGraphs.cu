@@ -45,6 +45,8 @@ void CudaBackendImpl::launchEager(std::vector<Step> &steps) {
     // profile keeps timing the compute stream's part.
     if (timed)
       LOOM_CUDA_CHECK(cudaEventRecord(step.end, tracing && step.traceStream ? step.traceStream : stream));
+    if (step.communicated)
+      LOOM_CUDA_CHECK(cudaEventRecord(step.communicated, step.traceStream ? step.traceStream : stream));
   }
 }
 

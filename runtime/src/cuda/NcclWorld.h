@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <map>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -33,6 +34,14 @@ public:
 #endif
   std::vector<int> devices;
   std::atomic<bool> aborted{false};
+  /// How long a rank waits for its collectives to finish (loom-run --timeout).
+  double timeoutSeconds = 300;
+  /// The processes' communicator (null: every rank in this process), asked
+  /// while waiting whether a peer process is gone.
+  Communicator *bootstrap = nullptr;
+  /// Held while communicators are aborted or asked for their errors, since
+  /// any rank's thread may abort them all.
+  std::mutex mutex;
 
 #ifdef LOOM_HAVE_NCCL
   /// Unique ids for every communicator, then every communicator this process

@@ -5,7 +5,8 @@
 
 namespace loom::rt {
 
-std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &, const std::vector<int> &, int, Communicator *) {
+std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &, const std::vector<int> &, int, Communicator *,
+                                         double) {
   fail(LOOM_UNSUPPORTED, "this runtime was built without CUDA, so multi-GPU bundles cannot run; "
        "use --backend cpu");
 }
