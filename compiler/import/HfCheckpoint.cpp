@@ -342,12 +342,13 @@ int64_t hfRowOf(int64_t loomRow, int64_t headDim) {
 }
 } // namespace
 
-std::vector<float> mlir::loom::hfToLoom(const HfTensorMap &m, const std::vector<float> &hf) {
+std::vector<float> mlir::loom::hfToLoom(const HfTensorMap &m, std::vector<float> hf) {
   switch (m.transform) {
   case HfTransform::Copy:
     return hf;
   case HfTransform::FirstRows:
-    return std::vector<float>(hf.begin(), hf.begin() + m.loomShape[0] * m.loomShape[1]);
+    hf.resize(m.loomShape[0] * m.loomShape[1]);
+    return hf;
   case HfTransform::Transpose:
   case HfTransform::RotaryTranspose: {
     int64_t rows = m.hfShape[0], cols = m.hfShape[1];
@@ -363,7 +364,7 @@ std::vector<float> mlir::loom::hfToLoom(const HfTensorMap &m, const std::vector<
   return hf;
 }
 
-std::vector<float> mlir::loom::loomToHf(const HfTensorMap &m, const std::vector<float> &loom) {
+std::vector<float> mlir::loom::loomToHf(const HfTensorMap &m, std::vector<float> loom) {
   switch (m.transform) {
   case HfTransform::Copy:
   case HfTransform::FirstRows: // export writes n_positions = the model's sequence

@@ -57,8 +57,9 @@ std::vector<char> fromFloats(const std::vector<float> &values, loom_dtype_t dtyp
 
 /// Applies `map`'s transform to Hugging Face values (import) or its inverse
 /// to Loom values (export).
-std::vector<float> hfToLoom(const HfTensorMap &map, const std::vector<float> &hf);
-std::vector<float> loomToHf(const HfTensorMap &map, const std::vector<float> &loom);
+/// Values are taken by value so that a copy needs no second buffer.
+std::vector<float> hfToLoom(const HfTensorMap &map, std::vector<float> hf);
+std::vector<float> loomToHf(const HfTensorMap &map, std::vector<float> loom);
 
 struct ImportOptions {
   std::string dir;         // config.json, model.safetensors or its sharded index, tokenizer
@@ -66,6 +67,7 @@ struct ImportOptions {
   std::string weightsPath; // its weights, under Loom's names
   std::string dtype = "f32";
   int64_t seq = 0; // 0: the checkpoint's position count
+  bool tokenizer = true; // import tokenizer.model or tokenizer.json when there is one
 };
 
 struct ImportResult {

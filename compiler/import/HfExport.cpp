@@ -138,7 +138,8 @@ ModelConfig mlir::loom::exportHfCheckpoint(const ExportOptions &o) {
         const rt::SafetensorsEntry &e = weights.tensors.at(maps[i].loomName);
         std::vector<float> values = toFloats(rt::readSafetensorsTensor(weights, maps[i].loomName),
                                              e.dtype, weightsPath + ": '" + maps[i].loomName + "'");
-        bytes = fromFloats(loomToHf(maps[i], values), dtype);
+        values = loomToHf(maps[i], std::move(values));
+        bytes = fromFloats(values, dtype);
       });
   std::string config = writeHfConfig(c).dump(2) + "\n";
   rt::writeFileAtomically(o.outDir + "/config.json", config.data(), config.size());

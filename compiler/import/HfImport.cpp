@@ -88,17 +88,23 @@ std::string findName(const CheckpointTensors &ckpt, const std::string &hfName) {
 }
 
 /// The tokenizer the checkpoint carries, copied beside the model and checked
-/// by loading it.
+/// by loading it. SentencePiece first: Llama 2 checkpoints carry both, and
+/// their tokenizer.json is a SentencePiece-style BPE Loom does not read.
 std::string importTokenizer(const std::string &dir, const std::string &modelPath) {
-  for (const char *name : {"tokenizer.json", "tokenizer.model"}) {
+  for (const char *name : {"tokenizer.model", "tokenizer.json"}) {
     std::string src = dir + "/" + name;
     if (!fs::exists(src))
       continue;
     std::string ext = fs::path(name).extension().string();
     fs::path model(modelPath);
     fs::path dst = model.parent_path() / (model.stem().string() + ".tokenizer" + ext);
-    if (ext == ".json" || rt::Tokenizer::sentencePieceAvailable())
-      rt::Tokenizer::load(src); // a corrupt tokenizer is refused now, not when serving
+    if (ext == ".json" || rt::Tokenizer::sentencePieceAvailable()) {
+      try { // a tokenizer Loom cannot read is refused now, not when serving
+        rt::Tokenizer::load(src);
+      } catch (const rt::Error &e) {
+        rt::fail(e.code, e.what(), " (loomc import --no-tokenizer imports the model without it)");
+      }
+    }
     std::vector<char> bytes = rt::readWholeFile(src);
     rt::writeFileAtomically(dst.string(), bytes.data(), bytes.size());
     return dst.string();
@@ -152,7 +158,8 @@ ImportResult mlir::loom::importHfCheckpoint(const ImportOptions &o) {
 
   c.origin = "// Imported by: loomc import " + o.dir + " (" + result.architecture + ") --dtype " +
              o.dtype + (o.seq ? " --seq " + std::to_string(o.seq) : "");
-  result.tokenizerPath = importTokenizer(o.dir, o.modelPath);
+  if (o.tokenizer)
+    result.tokenizerPath = importTokenizer(o.dir, o.modelPath);
   if (!result.tokenizerPath.empty())
     c.tokenizer = fs::path(result.tokenizerPath).filename().string();
   std::string text, error;
@@ -168,9 +175,11 @@ ImportResult mlir::loom::importHfCheckpoint(const ImportOptions &o) {
       [&](size_t i, std::vector<char> &bytes) {
         const rt::SafetensorsIndex &index = *ckpt.where.at(sourceNames[i]);
         const rt::SafetensorsEntry &e = index.tensors.at(sourceNames[i]);
+        // One statement a step, so that at most two copies of the tensor live at once.
         std::vector<float> values = toFloats(rt::readSafetensorsTensor(index, sourceNames[i]),
                                              e.dtype, index.path + ": tensor '" + sourceNames[i] + "'");
-        bytes = fromFloats(hfToLoom(maps[i], values), out);
+        values = hfToLoom(maps[i], std::move(values));
+        bytes = fromFloats(values, out);
         result.bytes += static_cast<int64_t>(bytes.size());
       });
   result.tensors = static_cast<int64_t>(maps.size());

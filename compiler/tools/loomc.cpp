@@ -181,6 +181,9 @@ cl::opt<int64_t> importSeq("seq", cl::desc("Sequence length of the model (defaul
                                            "checkpoint's positions)"),
                            cl::init(0), cl::sub(importCmd));
 
+cl::opt<bool> importNoTokenizer("no-tokenizer", cl::desc("Leave the checkpoint's tokenizer out"),
+                                cl::sub(importCmd));
+
 cl::SubCommand exportCmd("export", "Write a bundle's (or a checkpoint's) weights as a Hugging "
                                    "Face checkpoint that transformers loads");
 cl::opt<std::string> exportInput(cl::Positional, cl::desc("<bundle | checkpoint.safetensors>"),
@@ -765,6 +768,7 @@ int runImport() {
   options.weightsPath = importWeights.empty() ? weights.str().str() : std::string(importWeights);
   options.dtype = importDtype;
   options.seq = importSeq;
+  options.tokenizer = !importNoTokenizer;
   mlir::loom::ImportResult r = mlir::loom::importHfCheckpoint(options);
   const mlir::loom::ModelConfig &c = r.config;
   llvm::outs() << "imported " << options.dir << " (" << r.architecture << "): " << c.layers
