@@ -57,6 +57,15 @@ def prepare(args):
         else:
             model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
         model.save_pretrained(os.path.join(d, "hf"))
+        # transformers 5 writes rope_parameters, 4 reads rope_theta: both, for
+        # a GPU machine with either.
+        path = os.path.join(d, "hf", "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        if "rope_parameters" in config:
+            config["rope_theta"] = config["rope_parameters"]["rope_theta"]
+            with open(path, "w") as f:
+                json.dump(config, f, indent=2)
         seq = cfg.get("n_positions", cfg.get("max_position_embeddings"))
         tokens = torch.randint(0, cfg["vocab_size"], (BATCH, seq), dtype=torch.int32)
         save_file({"tokens": tokens}, os.path.join(d, "tokens.safetensors"))
