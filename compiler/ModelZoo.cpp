@@ -75,6 +75,40 @@ private:
 
 std::string normal(double std) { return "normal(" + number(std) + ")"; }
 
+/// A float attribute's value as MLIR parses it back to the same double.
+std::string exactFloat(double v) {
+  std::ostringstream os;
+  for (int precision = 6; precision <= 17; ++precision) {
+    os.str("");
+    os.precision(precision);
+    os << v;
+    if (std::stod(os.str()) == v)
+      break;
+  }
+  std::string s = os.str();
+  if (s.find('.') == std::string::npos) { // MLIR's float literals need a point
+    size_t e = s.find('e');
+    s.insert(e == std::string::npos ? s.size() : e, ".0");
+  }
+  return s;
+}
+
+/// ", loom.tokenizer = ..." where the model names a tokenizer file.
+std::string tokenizerAttr(const ModelConfig &c) {
+  std::string escaped;
+  for (char ch : c.tokenizer) {
+    if (ch == '"' || ch == '\\')
+      escaped += '\\';
+    escaped += ch;
+  }
+  return c.tokenizer.empty() ? "" : ", loom.tokenizer = \"" + escaped + "\"";
+}
+
+/// " {eps = ...}" where the config sets an epsilon, else "".
+std::string epsAttr(const ModelConfig &c) {
+  return c.normEps > 0 ? " {eps = " + exactFloat(c.normEps) + " : f64}" : "";
+}
+
 //===----------------------------------------------------------------------===//
 // GPT-2
 //===----------------------------------------------------------------------===//
@@ -89,11 +123,13 @@ std::string writeGpt(const ModelConfig &c) {
   w.line("// GPT-2 style decoder: " + std::to_string(c.layers) + " layers, hidden " +
          std::to_string(h) + ", " + std::to_string(c.heads) + " heads, sequence " +
          std::to_string(s) + ", vocabulary " + std::to_string(v) + ", tied embeddings.");
-  w.line("// Written by: loomc models gpt --layers " + std::to_string(c.layers) + " --hidden " +
-         std::to_string(h) + " --heads " + std::to_string(c.heads) + " --seq " +
-         std::to_string(s) + " --vocab " + std::to_string(v) + " --ffn " + std::to_string(f) +
-         " --dtype " + c.dtype);
-  w.open("module attributes {loom.family = \"gpt\"} {");
+  w.line(!c.origin.empty()
+             ? c.origin
+             : "// Written by: loomc models gpt --layers " + std::to_string(c.layers) +
+                   " --hidden " + std::to_string(h) + " --heads " + std::to_string(c.heads) +
+                   " --seq " + std::to_string(s) + " --vocab " + std::to_string(v) + " --ffn " +
+                   std::to_string(f) + " --dtype " + c.dtype);
+  w.open("module attributes {loom.family = \"gpt\"" + tokenizerAttr(c) + "} {");
   w.param("wte", w.t({v, h}), normal(0.02));
   w.param("wpe", w.t({s, h}), normal(0.01));
   w.param("ln_f.g", H, "ones");
@@ -116,7 +152,7 @@ std::string writeGpt(const ModelConfig &c) {
   w.blank();
   w.get("ln1_g", "ln1.g", H);
   w.get("ln1_b", "ln1.b", H);
-  w.op("h1", "loom.layernorm %x, %ln1_g, %ln1_b : " + X + ", " + H + ", " + H);
+  w.op("h1", "loom.layernorm %x, %ln1_g, %ln1_b" + epsAttr(c) + " : " + X + ", " + H + ", " + H);
   w.get("qkv_w", "attn.qkv.w", w.t({h, 3 * h}));
   w.get("qkv_b", "attn.qkv.b", w.t({3 * h}));
   w.op("qkv0", "loom.matmul %h1, %qkv_w : " + X + ", " + w.t({h, 3 * h}));
@@ -135,7 +171,7 @@ std::string writeGpt(const ModelConfig &c) {
   w.op("r1", "loom.add %x, %o : " + X + ", " + X);
   w.get("ln2_g", "ln2.g", H);
   w.get("ln2_b", "ln2.b", H);
-  w.op("h2", "loom.layernorm %r1, %ln2_g, %ln2_b : " + X + ", " + H + ", " + H);
+  w.op("h2", "loom.layernorm %r1, %ln2_g, %ln2_b" + epsAttr(c) + " : " + X + ", " + H + ", " + H);
   w.get("fc_w", "mlp.fc.w", w.t({h, f}));
   w.get("fc_b", "mlp.fc.b", w.t({f}));
   w.op("u0", "loom.matmul %h2, %fc_w : " + X + ", " + w.t({h, f}));
@@ -158,7 +194,7 @@ std::string writeGpt(const ModelConfig &c) {
   w.op("x", "loom.repeat " + std::to_string(c.layers) + " @layer(%x0) : (" + X + ") -> " + X);
   w.get("lnf_g", "ln_f.g", H);
   w.get("lnf_b", "ln_f.b", H);
-  w.op("xf", "loom.layernorm %x, %lnf_g, %lnf_b : " + X + ", " + H + ", " + H);
+  w.op("xf", "loom.layernorm %x, %lnf_g, %lnf_b" + epsAttr(c) + " : " + X + ", " + H + ", " + H);
   w.op("logits", "loom.matmul %xf, %wte {transpose_b} : " + X + ", " + w.t({v, h}));
   w.line("return %logits : " + logits);
   w.close();
@@ -186,14 +222,19 @@ std::string writeLlama(const ModelConfig &c) {
          std::to_string(h) + ", " + std::to_string(c.heads) + " heads (" +
          std::to_string(c.kvHeads) + " key/value heads), SwiGLU width " + std::to_string(f) +
          ", sequence " + std::to_string(s) + ", vocabulary " + std::to_string(v) + ".");
-  w.line("// Written by: loomc models llama --layers " + std::to_string(c.layers) +
-         " --hidden " + std::to_string(h) + " --heads " + std::to_string(c.heads) +
-         " --kv-heads " + std::to_string(c.kvHeads) + " --ffn " + std::to_string(f) + " --seq " +
-         std::to_string(s) + " --vocab " + std::to_string(v) + " --dtype " + c.dtype);
-  w.open("module attributes {loom.family = \"llama\"} {");
+  w.line(!c.origin.empty()
+             ? c.origin
+             : "// Written by: loomc models llama --layers " + std::to_string(c.layers) +
+                   " --hidden " + std::to_string(h) + " --heads " + std::to_string(c.heads) +
+                   " --kv-heads " + std::to_string(c.kvHeads) + " --ffn " + std::to_string(f) +
+                   " --seq " + std::to_string(s) + " --vocab " + std::to_string(v) +
+                   " --dtype " + c.dtype);
+  std::string rope = c.ropeTheta > 0 ? ", theta = " + exactFloat(c.ropeTheta) + " : f64" : "";
+  w.open("module attributes {loom.family = \"llama\"" + tokenizerAttr(c) + "} {");
   w.param("embed", w.t({v, h}), normal(0.02));
   w.param("norm.g", H, "ones");
-  w.param("lm_head", w.t({v, h}), normal(0.02));
+  if (!c.tiedHead)
+    w.param("lm_head", w.t({v, h}), normal(0.02));
   w.blank();
   w.line("// RMSNorm, rotary attention with grouped key/value heads, SwiGLU MLP.");
   w.open("loom.block @layer(%x: " + X + ") -> " + X + " {");
@@ -208,15 +249,15 @@ std::string writeLlama(const ModelConfig &c) {
   w.param("w_down", w.t({f, h}), normal(0.02));
   w.blank();
   w.get("an", "attn_norm.g", H);
-  w.op("n1", "loom.rmsnorm %x, %an : " + X + ", " + H);
+  w.op("n1", "loom.rmsnorm %x, %an" + epsAttr(c) + " : " + X + ", " + H);
   w.get("wq", "wq", w.t({h, h}));
   w.get("wk", "wk", w.t({h, kv}));
   w.get("wv", "wv", w.t({h, kv}));
   w.op("q0", "loom.matmul %n1, %wq : " + X + ", " + w.t({h, h}));
   w.op("k0", "loom.matmul %n1, %wk : " + X + ", " + w.t({h, kv}));
   w.op("v", "loom.matmul %n1, %wv : " + X + ", " + w.t({h, kv}));
-  w.op("q", "loom.rotary %q0 {num_heads = " + std::to_string(c.heads) + "} : " + X);
-  w.op("k", "loom.rotary %k0 {num_heads = " + std::to_string(c.kvHeads) + "} : " + KV);
+  w.op("q", "loom.rotary %q0 {num_heads = " + std::to_string(c.heads) + rope + "} : " + X);
+  w.op("k", "loom.rotary %k0 {num_heads = " + std::to_string(c.kvHeads) + rope + "} : " + KV);
   w.op("a", "loom.attention %q, %k, %v {causal, num_heads = " + std::to_string(c.heads) +
                 ", num_kv_heads = " + std::to_string(c.kvHeads) + "} : " + X + ", " + KV +
                 ", " + KV);
@@ -224,7 +265,7 @@ std::string writeLlama(const ModelConfig &c) {
   w.op("o", "loom.matmul %a, %wo : " + X + ", " + w.t({h, h}));
   w.op("r1", "loom.add %x, %o : " + X + ", " + X);
   w.get("mn", "mlp_norm.g", H);
-  w.op("n2", "loom.rmsnorm %r1, %mn : " + X + ", " + H);
+  w.op("n2", "loom.rmsnorm %r1, %mn" + epsAttr(c) + " : " + X + ", " + H);
   w.get("wg", "w_gate", w.t({h, f}));
   w.get("wu", "w_up", w.t({h, f}));
   w.get("wd", "w_down", w.t({f, h}));
@@ -243,8 +284,8 @@ std::string writeLlama(const ModelConfig &c) {
   w.op("x0", "loom.embedding %embed, %tokens : " + w.t({v, h}) + ", " + tokens);
   w.op("x", "loom.repeat " + std::to_string(c.layers) + " @layer(%x0) : (" + X + ") -> " + X);
   w.get("ng", "norm.g", H);
-  w.op("xf", "loom.rmsnorm %x, %ng : " + X + ", " + H);
-  w.get("head", "lm_head", w.t({v, h}));
+  w.op("xf", "loom.rmsnorm %x, %ng" + epsAttr(c) + " : " + X + ", " + H);
+  w.get("head", c.tiedHead ? "embed" : "lm_head", w.t({v, h}));
   w.op("logits", "loom.matmul %xf, %head {transpose_b} : " + X + ", " + w.t({v, h}));
   w.line("return %logits : " + logits);
   w.close();

@@ -21,6 +21,13 @@ struct ModelConfig {
   int64_t classes = 0; // mlp, resnet: output classes
   int64_t image = 0;   // resnet: input height and width
   std::string dtype = "f32";
+  // Set by importers (0 / false: the dialect's defaults, which the model
+  // files under models/ use and so do not spell out).
+  double normEps = 0;    // gpt: layernorm epsilon (1e-5); llama: rmsnorm epsilon (1e-6)
+  double ropeTheta = 0;  // llama: rotary base (10000)
+  bool tiedHead = false; // llama: the LM head reads the embedding table
+  std::string origin;    // replaces the "Written by" line (loomc import names its checkpoint)
+  std::string tokenizer; // the module's loom.tokenizer: a file beside the model
 };
 
 /// Fills zero fields with the family's defaults: GPT-2 124M, a 1.1B

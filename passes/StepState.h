@@ -53,6 +53,9 @@ struct BundleOptions {
   std::string modelName = "model";
   std::string weightsFile; // load instead of initialising, when set
   bool noWeights = false;  // write no weights file: the runtime initialises from the seed
+  /// Copied into the bundle and named by the manifest's "tokenizer":
+  /// tokenizer.json (BPE) or a SentencePiece .model; "" for none.
+  std::string tokenizerFile;
   bool train = false;      // lower @loss with backward and update programs
   bool bf16 = false;       // bf16 activations, f32 master parameters (loom-mixed-precision)
   /// Data-parallel ranks: each runs batch / dataParallel examples, and the

@@ -4,7 +4,7 @@
 #
 #   scripts/fuzz.sh [SECONDS] [TARGET...]   default: 10 seconds each, every target
 #
-# Targets: manifest, safetensors, tokens, cluster, plan, verify (fuzz/*.cpp).
+# Targets: manifest, safetensors, tokens, tokenizer, cluster, plan, verify (fuzz/*.cpp).
 # Seeds are fuzz/corpus/TARGET (verify also takes models/ and the loomc test
 # inputs); inputs that found new coverage go to build-san/fuzz/corpus/TARGET.
 # A crash leaves build-san/fuzz/TARGET-crash-* and fails the run: fix the
@@ -16,7 +16,7 @@ SAN=${LOOM_SAN_BUILD_DIR:-build-san}
 seconds=${1:-10}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(manifest safetensors tokens cluster plan verify)
+[ ${#targets[@]} -gt 0 ] || targets=(manifest safetensors tokens tokenizer cluster plan verify)
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:strict_string_checks=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 

@@ -13,6 +13,7 @@ packages=(
   nlohmann-json3-dev libgtest-dev
   libopenmpi-dev openmpi-bin
   libopenblas-dev
+  libsentencepiece-dev
   clang-19 libfuzzer-19-dev libclang-rt-19-dev
 )
 

@@ -162,6 +162,15 @@ LogicalResult mlir::loom::writeBundle(ModuleOp module, const BundleOptions &opti
         rt::writeFileAtomically(dir + "/kernels.ptx", ptx->data(), ptx->size());
       }
     }
+    if (!options.tokenizerFile.empty()) {
+      bool json = llvm::StringRef(options.tokenizerFile).ends_with(".json");
+      if (!json && !llvm::StringRef(options.tokenizerFile).ends_with(".model"))
+        return emitError(nowhere) << "tokenizer '" << options.tokenizerFile
+                                  << "' must be a tokenizer.json or a SentencePiece .model";
+      manifest->tokenizer = json ? "tokenizer.json" : "tokenizer.model";
+      std::vector<char> bytes = rt::readWholeFile(options.tokenizerFile);
+      rt::writeFileAtomically(dir + "/" + manifest->tokenizer, bytes.data(), bytes.size());
+    }
     if (options.noWeights) {
       manifest->weights = ""; // the runtime initialises from the seed
       rt::writeManifest(*manifest, dir);

@@ -7,6 +7,7 @@
 
 #include "compiler/ModelSummary.h"
 #include "compiler/ModelZoo.h"
+#include "compiler/import/HfCheckpoint.h"
 #include "compiler/NestingLimit.h"
 #include "compiler/PlannerModel.h"
 #include "compiler/planner/PipelineSchedule.h"
@@ -177,6 +178,42 @@ cl::opt<int64_t> servePrefillChunk("prefill-chunk", cl::desc("Most tokens one st
                                                              "sequences keep going (default: "
                                                              "min(max-seq, 512))"),
                                    cl::init(0), cl::sub(compileCmd), cl::cat(serveCategory));
+cl::opt<std::string> compileTokenizer("tokenizer",
+                                      cl::desc("Copy this tokenizer (tokenizer.json or a "
+                                               "SentencePiece .model) into the bundle (default: "
+                                               "the model's loom.tokenizer, if it names one)"),
+                                      cl::value_desc("file"), cl::sub(compileCmd));
+
+cl::SubCommand importCmd("import", "Read a Hugging Face checkpoint (GPT2LMHeadModel, "
+                                   "LlamaForCausalLM): write its model file, its weights under "
+                                   "Loom's names and its tokenizer");
+cl::opt<std::string> importDir(cl::Positional, cl::desc("<checkpoint directory>"), cl::Required,
+                               cl::sub(importCmd));
+cl::opt<std::string> importOutput("o", cl::desc("Model file to write (default: the directory's "
+                                                "name with .mlir)"),
+                                  cl::value_desc("MODEL.mlir"), cl::sub(importCmd));
+cl::opt<std::string> importWeights("weights", cl::desc("Weights file to write (default: the model "
+                                                       "file with .safetensors)"),
+                                   cl::value_desc("file"), cl::sub(importCmd));
+cl::opt<std::string> importDtype("dtype", cl::desc("Parameter type: f32 or bf16"),
+                                 cl::init("f32"), cl::sub(importCmd));
+cl::opt<int64_t> importSeq("seq", cl::desc("Sequence length of the model (default: the "
+                                           "checkpoint's positions)"),
+                           cl::init(0), cl::sub(importCmd));
+
+cl::opt<bool> importNoTokenizer("no-tokenizer", cl::desc("Leave the checkpoint's tokenizer out"),
+                                cl::sub(importCmd));
+
+cl::SubCommand exportCmd("export", "Write a bundle's (or a checkpoint's) weights as a Hugging "
+                                   "Face checkpoint that transformers loads");
+cl::opt<std::string> exportInput(cl::Positional, cl::desc("<bundle | checkpoint.safetensors>"),
+                                 cl::Required, cl::sub(exportCmd));
+cl::opt<std::string> exportBundle("bundle", cl::desc("The bundle a checkpoint was trained with "
+                                                     "(its model's shape and constants)"),
+                                  cl::value_desc("dir"), cl::sub(exportCmd));
+cl::opt<std::string> exportTo("to", cl::desc("Directory to write config.json, model.safetensors "
+                                             "and the tokenizer to"),
+                              cl::value_desc("dir"), cl::Required, cl::sub(exportCmd));
 
 cl::SubCommand planCmd("plan", "Choose how to parallelise a model on a cluster, predict its step "
                                "time and memory, and explain the choice");
@@ -426,6 +463,13 @@ int runCompile() {
   options.serve.prefillChunk = servePrefillChunk;
   llvm::StringRef stem = llvm::sys::path::stem(compileInput);
   options.modelName = stem.str();
+  options.tokenizerFile = compileTokenizer;
+  if (auto named = (*module)->getAttrOfType<StringAttr>("loom.tokenizer");
+      named && compileTokenizer.empty()) { // a file beside the model
+    llvm::SmallString<256> path(llvm::sys::path::parent_path(compileInput));
+    llvm::sys::path::append(path, named.getValue());
+    options.tokenizerFile = path.str().str();
+  }
   ::loom::rt::Manifest manifest;
   if (failed(mlir::loom::writeBundle(*module, options, compileOutput, &manifest)))
     return 1;
@@ -764,6 +808,55 @@ int runModels() {
   out->keep();
   return 0;
 }
+int runImport() {
+  mlir::loom::ImportOptions options;
+  options.dir = importDir;
+  while (options.dir.size() > 1 && options.dir.back() == '/')
+    options.dir.pop_back();
+  options.modelPath = importOutput.empty()
+                          ? llvm::sys::path::filename(options.dir).str() + ".mlir"
+                          : std::string(importOutput);
+  llvm::SmallString<256> weights(options.modelPath);
+  llvm::sys::path::replace_extension(weights, ".safetensors");
+  options.weightsPath = importWeights.empty() ? weights.str().str() : std::string(importWeights);
+  options.dtype = importDtype;
+  options.seq = importSeq;
+  options.tokenizer = !importNoTokenizer;
+  mlir::loom::ImportResult r = mlir::loom::importHfCheckpoint(options);
+  const mlir::loom::ModelConfig &c = r.config;
+  llvm::outs() << "imported " << options.dir << " (" << r.architecture << "): " << c.layers
+               << " layers, hidden " << c.hidden << ", " << c.heads << " heads"
+               << (c.family == "llama" ? " (" + std::to_string(c.kvHeads) + " key/value)" : "")
+               << ", vocabulary " << c.vocab << ", sequence " << c.seq << "\n"
+               << "wrote " << options.modelPath << " and " << options.weightsPath << " ("
+               << r.tensors << " tensors, " << llvm::format("%.1f", r.bytes / 1048576.0) << " MiB "
+               << c.dtype << ")";
+  if (!r.tokenizerPath.empty())
+    llvm::outs() << "; tokenizer " << r.tokenizerPath;
+  llvm::outs() << "\n";
+  return 0;
+}
+
+int runExport() {
+  mlir::loom::ExportOptions options;
+  options.outDir = exportTo;
+  if (llvm::sys::fs::is_directory(exportInput)) {
+    if (!exportBundle.empty())
+      return fail("--bundle is for exporting a checkpoint file; " + exportInput + " is a bundle");
+    options.bundleDir = exportInput;
+  } else {
+    if (exportBundle.empty())
+      return fail(exportInput + " is a checkpoint: give the bundle it was trained with, "
+                  "--bundle DIR (its model's heads and constants)");
+    options.bundleDir = exportBundle;
+    options.weightsPath = exportInput;
+  }
+  mlir::loom::ModelConfig c = mlir::loom::exportHfCheckpoint(options);
+  llvm::outs() << "wrote " << exportTo << ": config.json ("
+               << (c.family == "gpt" ? "GPT2LMHeadModel" : "LlamaForCausalLM") << ", " << c.layers
+               << " layers) and model.safetensors (" << c.dtype << ")\n";
+  return 0;
+}
 } // namespace
 
 int main(int argc, char **argv) {
@@ -782,7 +875,9 @@ int main(int argc, char **argv) {
       "  loomc plan MODEL.mlir --cluster C [--batch B] [--force dp=2,tp=2,...] [--json F]\n"
       "  loomc inspect PLAN.json|OUT.loom [--svg F]\n"
       "  loomc compile MODEL.mlir [--train] [--batch N] [--seed S] [--weights F] -o OUT.loom\n"
-      "  loomc models gpt|llama|bert|mlp|resnet [--layers L --hidden H ...] [-o MODEL.mlir]\n\n"
+      "  loomc models gpt|llama|bert|mlp|resnet [--layers L --hidden H ...] [-o MODEL.mlir]\n"
+      "  loomc import HF_DIR [-o MODEL.mlir] [--weights F] [--dtype f32|bf16] [--seq S]\n"
+      "  loomc export BUNDLE|CHECKPOINT [--bundle B] --to HF_DIR\n\n"
       "Run 'loomc SUBCOMMAND --help' for the options of each.\n");
   // Every failure is an error message and exit 1; an exception that got
   // this far (a library's, or a bug) must not end in std::terminate.
@@ -797,6 +892,10 @@ int main(int argc, char **argv) {
       return runPlan();
     if (inspectCmd)
       return runInspect();
+    if (importCmd)
+      return runImport();
+    if (exportCmd)
+      return runExport();
   } catch (const std::exception &e) {
     return fail(e.what());
   } catch (...) {

@@ -456,6 +456,12 @@ Manifest parseManifest(const json &doc, const std::string &where) {
     if (m.kernels.find('/') != std::string::npos || m.kernels.find("..") != std::string::npos)
       root.at("kernels").bad("must be a file name inside the bundle");
   }
+  if (root.has("tokenizer")) {
+    m.tokenizer = root.at("tokenizer").string();
+    if (m.tokenizer.empty() || m.tokenizer.find('/') != std::string::npos ||
+        m.tokenizer.find("..") != std::string::npos)
+      root.at("tokenizer").bad("must be a file name inside the bundle");
+  }
   if (root.has("plan")) {
     if (!root.at("plan").raw().is_object())
       root.at("plan").bad("must be an object");
@@ -487,7 +493,15 @@ Manifest readManifest(const std::string &bundleDir) {
   json doc = json::parse(in, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded())
     fail(LOOM_INVALID_BUNDLE, path, ": not valid JSON (truncated or corrupt manifest)");
-  return parseManifest(doc, path);
+  Manifest m = parseManifest(doc, path);
+  if (!m.tokenizer.empty()) {
+    struct stat st;
+    std::string file = bundleDir + "/" + m.tokenizer;
+    if (::stat(file.c_str(), &st) != 0 || !S_ISREG(st.st_mode))
+      fail(LOOM_INVALID_BUNDLE, path, ": field 'tokenizer' names '", m.tokenizer,
+           "', which is not a file in the bundle");
+  }
+  return m;
 }
 
 json toJson(const Manifest &m) {
@@ -561,6 +575,8 @@ json toJson(const Manifest &m) {
     doc["kernels"] = m.kernels;
   if (m.serve.enabled())
     doc["serve"] = toJson(m.serve);
+  if (!m.tokenizer.empty())
+    doc["tokenizer"] = m.tokenizer;
   return doc;
 }
 

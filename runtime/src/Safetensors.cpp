@@ -10,6 +10,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -44,28 +45,21 @@ SafetensorsFile readSafetensors(const std::string &path) {
   return parseSafetensors(readWholeFile(path), path);
 }
 
-SafetensorsFile parseSafetensors(std::vector<char> file, const std::string &path) {
-  if (file.size() < 8)
-    fail(LOOM_INVALID_BUNDLE, path, ": truncated safetensors file (", file.size(),
-         " bytes, less than its 8-byte header length)");
-  uint64_t headerLen = 0;
-  for (int i = 7; i >= 0; --i)
-    headerLen = (headerLen << 8) | static_cast<unsigned char>(file[i]);
-  if (headerLen > file.size() - 8)
-    fail(LOOM_INVALID_BUNDLE, path, ": header length ", headerLen, " exceeds the file size (",
-         file.size(), " bytes); the file is truncated or not safetensors");
-  json header = json::parse(file.begin() + 8, file.begin() + 8 + headerLen, nullptr, false);
+namespace {
+/// Validates a header (JSON text of `headerLen` bytes) against `dataSize`
+/// bytes of data after it; fills tensors and metadata.
+void parseHeader(const char *text, uint64_t headerLen, uint64_t dataSize, const std::string &path,
+                 std::map<std::string, SafetensorsEntry> &tensors,
+                 std::map<std::string, std::string> &metadata) {
+  json header = json::parse(text, text + headerLen, nullptr, false);
   if (header.is_discarded() || !header.is_object())
     fail(LOOM_INVALID_BUNDLE, path, ": header is not a JSON object");
-
-  SafetensorsFile out;
-  size_t dataStart = 8 + headerLen, dataSize = file.size() - dataStart;
   for (auto &[name, entry] : header.items()) {
     if (name == "__metadata__") {
       if (entry.is_object())
         for (auto &[k, v] : entry.items())
           if (v.is_string())
-            out.metadata[k] = v.get<std::string>();
+            metadata[k] = v.get<std::string>();
       continue;
     }
     auto where = [&](const char *field) { return cat(path, ": tensor '", name, "' field '", field, "'"); };
@@ -101,8 +95,29 @@ SafetensorsFile parseSafetensors(std::vector<char> file, const std::string &path
     if (end - begin != expected)
       fail(LOOM_INVALID_BUNDLE, where("data_offsets"), " covers ", end - begin, " bytes but ",
            dtypeName(*dtype), shapeStr(shape), " needs ", expected);
-    out.tensors[name] = SafetensorsEntry{*dtype, shape, static_cast<size_t>(begin), expected};
+    tensors[name] = SafetensorsEntry{*dtype, shape, static_cast<size_t>(begin), expected};
   }
+}
+
+uint64_t headerLength(const unsigned char *first8) {
+  uint64_t headerLen = 0;
+  for (int i = 7; i >= 0; --i)
+    headerLen = (headerLen << 8) | first8[i];
+  return headerLen;
+}
+} // namespace
+
+SafetensorsFile parseSafetensors(std::vector<char> file, const std::string &path) {
+  if (file.size() < 8)
+    fail(LOOM_INVALID_BUNDLE, path, ": truncated safetensors file (", file.size(),
+         " bytes, less than its 8-byte header length)");
+  uint64_t headerLen = headerLength(reinterpret_cast<const unsigned char *>(file.data()));
+  if (headerLen > file.size() - 8)
+    fail(LOOM_INVALID_BUNDLE, path, ": header length ", headerLen, " exceeds the file size (",
+         file.size(), " bytes); the file is truncated or not safetensors");
+  SafetensorsFile out;
+  size_t dataStart = 8 + headerLen, dataSize = file.size() - dataStart;
+  parseHeader(file.data() + 8, headerLen, dataSize, path, out.tensors, out.metadata);
   out.data.assign(file.begin() + dataStart, file.end());
   if (auto it = out.metadata.find("fnv1a64"); it != out.metadata.end()) {
     // The data in the order the writer laid it out: by offset.
@@ -119,6 +134,46 @@ SafetensorsFile parseSafetensors(std::vector<char> file, const std::string &path
            "modified or only partly written); refusing to load it");
   }
   return out;
+}
+
+SafetensorsIndex readSafetensorsIndex(const std::string &path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in)
+    fail(LOOM_IO_ERROR, "cannot open '", path, "': ", std::strerror(errno));
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode))
+    fail(LOOM_IO_ERROR, "cannot read '", path, "': not a regular file");
+  uint64_t size = static_cast<uint64_t>(st.st_size);
+  unsigned char first8[8];
+  in.seekg(0);
+  if (size < 8 || !in.read(reinterpret_cast<char *>(first8), 8))
+    fail(LOOM_INVALID_BUNDLE, path, ": truncated safetensors file (", size,
+         " bytes, less than its 8-byte header length)");
+  uint64_t headerLen = headerLength(first8);
+  // The format caps headers at 100 MB; a larger length is damage, not a header.
+  if (headerLen > size - 8 || headerLen > (uint64_t(100) << 20))
+    fail(LOOM_INVALID_BUNDLE, path, ": header length ", headerLen, " exceeds the file size (",
+         size, " bytes) or 100 MB; the file is truncated or not safetensors");
+  std::string text(static_cast<size_t>(headerLen), '\0');
+  if (headerLen && !in.read(text.data(), static_cast<std::streamsize>(headerLen)))
+    fail(LOOM_IO_ERROR, "cannot read '", path, "': ", std::strerror(errno));
+  SafetensorsIndex index;
+  index.path = path;
+  index.dataStart = 8 + headerLen;
+  parseHeader(text.data(), headerLen, size - index.dataStart, path, index.tensors, index.metadata);
+  return index;
+}
+
+std::vector<char> readSafetensorsTensor(const SafetensorsIndex &index, const std::string &name) {
+  auto it = index.tensors.find(name);
+  if (it == index.tensors.end())
+    fail(LOOM_INVALID_ARGUMENT, index.path, ": has no tensor '", name, "'");
+  std::ifstream in(index.path, std::ios::binary);
+  std::vector<char> bytes(it->second.bytes);
+  in.seekg(static_cast<std::streamoff>(index.dataStart + it->second.offset));
+  if (!in || (!bytes.empty() && !in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()))))
+    fail(LOOM_IO_ERROR, "cannot read tensor '", name, "' from '", index.path, "'");
+  return bytes;
 }
 
 std::string temporaryPath(const std::string &path) {
@@ -182,32 +237,99 @@ uint64_t fnv1a64(const char *data, size_t bytes, uint64_t h) {
   return h;
 }
 
+namespace {
+/// The header text for `specs` laid out in order, padded with spaces to at
+/// least `minLength` and to a multiple of 8 with its length word.
+std::string headerText(const std::vector<SafetensorsSpec> &specs,
+                       const std::map<std::string, std::string> &metadata, size_t minLength) {
+  json header = json::object();
+  header["__metadata__"] = metadata;
+  size_t offset = 0;
+  for (const auto &t : specs) {
+    size_t bytes = static_cast<size_t>(numElements(t.shape).value_or(0)) * dtypeSize(t.dtype);
+    header[t.name] = {{"dtype", safetensorsDtype(t.dtype)},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string text = header.dump();
+  if (text.size() < minLength)
+    text.append(minLength - text.size(), ' ');
+  while ((8 + text.size()) % 8 != 0) // align the data as the format recommends
+    text += ' ';
+  return text;
+}
+
+bool writeHeader(FILE *f, const std::string &text) {
+  unsigned char len[8];
+  for (int i = 0; i < 8; ++i)
+    len[i] = static_cast<unsigned char>((uint64_t(text.size()) >> (8 * i)) & 0xff);
+  return std::fwrite(len, 1, 8, f) == 8 && std::fwrite(text.data(), 1, text.size(), f) == text.size();
+}
+} // namespace
+
+void writeSafetensorsStreaming(const std::string &path, const std::vector<SafetensorsSpec> &specs,
+                               const std::map<std::string, std::string> &metadata,
+                               const std::function<void(size_t, std::vector<char> &)> &produce) {
+  // The checksum is known only after the data: the header is written with
+  // room for the longest one (20 digits), then rewritten in place.
+  std::map<std::string, std::string> meta = metadata;
+  meta["fnv1a64"] = std::string(20, '0');
+  size_t reserved = headerText(specs, meta, 0).size();
+  // A tensor that cannot be produced (a damaged source) ends the write: the
+  // temporary file goes and its error, not the write's, is what is thrown.
+  std::exception_ptr producing;
+  try {
+    writeAtomically(path, [&](FILE *f) {
+      if (std::fseek(f, static_cast<long>(8 + reserved), SEEK_SET) != 0)
+        return false;
+      uint64_t h = kFnvOffset;
+      std::vector<char> bytes;
+      for (size_t i = 0; i < specs.size(); ++i) {
+        bytes.clear();
+        try {
+          produce(i, bytes);
+        } catch (...) {
+          producing = std::current_exception();
+          return false;
+        }
+        size_t expected =
+            static_cast<size_t>(numElements(specs[i].shape).value_or(0)) * dtypeSize(specs[i].dtype);
+        if (bytes.size() != expected) {
+          producing = std::make_exception_ptr(
+              Error(LOOM_INTERNAL, cat(path, ": tensor '", specs[i].name, "' has ", bytes.size(),
+                                       " bytes, expected ", expected)));
+          return false;
+        }
+        h = fnv1a64(bytes.data(), bytes.size(), h);
+        if (!bytes.empty() && std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size())
+          return false;
+      }
+      meta["fnv1a64"] = std::to_string(h);
+      std::string text = headerText(specs, meta, reserved);
+      return text.size() == reserved && std::fseek(f, 0, SEEK_SET) == 0 && writeHeader(f, text);
+    });
+  } catch (...) {
+    if (producing)
+      std::rethrow_exception(producing);
+    throw;
+  }
+}
+
 void writeSafetensors(const std::string &path, const std::vector<SafetensorsTensorRef> &tensors,
                       const std::map<std::string, std::string> &metadata) {
-  json header = json::object();
   std::map<std::string, std::string> meta = metadata;
   // A checksum of the data, so a damaged file is refused, not loaded.
   uint64_t h = kFnvOffset;
-  for (const auto &t : tensors)
-    h = fnv1a64(static_cast<const char *>(t.data), t.bytes, h);
-  meta["fnv1a64"] = std::to_string(h);
-  header["__metadata__"] = meta;
-  std::vector<size_t> order; // data in the order given, header keys sorted by json
-  size_t offset = 0;
+  std::vector<SafetensorsSpec> specs;
   for (const auto &t : tensors) {
-    header[t.name] = {{"dtype", safetensorsDtype(t.dtype)},
-                      {"shape", t.shape},
-                      {"data_offsets", {offset, offset + t.bytes}}};
-    offset += t.bytes;
+    h = fnv1a64(static_cast<const char *>(t.data), t.bytes, h);
+    specs.push_back({t.name, t.dtype, t.shape});
   }
-  std::string text = header.dump();
-  while ((8 + text.size()) % 8 != 0) // align the data as the format recommends
-    text += ' ';
+  meta["fnv1a64"] = std::to_string(h);
+  std::string text = headerText(specs, meta, 0);
   writeAtomically(path, [&](FILE *f) {
-    unsigned char len[8];
-    for (int i = 0; i < 8; ++i)
-      len[i] = static_cast<unsigned char>((uint64_t(text.size()) >> (8 * i)) & 0xff);
-    if (std::fwrite(len, 1, 8, f) != 8 || std::fwrite(text.data(), 1, text.size(), f) != text.size())
+    if (!writeHeader(f, text))
       return false;
     for (const auto &t : tensors)
       if (t.bytes && std::fwrite(t.data, 1, t.bytes, f) != t.bytes)

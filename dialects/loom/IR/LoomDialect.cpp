@@ -41,9 +41,9 @@ LogicalResult LoomDialect::verifyOperationAttribute(Operation *op, NamedAttribut
       return op->emitError() << "'loom.mesh' belongs on the module";
     return success();
   }
-  if (name == "loom.family") {
+  if (name == "loom.family" || name == "loom.tokenizer") {
     if (!isa<StringAttr>(attr.getValue()) || !isa<ModuleOp>(op))
-      return op->emitError() << "'loom.family' must be a string on the module";
+      return op->emitError() << "'" << name << "' must be a string on the module";
     return success();
   }
   if (name == "loom.sharding") {

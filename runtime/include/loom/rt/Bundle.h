@@ -144,6 +144,9 @@ struct Manifest {
   std::string weights = "weights.safetensors"; // "": initialise from `seed` on load
   /// PTX of the fused kernels ("kernels.ptx"), or "" when nothing was fused.
   std::string kernels;
+  /// The tokenizer that travels with the model ("tokenizer.json": byte-level
+  /// BPE; "tokenizer.model": SentencePiece), a file in the bundle, or "".
+  std::string tokenizer;
   uint64_t seed = 0;
   /// The parallel plan the bundle was compiled for (as `loomc plan --json`
   /// writes it, or the degrees that were forced); empty for one device.

@@ -45,6 +45,20 @@ SafetensorsFile readSafetensors(const std::string &path);
 /// Validates the bytes of a whole file; `path` names it in errors.
 SafetensorsFile parseSafetensors(std::vector<char> file, const std::string &path);
 
+/// A file's header alone, for reading one tensor at a time (a checkpoint
+/// larger than memory): entries' offsets count from `dataStart`.
+struct SafetensorsIndex {
+  std::string path;
+  std::map<std::string, SafetensorsEntry> tensors;
+  std::map<std::string, std::string> metadata;
+  size_t dataStart = 0;
+};
+
+/// Reads and validates the header of `path`; throws Error naming the field.
+SafetensorsIndex readSafetensorsIndex(const std::string &path);
+/// The bytes of one tensor of an indexed file.
+std::vector<char> readSafetensorsTensor(const SafetensorsIndex &index, const std::string &name);
+
 struct SafetensorsTensorRef {
   std::string name;
   loom_dtype_t dtype;
@@ -60,6 +74,19 @@ uint64_t fnv1a64(const char *data, size_t bytes, uint64_t h);
 /// the data in the metadata ("fnv1a64") that readSafetensors verifies.
 void writeSafetensors(const std::string &path, const std::vector<SafetensorsTensorRef> &tensors,
                       const std::map<std::string, std::string> &metadata = {});
+
+struct SafetensorsSpec {
+  std::string name;
+  loom_dtype_t dtype;
+  Shape shape;
+};
+
+/// Writes tensors one at a time, in the order of `specs`: `produce(i, bytes)`
+/// fills tensor i's bytes, which are written before the next is asked for.
+/// The file is written as writeSafetensors does (atomically, with a checksum).
+void writeSafetensorsStreaming(const std::string &path, const std::vector<SafetensorsSpec> &specs,
+                               const std::map<std::string, std::string> &metadata,
+                               const std::function<void(size_t, std::vector<char> &)> &produce);
 
 /// Writes `bytes` to `path` through a temporary file and a rename.
 void writeFileAtomically(const std::string &path, const void *data, size_t bytes);
