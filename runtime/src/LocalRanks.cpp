@@ -20,7 +20,7 @@ std::vector<std::unique_ptr<Session>> openLocalRanks(const std::string &bundleDi
       std::vector<int> devices;
       for (int64_t k = 0; k < n; ++k)
         devices.push_back(static_cast<int>(k));
-      options.nccl = makeNcclWorld(manifest, devices);
+      options.nccl = makeNcclWorld(manifest, devices, -1, nullptr, options.timeoutSeconds);
     } else {
       options.comm = std::make_shared<InProcessCommunicator>(static_cast<int>(n), options.timeoutSeconds);
       if (options.threads == 0)
