@@ -31,6 +31,23 @@ def loom_run() -> Path:
 
 
 @pytest.fixture(scope="session")
+def small_gpt_train(tmp_path_factory, loom_run) -> Path:
+    """The quickstart's small GPT (4 layers of 256, sequence 128, vocabulary 512),
+    compiled for training as scripts/quickstart.sh compiles it."""
+    loomc = _tool("loomc")
+    if not loomc.name:
+        pytest.skip("no loomc in LOOM_BUILD_DIR")
+    out = tmp_path_factory.mktemp("small")
+    subprocess.run([str(loomc), "models", "gpt", "--layers", "4", "--hidden", "256", "--heads", "4",
+                    "--seq", "128", "--vocab", "512", "-o", str(out / "gpt-small.mlir")],
+                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([str(loomc), "compile", str(out / "gpt-small.mlir"), "--train", "--batch", "4",
+                    "--lr", "1e-3", "--warmup", "10", "--total-steps", "40",
+                    "-o", str(out / "gpt-small-train.loom")], check=True, stdout=subprocess.DEVNULL)
+    return out / "gpt-small-train.loom"
+
+
+@pytest.fixture(scope="session")
 def bundles(tmp_path_factory) -> Path:
     """A folder with gpt-tiny-infer.loom (batch 2) and gpt-tiny-train.loom (batch 4)."""
     carried = os.environ.get("LOOM_TEST_BUNDLES")
