@@ -30,6 +30,15 @@ public:
   virtual void run(const std::string &program) = 0;
   /// Host address of a buffer, or null when the arena is not host memory.
   virtual char *hostData(const Buffer &) { return nullptr; }
+  /// The CUDA device whose memory holds the arena; -1 for host memory.
+  virtual int cudaDevice() const { return -1; }
+  /// Address of a buffer in the arena, host or device memory (the C API's
+  /// views of outputs).
+  virtual char *arenaData(const Buffer &b) { return hostData(b); }
+  /// Copies b.bytes bytes from memory of CUDA device `device` into `b`,
+  /// after the work queued on that device's legacy default stream, and
+  /// returns when the copy is done.
+  virtual void uploadFromDevice(const Buffer &b, const void *src, int device);
   /// Whether programs replay as CUDA graphs once warm (those without
   /// collectives or transfers), so launches cost the host nothing.
   virtual bool replaysGraphs() const { return false; }

@@ -203,4 +203,32 @@ loom_status_t *loom_session_load_weights(loom_session_t *session, const char *pa
   return guarded([&] { session->session->loadWeights(path); });
 }
 
+loom_status_t *loom_session_device(const loom_session_t *session, loom_device_t *out_device) {
+  if (!session || !out_device)
+    return nullArgument("session and out_device");
+  int cuda = session->session->cudaDevice();
+  *out_device = cuda < 0 ? loom_device_t{LOOM_DEVICE_CPU, 0} : loom_device_t{LOOM_DEVICE_CUDA, cuda};
+  return nullptr;
+}
+
+loom_status_t *loom_session_output_data(loom_session_t *session, const char *name, void **out_data) {
+  if (!session || !name || !out_data)
+    return nullArgument("session, name and out_data");
+  *out_data = nullptr;
+  return guarded([&] { *out_data = session->session->outputData(name); });
+}
+
+loom_status_t *loom_session_bind_input_from(loom_session_t *session, const char *name,
+                                            const void *data, size_t bytes,
+                                            const loom_device_t *device) {
+  if (!session || !name || !data)
+    return nullArgument("session, name and data");
+  if (!device || device->type == LOOM_DEVICE_CPU)
+    return loom_session_bind_input(session, name, data, bytes);
+  if (device->type != LOOM_DEVICE_CUDA)
+    return makeStatus(LOOM_INVALID_ARGUMENT, "device type " + std::to_string(device->type) +
+                                                 " is neither LOOM_DEVICE_CPU (1) nor LOOM_DEVICE_CUDA (2)");
+  return guarded([&] { session->session->bindInputFromDevice(name, data, bytes, device->id); });
+}
+
 } // extern "C"

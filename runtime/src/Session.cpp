@@ -203,12 +203,29 @@ const Buffer &Session::output(const std::string &name) const {
   return findNamed(rank(), rank().outputs, name, "output");
 }
 
-void Session::bindInput(const std::string &name, const void *src, size_t bytes) {
-  const Buffer &b = input(name);
+/// The named input, checked to take exactly `bytes` bytes.
+static const Buffer &inputOfSize(const Session &s, const std::string &name, size_t bytes) {
+  const Buffer &b = s.input(name);
   if (bytes != static_cast<size_t>(b.bytes))
     fail(LOOM_INVALID_ARGUMENT, "input '", name, "' is ", dtypeName(b.dtype), shapeStr(b.shape),
          " (", b.bytes, " bytes), got ", bytes, " bytes");
-  backend->upload(b, src);
+  return b;
+}
+
+void Session::bindInput(const std::string &name, const void *src, size_t bytes) {
+  backend->upload(inputOfSize(*this, name, bytes), src);
+}
+
+void Session::bindInputFromDevice(const std::string &name, const void *src, size_t bytes, int device) {
+  backend->uploadFromDevice(inputOfSize(*this, name, bytes), src, device);
+}
+
+char *Session::outputData(const std::string &name) const {
+  char *p = backend->arenaData(output(name));
+  if (!p)
+    fail(LOOM_UNSUPPORTED, "output '", name, "' cannot be read in place on the ", backendKind,
+         " backend; copy it with loom_session_read_output");
+  return p;
 }
 
 void Session::readOutput(const std::string &name, void *dst, size_t bytes) const {

@@ -36,6 +36,12 @@ public:
   const Buffer &input(const std::string &name) const;
   const Buffer &output(const std::string &name) const;
   void bindInput(const std::string &name, const void *data, size_t bytes);
+  /// bindInput from the memory of CUDA device `device` (device to device).
+  void bindInputFromDevice(const std::string &name, const void *data, size_t bytes, int device);
+  /// The CUDA device that holds the arena; -1 for host memory.
+  int cudaDevice() const { return backend->cudaDevice(); }
+  /// The address of an output in the arena, host or device memory.
+  char *outputData(const std::string &name) const;
   void readOutput(const std::string &name, void *data, size_t bytes) const;
   void runForward();
   /// Forward, backward and update of a training bundle; returns the loss.

@@ -264,6 +264,52 @@ TEST_F(BundleTest, TokenOutsideVocabularyIsAnError) {
   std::filesystem::remove_all(dir);
 }
 
+TEST_F(BundleTest, OutputsInPlaceAndInputsFromDevices) {
+  OwningOpRef<ModuleOp> module = parse("gpt-tiny.mlir");
+  std::string dir = tempDir("memory");
+  mlir::loom::BundleOptions options;
+  ASSERT_TRUE(succeeded(mlir::loom::writeBundle(*module, options, dir)));
+  loom_session_t *session = nullptr;
+  ASSERT_EQ(loom_session_create(dir.c_str(), nullptr, &session), nullptr);
+  loom_device_t device{LOOM_DEVICE_CUDA, 7};
+  ASSERT_EQ(loom_session_device(session, &device), nullptr);
+  EXPECT_EQ(device.type, LOOM_DEVICE_CPU);
+  EXPECT_EQ(device.id, 0);
+  std::vector<int32_t> tokens(32);
+  for (size_t i = 0; i < tokens.size(); ++i)
+    tokens[i] = int32_t(i * 7 % 256);
+  // Host memory, named as such or by NULL, binds as loom_session_bind_input does.
+  ASSERT_EQ(loom_session_bind_input_from(session, "tokens", tokens.data(), 128, &device), nullptr);
+  ASSERT_EQ(loom_session_bind_input_from(session, "tokens", tokens.data(), 128, nullptr), nullptr);
+  ASSERT_EQ(loom_session_run_forward(session), nullptr);
+  void *data = nullptr;
+  ASSERT_EQ(loom_session_output_data(session, "logits", &data), nullptr);
+  ASSERT_NE(data, nullptr);
+  std::vector<float> copy(32 * 256);
+  ASSERT_EQ(loom_session_read_output(session, "logits", copy.data(), copy.size() * 4), nullptr);
+  EXPECT_EQ(0, std::memcmp(data, copy.data(), copy.size() * 4));
+  // GPU memory for the CPU backend, an unknown device type, an unknown output.
+  loom_device_t gpu{LOOM_DEVICE_CUDA, 0};
+  loom_status_t *st = loom_session_bind_input_from(session, "tokens", tokens.data(), 128, &gpu);
+  ASSERT_NE(st, nullptr);
+  EXPECT_EQ(loom_status_code(st), LOOM_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(loom_status_message(st)).find("runs on the cpu backend"), std::string::npos)
+      << loom_status_message(st);
+  loom_status_free(st);
+  loom_device_t odd{static_cast<loom_device_type_t>(9), 0};
+  st = loom_session_bind_input_from(session, "tokens", tokens.data(), 128, &odd);
+  ASSERT_NE(st, nullptr);
+  EXPECT_EQ(loom_status_code(st), LOOM_INVALID_ARGUMENT);
+  loom_status_free(st);
+  st = loom_session_output_data(session, "probs", &data);
+  ASSERT_NE(st, nullptr);
+  EXPECT_NE(std::string(loom_status_message(st)).find("no output named 'probs'"), std::string::npos);
+  EXPECT_EQ(data, nullptr);
+  loom_status_free(st);
+  loom_session_destroy(session);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_F(BundleTest, SaveAndLoadWeightsRoundTrip) {
   OwningOpRef<ModuleOp> module = parse("mlp.mlir");
   std::string dir = tempDir("weights");

@@ -215,6 +215,45 @@ typedef struct loom_server_stats_t {
 void loom_server_stats_init(loom_server_stats_t *stats);
 loom_status_t *loom_server_stats(const loom_server_t *server, loom_server_stats_t *out_stats);
 
+/*--- Memory: reading outputs in place, binding inputs from a GPU ----------*/
+
+/* Where memory is; the values are DLPack's device types (kDLCPU, kDLCUDA),
+ * so a DLPack producer's or consumer's device converts as it is. */
+typedef enum loom_device_type_e {
+  LOOM_DEVICE_CPU = 1,
+  LOOM_DEVICE_CUDA = 2,
+} loom_device_type_t;
+
+typedef struct loom_device_t {
+  loom_device_type_t type;
+  int32_t id; /* the CUDA device ordinal; 0 for the CPU */
+} loom_device_t;
+
+/* The device whose memory holds this session's arena: its inputs, outputs
+ * and parameters (the CPU for the "cpu" backend, its GPU for "cuda"). */
+loom_status_t *loom_session_device(const loom_session_t *session, loom_device_t *out_device);
+
+/* The address of the named output inside the session's arena, in the memory
+ * of loom_session_device: read it in place, without a copy (a DLPack view).
+ * It stays valid until the session is destroyed, and each run
+ * (loom_session_run_forward, loom_session_train_step) overwrites what it
+ * holds. Every run has finished on the device when its call returns, so
+ * reading it needs no synchronisation; it must not be written. */
+loom_status_t *loom_session_output_data(loom_session_t *session, const char *name,
+                                        void **out_data);
+
+/* Like loom_session_bind_input, from memory on `device` (NULL: host memory).
+ * Memory of the session's own GPU is copied device to device, with no host
+ * round trip; another GPU's memory, or GPU memory for the "cpu" backend, is
+ * refused. The copy is ordered after the work already queued on that GPU's
+ * legacy default stream (stream 0), so a producer that wrote `data` on
+ * another stream first makes stream 0 wait for it (what DLPack's
+ * __dlpack__(stream=1) asks of the producer); the copy has finished when the
+ * call returns, and `data` may then be reused. */
+loom_status_t *loom_session_bind_input_from(loom_session_t *session, const char *name,
+                                            const void *data, size_t bytes,
+                                            const loom_device_t *device);
+
 #ifdef __cplusplus
 }
 #endif

@@ -248,6 +248,12 @@ void CpuProgram::runTimed(const std::function<void(const CpuProgramStep &, doubl
 
 namespace loom::rt {
 
+void Backend::uploadFromDevice(const Buffer &b, const void *, int device) {
+  fail(LOOM_INVALID_ARGUMENT, "input '", b.name, "' comes from the memory of CUDA device ", device,
+       " but this session runs on the ", name(), " backend; bind host memory (copy it to the CPU) "
+       "or open the session with the cuda backend");
+}
+
 double denseInstructionFlops(const RankProgram &rank, const Instruction &ins) {
   auto count = [](const Shape &s) { return double(numElements(s).value_or(0)); };
   if (ins.op == "matmul" && ins.in.size() >= 2 && ins.in.size() <= 4 && !ins.out.empty()) { // 3, 4: epilogue inputs

@@ -141,6 +141,8 @@ CudaBackendImpl::~CudaBackendImpl() {
     cudaEventDestroy(e);
   for (cudaEvent_t e : readyEvents)
     cudaEventDestroy(e);
+  if (legacyStreamDone)
+    cudaEventDestroy(legacyStreamDone);
   for (Staging &slot : staging) {
     cudaFree(slot.data);
     if (slot.sent)
@@ -170,6 +172,33 @@ void CudaBackendImpl::download(const Buffer &b, void *dst) const {
   LOOM_CUDA_CHECK(cudaSetDevice(device));
   LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, const_cast<CudaBackendImpl *>(this)->ptr(b), b.bytes,
                                   cudaMemcpyDeviceToHost, stream));
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+void CudaBackendImpl::uploadFromDevice(const Buffer &b, const void *src, int srcDevice) {
+  if (srcDevice != device)
+    fail(LOOM_INVALID_ARGUMENT, "input '", b.name, "' comes from the memory of CUDA device ", srcDevice,
+         " but this session runs on CUDA device ", device, "; move it to device ", device, " first");
+  LOOM_CUDA_CHECK(cudaSetDevice(device));
+  // A pointer that is not this GPU's memory fails here, not inside the copy.
+  cudaPointerAttributes attributes{};
+  cudaError_t e = cudaPointerGetAttributes(&attributes, src);
+  if (e != cudaSuccess) {
+    cudaGetLastError(); // clear it: the error is the caller's, not the device's
+    fail(LOOM_INVALID_ARGUMENT, "input '", b.name, "': the address is not CUDA memory (",
+         cudaGetErrorString(e), ")");
+  }
+  bool deviceMemory = attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
+  if (!deviceMemory || attributes.device != device)
+    fail(LOOM_INVALID_ARGUMENT, "input '", b.name, "': the address is not memory of CUDA device ", device,
+         deviceMemory ? cat(" (it is device ", attributes.device, "'s)") : std::string(" (it is host memory)"));
+  // The producer's work reached the legacy default stream (DLPack's stream
+  // 1); this rank's stream, which does not block on it, waits for it there.
+  if (!legacyStreamDone)
+    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&legacyStreamDone, cudaEventDisableTiming));
+  LOOM_CUDA_CHECK(cudaEventRecord(legacyStreamDone, cudaStreamLegacy));
+  LOOM_CUDA_CHECK(cudaStreamWaitEvent(stream, legacyStreamDone, 0));
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(ptr(b), src, b.bytes, cudaMemcpyDeviceToDevice, stream));
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 

@@ -79,6 +79,9 @@ public:
 
   void upload(const Buffer &b, const void *src) override;
   void download(const Buffer &b, void *dst) const override;
+  int cudaDevice() const override { return device; }
+  char *arenaData(const Buffer &b) override { return ptr(b); }
+  void uploadFromDevice(const Buffer &b, const void *src, int srcDevice) override;
   bool has(const std::string &program) const override { return programs.count(program) > 0; }
 
   void prepare(const std::string &program, const std::vector<Instruction> &instrs) override;
@@ -349,6 +352,9 @@ private:
   /// Tracing: an event at the start of each run, and the host's clock then.
   cudaEvent_t traceBase = nullptr;
   double traceBaseHost = 0;
+  /// uploadFromDevice: the legacy default stream's work so far, which the
+  /// copy waits for (made on first use).
+  cudaEvent_t legacyStreamDone = nullptr;
   std::function<bool()> buildReplayable;
   std::function<void()> buildReplayed;
   /// A program's captured CUDA graph: the steady state replays it in one
