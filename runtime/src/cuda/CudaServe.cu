@@ -56,19 +56,26 @@ __global__ void kvWriteNarrowKernel(const uint16_t *k, const uint16_t *v, const 
   }
 }
 
-constexpr int kAttnThreads = 128;
+constexpr int kAttnThreads = 256;
 constexpr int kMaxGroup = 8; // query heads per key/value head held in registers
 
-/// Block (token, kv head). Shared memory: the group's queries [group][D],
-/// their scores [group][keys], and partial outputs [group][D].
-__global__ void pagedAttentionKernel(DPtr q, DPtr kc, DPtr vc, const int32_t *positions, const int32_t *table,
+template <typename T> __device__ inline float toFloat(T v);
+template <> __device__ inline float toFloat(float v) { return v; }
+template <> __device__ inline float toFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+/// Block (token, kv head). Shared memory: the group's queries [group][D]
+/// and their scores [group][keys]; the partial outputs reuse it at the end.
+/// A thread scores whole keys (its row read in one pass, no shuffles), so
+/// a decoding token's few hundred keys take one or two rounds.
+template <typename T>
+__global__ void pagedAttentionKernel(DPtr q, const T *kc, const T *vc, const int32_t *positions, const int32_t *table,
                                      DPtr o, int heads, int kvHeads, int D, int blockSize, int perSeq,
                                      int64_t numBlocks, float scale, int maxKeys, long long *err) {
   extern __shared__ float smem[];
   const int token = blockIdx.x, kh = blockIdx.y, group = heads / kvHeads;
   const int W = kvHeads * D;
-  float *qs = smem;                        // [group][D]
-  float *scores = qs + group * D;          // [group][maxKeys]
+  float *qs = smem;               // [group][D]
+  float *scores = qs + group * D; // [group][maxKeys]
   const int32_t *blocks = table + int64_t(token) * perSeq;
   int pos = positions[token];
   if (pos < 0 || pos >= maxKeys) {
@@ -88,26 +95,20 @@ __global__ void pagedAttentionKernel(DPtr q, DPtr kc, DPtr vc, const int32_t *po
     b = b < 0 || b >= numBlocks ? 0 : b; // reported above; read something in bounds
     return (int64_t(b) * blockSize + p % blockSize) * W + int64_t(kh) * D;
   };
-  // Scores: a warp per key, lanes over the dimensions.
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  for (int p = warp; p < keys; p += warps) {
-    int64_t row = rowOf(p);
+  for (int p = threadIdx.x; p < keys; p += blockDim.x) {
+    const T *krow = kc + rowOf(p);
     float acc[kMaxGroup] = {};
-    for (int d = lane; d < D; d += 32) {
-      float kv = kc[row + d];
+    for (int d = 0; d < D; ++d) {
+      float kv = toFloat(krow[d]);
       for (int g = 0; g < group; ++g)
         acc[g] += qs[g * D + d] * kv;
     }
-    for (int g = 0; g < group; ++g) {
-      float a = acc[g];
-      for (int off = 16; off > 0; off /= 2)
-        a += __shfl_xor_sync(0xffffffffu, a, off);
-      if (lane == 0)
-        scores[g * maxKeys + p] = a;
-    }
+    for (int g = 0; g < group; ++g)
+      scores[g * maxKeys + p] = acc[g];
   }
   __syncthreads();
   // Softmax per query head: a warp per head.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   for (int g = warp; g < group; g += warps) {
     float mx = -INFINITY;
     for (int p = lane; p < keys; p += 32)
@@ -122,23 +123,25 @@ __global__ void pagedAttentionKernel(DPtr q, DPtr kc, DPtr vc, const int32_t *po
     }
     for (int off = 16; off > 0; off /= 2)
       sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    float inv = 1.0f / sum;
     for (int p = lane; p < keys; p += 32)
-      scores[g * maxKeys + p] /= sum;
+      scores[g * maxKeys + p] *= inv;
   }
   __syncthreads();
-  // Output: each thread a dimension and a stride of keys; partial sums
-  // reduced in shared memory (reusing the queries' space).
+  // Output: each thread a dimension and a stride of keys (consecutive
+  // threads read consecutive dimensions of a value row); partial sums
+  // reduced in shared memory.
   const int split = blockDim.x / D > 0 ? blockDim.x / D : 1;
   const int d = threadIdx.x % D, part = threadIdx.x / D;
   float acc[kMaxGroup] = {};
-  if (part < split && threadIdx.x < split * D)
+  if (threadIdx.x < split * D)
     for (int p = part; p < keys; p += split) {
-      float vv = vc[rowOf(p) + d];
+      float vv = toFloat(vc[rowOf(p) + d]);
       for (int g = 0; g < group; ++g)
         acc[g] += scores[g * maxKeys + p] * vv;
     }
   __syncthreads();
-  float *partial = smem; // [split][group][D], fits where queries and scores were
+  float *partial = smem; // [split][group][D]
   if (threadIdx.x < split * D)
     for (int g = 0; g < group; ++g)
       partial[(part * group + g) * D + d] = acc[g];
@@ -196,17 +199,33 @@ Launch CudaBackendImpl::buildPagedAttention(const Instruction &ins) {
   if (shared > 227 * 1024)
     fail(LOOM_UNSUPPORTED, where, ": paged attention over ", maxKeys, " positions needs ", shared,
          " bytes of shared memory; compile with a smaller --max-seq");
-  if (shared > 48 * 1024)
-    LOOM_CUDA_CHECK(cudaFuncSetAttribute(pagedAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)));
+  bool bf = kc.dtype == LOOM_BF16;
+  if (shared > 48 * 1024) {
+    if (bf)
+      LOOM_CUDA_CHECK(cudaFuncSetAttribute(pagedAttentionKernel<__nv_bfloat16>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)));
+    else
+      LOOM_CUDA_CHECK(cudaFuncSetAttribute(pagedAttentionKernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(shared)));
+  }
   float scale = float(num(ins, "scale", 1.0 / std::sqrt(double(D))));
   int64_t n = q.shape[0] * q.shape[1], numBlocks = kc.shape[0] / blockSize;
-  DPtr pq = fp(ins.in[0]), pk = fp(ins.in[1]), pv = fp(ins.in[2]), po = fp(ins.out[0]);
+  DPtr pq = fp(ins.in[0]), po = fp(ins.out[0]);
+  const void *pk = ptr(kc), *pv = ptr(buf(ins.in[2]));
+  if (kc.dtype != buf(ins.in[2]).dtype || (kc.dtype != LOOM_BF16 && kc.dtype != LOOM_F32))
+    fail(LOOM_UNSUPPORTED, where, ": paged attention caches must both be f32 or bf16");
   const int32_t *pp = reinterpret_cast<const int32_t *>(ptr(pos)), *pt = reinterpret_cast<const int32_t *>(ptr(table));
   long long *err = errorWord;
   return [=](cudaStream_t s) {
     dim3 grid{unsigned(n), unsigned(kvHeads), 1u};
-    pagedAttentionKernel<<<grid, kAttnThreads, shared, s>>>(pq, pk, pv, pp, pt, po, heads, kvHeads, D, blockSize, perSeq,
-                                                            numBlocks, scale, maxKeys, err);
+    if (bf)
+      pagedAttentionKernel<__nv_bfloat16><<<grid, kAttnThreads, shared, s>>>(
+          pq, static_cast<const __nv_bfloat16 *>(pk), static_cast<const __nv_bfloat16 *>(pv), pp, pt, po, heads,
+          kvHeads, D, blockSize, perSeq, numBlocks, scale, maxKeys, err);
+    else
+      pagedAttentionKernel<float><<<grid, kAttnThreads, shared, s>>>(
+          pq, static_cast<const float *>(pk), static_cast<const float *>(pv), pp, pt, po, heads, kvHeads, D,
+          blockSize, perSeq, numBlocks, scale, maxKeys, err);
   };
 }
 
