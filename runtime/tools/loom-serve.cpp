@@ -23,7 +23,8 @@
 #include <csignal>
 #include <optional>
 #include <cstdio>
-#include <pthread.h>
+#include <cstring>
+#include <unistd.h>
 
 namespace loom::rt {
 namespace {
@@ -134,7 +135,7 @@ public:
   void install(httplib::Server &http) {
     http.Post("/v1/completions", [this](const httplib::Request &req, httplib::Response &res) {
       complete(req, res);
-      metrics.response(res.status);
+      metrics.response(res.status == -1 ? 200 : res.status); // httplib sets 200 after the handler
     });
     http.Get("/health", [this](const httplib::Request &, httplib::Response &res) {
       bool d = draining.load();
@@ -336,6 +337,13 @@ private:
   int openStreams = 0; // guarded by streamsMu
 };
 
+int stopPipe[2] = {-1, -1};
+
+void writeStopSignal(int signal) {
+  unsigned char c = static_cast<unsigned char>(signal);
+  (void)!write(stopPipe[1], &c, 1);
+}
+
 const char *usage() {
   return "usage: loom-serve BUNDLE --port P [--host 127.0.0.1] [--backend cpu|cuda] [--threads T]\n"
          "                  [--max-queue N]\n"
@@ -391,13 +399,16 @@ int run(int argc, char **argv) {
   if (bundle.empty() || port < 0)
     fail(LOOM_INVALID_ARGUMENT, "a bundle and --port are required\n", usage());
 
-  // Every thread started from here on blocks the stop signals; the main
-  // thread takes them with sigwait.
-  sigset_t stopSignals;
-  sigemptyset(&stopSignals);
-  sigaddset(&stopSignals, SIGTERM);
-  sigaddset(&stopSignals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &stopSignals, nullptr);
+  // A stop signal may land on any thread (libraries start some before
+  // main): its handler only writes to a pipe that the main thread reads.
+  if (pipe(stopPipe) != 0)
+    fail(LOOM_INTERNAL, "pipe: ", std::strerror(errno));
+  struct sigaction onStop = {};
+  onStop.sa_handler = writeStopSignal;
+  onStop.sa_flags = SA_RESTART;
+  sigemptyset(&onStop.sa_mask);
+  sigaction(SIGTERM, &onStop, nullptr);
+  sigaction(SIGINT, &onStop, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
 
   std::vector<std::unique_ptr<Session>> ranks = openLocalRanks(bundle, options);
@@ -438,8 +449,8 @@ int run(int argc, char **argv) {
   std::printf("listening on %s:%d\n", host.c_str(), bound);
   std::fflush(stdout);
 
-  int signal = 0;
-  while (sigwait(&stopSignals, &signal) != 0) {
+  unsigned char signal = 0;
+  while (read(stopPipe[0], &signal, 1) != 1) {
   }
   std::printf("loom-serve: %s: draining\n", signal == SIGTERM ? "SIGTERM" : "SIGINT");
   std::fflush(stdout);
