@@ -14,6 +14,7 @@ packages=(
   libopenmpi-dev openmpi-bin
   libopenblas-dev
   libsentencepiece-dev
+  libcpp-httplib-dev
   clang-19 libfuzzer-19-dev libclang-rt-19-dev
 )
 

@@ -15,6 +15,9 @@ if "LOOM_LIT_EXEC_ROOT" in os.environ:
     config.test_exec_root = os.environ["LOOM_LIT_EXEC_ROOT"]
 config.environment["PATH"] = os.pathsep.join(
     [config.loom_tools_dir, runtime_dir, config.llvm_tools_dir, os.environ.get("PATH", "")])
+# loom-serve is built where cpp-httplib is installed.
+if os.path.exists(os.path.join(runtime_dir, "loom-serve")):
+    config.available_features.add("loom-serve")
 for var in ("ASAN_OPTIONS", "UBSAN_OPTIONS"):
     if var in os.environ:
         config.environment[var] = os.environ[var]
