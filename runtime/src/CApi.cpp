@@ -77,9 +77,7 @@ loom_status_t *loom_session_create(const char *bundle_path, const loom_session_o
     if (options) {
       if (options->backend)
         opts.backend = options->backend;
-      if (options->num_threads < 0 || options->num_threads > loom::rt::kMaxThreads)
-        loom::rt::fail(LOOM_INVALID_ARGUMENT, "options.num_threads must be from 0 (one per core) to ",
-                       loom::rt::kMaxThreads, ", got ", options->num_threads);
+      loom::rt::capi::checkNumThreads(options->num_threads);
       opts.threads = options->num_threads;
       loom::rt::checkTimeout(options->timeout_seconds, "options.timeout_seconds");
       opts.timeoutSeconds = options->timeout_seconds;

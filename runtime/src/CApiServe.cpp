@@ -80,9 +80,7 @@ loom_status_t *loom_server_create(const char *bundle_path, const loom_server_opt
       checkSize(options->struct_size, sizeof(loom_server_options_t), "loom_server_options_t");
       if (options->backend)
         opts.backend = options->backend;
-      if (options->num_threads < 0 || options->num_threads > loom::rt::kMaxThreads)
-        loom::rt::fail(LOOM_INVALID_ARGUMENT, "options.num_threads must be from 0 (one per core) to ",
-                       loom::rt::kMaxThreads, ", got ", options->num_threads);
+      loom::rt::capi::checkNumThreads(options->num_threads);
       opts.threads = options->num_threads;
       if (options->max_queue < 1)
         loom::rt::fail(LOOM_INVALID_ARGUMENT, "options.max_queue must be at least 1, got ", options->max_queue);

@@ -9,6 +9,7 @@
 
 #include "loom/runtime.h"
 #include "loom/rt/Error.h"
+#include "runtime/src/ThreadPool.h"
 
 #include <new>
 #include <string>
@@ -38,6 +39,12 @@ template <typename F> loom_status_t *guarded(F body) {
   } catch (...) {
     return makeStatus(LOOM_INTERNAL, "internal error: an exception that is not a std::exception");
   }
+}
+
+/// The CPU backend's thread count of an options struct: 0 (one per core) to kMaxThreads.
+inline void checkNumThreads(int32_t n) {
+  if (n < 0 || n > kMaxThreads)
+    fail(LOOM_INVALID_ARGUMENT, "options.num_threads must be from 0 (one per core) to ", kMaxThreads, ", got ", n);
 }
 
 inline loom_status_t *nullArgument(const char *what) {

@@ -33,11 +33,11 @@ def descendants(root):
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(ppid, []).append(int(pid))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
+    found, pending = [], [root]
+    while pending:
+        for child in children.get(pending.pop(), []):
             found.append(child)
-            todo.append(child)
+            pending.append(child)
     return found
 
 def target(root):
