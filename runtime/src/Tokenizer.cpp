@@ -72,6 +72,7 @@ public:
   }
   std::optional<int32_t> bosId() const override { return optionalId(processor.bos_id()); }
   std::optional<int32_t> eosId() const override { return optionalId(processor.eos_id()); }
+  bool prependsBos() const override { return bosId().has_value(); }
 
 protected:
   std::string tokenBytes(int32_t id, bool first) const override {
@@ -131,6 +132,15 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::string &path) {
   }
   fail(LOOM_INVALID_ARGUMENT, path, ": unknown tokenizer kind; expected tokenizer.json "
        "(byte-level BPE) or a SentencePiece .model");
+}
+
+std::vector<int32_t> Tokenizer::promptIds(std::string_view text) const {
+  std::vector<int32_t> ids;
+  if (prependsBos())
+    ids.push_back(*bosId());
+  std::vector<int32_t> body = encode(text);
+  ids.insert(ids.end(), body.begin(), body.end());
+  return ids;
 }
 
 std::string Tokenizer::StreamDecoder::push(int32_t id) {

@@ -12,6 +12,7 @@
 #include "runtime/tools/Generate.h"
 
 #include "loom/rt/Error.h"
+#include "loom/rt/Tokenizer.h"
 #include "runtime/src/serve/Engine.h"
 
 #include <algorithm>
@@ -21,6 +22,8 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+
+#include <nlohmann/json.hpp>
 
 namespace loom::rt {
 
@@ -55,6 +58,19 @@ std::vector<std::vector<int32_t>> readPrompts(const std::string &path) {
   if (prompts.empty())
     fail(LOOM_INVALID_ARGUMENT, path, ": no prompt (write token ids, one prompt per line)");
   return prompts;
+}
+
+std::vector<std::string> readTextPrompts(const std::string &path) {
+  std::ifstream in(path);
+  if (!in)
+    fail(LOOM_IO_ERROR, "cannot open prompt file '", path, "': ", std::strerror(errno));
+  std::vector<std::string> texts;
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty())
+      texts.push_back(line);
+  if (texts.empty())
+    fail(LOOM_INVALID_ARGUMENT, path, ": no prompt (one prompt per line)");
+  return texts;
 }
 
 struct Result {
@@ -156,6 +172,12 @@ const char *generateUsage() {
          "  --generate              (implied by a serving bundle)\n"
          "  --prompt F              token ids, one prompt per line; all are submitted at\n"
          "                          once and batched continuously\n"
+         "  --text                  the --prompt file's lines are text, encoded with the\n"
+         "                          bundle's tokenizer (loomc import; the answers are\n"
+         "                          decoded too)\n"
+         "  --prompt-text S         one prompt as text (repeatable; implies a tokenizer)\n"
+         "  --ignore-eos            text prompts stop at the tokenizer's end of sequence\n"
+         "                          unless this is given\n"
          "  --max-new N             new tokens per prompt at most (default 16)\n"
          "  --temperature T         0 (default): greedy; above 0: sampling\n"
          "  --top-k K, --top-p P    sampling: the K likeliest, the smallest set of mass P\n"
@@ -194,6 +216,12 @@ bool parseGenerateOption(int argc, char **argv, int &i, GenerateOptions &o) {
     return true;
   if (a == "--prompt")
     o.promptFile = value();
+  else if (a == "--prompt-text")
+    o.promptTexts.push_back(value());
+  else if (a == "--text")
+    o.text = true;
+  else if (a == "--ignore-eos")
+    o.ignoreEos = true;
   else if (a == "--reference")
     o.reference = value();
   else if (a == "--max-new")
@@ -227,11 +255,32 @@ bool parseGenerateOption(int argc, char **argv, int &i, GenerateOptions &o) {
 
 int generate(std::vector<std::unique_ptr<Session>> &ranks, const GenerateOptions &o,
              const SessionOptions &sessionOptions) {
-  if (o.promptFile.empty())
-    fail(LOOM_INVALID_ARGUMENT, "--generate needs --prompt F (token ids, one prompt per line)");
+  if (o.promptFile.empty() && o.promptTexts.empty())
+    fail(LOOM_INVALID_ARGUMENT, "--generate needs --prompt F (token ids, one prompt per line; text with --text) "
+         "or --prompt-text S");
+  if (o.text && o.promptFile.empty())
+    fail(LOOM_INVALID_ARGUMENT, "--text reads the --prompt file's lines as text: give --prompt F");
   if (!o.reference.empty() && o.sampling.temperature != 0)
     fail(LOOM_INVALID_ARGUMENT, "--reference checks greedy decoding: leave --temperature at 0");
-  std::vector<std::vector<int32_t>> prompts = readPrompts(o.promptFile);
+  // The bundle's tokenizer, if it has one: text prompts in, text out.
+  std::unique_ptr<Tokenizer> tokenizer;
+  const Manifest &manifest = ranks.front()->manifest();
+  bool textIn = o.text || !o.promptTexts.empty();
+  if (!manifest.tokenizer.empty())
+    tokenizer = Tokenizer::load(o.bundle + "/" + manifest.tokenizer);
+  else if (textIn)
+    fail(LOOM_INVALID_ARGUMENT, o.bundle, " carries no tokenizer, so its prompts are token ids: leave out --text and "
+         "--prompt-text, or compile a model imported with its tokenizer (loomc import) or with --tokenizer F");
+  std::vector<std::vector<int32_t>> prompts;
+  if (!o.promptFile.empty() && !o.text)
+    prompts = readPrompts(o.promptFile);
+  std::vector<std::string> texts = o.text ? readTextPrompts(o.promptFile) : std::vector<std::string>{};
+  texts.insert(texts.end(), o.promptTexts.begin(), o.promptTexts.end());
+  for (const std::string &t : texts)
+    prompts.push_back(tokenizer->promptIds(t));
+  serve::SamplingParams sampling = o.sampling;
+  if (textIn && !o.ignoreEos && tokenizer->eosId())
+    sampling.stopTokens.push_back(*tokenizer->eosId());
   std::vector<Session *> sessions;
   for (auto &s : ranks)
     sessions.push_back(s.get());
@@ -243,12 +292,12 @@ int generate(std::vector<std::unique_ptr<Session>> &ranks, const GenerateOptions
               (long long)cfg.numBlocks, (long long)cfg.blockSize, (long long)cfg.maxBatch, (long long)cfg.maxSeq);
   bool keep = !o.reference.empty();
   double seconds = 0;
-  std::vector<Result> results = runOnce(engine, prompts, o.sampling, keep, seconds); // warm-up
+  std::vector<Result> results = runOnce(engine, prompts, sampling, keep, seconds); // warm-up
   double total = 0;
   std::vector<double> firsts, gaps;
   size_t generated = 0;
   for (int rep = 0; rep < o.repeat; ++rep) {
-    results = runOnce(engine, prompts, o.sampling, keep, seconds);
+    results = runOnce(engine, prompts, sampling, keep, seconds);
     total += seconds;
     for (const Result &r : results) {
       generated += r.tokens.size();
@@ -264,6 +313,17 @@ int generate(std::vector<std::unique_ptr<Session>> &ranks, const GenerateOptions
     for (int32_t t : results[q].tokens)
       std::printf(" %d", t);
     std::printf("\n");
+    if (tokenizer) {
+      // Decoded as a stream decodes it (a character split over tokens waits
+      // for its end), printed as a JSON string so that any byte shows.
+      Tokenizer::StreamDecoder stream(*tokenizer);
+      std::string text;
+      for (int32_t t : results[q].tokens)
+        text += stream.push(t);
+      text += stream.finish();
+      std::printf("request %zu text: %s\n", q,
+                  nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+    }
   }
   double mean = 0;
   for (double g : gaps)

@@ -12,7 +12,11 @@
 namespace loom::rt {
 
 struct GenerateOptions {
-  std::string promptFile;   // token ids, one prompt per line
+  std::string bundle;       // the serving bundle (its tokenizer, if it has one)
+  std::string promptFile;   // token ids, one prompt per line (text with `text`)
+  std::vector<std::string> promptTexts; // --prompt-text, one prompt each
+  bool text = false;        // the prompt file's lines are text
+  bool ignoreEos = false;   // text prompts stop at the tokenizer's EOS unless set
   std::string reference;    // a forward bundle to check every step against
   serve::SamplingParams sampling;
   int repeat = 1;           // timed runs of the whole set after one warm-up

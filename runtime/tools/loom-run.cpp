@@ -573,6 +573,7 @@ int run(int argc, char **argv) {
     if (steps >= 0 || !input.empty() || !output.empty() || !data.empty() || saveEvery || !resume.empty())
       fail(LOOM_INVALID_ARGUMENT, "--steps, --input, --output, --data, --save-every and --resume do not apply "
            "to generation; see --help for the --generate options");
+    generation.bundle = bundle;
     int rc = generate(ranks, generation, options);
     writeTrace();
     if (!profilePath.empty())

@@ -11,6 +11,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "loom/rt/Error.h"
+#include "loom/rt/Tokenizer.h"
 #include "runtime/src/LocalRanks.h"
 #include "runtime/src/serve/Engine.h"
 #include "runtime/tools/ServeMetrics.h"
@@ -34,6 +35,10 @@ using Clock = std::chrono::steady_clock;
 
 constexpr size_t kMaxBodyBytes = 1 << 20;
 
+/// JSON text of `v`; bytes that are not UTF-8 (a random model's answer can
+/// decode to any bytes) become U+FFFD rather than an exception.
+std::string dumpJson(const json &v) { return v.dump(-1, ' ', false, json::error_handler_t::replace); }
+
 /// A bad request: answered 400 with its message.
 struct BadRequest : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -49,6 +54,9 @@ struct Pending {
   serve::Finish finish = serve::Finish::None;
   std::string error;
   Clock::time_point submitted = Clock::now(), last;
+  /// With a tokenizer: the text of the tokens as they stream (the streaming
+  /// handler's thread only).
+  std::unique_ptr<Tokenizer::StreamDecoder> text;
 };
 
 struct CompletionRequest {
@@ -66,7 +74,8 @@ int32_t tokenId(const json &v, const char *what) {
   return int32_t(t);
 }
 
-CompletionRequest parseCompletion(const std::string &body) {
+/// `tokenizer`: the bundle's, or null (then prompts are token ids only).
+CompletionRequest parseCompletion(const std::string &body, const Tokenizer *tokenizer) {
   json doc = json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded())
     throw BadRequest("the body is not valid JSON");
@@ -74,14 +83,26 @@ CompletionRequest parseCompletion(const std::string &body) {
     throw BadRequest("the body must be a JSON object");
   CompletionRequest r;
   if (!doc.contains("prompt"))
-    throw BadRequest("'prompt' is required (an array of token ids)");
+    throw BadRequest(tokenizer ? "'prompt' is required (text, or an array of token ids)"
+                               : "'prompt' is required (an array of token ids)");
   const json &prompt = doc["prompt"];
-  if (prompt.is_string())
-    throw BadRequest("this bundle has no tokenizer; send token ids");
-  if (!prompt.is_array())
-    throw BadRequest("'prompt' must be an array of token ids");
-  for (const json &t : prompt)
-    r.prompt.push_back(tokenId(t, "'prompt'"));
+  if (prompt.is_string()) {
+    if (!tokenizer)
+      throw BadRequest("this bundle has no tokenizer; send token ids");
+    try {
+      r.prompt = tokenizer->promptIds(prompt.get<std::string>());
+    } catch (const Error &e) {
+      throw BadRequest(std::string("'prompt' cannot be encoded: ") + e.what());
+    }
+    if (r.prompt.empty())
+      throw BadRequest("'prompt' is empty");
+  } else if (!prompt.is_array()) {
+    throw BadRequest(tokenizer ? "'prompt' must be text or an array of token ids"
+                               : "'prompt' must be an array of token ids");
+  } else {
+    for (const json &t : prompt)
+      r.prompt.push_back(tokenId(t, "'prompt'"));
+  }
   auto number = [&](const char *key, double lo, double hi, bool whole) -> std::optional<double> {
     if (!doc.contains(key) || doc[key].is_null())
       return std::nullopt;
@@ -115,22 +136,30 @@ CompletionRequest parseCompletion(const std::string &body) {
     else
       p.stopTokens.push_back(tokenId(stop, "'stop'"));
   }
-  if (doc.contains("stream") && !doc["stream"].is_null()) {
-    if (!doc["stream"].is_boolean())
-      throw BadRequest("'stream' must be true or false");
-    r.stream = doc["stream"].get<bool>();
-  }
+  auto flag = [&](const char *key) {
+    if (!doc.contains(key) || doc[key].is_null())
+      return false;
+    if (!doc[key].is_boolean())
+      throw BadRequest(std::string("'") + key + "' must be true or false");
+    return doc[key].get<bool>();
+  };
+  r.stream = flag("stream");
+  // With a tokenizer, a generation ends at its end-of-sequence token as the
+  // model's own tokenizer defines it, unless asked not to.
+  if (tokenizer && tokenizer->eosId() && !flag("ignore_eos"))
+    p.stopTokens.push_back(*tokenizer->eosId());
   return r;
 }
 
 void answerError(httplib::Response &res, int status, const std::string &message) {
   res.status = status;
-  res.set_content(json{{"error", {{"message", message}, {"code", status}}}}.dump() + "\n", "application/json");
+  res.set_content(dumpJson(json{{"error", {{"message", message}, {"code", status}}}}) + "\n", "application/json");
 }
 
 class Server {
 public:
-  Server(serve::Engine &engine, std::string model) : engine(engine), model(std::move(model)) {}
+  Server(serve::Engine &engine, std::string model, std::unique_ptr<Tokenizer> tokenizer)
+      : engine(engine), model(std::move(model)), tokenizer(std::move(tokenizer)) {}
 
   void install(httplib::Server &http) {
     http.Post("/v1/completions", [this](const httplib::Request &req, httplib::Response &res) {
@@ -187,12 +216,14 @@ private:
     }
     CompletionRequest c;
     try {
-      c = parseCompletion(req.body);
+      c = parseCompletion(req.body, tokenizer.get());
     } catch (const BadRequest &e) {
       answerError(res, 400, e.what());
       return;
     }
     auto pending = std::make_shared<Pending>();
+    if (tokenizer)
+      pending->text = std::make_unique<Tokenizer::StreamDecoder>(*tokenizer);
     uint64_t id = 0;
     try {
       id = engine.submit(c.prompt, c.params, [this, pending](const serve::TokenEvent &e) { deliver(*pending, e); });
@@ -213,17 +244,22 @@ private:
                                                                       : "the request was cancelled");
         return;
       }
+      json choice = {{"index", 0}, {"tokens", pending->tokens}, {"finish_reason", serve::finishName(pending->finish)}};
+      if (pending->text) {
+        std::string text;
+        for (int32_t t : pending->tokens)
+          text += pending->text->push(t);
+        choice["text"] = text + pending->text->finish();
+      }
       json body = {{"id", name},
                    {"object", "text_completion"},
                    {"model", model},
-                   {"choices", json::array({{{"index", 0},
-                                             {"tokens", pending->tokens},
-                                             {"finish_reason", serve::finishName(pending->finish)}}})},
+                   {"choices", json::array({choice})},
                    {"usage",
                     {{"prompt_tokens", promptTokens},
                      {"completion_tokens", pending->tokens.size()},
                      {"total_tokens", promptTokens + pending->tokens.size()}}}};
-      res.set_content(body.dump() + "\n", "application/json");
+      res.set_content(dumpJson(body) + "\n", "application/json");
       return;
     }
     res.set_header("Cache-Control", "no-cache");
@@ -273,11 +309,11 @@ private:
     if (batch.empty() && finish == serve::Finish::None)
       return send(": waiting\n\n");
     for (int32_t t : batch) {
-      json chunk = {{"id", name},
-                    {"object", "text_completion"},
-                    {"model", model},
-                    {"choices", json::array({{{"index", 0}, {"tokens", json::array({t})}, {"finish_reason", nullptr}}})}};
-      if (!send("data: " + chunk.dump() + "\n\n"))
+      json choice = {{"index", 0}, {"tokens", json::array({t})}, {"finish_reason", nullptr}};
+      if (p.text)
+        choice["text"] = p.text->push(t); // "" while a character waits for its last byte
+      json chunk = {{"id", name}, {"object", "text_completion"}, {"model", model}, {"choices", json::array({choice})}};
+      if (!send("data: " + dumpJson(chunk) + "\n\n"))
         return false;
     }
     if (finish == serve::Finish::None)
@@ -287,19 +323,20 @@ private:
       std::lock_guard<std::mutex> lock(p.mu);
       completion = p.tokens.size();
     }
+    json lastChoice = {{"index", 0}, {"tokens", json::array()}, {"finish_reason", serve::finishName(finish)}};
+    if (p.text)
+      lastChoice["text"] = p.text->finish();
     json last = {{"id", name},
                  {"object", "text_completion"},
                  {"model", model},
-                 {"choices", json::array({{{"index", 0},
-                                           {"tokens", json::array()},
-                                           {"finish_reason", serve::finishName(finish)}}})},
+                 {"choices", json::array({lastChoice})},
                  {"usage",
                   {{"prompt_tokens", promptTokens},
                    {"completion_tokens", completion},
                    {"total_tokens", promptTokens + completion}}}};
     if (finish == serve::Finish::Error)
       last["error"] = {{"message", p.error}};
-    if (!send("data: " + last.dump() + "\n\ndata: [DONE]\n\n"))
+    if (!send("data: " + dumpJson(last) + "\n\ndata: [DONE]\n\n"))
       return false;
     sink.done();
     return true;
@@ -330,6 +367,7 @@ private:
 
   serve::Engine &engine;
   std::string model;
+  std::unique_ptr<Tokenizer> tokenizer; // the bundle's, or null
   ServeMetrics metrics;
   std::atomic<bool> draining{false};
   std::mutex streamsMu;
@@ -348,8 +386,11 @@ const char *usage() {
   return "usage: loom-serve BUNDLE --port P [--host 127.0.0.1] [--backend cpu|cuda] [--threads T]\n"
          "                  [--max-queue N]\n"
          "Serves a serving bundle (loomc compile --serve) over HTTP:\n"
-         "  POST /v1/completions  {\"prompt\": [token ids], \"max_tokens\": N, \"temperature\", \"top_p\",\n"
-         "                        \"top_k\", \"repetition_penalty\", \"seed\", \"stop\": [ids], \"stream\"}\n"
+         "  POST /v1/completions  {\"prompt\": [token ids] or text, \"max_tokens\": N, \"temperature\",\n"
+         "                        \"top_p\", \"top_k\", \"repetition_penalty\", \"seed\", \"stop\": [ids],\n"
+         "                        \"stream\", \"ignore_eos\"}\n"
+         "                        text prompts and answers (\"text\") need a bundle with a tokenizer\n"
+         "                        (loomc import); such bundles stop at its end of sequence\n"
          "  GET  /health          200, or 503 while draining after SIGTERM\n"
          "  GET  /metrics         Prometheus text format\n"
          "--port 0 picks a free port; the chosen one is printed (listening on HOST:PORT).\n";
@@ -417,7 +458,11 @@ int run(int argc, char **argv) {
     sessions.push_back(s.get());
   serve::Engine engine(sessions, engineOptions);
   const ServeConfig &cfg = engine.config();
-  Server server(engine, ranks.front()->manifest().model);
+  const Manifest &manifest = ranks.front()->manifest();
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (!manifest.tokenizer.empty())
+    tokenizer = Tokenizer::load(bundle + "/" + manifest.tokenizer);
+  Server server(engine, manifest.model, std::move(tokenizer));
 
   httplib::Server http;
   // Handlers block while their request runs: enough threads for a full

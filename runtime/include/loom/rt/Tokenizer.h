@@ -40,6 +40,12 @@ public:
   /// token "<|endoftext|>" (GPT-2's both), else "<s>" / "</s>".
   virtual std::optional<int32_t> bosId() const = 0;
   virtual std::optional<int32_t> eosId() const = 0;
+  /// Whether a prompt starts with BOS, as the checkpoint's own tokenizer
+  /// does by default (SentencePiece models: Llama's add_bos_token; not
+  /// GPT-2's BPE). promptIds applies it.
+  virtual bool prependsBos() const { return false; }
+  /// The ids of a prompt: encode(text), after BOS where prependsBos().
+  std::vector<int32_t> promptIds(std::string_view text) const;
 
   /// Decodes a generation one token at a time. push returns the text that is
   /// complete so far: bytes of a UTF-8 character split over tokens wait for
