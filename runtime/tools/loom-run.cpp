@@ -57,6 +57,29 @@ Communicator *processComm = nullptr;
 std::atomic<int> rankOfProcess{0}; // read by the SIGTERM thread
 /// Set when the ranks are GPUs of this process: a failure aborts NCCL.
 NcclWorld *ncclWorld = nullptr;
+/// Set once a rank's error has been printed (main does not print it again).
+std::atomic<bool> errorReported{false};
+/// How long the ranks have to stop after an error before the process exits
+/// without them.
+constexpr int kStopSeconds = 15;
+
+/// Prints a rank's error at once, and makes sure the process ends: stopping
+/// after a failure joins the other ranks' threads and frees their GPU
+/// memory, and a GPU kernel that still waits on a peer (NCCL) would block
+/// that forever. After kStopSeconds the process exits with the error.
+void reportFailure(const std::string &message) {
+  if (errorReported.exchange(true))
+    return;
+  std::fprintf(stderr, "loom-run: error: %s\n", message.c_str());
+  std::fflush(stderr);
+  std::thread([] {
+    std::this_thread::sleep_for(std::chrono::seconds(kStopSeconds));
+    std::fprintf(stderr, "loom-run: the ranks did not stop within %d s of the error above (a GPU kernel "
+                 "or a peer still holds them); exiting\n", kStopSeconds);
+    std::fflush(stderr);
+    std::_Exit(1);
+  }).detach();
+}
 void usage(FILE *to) {
   std::fprintf(to,
                "usage: loom-run BUNDLE [options]\n\n"
@@ -227,8 +250,11 @@ void onEveryRank(std::vector<std::unique_ptr<Session>> &ranks, const std::shared
       std::lock_guard<std::mutex> lock(mutex);
       int64_t rank = ranks[r]->rank().rank;
       bool several = ranks[r]->manifest().ranks.size() > 1; // here, or in other processes
-      if (!first)
+      if (!first) {
         first = several ? Error(e.code, cat("rank ", rank, ": ", e.what())) : e;
+        if (several || ncclWorld)
+          reportFailure(first->what());
+      }
       if (comm) // the other ranks (threads or processes) stop too
         comm->abort(static_cast<int>(rank), e.what());
       if (ncclWorld) // ranks blocked in NCCL return once their communicators abort
@@ -678,7 +704,8 @@ int main(int argc, char **argv) {
   } catch (...) {
     message = "an exception that is not a std::exception";
   }
-  std::fprintf(stderr, "loom-run: error: %s\n", message.c_str());
+  if (!errorReported)
+    std::fprintf(stderr, "loom-run: error: %s\n", message.c_str());
   if (processComm) // under a launcher: end the whole job, not just this process
     processComm->abort(rankOfProcess, message);
   return 1;
