@@ -113,16 +113,23 @@ def check(args):
         tokens = load_file(os.path.join(d, "tokens.safetensors"))["tokens"]
         ref = hf_logits(model, tokens)
         tmp = os.path.join(d, "run-" + args.backend)
+        # bf16's tolerance: twice what transformers itself loses in bf16 on
+        # the same weights (at least 3e-2); the random weights here are large
+        # (initializer_range 0.2), so rounding grows through the layers.
+        with torch.no_grad():
+            hf16 = rel_err(model.to(torch.bfloat16)(tokens.long()).logits.float(), ref)
+        model.float()
         for bundle, tol in (("f32.loom", 1e-5 if args.backend == "cpu" else 1e-3),
-                            ("cuda.loom", 3e-2)):
+                            ("cuda.loom", max(3e-2, 2 * hf16))):
             if bundle == "cuda.loom" and args.backend != "cuda":
                 continue
             got = loom_logits(args, os.path.join(d, bundle), tokens, tmp)
             e = rel_err(got, ref)
             ok = e <= tol
             failed += not ok
-            print("%-11s %-9s %-5s logits: max relative error %.3g (tolerance %g) %s"
-                  % (name, bundle, args.backend, e, tol, "ok" if ok else "FAIL"))
+            note = " (transformers in bf16: %.3g)" % hf16 if bundle == "cuda.loom" else ""
+            print("%-11s %-15s %-5s logits: max relative error %.3g (tolerance %.3g)%s %s"
+                  % (name, bundle, args.backend, e, tol, note, "ok" if ok else "FAIL"))
         # Greedy generation, the whole sequence run again for each new token.
         prompt = tokens[:1, :PROMPT]
         with torch.no_grad():
@@ -137,7 +144,7 @@ def check(args):
         got = ids[PROMPT:]
         same = sum(a == b for a, b in zip(got, want))
         failed += got != want
-        print("%-11s gen.loom  %-5s greedy: %d of %d tokens as transformers %s"
+        print("%-11s gen.loom        %-5s greedy: %d of %d tokens as transformers %s"
               % (name, args.backend, same, NEW, "ok" if got == want else "FAIL %s vs %s" % (got, want)))
         # Greedy generation through the paged key/value cache (loom-run
         # --generate on the serving bundles): f32 exactly as transformers; bf16
@@ -165,7 +172,7 @@ def check(args):
             verdict = ("ok" if got == reference else "FAIL %s vs %s" % (got, reference)) if exact \
                 else "(bf16: informational; first difference at token %d)" % next(
                     (i for i, (a, b) in enumerate(zip(got, reference)) if a != b), NEW)
-            print("%-11s %-9s %-5s greedy with the key/value cache: %d of %d tokens as transformers%s %s"
+            print("%-11s %-15s %-5s greedy with the key/value cache: %d of %d tokens as transformers%s %s"
                   % (name, bundle, args.backend, same, NEW, " (bf16)" if not exact else "", verdict))
         if args.loomc:
             out = os.path.join(d, "exported")
@@ -174,7 +181,7 @@ def check(args):
             back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
             e = (hf_logits(back, tokens) - ref).abs().max().item()
             failed += e != 0
-            print("%-11s export          from_pretrained logits: max abs difference %.3g %s"
+            print("%-11s export                from_pretrained logits: max abs difference %.3g %s"
                   % (name, e, "ok" if e == 0 else "FAIL"))
     print("%d check(s) failed" % failed if failed else "all checks passed")
     return 1 if failed else 0

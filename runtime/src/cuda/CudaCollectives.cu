@@ -15,6 +15,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
 #include <set>
 #include <thread>
 
@@ -43,20 +46,59 @@ void NcclWorld::createAll(const std::vector<std::vector<int>> &lists, int self, 
     int member;
     ncclComm_t comm;
   };
-  std::vector<Pending> pending;
+  // The creation waits for every member to join: a peer process that never
+  // does (crashed, killed, or a different bundle) would block it forever.
+  // It runs on its own thread; this one gives up after the timeout, or once
+  // the process communicator says a peer is gone, and fails naming why (the
+  // creating thread is left behind: the process is failing anyway).
+  struct Shared {
+    std::mutex mutex;
+    std::condition_variable done;
+    bool finished = false;
+    std::string error;
+    std::vector<Pending> pending;
+  };
+  auto shared = std::make_shared<Shared>();
   for (size_t g = 0; g < lists.size(); ++g)
     for (size_t i = 0; i < lists[g].size(); ++i)
       if (self < 0 || lists[g][i] == self)
-        pending.push_back({g, lists[g][i], nullptr});
-  LOOM_NCCL_CHECK(ncclGroupStart());
-  for (Pending &p : pending) {
-    const std::vector<int> &members = lists[p.list];
-    int index = int(std::find(members.begin(), members.end(), p.member) - members.begin());
-    LOOM_CUDA_CHECK(cudaSetDevice(devices[p.member]));
-    LOOM_NCCL_CHECK(ncclCommInitRank(&p.comm, int(members.size()), ids[p.list], index));
+        shared->pending.push_back({g, lists[g][i], nullptr});
+  std::vector<int> devs = devices;
+  std::thread([shared, lists, ids, devs] {
+    std::string error;
+    try {
+      LOOM_NCCL_CHECK(ncclGroupStart());
+      for (Pending &p : shared->pending) {
+        const std::vector<int> &members = lists[p.list];
+        int index = int(std::find(members.begin(), members.end(), p.member) - members.begin());
+        LOOM_CUDA_CHECK(cudaSetDevice(devs[p.member]));
+        LOOM_NCCL_CHECK(ncclCommInitRank(&p.comm, int(members.size()), ids[p.list], index));
+      }
+      LOOM_NCCL_CHECK(ncclGroupEnd());
+    } catch (const std::exception &e) {
+      error = e.what();
+    }
+    std::lock_guard<std::mutex> lock(shared->mutex);
+    shared->finished = true;
+    shared->error = error;
+    shared->done.notify_all();
+  }).detach();
+  auto start = std::chrono::steady_clock::now();
+  std::unique_lock<std::mutex> lock(shared->mutex);
+  while (!shared->done.wait_for(lock, std::chrono::milliseconds(200), [&] { return shared->finished; })) {
+    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::string lost = bootstrap ? bootstrap->lostPeers() : "";
+    if (!lost.empty())
+      fail(LOOM_INVALID_ARGUMENT, "creating the NCCL communicators: ", lost,
+           " before every rank joined; stopping");
+    if (waited > timeoutSeconds)
+      fail(LOOM_INVALID_ARGUMENT, "creating the NCCL communicators did not finish within ", timeoutSeconds,
+           " s: a rank never joined (a process that did not start, or runs another bundle?); "
+           "--timeout sets the limit");
   }
-  LOOM_NCCL_CHECK(ncclGroupEnd());
-  for (Pending &p : pending)
+  if (!shared->error.empty())
+    fail(LOOM_INTERNAL, "creating the NCCL communicators: ", shared->error);
+  for (Pending &p : shared->pending)
     (*targets[p.list])[p.member] = p.comm;
 }
 #endif
@@ -131,6 +173,12 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<in
     lists.push_back(g), targets.push_back(&world->groups[g]);
   for (auto [from, to] : links)
     lists.push_back({from, to}), targets.push_back(&world->links[{from, to}]);
+  // Every connection is made while the communicators are created (NCCL
+  // otherwise makes them at a collective's first call, on the host, where a
+  // peer whose collectives disagree blocks the call itself, beyond the
+  // reach of waitForStreams's timeout: seen with a rank that skipped an
+  // all-reduce, 2026-11-27). A user's own NCCL_RUNTIME_CONNECT stays.
+  setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
   world->createAll(lists, self, bootstrap, targets);
   return world;
 #endif

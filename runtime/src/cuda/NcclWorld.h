@@ -48,6 +48,8 @@ public:
   /// holds, created together (one NCCL group, so no order among them can
   /// deadlock). One process: all ranks; under mpirun: `self` only, with ids
   /// broadcast from each group's first member over `bootstrap`.
+  /// Fails after `timeoutSeconds` (or when `bootstrap` reports a lost peer)
+  /// if a member never joins.
   void createAll(const std::vector<std::vector<int>> &lists, int self, Communicator *bootstrap,
                  std::vector<std::map<int, ncclComm_t> *> targets);
 #endif
