@@ -19,6 +19,7 @@ transformers; CI's tests do without, see test/import/).
 Prints one line per check and exits 1 if any fails.
 """
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -101,6 +102,33 @@ def hf_logits(model, tokens):
         return model(tokens.long()).logits.float()
 
 
+def greedy_check(model, prompt, got, tie):
+    """Whether `got` (new tokens after `prompt`) is transformers' greedy
+    continuation, where a near-tie may go either way: at a token that
+    differs, the two logits may be within `tie` x the largest logit (the
+    comparison then goes on from Loom's token). Returns (ok, ties, detail)."""
+    i, ties = 0, []
+    while i < len(got):
+        prefix = torch.tensor([prompt + got[:i]])
+        with torch.no_grad():
+            want = model.generate(prefix.long(), max_new_tokens=len(got) - i, do_sample=False,
+                                  min_new_tokens=len(got) - i, pad_token_id=0)[0, prefix.shape[1]:].tolist()
+        j = next((k for k, (a, b) in enumerate(zip(got[i:], want)) if a != b), None)
+        if j is None:
+            return True, ties, ""
+        pos = i + j
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + got[:pos]]).long()).logits[0, -1].float()
+        gap = (logits[want[j]] - logits[got[pos]]).item()
+        scale = logits.abs().max().item()
+        if gap > tie * scale:
+            return False, ties, "token %d: %d where transformers gives %d (logits %.6g vs %.6g)" % (
+                pos, got[pos], want[j], logits[got[pos]].item(), logits[want[j]].item())
+        ties.append("token %d (gap %.2g of %.3g)" % (pos, gap, scale))
+        i = pos + 1
+    return True, ties, ""
+
+
 def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
@@ -117,8 +145,8 @@ def check(args):
         # the same weights (at least 3e-2); the random weights here are large
         # (initializer_range 0.2), so rounding grows through the layers.
         with torch.no_grad():
-            hf16 = rel_err(model.to(torch.bfloat16)(tokens.long()).logits.float(), ref)
-        model.float()
+            model16 = copy.deepcopy(model).to(torch.bfloat16)  # model itself keeps its f32 weights
+            hf16 = rel_err(model16(tokens.long()).logits.float(), ref)
         for bundle, tol in (("f32.loom", 1e-5 if args.backend == "cpu" else 1e-3),
                             ("cuda.loom", max(3e-2, 2 * hf16))):
             if bundle == "cuda.loom" and args.backend != "cuda":
@@ -142,10 +170,15 @@ def check(args):
             logits = loom_logits(args, os.path.join(d, "gen.loom"), padded, tmp)
             ids.append(int(logits[0, len(ids) - 1].argmax()))
         got = ids[PROMPT:]
-        same = sum(a == b for a, b in zip(got, want))
-        failed += got != want
-        print("%-11s gen.loom        %-5s greedy: %d of %d tokens as transformers %s"
-              % (name, args.backend, same, NEW, "ok" if got == want else "FAIL %s vs %s" % (got, want)))
+        # A near-tie: within 100x the f32 logits' tolerance of 1e-5 (CPU) or
+        # 1e-6 (what the GPU reaches with TF32 off), relative to the largest logit.
+        tie = 1e-4
+        ok, ties, detail = greedy_check(model, prompt[0].tolist(), got, tie)
+        failed += not ok
+        print("%-11s gen.loom        %-5s greedy: %d of %d tokens as transformers%s %s"
+              % (name, args.backend, sum(a == b for a, b in zip(got, want)), NEW,
+                 " (near-ties, where either token is greedy: %s)" % ", ".join(ties) if ties else "",
+                 "ok" if ok else "FAIL " + detail))
         # Greedy generation through the paged key/value cache (loom-run
         # --generate on the serving bundles): f32 exactly as transformers; bf16
         # reported against transformers run in bf16 (summation orders differ,
@@ -155,10 +188,9 @@ def check(args):
         serves = [("serve.loom", want)]
         if args.backend == "cuda":
             with torch.no_grad():
-                want16 = model.to(torch.bfloat16).generate(
+                want16 = model16.generate(
                     prompt.long(), max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW,
                     pad_token_id=0)[0, PROMPT:].tolist()
-            model.float()
             serves.append(("serve-cuda.loom", want16))
         for bundle, reference in serves:
             out = run(args.loom_run, os.path.join(d, bundle), "--backend", args.backend, "--prompt",
@@ -168,9 +200,12 @@ def check(args):
             same = sum(a == b for a, b in zip(got, reference))
             exact = bundle == "serve.loom"
             if exact:
-                failed += got != reference
-            verdict = ("ok" if got == reference else "FAIL %s vs %s" % (got, reference)) if exact \
-                else "(bf16: informational; first difference at token %d)" % next(
+                ok, ties, detail = greedy_check(model, prompt[0].tolist(), got, tie)
+                failed += not ok
+                verdict = ("ok" if ok else "FAIL " + detail) + (
+                    " (near-ties: %s)" % ", ".join(ties) if ties else "")
+            else:
+                verdict = "(bf16: informational; first difference at token %d)" % next(
                     (i for i, (a, b) in enumerate(zip(got, reference)) if a != b), NEW)
             print("%-11s %-15s %-5s greedy with the key/value cache: %d of %d tokens as transformers%s %s"
                   % (name, bundle, args.backend, same, NEW, " (bf16)" if not exact else "", verdict))

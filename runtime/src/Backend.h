@@ -108,8 +108,9 @@ class Communicator;
 std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &manifest, const std::vector<int> &devices,
                                          int self = -1, Communicator *bootstrap = nullptr,
                                          double timeoutSeconds = 300);
-/// Aborts every communicator (a rank failed): ranks blocked in NCCL return.
-void abortNcclWorld(NcclWorld &world);
+/// Aborts every communicator (a rank failed): ranks blocked in NCCL return,
+/// and fail naming `reason` (the first one given).
+void abortNcclWorld(NcclWorld &world, const std::string &reason = "");
 
 /// Throws Error with the reason (no GPU, no driver, built without CUDA).
 /// `world` connects the ranks of a multi-rank bundle (may be null).

@@ -97,7 +97,7 @@ void Session::abortPeers(const std::string &message) {
   if (comm)
     comm->abort(static_cast<int>(rank().rank), message);
   if (nccl)
-    abortNcclWorld(*nccl);
+    abortNcclWorld(*nccl, message);
 }
 
 bool Session::canTrain() const { return backend->has("backward") || backend->has("step"); }

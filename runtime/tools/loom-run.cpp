@@ -258,7 +258,7 @@ void onEveryRank(std::vector<std::unique_ptr<Session>> &ranks, const std::shared
       if (comm) // the other ranks (threads or processes) stop too
         comm->abort(static_cast<int>(rank), e.what());
       if (ncclWorld) // ranks blocked in NCCL return once their communicators abort
-        abortNcclWorld(*ncclWorld);
+        abortNcclWorld(*ncclWorld, cat("rank ", rank, ": ", e.what()));
     }
   };
   if (ranks.size() == 1) {

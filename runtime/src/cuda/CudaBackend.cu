@@ -318,7 +318,7 @@ void CudaBackendImpl::run(const std::string &program) {
   }
   waitForStreams(program, steps);
   if (world && world->aborted)
-    fail(LOOM_INVALID_ARGUMENT, program, ": another rank failed and stopped every rank");
+    fail(LOOM_INVALID_ARGUMENT, program, ": stopped with every rank: ", world->abortReason());
   if (profiling)
     for (Step &step : steps) {
       float ms = 0;

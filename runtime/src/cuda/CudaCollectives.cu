@@ -184,8 +184,10 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<in
 #endif
 }
 
-void abortNcclWorld(NcclWorld &world) {
+void abortNcclWorld(NcclWorld &world, const std::string &reason) {
   std::lock_guard<std::mutex> lock(world.mutex);
+  if (world.reason.empty())
+    world.reason = reason;
   world.aborted = true;
 #ifdef LOOM_HAVE_NCCL
   for (auto &[m, comms] : world.groups)
@@ -523,7 +525,7 @@ void CudaBackendImpl::waitForStreams(const std::string &program, std::vector<Ste
     if (idle)
       return;
     if (world->aborted)
-      fail(LOOM_INVALID_ARGUMENT, program, ": another rank failed and stopped every rank");
+      fail(LOOM_INVALID_ARGUMENT, program, ": stopped with every rank: ", world->abortReason());
     std::string failure;
     {
       std::lock_guard<std::mutex> lock(world->mutex);
@@ -560,9 +562,10 @@ void CudaBackendImpl::waitForStreams(const std::string &program, std::vector<Ste
       std::string what = pending();
       if (what.empty())
         what = cat("the collectives of program '", program, "'");
-      abortNcclWorld(*world); // the kernels waiting on peers return, on every rank of this process
-      fail(LOOM_INVALID_ARGUMENT, "rank ", rank.rank, " ", failure, " in ", what,
-           "; aborted every NCCL communicator and stopping every rank");
+      std::string message = cat("rank ", rank.rank, " ", failure, " in ", what,
+                                "; aborted every NCCL communicator and stopping every rank");
+      abortNcclWorld(*world, message); // the kernels waiting on peers return, on every rank of this process
+      fail(LOOM_INVALID_ARGUMENT, message);
     }
     if (spins > 1000)
       std::this_thread::sleep_for(std::chrono::microseconds(100));

@@ -34,6 +34,13 @@ public:
 #endif
   std::vector<int> devices;
   std::atomic<bool> aborted{false};
+  /// Why the world was aborted (guarded by mutex): the other ranks' errors
+  /// name it, whichever rank's error is printed first.
+  std::string reason;
+  std::string abortReason() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return reason.empty() ? std::string("another rank failed") : reason;
+  }
   /// How long a rank waits for its collectives to finish (loom-run --timeout).
   double timeoutSeconds = 300;
   /// The processes' communicator (null: every rank in this process), asked

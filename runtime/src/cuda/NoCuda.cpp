@@ -10,7 +10,7 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &, const std::vector<int
   fail(LOOM_UNSUPPORTED, "this runtime was built without CUDA, so multi-GPU bundles cannot run; "
        "use --backend cpu");
 }
-void abortNcclWorld(NcclWorld &) {}
+void abortNcclWorld(NcclWorld &, const std::string &) {}
 
 std::unique_ptr<Backend> makeCudaBackend(const RankProgram &, int, NcclWorld *, const std::string &) {
   fail(LOOM_UNSUPPORTED, "this runtime was built without CUDA (no CUDA compiler was found when "
