@@ -54,8 +54,9 @@ run $m.im2col $m-b32-train 10 LOOM_CUDA_TF32=0 LOOM_CUDA_CONV=im2col
 close $m.graphs $m.eager 1e-3 "graphs vs eager"
 close $m.graphs $m.im2col 1e-3 "cuDNN vs im2col forward"
 echo "== where a bf16 step's time goes (loom-run --profile)"
-$B/loom-run $R/resnet50-b32-cuda-train.loom --backend cuda --steps 6 \
-    --profile "$OUT/profile-resnet50-bf16.json" 2>&1 | tail -25
+# (the algorithm cuDNN chose for each convolution shape goes to $OUT too)
+LOOM_CUDNN_VERBOSE=1 $B/loom-run $R/resnet50-b32-cuda-train.loom --backend cuda --steps 6 \
+    --profile "$OUT/profile-resnet50-bf16.json" 2> "$OUT/cudnn-resnet50-bf16.txt" | tail -25
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 echo "== images/s at batch 32: Loom (f32 on TF32, and --target cuda) beside PyTorch (channels_last) in one invocation"
 loom=($R/resnet50-b32-train.loom $R/resnet50-b32-cuda-train.loom)

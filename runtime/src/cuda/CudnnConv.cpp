@@ -14,6 +14,8 @@
 #include <cudnn.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -77,6 +79,7 @@ struct Choice {
   int algo = 0;
   cudnnMathType_t math = CUDNN_DEFAULT_MATH;
   size_t workspace = 0;
+  float ms = 0; // as timed by cudnnFind
 };
 using ChoiceKey = std::tuple<int, int, bool, bool, std::vector<int64_t>>;
 
@@ -176,7 +179,7 @@ private:
   template <typename Perf> std::string pick(const Perf *perf, int count, const char *what) {
     for (int i = 0; i < count; ++i) // sorted fastest first
       if (usable(perf[i], fmaOnly))
-        return apply({int(perf[i].algo), perf[i].mathType, perf[i].memory});
+        return apply({int(perf[i].algo), perf[i].mathType, perf[i].memory, perf[i].time});
     return std::string("cuDNN has no ") + what + " algorithm for this shape" +
            (fmaOnly ? " without TF32 (LOOM_CUDA_TF32=0)" : "");
   }
@@ -243,6 +246,17 @@ std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pa
     why = conv->find(a, b, size_t(outElements) * (g.bf16 ? 2 : 4));
     if (why.empty())
       choices[key] = conv->chosen();
+    if (why.empty() && std::getenv("LOOM_CUDNN_VERBOSE")) { // which algorithm cuDNN chose, for measurements
+      const Choice &c = conv->chosen();
+      static const char *passes[] = {"forward", "input gradient", "filter gradient"};
+      std::fprintf(stderr,
+                   "cuDNN convolution %s (x %lldx%lldx%lldx%lld, filter %lldx%lldx%lldx%lld, stride %lld, pad %lld, "
+                   "groups %lld, %s): algorithm %d, math type %d, workspace %zu bytes, %.3f ms\n",
+                   passes[int(pass)], (long long)g.n, (long long)g.c, (long long)g.h, (long long)g.w,
+                   (long long)g.o, (long long)(g.c / g.groups), (long long)g.kh, (long long)g.kw,
+                   (long long)g.stride, (long long)g.pad, (long long)g.groups,
+                   g.bf16 ? "bf16" : g.tf32 ? "f32, TF32" : "f32", c.algo, int(c.math), c.workspace, c.ms);
+    }
   }
   if (!why.empty())
     return nullptr;
