@@ -52,8 +52,10 @@ bool convolutionCompiledIn();
 std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pass, const void *a, const void *b,
                                               std::string &why);
 
-/// One cuDNN handle per device, made on first use and kept for the process
-/// (null with the reason in `why`); shared with CudnnAttention.cpp.
+/// One cuDNN handle per device, made on first use (a handle is bound to the
+/// device current when it is made) and kept for the process; null with the
+/// reason in `why`. Shared with CudnnAttention.cpp; each user sets its
+/// stream before each call.
 cudnnContext *handleForCurrentDevice(std::string &why);
 
 } // namespace loom::rt::cudnn
