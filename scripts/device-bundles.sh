@@ -10,6 +10,7 @@
 #   trace   timelines of one GPU, dp2 and pp2 (scripts/device-trace.sh)
 #   serve   serving bundles and their forward references (scripts/device-serve.sh)
 #   mpi     one process per GPU under mpirun and Slurm (scripts/device-mpi.sh)
+#   resnet  ResNet-50 training, f32 and --target cuda, batch 32 (scripts/device-resnet.sh)
 # The named sets replace what was there: the carried tree must stay under 64 MiB
 # (bundles carry no weights; every set together is a few MiB).
 set -euo pipefail
@@ -106,6 +107,18 @@ serve() {
   # One reference step of GPT-2 350M with the cache against its full forward pass.
   c models/gpt2-350m.mlir --target cuda -o $out/gpt2-350m-fwd.loom
 }
+resnet() {
+  # ResNet-50 (224x224, 1000 classes) and the same network on 64x64 images
+  # with 100 classes (the CPU reference steps take seconds), batch 32, SGD
+  # with momentum as torchvision trains it: f32, and --target cuda (bf16, --fuse).
+  "$B/compiler/loomc" models resnet --image 64 --classes 100 -o .deps/resnet50-img64.mlir
+  sgd=(--batch 32 --train --optimizer sgd --lr 0.1 --momentum 0.9)
+  for m in models/resnet50.mlir .deps/resnet50-img64.mlir; do
+    n=$(basename "$m" .mlir)
+    c "$m" "${sgd[@]}" -o $out/$n-b32-train.loom
+    c "$m" "${sgd[@]}" --target cuda -o $out/$n-b32-cuda-train.loom
+  done
+}
 single() {
 for m in gpt-tiny llama-tiny bert-tiny mlp; do
   c models/$m.mlir --batch 4 -o $out/$m-infer.loom
@@ -146,8 +159,8 @@ c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --weight-decay 0.1 --clip 1.
 }
 for set_name in "${sets[@]}"; do
   case $set_name in
-    single | multi | scale | trace | serve | mpi) "$set_name" ;;
-    *) echo "device-bundles.sh: unknown set '$set_name' (single, multi, scale, trace, serve, mpi)" >&2; exit 2 ;;
+    single | multi | scale | trace | serve | mpi | resnet) "$set_name" ;;
+    *) echo "device-bundles.sh: unknown set '$set_name' (single, multi, scale, trace, serve, mpi, resnet)" >&2; exit 2 ;;
   esac
 done
 du -sh "$out"

@@ -372,7 +372,7 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
   if (auto it = table.find(op); it != table.end())
     return it->second(*this, ins);
   fail(LOOM_UNSUPPORTED, where, ": the CUDA backend has no kernel for '", op,
-       "' yet (convolution, pooling and batch-norm gradients, and softmax in a bundle compiled without --fuse, run on --backend cpu)");
+       "' yet (softmax in a bundle compiled without --fuse runs on --backend cpu)");
 }
 
 const CudaBackendImpl::BuilderTable &CudaBackendImpl::builders() {

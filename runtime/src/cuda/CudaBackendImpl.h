@@ -7,7 +7,7 @@
 // (CudaElementwise.cu), copies, gathers and embedding lookups
 // (CudaLayout.cu), norms and reductions (CudaNorms.cu), the loss
 // (CudaLoss.cu), the optimizers (CudaOptimizer.cu), convolutional networks
-// (CudaConv.cu), the compiler's generated kernels (CudaGenerated.cu) and
+// (CudaConv.cu, with cuDNN's convolutions in CudnnConv.cpp), the compiler's generated kernels (CudaGenerated.cu) and
 // NCCL (CudaCollectives.cu). Each file adds the instructions it builds to
 // one table, which build() looks them up in.
 //
@@ -273,8 +273,12 @@ private:
   Launch buildSumOfSquares(const Instruction &ins, const std::set<int64_t> &skip);
   // CudaConv.cu
   Launch buildConv2d(const Instruction &ins);
+  Launch buildIm2colConv2d(const Instruction &ins);
+  Launch buildCudnnConv2d(const Instruction &ins); // conv2d and its two gradients
   Launch buildBatchNorm(const Instruction &ins);
+  Launch buildBatchNormGrad(const Instruction &ins);
   Launch buildPool(const Instruction &ins);
+  Launch buildPoolGrad(const Instruction &ins);
 
   //===--- State ----------------------------------------------------------===//
   std::string kernelsPtx;

@@ -1,15 +1,19 @@
-//===- CudaConv.cu - Convolutional networks (forward) ----------------------===//
+//===- CudaConv.cu - Convolutional networks -------------------------------===//
 //
-// Convolutions as GEMMs over an im2col workspace (the image itself for
-// 1x1 stride-1 kernels), batch normalisation with the batch's statistics,
-// and max and average pooling, on f32. Their gradients run on the CPU
-// backend.
+// Convolutions and their input and filter gradients through cuDNN
+// (CudnnConv.cpp), f32 or bf16 NCHW; where the build has no cuDNN (or
+// LOOM_CUDA_CONV=im2col asks), the forward on f32 as GEMMs over an im2col
+// workspace. Batch normalisation with the batch's statistics and its
+// gradient, and max and average pooling and their gradients, are our
+// kernels on f32 or bf16 (f32 math), with the CPU backend's semantics.
 //
 //===----------------------------------------------------------------------===//
 
 #include "runtime/src/cuda/CudaBackendImpl.h"
+#include "runtime/src/cuda/CudnnConv.h"
 
 #include <array>
+#include <cstdlib>
 
 namespace loom::rt::cuda {
 namespace {
@@ -31,40 +35,140 @@ __global__ void im2colKernel(const float *x, float *col, ConvShape s) {
   }
 }
 
-/// Batch normalisation with the batch's statistics (as the CPU backend):
-/// a block per channel, mean then variance over N x inner.
-__global__ void batchNormKernel(const float *x, const float *g, const float *b, float *y, int64_t n, int64_t ch,
-                                int64_t inner, float eps) {
+/// Per-channel sums of a batch norm's input over N x inner, shifted by the
+/// channel's first value K = x[0, c, 0] so that the variance does not
+/// cancel where the mean is large next to the spread: {Σ(x - K),
+/// Σ(x - K)², Σdy, Σdy(x - K)} (the last two for the gradient). A grid of
+/// (channel, slice) blocks adds its slices in double (sums zeroed first).
+__global__ void batchNormSumsKernel(DPtr x, DPtr dy, double *sums, int64_t n, int64_t ch, int64_t inner) {
   __shared__ float shared[32];
   int64_t c = blockIdx.x, count = n * inner;
-  auto at = [&](int64_t i) { return ((i / inner) * ch + c) * inner + i % inner; };
-  float sum = 0;
-  for (int64_t i = threadIdx.x; i < count; i += blockDim.x)
-    sum += x[at(i)];
-  float mean = blockSum(sum, shared) / float(count);
-  float sq = 0;
-  for (int64_t i = threadIdx.x; i < count; i += blockDim.x)
-    sq += (x[at(i)] - mean) * (x[at(i)] - mean);
-  float inv = rsqrtf(blockSum(sq, shared) / float(count) + eps);
-  for (int64_t i = threadIdx.x; i < count; i += blockDim.x)
-    y[at(i)] = (x[at(i)] - mean) * inv * g[c] + b[c];
+  float shift = x[c * inner];
+  float s[4] = {0, 0, 0, 0};
+  for (int64_t i = blockIdx.y * int64_t(blockDim.x) + threadIdx.x; i < count; i += int64_t(gridDim.y) * blockDim.x) {
+    int64_t at = ((i / inner) * ch + c) * inner + i % inner;
+    float v = x[at] - shift;
+    s[0] += v;
+    s[1] += v * v;
+    if (dy) {
+      float d = dy[at];
+      s[2] += d;
+      s[3] += d * v;
+    }
+  }
+  for (int t = 0; t < (dy ? 4 : 2); ++t) {
+    float total = blockSum(s[t], shared);
+    if (threadIdx.x == 0)
+      atomicAdd(&sums[c * 4 + t], double(total));
+  }
 }
 
+/// A channel's mean and 1 / sqrt(var + eps) (the biased variance, as the
+/// CPU backend), and for the gradient g·Σdy / count and g·Σdy·x̂ / count.
+struct BatchNormStats {
+  float mean, rstd, a, b;
+};
+
+/// From the sums: each channel's statistics, and for the gradient
+/// dgamma = Σdy·x̂ and dbeta = Σdy (dgamma null for the forward).
+__global__ void batchNormStatsKernel(DPtr x, const double *sums, DPtr gamma, BatchNormStats *stats, DPtr dgamma,
+                                     DPtr dbeta, int64_t ch, int64_t inner, int64_t count, double eps) {
+  GRID_LOOP(c, ch) {
+    const double *s = sums + c * 4;
+    double centred = s[0] / double(count); // mean - K
+    double var = fmax(s[1] / double(count) - centred * centred, 0.0), rstd = 1.0 / sqrt(var + eps);
+    BatchNormStats st{float(double(x[c * inner]) + centred), float(rstd), 0.0f, 0.0f};
+    if (dgamma) {
+      // Σdy(x - mean) = Σdy(x - K) - (mean - K)·Σdy
+      double sumDy = s[2], sumDyXh = rstd * (s[3] - centred * s[2]), g = gamma[c];
+      dgamma.st(c, float(sumDyXh));
+      dbeta.st(c, float(sumDy));
+      st.a = float(g * sumDy / double(count));
+      st.b = float(g * sumDyXh / double(count));
+    }
+    stats[c] = st;
+  }
+}
+
+/// y = (x - mean) · rstd · gamma + beta.
+__global__ void batchNormApplyKernel(DPtr x, DPtr gamma, DPtr beta, const BatchNormStats *stats, DPtr y,
+                                     int64_t total, int64_t ch, int64_t inner) {
+  GRID_LOOP(i, total) {
+    int64_t c = (i / inner) % ch;
+    BatchNormStats s = stats[c];
+    y.st(i, (x[i] - s.mean) * s.rstd * gamma[c] + beta[c]);
+  }
+}
+
+/// dx = rstd · (gamma · dy - g·Σdy / count - x̂ · g·Σdy·x̂ / count), the CPU
+/// backend's formula.
+__global__ void batchNormGradApplyKernel(DPtr x, DPtr gamma, DPtr dy, const BatchNormStats *stats, DPtr dx,
+                                         int64_t total, int64_t ch, int64_t inner) {
+  GRID_LOOP(i, total) {
+    int64_t c = (i / inner) % ch;
+    BatchNormStats s = stats[c];
+    float xh = (x[i] - s.mean) * s.rstd;
+    dx.st(i, s.rstd * (gamma[c] * dy[i] - s.a - xh * s.b));
+  }
+}
+
+struct PoolShape {
+  int64_t planes, H, W, Ho, Wo, k, stride, pad;
+};
+
 /// Max or average pooling (the average counts the padding, as the CPU backend).
-__global__ void poolKernel(bool max, const float *x, float *y, int64_t nc, int64_t H, int64_t W, int64_t Ho,
-                           int64_t Wo, int64_t k, int64_t stride, int64_t pad) {
-  GRID_LOOP(i, nc * Ho * Wo) {
-    int64_t ow = i % Wo, oh = (i / Wo) % Ho, plane = i / (Ho * Wo);
+__global__ void poolKernel(bool max, DPtr x, DPtr y, PoolShape p) {
+  GRID_LOOP(i, p.planes * p.Ho * p.Wo) {
+    int64_t ow = i % p.Wo, oh = (i / p.Wo) % p.Ho, plane = i / (p.Ho * p.Wo);
     float acc = max ? -INFINITY : 0.0f;
-    for (int64_t kh = 0; kh < k; ++kh)
-      for (int64_t kw = 0; kw < k; ++kw) {
-        int64_t ih = oh * stride - pad + kh, iw = ow * stride - pad + kw;
-        if (ih < 0 || ih >= H || iw < 0 || iw >= W)
+    for (int64_t kh = 0; kh < p.k; ++kh)
+      for (int64_t kw = 0; kw < p.k; ++kw) {
+        int64_t ih = oh * p.stride - p.pad + kh, iw = ow * p.stride - p.pad + kw;
+        if (ih < 0 || ih >= p.H || iw < 0 || iw >= p.W)
           continue;
-        float v = x[(plane * H + ih) * W + iw];
+        float v = x[(plane * p.H + ih) * p.W + iw];
         acc = max ? fmaxf(acc, v) : acc + v;
       }
-    y[i] = max ? acc : acc / float(k * k);
+    y.st(i, max ? acc : acc / float(p.k * p.k));
+  }
+}
+
+/// Pooling's gradient, gathered: each input position adds the gradients of
+/// the windows that hold it (no atomics, so bf16 results and a fixed order).
+/// A max window passes its gradient to its first largest value in the CPU
+/// backend's scan order (rows, then columns; strictly greater replaces).
+__global__ void poolGradKernel(bool max, DPtr x, DPtr dy, DPtr dx, PoolShape p) {
+  GRID_LOOP(i, p.planes * p.H * p.W) {
+    int64_t iw = i % p.W, ih = (i / p.W) % p.H, plane = i / (p.H * p.W);
+    // Windows oh with oh·stride - pad <= ih <= oh·stride - pad + k - 1.
+    int64_t loH = ih + p.pad - p.k + 1, loW = iw + p.pad - p.k + 1;
+    int64_t ohBegin = loH <= 0 ? 0 : (loH + p.stride - 1) / p.stride, ohEnd = (ih + p.pad) / p.stride + 1;
+    int64_t owBegin = loW <= 0 ? 0 : (loW + p.stride - 1) / p.stride, owEnd = (iw + p.pad) / p.stride + 1;
+    ohEnd = ohEnd < p.Ho ? ohEnd : p.Ho;
+    owEnd = owEnd < p.Wo ? owEnd : p.Wo;
+    float acc = 0.0f;
+    for (int64_t oh = ohBegin; oh < ohEnd; ++oh)
+      for (int64_t ow = owBegin; ow < owEnd; ++ow) {
+        float g = dy[(plane * p.Ho + oh) * p.Wo + ow];
+        if (!max) {
+          acc += g / float(p.k * p.k);
+          continue;
+        }
+        int64_t bestH = -1, bestW = -1;
+        float best = -INFINITY;
+        for (int64_t kh = 0; kh < p.k; ++kh)
+          for (int64_t kw = 0; kw < p.k; ++kw) {
+            int64_t h = oh * p.stride - p.pad + kh, w = ow * p.stride - p.pad + kw;
+            if (h < 0 || h >= p.H || w < 0 || w >= p.W)
+              continue;
+            float v = x[(plane * p.H + h) * p.W + w];
+            if (v > best)
+              best = v, bestH = h, bestW = w;
+          }
+        if (bestH == ih && bestW == iw)
+          acc += g;
+      }
+    dx.st(i, acc);
   }
 }
 
@@ -72,7 +176,7 @@ __global__ void poolKernel(bool max, const float *x, float *y, int64_t nc, int64
 
 /// A convolution as GEMMs: W_g [Og, Cg*KH*KW] x col [Cg*KH*KW, Ho*Wo] per
 /// image and group, where col is the image itself for 1x1 stride-1 kernels.
-Launch CudaBackendImpl::buildConv2d(const Instruction &ins) {
+Launch CudaBackendImpl::buildIm2colConv2d(const Instruction &ins) {
   const Buffer &x = buf(ins.in[0]), &w = buf(ins.in[1]), &o = buf(ins.out[0]);
   ConvShape c{x.shape[0], x.shape[1], x.shape[2], x.shape[3], int64_t(num(ins, "groups", 1)), w.shape[1],
               w.shape[2], w.shape[3], o.shape[2], o.shape[3], int64_t(num(ins, "stride", 1)),
@@ -110,31 +214,139 @@ Launch CudaBackendImpl::buildConv2d(const Instruction &ins) {
   };
 }
 
-Launch CudaBackendImpl::buildBatchNorm(const Instruction &ins) {
-  const Buffer &x = buf(ins.in[0]);
-  int64_t n = x.shape[0], ch = x.shape[1], inner = count(x.shape) / std::max<int64_t>(n * ch, 1);
-  float eps = static_cast<float>(num(ins, "eps", 1e-5));
-  float *px = f(ins.in[0]), *g = f(ins.in[1]), *b = f(ins.in[2]), *y = f(ins.out[0]);
-  return [=](cudaStream_t s) { batchNormKernel<<<unsigned(ch), kThreads, 0, s>>>(px, g, b, y, n, ch, inner, eps); };
+/// cuDNN runs the convolutions unless this build has none or
+/// LOOM_CUDA_CONV=im2col asks for our forward (f32; to compare against).
+Launch CudaBackendImpl::buildConv2d(const Instruction &ins) {
+  static const std::string mode = [] {
+    const char *e = std::getenv("LOOM_CUDA_CONV");
+    return std::string(e ? e : "cudnn");
+  }();
+  if (mode != "cudnn" && mode != "im2col")
+    fail(LOOM_INVALID_ARGUMENT, "LOOM_CUDA_CONV is '", mode, "'; use cudnn or im2col");
+  if (mode == "im2col" || !cudnn::convolutionCompiledIn())
+    return buildIm2colConv2d(ins);
+  return buildCudnnConv2d(ins);
 }
 
-Launch CudaBackendImpl::buildPool(const Instruction &ins) {
-  const std::string &op = ins.op;
-  const Buffer &x = buf(ins.in[0]), &o = buf(ins.out[0]);
-  int64_t k = int64_t(num(ins, "kernel", 1)), stride = int64_t(num(ins, "stride", 1)), pad = int64_t(num(ins, "padding", 0));
-  float *px = f(ins.in[0]), *py = f(ins.out[0]);
-  int64_t nc = x.shape[0] * x.shape[1], H = x.shape[2], W = x.shape[3], Ho = o.shape[2], Wo = o.shape[3];
-  bool max = op == "max_pool2d";
+/// conv2d (x, filter -> y), conv2d_grad_input (dy, filter -> dx) and
+/// conv2d_grad_filter (x, dy -> dfilter) through cuDNN; every operand f32
+/// or every operand bf16.
+Launch CudaBackendImpl::buildCudnnConv2d(const Instruction &ins) {
+  using cudnn::ConvPass;
+  ConvPass pass = ins.op == "conv2d_grad_input"    ? ConvPass::GradInput
+                  : ins.op == "conv2d_grad_filter" ? ConvPass::GradFilter
+                                                   : ConvPass::Forward;
+  const Buffer &x = pass == ConvPass::GradInput ? buf(ins.out[0]) : buf(ins.in[0]);
+  const Buffer &w = pass == ConvPass::GradFilter ? buf(ins.out[0]) : buf(ins.in[1]);
+  const Buffer &y = pass == ConvPass::Forward ? buf(ins.out[0]) : pass == ConvPass::GradInput ? buf(ins.in[0]) : buf(ins.in[1]);
+  DPtr a = fp(ins.in[0]), b = fp(ins.in[1]), out = fp(ins.out[0]);
+  if (a.bf != b.bf || a.bf != out.bf)
+    fail(LOOM_UNSUPPORTED, where, ": the CUDA backend's convolutions take operands of one dtype (f32 or bf16)");
+  cudnn::ConvGeometry g;
+  g.n = x.shape[0], g.c = x.shape[1], g.h = x.shape[2], g.w = x.shape[3];
+  g.o = w.shape[0], g.kh = w.shape[2], g.kw = w.shape[3], g.ho = y.shape[2], g.wo = y.shape[3];
+  g.stride = int64_t(num(ins, "stride", 1)), g.pad = int64_t(num(ins, "padding", 0));
+  g.groups = int64_t(num(ins, "groups", 1));
+  g.bf16 = a.bf;
+  g.tf32 = f32Compute() == CUBLAS_COMPUTE_32F_FAST_TF32;
+  std::string why;
+  std::shared_ptr<cudnn::Convolution> conv = cudnn::buildConvolution(g, pass, a.p, b.p, why);
+  if (!conv)
+    fail(LOOM_UNSUPPORTED, where, ": ", why);
+  reserve(conv->workspaceBytes());
+  std::string what = where;
   return [=](cudaStream_t s) {
-    poolKernel<<<blocksFor(nc * Ho * Wo), kThreads, 0, s>>>(max, px, py, nc, H, W, Ho, Wo, k, stride, pad);
+    if (std::string e = conv->run(a.p, b.p, out.p, workspace, s); !e.empty())
+      fail(LOOM_INTERNAL, what, ": cuDNN convolution failed: ", e);
   };
+}
+
+namespace {
+/// Blocks per channel for batchNormSumsKernel: enough for the GPU to be
+/// busy with few channels, each thread still adding a few dozen values.
+unsigned batchNormSlices(int64_t count) {
+  return unsigned(std::clamp<int64_t>((count + kThreads * 32 - 1) / (kThreads * 32), 1, 65535));
+}
+} // namespace
+
+/// Batch normalisation with the batch's statistics: per-channel sums (one
+/// read of x), the statistics, then y. The sums and statistics live in the
+/// workspace.
+Launch CudaBackendImpl::buildBatchNorm(const Instruction &ins) {
+  const Buffer &xb = buf(ins.in[0]);
+  int64_t n = xb.shape[0], ch = xb.shape[1], inner = count(xb.shape) / std::max<int64_t>(n * ch, 1);
+  int64_t total = n * ch * inner;
+  double eps = num(ins, "eps", 1e-5);
+  DPtr x = fp(ins.in[0]), g = fp(ins.in[1]), b = fp(ins.in[2]), y = fp(ins.out[0]);
+  size_t sumsBytes = (size_t(ch) * 4 * sizeof(double) + 255) / 256 * 256;
+  reserve(sumsBytes + size_t(ch) * sizeof(BatchNormStats));
+  unsigned slices = batchNormSlices(n * inner);
+  return [=](cudaStream_t s) {
+    double *sums = reinterpret_cast<double *>(workspace);
+    auto *stats = reinterpret_cast<BatchNormStats *>(workspace + sumsBytes);
+    LOOM_CUDA_CHECK(cudaMemsetAsync(sums, 0, size_t(ch) * 4 * sizeof(double), s));
+    batchNormSumsKernel<<<dim3(unsigned(ch), slices), kThreads, 0, s>>>(x, DPtr{}, sums, n, ch, inner);
+    batchNormStatsKernel<<<blocksFor(ch), kThreads, 0, s>>>(x, sums, g, stats, DPtr{}, DPtr{}, ch, inner, n * inner, eps);
+    batchNormApplyKernel<<<blocksFor(total), kThreads, 0, s>>>(x, g, b, stats, y, total, ch, inner);
+  };
+}
+
+/// batchnorm_grad (x, gamma, dy -> dx, dgamma, dbeta): the statistics are
+/// recomputed from x with the sums the gradient needs, in one read of x and dy.
+Launch CudaBackendImpl::buildBatchNormGrad(const Instruction &ins) {
+  const Buffer &xb = buf(ins.in[0]);
+  int64_t n = xb.shape[0], ch = xb.shape[1], inner = count(xb.shape) / std::max<int64_t>(n * ch, 1);
+  int64_t total = n * ch * inner;
+  double eps = num(ins, "eps", 1e-5);
+  DPtr x = fp(ins.in[0]), g = fp(ins.in[1]), dy = fp(ins.in[2]);
+  DPtr dx = fp(ins.out[0]), dg = fp(ins.out[1]), db = fp(ins.out[2]);
+  size_t sumsBytes = (size_t(ch) * 4 * sizeof(double) + 255) / 256 * 256;
+  reserve(sumsBytes + size_t(ch) * sizeof(BatchNormStats));
+  unsigned slices = batchNormSlices(n * inner);
+  return [=](cudaStream_t s) {
+    double *sums = reinterpret_cast<double *>(workspace);
+    auto *stats = reinterpret_cast<BatchNormStats *>(workspace + sumsBytes);
+    LOOM_CUDA_CHECK(cudaMemsetAsync(sums, 0, size_t(ch) * 4 * sizeof(double), s));
+    batchNormSumsKernel<<<dim3(unsigned(ch), slices), kThreads, 0, s>>>(x, dy, sums, n, ch, inner);
+    batchNormStatsKernel<<<blocksFor(ch), kThreads, 0, s>>>(x, sums, g, stats, dg, db, ch, inner, n * inner, eps);
+    batchNormGradApplyKernel<<<blocksFor(total), kThreads, 0, s>>>(x, g, dy, stats, dx, total, ch, inner);
+  };
+}
+
+namespace {
+PoolShape poolShape(const Shape &x, const Shape &y, int64_t k, int64_t stride, int64_t pad) {
+  return {x[0] * x[1], x[2], x[3], y[2], y[3], k, stride, pad};
+}
+} // namespace
+
+Launch CudaBackendImpl::buildPool(const Instruction &ins) {
+  PoolShape p = poolShape(buf(ins.in[0]).shape, buf(ins.out[0]).shape, int64_t(num(ins, "kernel", 1)),
+                          int64_t(num(ins, "stride", 1)), int64_t(num(ins, "padding", 0)));
+  DPtr x = fp(ins.in[0]), y = fp(ins.out[0]);
+  bool max = ins.op == "max_pool2d";
+  return [=](cudaStream_t s) { poolKernel<<<blocksFor(p.planes * p.Ho * p.Wo), kThreads, 0, s>>>(max, x, y, p); };
+}
+
+/// max_pool2d_grad (x, dy -> dx) and avg_pool2d_grad (dy -> dx).
+Launch CudaBackendImpl::buildPoolGrad(const Instruction &ins) {
+  bool max = ins.op == "max_pool2d_grad";
+  const Buffer &dyb = buf(ins.in[max ? 1 : 0]), &dxb = buf(ins.out[0]);
+  PoolShape p = poolShape(dxb.shape, dyb.shape, int64_t(num(ins, "kernel", 1)), int64_t(num(ins, "stride", 1)),
+                          int64_t(num(ins, "padding", 0)));
+  DPtr x = max ? fp(ins.in[0]) : DPtr{}, dy = fp(ins.in[max ? 1 : 0]), dx = fp(ins.out[0]);
+  return [=](cudaStream_t s) { poolGradKernel<<<blocksFor(p.planes * p.H * p.W), kThreads, 0, s>>>(max, x, dy, dx, p); };
 }
 
 void CudaBackendImpl::addConvBuilders(BuilderTable &table) {
   table["conv2d"] = &CudaBackendImpl::buildConv2d;
+  for (const char *op : {"conv2d_grad_input", "conv2d_grad_filter"})
+    table[op] = &CudaBackendImpl::buildCudnnConv2d;
   table["batchnorm"] = &CudaBackendImpl::buildBatchNorm;
+  table["batchnorm_grad"] = &CudaBackendImpl::buildBatchNormGrad;
   for (const char *op : {"max_pool2d", "avg_pool2d"})
     table[op] = &CudaBackendImpl::buildPool;
+  for (const char *op : {"max_pool2d_grad", "avg_pool2d_grad"})
+    table[op] = &CudaBackendImpl::buildPoolGrad;
 }
 
 } // namespace loom::rt::cuda

@@ -7,6 +7,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "runtime/src/cuda/CudnnAttention.h"
+#include "runtime/src/cuda/CudnnConv.h" // the shared cuDNN handle
 
 #ifdef LOOM_HAVE_CUDNN_FRONTEND
 #include <cudnn_frontend.h>
@@ -34,29 +35,6 @@ std::unique_ptr<Attention> build(const flash::Params &, bool, std::string &why) 
 namespace fe = cudnn_frontend;
 
 namespace {
-
-/// One cuDNN handle per device, made on first use (handles are bound to the
-/// device current when they are created) and kept for the process.
-cudnnHandle_t handleForCurrentDevice(std::string &why) {
-  static std::mutex mutex;
-  static std::map<int, cudnnHandle_t> handles;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    why = "no current CUDA device";
-    return nullptr;
-  }
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = handles.find(device);
-  if (it != handles.end())
-    return it->second;
-  cudnnHandle_t h = nullptr;
-  if (cudnnStatus_t s = cudnnCreate(&h); s != CUDNN_STATUS_SUCCESS) {
-    why = std::string("cudnnCreate failed: ") + cudnnGetErrorString(s);
-    return nullptr;
-  }
-  handles[device] = h;
-  return h;
-}
 
 enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
 

@@ -1,0 +1,143 @@
+"""ResNet-50 training throughput in PyTorch (eager and torch.compile), for comparison with Loom.
+
+Same network as `loomc models resnet` writes (ResNet-50 v1.5: the stride on the 3x3
+convolution of each stage's first bottleneck, batch norm with the batch's statistics,
+no bias in the convolutions), written in plain torch.nn so that torchvision is not
+needed. SGD with momentum 0.9 at lr 0.1, synthetic images and labels, channels_last
+memory format. Prints one line per mode: images/s and ms per step, after warm-up.
+
+usage: python3 bench/torch_resnet.py [--image 224 --classes 1000 --batch 32 --steps 20
+       --modes eager-fp32,compile-fp32,eager-bf16,compile-bf16]
+       [--loom BUNDLE.loom ... [--loom-run build-device/runtime/loom-run]]
+
+With --loom, each bundle (compiled for the same network and batch) trains first with
+`loom-run --backend cuda` in the same invocation and is reported in the same format,
+followed by its speed relative to each PyTorch mode.
+"""
+import argparse
+import re
+import subprocess
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def conv_bn(cin, cout, k, stride=1):
+    return nn.Sequential(nn.Conv2d(cin, cout, k, stride, k // 2, bias=False), nn.BatchNorm2d(cout))
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, cin, mid, cout, stride):
+        super().__init__()
+        self.c1 = conv_bn(cin, mid, 1)
+        self.c2 = conv_bn(mid, mid, 3, stride)
+        self.c3 = conv_bn(mid, cout, 1)
+        self.down = conv_bn(cin, cout, 1, stride) if stride != 1 or cin != cout else None
+
+    def forward(self, x):
+        y = F.relu(self.c1(x))
+        y = F.relu(self.c2(y))
+        y = self.c3(y)
+        return F.relu(y + (self.down(x) if self.down is not None else x))
+
+
+class ResNet50(nn.Module):
+    def __init__(self, classes):
+        super().__init__()
+        self.stem = conv_bn(3, 64, 7, 2)
+        layers, cin = [], 64
+        for mid, cout, blocks, stride in ((64, 256, 3, 1), (128, 512, 4, 2), (256, 1024, 6, 2), (512, 2048, 3, 2)):
+            for i in range(blocks):
+                layers.append(Bottleneck(cin, mid, cout, stride if i == 0 else 1))
+                cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(2048, classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.stem(x)), 3, 2, 1)
+        x = self.layers(x)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def run(mode, a):
+    torch.manual_seed(0)
+    # fp32 modes take TF32 products, as Loom's f32 bundles do by default.
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+    model = ResNet50(a.classes).cuda().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step_fn = torch.compile(model) if mode.startswith("compile") else model
+    dtype = torch.bfloat16 if mode.endswith("bf16") else None
+    images = torch.randn(a.batch, 3, a.image, a.image, device="cuda").to(memory_format=torch.channels_last)
+    labels = torch.randint(0, a.classes, (a.batch,), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+            loss = F.cross_entropy(step_fn(images), labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        loss = step()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / a.steps
+    ips = a.batch / dt
+    print(f"torch {mode:13s} {ips:10.0f} images/s  {dt * 1e3:8.1f} ms/step  loss {loss.item():.4f}", flush=True)
+    del model, opt
+    torch.cuda.empty_cache()
+    return ips
+
+
+def loom(bundle, a):
+    """Trains a Loom bundle on the GPU; returns (images/s, ms/step) as loom-run measured them."""
+    cmd = [a.loom_run, bundle, "--backend", "cuda", "--steps", str(a.steps + 3)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    found = re.search(r"trained: ([\d.]+) ms per step, (\d+) examples/s", out.stdout)
+    if out.returncode != 0 or not found:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {(out.stderr or out.stdout).strip()[-300:]}")
+    return float(found.group(2)), float(found.group(1))
+
+
+def arguments():
+    p = argparse.ArgumentParser()
+    p.add_argument("--image", type=int, default=224)
+    p.add_argument("--classes", type=int, default=1000)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--modes", default="eager-fp32,compile-fp32,eager-bf16,compile-bf16")
+    p.add_argument("--loom", nargs="*", default=[], help="Loom bundles to train first, same network and batch")
+    p.add_argument("--loom-run", default="build-device/runtime/loom-run")
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    a = arguments()
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"ResNet-50 {a.image}x{a.image}, {a.classes} classes, batch {a.batch}")
+    results = {}
+    for bundle in a.loom:
+        name = "loom " + bundle.rstrip("/").split("/")[-1].removesuffix(".loom")
+        try:
+            ips, ms = loom(bundle, a)
+            results[name] = ips
+            print(f"{name:19s} {ips:10.0f} images/s  {ms:8.1f} ms/step", flush=True)
+        except Exception as e:
+            print(f"{name}: failed: {e}")
+    torch_rates = {}
+    for mode in a.modes.split(","):
+        try:
+            torch_rates[mode] = run(mode, a)
+        except Exception as e:  # report and go on: one failing mode should not hide the rest
+            print(f"torch {mode}: failed: {type(e).__name__}: {e}")
+    for name, ips in results.items():
+        ratios = ", ".join(f"{ips / r:.2f}x torch {m}" for m, r in torch_rates.items() if r)
+        print(f"{name}: {ratios}")

@@ -1,0 +1,268 @@
+//===- CudnnConv.cpp - cuDNN's convolutions and their gradients -----------===//
+//
+// cuDNN's convolution API (cudnnConvolutionForward, ...BackwardData,
+// ...BackwardFilter) with descriptors made once per instruction and the
+// algorithm found by timing (cudnnFind*AlgorithmEx) once per shape. f32
+// tensors with TF32 off ask for FMA-only algorithms (CUDNN_FMA_MATH), so
+// LOOM_CUDA_TF32=0 means full f32 products here as in the GEMMs.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/src/cuda/CudnnConv.h"
+
+#ifdef LOOM_HAVE_CUDNN
+#include <cudnn.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <vector>
+#endif
+
+namespace loom::rt::cudnn {
+
+#ifndef LOOM_HAVE_CUDNN
+
+bool convolutionCompiledIn() { return false; }
+
+std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &, ConvPass, const void *, const void *,
+                                              std::string &why) {
+  why = "this runtime was built without cuDNN (cudnn.h and libcudnn were not found)";
+  return nullptr;
+}
+
+cudnnContext *handleForCurrentDevice(std::string &why) {
+  why = "this runtime was built without cuDNN";
+  return nullptr;
+}
+
+#else
+
+bool convolutionCompiledIn() { return true; }
+
+cudnnHandle_t handleForCurrentDevice(std::string &why) {
+  static std::mutex mutex;
+  static std::map<int, cudnnHandle_t> handles;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    why = "no current CUDA device";
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = handles.find(device);
+  if (it != handles.end())
+    return it->second;
+  cudnnHandle_t h = nullptr;
+  if (cudnnStatus_t s = cudnnCreate(&h); s != CUDNN_STATUS_SUCCESS) {
+    why = std::string("cudnnCreate failed: ") + cudnnGetErrorString(s);
+    return nullptr;
+  }
+  handles[device] = h;
+  return h;
+}
+
+namespace {
+
+std::string failed(const char *what, cudnnStatus_t s) { return std::string(what) + " failed: " + cudnnGetErrorString(s); }
+#define LOOM_CUDNN_TRY(expr)                                                                                   \
+  do {                                                                                                         \
+    if (cudnnStatus_t s_ = (expr); s_ != CUDNN_STATUS_SUCCESS)                                                 \
+      return failed(#expr, s_);                                                                                \
+  } while (0)
+
+/// The algorithm chosen for a shape and pass: the same for every
+/// convolution of that shape on the device, so it is timed once.
+struct Choice {
+  int algo = 0;
+  cudnnMathType_t math = CUDNN_DEFAULT_MATH;
+  size_t workspace = 0;
+  float ms = 0; // as timed by cudnnFind
+};
+using ChoiceKey = std::tuple<int, int, bool, bool, std::vector<int64_t>>;
+
+/// A perf result usable here: it ran, and with TF32 off it used FMA only.
+template <typename Perf> bool usable(const Perf &p, bool fmaOnly) {
+  return p.status == CUDNN_STATUS_SUCCESS && (!fmaOnly || p.mathType == CUDNN_FMA_MATH);
+}
+
+class CudnnConvolution final : public Convolution {
+public:
+  CudnnConvolution(cudnnHandle_t handle, ConvPass pass) : handle(handle), pass(pass) {}
+  ~CudnnConvolution() override {
+    if (x)
+      cudnnDestroyTensorDescriptor(x);
+    if (y)
+      cudnnDestroyTensorDescriptor(y);
+    if (w)
+      cudnnDestroyFilterDescriptor(w);
+    if (conv)
+      cudnnDestroyConvolutionDescriptor(conv);
+  }
+
+  /// Descriptors for `g`; "" or what failed.
+  std::string describe(const ConvGeometry &g) {
+    cudnnDataType_t type = g.bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT;
+    LOOM_CUDNN_TRY(cudnnCreateTensorDescriptor(&x));
+    LOOM_CUDNN_TRY(cudnnCreateTensorDescriptor(&y));
+    LOOM_CUDNN_TRY(cudnnCreateFilterDescriptor(&w));
+    LOOM_CUDNN_TRY(cudnnCreateConvolutionDescriptor(&conv));
+    LOOM_CUDNN_TRY(cudnnSetTensor4dDescriptor(x, CUDNN_TENSOR_NCHW, type, int(g.n), int(g.c), int(g.h), int(g.w)));
+    LOOM_CUDNN_TRY(cudnnSetTensor4dDescriptor(y, CUDNN_TENSOR_NCHW, type, int(g.n), int(g.o), int(g.ho), int(g.wo)));
+    LOOM_CUDNN_TRY(cudnnSetFilter4dDescriptor(w, type, CUDNN_TENSOR_NCHW, int(g.o), int(g.c / g.groups), int(g.kh),
+                                              int(g.kw)));
+    // Products accumulate in f32 for both dtypes.
+    LOOM_CUDNN_TRY(cudnnSetConvolution2dDescriptor(conv, int(g.pad), int(g.pad), int(g.stride), int(g.stride), 1, 1,
+                                                   CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
+    LOOM_CUDNN_TRY(cudnnSetConvolutionGroupCount(conv, int(g.groups)));
+    fmaOnly = !g.bf16 && !g.tf32;
+    LOOM_CUDNN_TRY(cudnnSetConvolutionMathType(
+        conv, fmaOnly ? CUDNN_FMA_MATH : g.bf16 ? CUDNN_TENSOR_OP_MATH : CUDNN_DEFAULT_MATH));
+    return "";
+  }
+
+  /// Times cuDNN's algorithms on a and b, writing into a scratch result of
+  /// `outBytes`, and keeps the fastest usable one; "" or what failed.
+  std::string find(const void *a, const void *b, size_t outBytes) {
+    void *out = nullptr, *scratch = nullptr;
+    size_t free = 0, total = 0;
+    if (cudaMemGetInfo(&free, &total) != cudaSuccess)
+      return "cudaMemGetInfo failed";
+    // Algorithms that need more workspace than this are not tried.
+    size_t scratchBytes = std::min<size_t>(size_t(1) << 30, free / 4);
+    if (cudaMalloc(&out, std::max<size_t>(outBytes, 1)) != cudaSuccess ||
+        cudaMalloc(&scratch, std::max<size_t>(scratchBytes, 1)) != cudaSuccess) {
+      cudaFree(out);
+      cudaGetLastError();
+      return "out of device memory for timing cuDNN's convolution algorithms";
+    }
+    std::string error = findInto(a, b, out, scratch, scratchBytes);
+    cudaFree(out);
+    cudaFree(scratch);
+    return error;
+  }
+
+  std::string apply(const Choice &c) {
+    choice = c;
+    LOOM_CUDNN_TRY(cudnnSetConvolutionMathType(conv, c.math));
+    return "";
+  }
+  const Choice &chosen() const { return choice; }
+
+  size_t workspaceBytes() const override { return choice.workspace; }
+
+  std::string run(const void *a, const void *b, void *out, void *workspace, cudaStream_t stream) const override {
+    const float one = 1, zero = 0;
+    LOOM_CUDNN_TRY(cudnnSetStream(handle, stream));
+    switch (pass) {
+    case ConvPass::Forward:
+      LOOM_CUDNN_TRY(cudnnConvolutionForward(handle, &one, x, a, w, b, conv, cudnnConvolutionFwdAlgo_t(choice.algo),
+                                             workspace, choice.workspace, &zero, y, out));
+      break;
+    case ConvPass::GradInput:
+      LOOM_CUDNN_TRY(cudnnConvolutionBackwardData(handle, &one, w, b, y, a, conv,
+                                                  cudnnConvolutionBwdDataAlgo_t(choice.algo), workspace,
+                                                  choice.workspace, &zero, x, out));
+      break;
+    case ConvPass::GradFilter:
+      LOOM_CUDNN_TRY(cudnnConvolutionBackwardFilter(handle, &one, x, a, y, b, conv,
+                                                    cudnnConvolutionBwdFilterAlgo_t(choice.algo), workspace,
+                                                    choice.workspace, &zero, w, out));
+      break;
+    }
+    return "";
+  }
+
+private:
+  template <typename Perf> std::string pick(const Perf *perf, int count, const char *what) {
+    for (int i = 0; i < count; ++i) // sorted fastest first
+      if (usable(perf[i], fmaOnly))
+        return apply({int(perf[i].algo), perf[i].mathType, perf[i].memory, perf[i].time});
+    return std::string("cuDNN has no ") + what + " algorithm for this shape" +
+           (fmaOnly ? " without TF32 (LOOM_CUDA_TF32=0)" : "");
+  }
+
+  std::string findInto(const void *a, const void *b, void *out, void *scratch, size_t scratchBytes) {
+    constexpr int kMax = 16;
+    int count = 0;
+    LOOM_CUDNN_TRY(cudnnSetStream(handle, nullptr));
+    switch (pass) {
+    case ConvPass::Forward: {
+      cudnnConvolutionFwdAlgoPerf_t perf[kMax];
+      LOOM_CUDNN_TRY(cudnnFindConvolutionForwardAlgorithmEx(handle, x, a, w, b, conv, y, out, kMax, &count, perf,
+                                                            scratch, scratchBytes));
+      return pick(perf, count, "convolution forward");
+    }
+    case ConvPass::GradInput: {
+      cudnnConvolutionBwdDataAlgoPerf_t perf[kMax];
+      LOOM_CUDNN_TRY(cudnnFindConvolutionBackwardDataAlgorithmEx(handle, w, b, y, a, conv, x, out, kMax, &count,
+                                                                 perf, scratch, scratchBytes));
+      return pick(perf, count, "convolution input-gradient");
+    }
+    case ConvPass::GradFilter: {
+      cudnnConvolutionBwdFilterAlgoPerf_t perf[kMax];
+      LOOM_CUDNN_TRY(cudnnFindConvolutionBackwardFilterAlgorithmEx(handle, x, a, y, b, conv, w, out, kMax, &count,
+                                                                   perf, scratch, scratchBytes));
+      return pick(perf, count, "convolution filter-gradient");
+    }
+    }
+    return "unknown convolution pass";
+  }
+
+  cudnnHandle_t handle;
+  ConvPass pass;
+  cudnnTensorDescriptor_t x = nullptr, y = nullptr;
+  cudnnFilterDescriptor_t w = nullptr;
+  cudnnConvolutionDescriptor_t conv = nullptr;
+  bool fmaOnly = false;
+  Choice choice;
+};
+
+} // namespace
+
+std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pass, const void *a, const void *b,
+                                              std::string &why) {
+  cudnnHandle_t handle = handleForCurrentDevice(why);
+  if (!handle)
+    return nullptr;
+  auto conv = std::make_unique<CudnnConvolution>(handle, pass);
+  if (why = conv->describe(g); !why.empty())
+    return nullptr;
+  int device = 0;
+  cudaGetDevice(&device);
+  ChoiceKey key{device, int(pass), g.bf16, g.tf32,
+                {g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.ho, g.wo, g.stride, g.pad, g.groups}};
+  static std::mutex mutex;
+  static std::map<ChoiceKey, Choice> choices;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = choices.find(key); it != choices.end()) {
+    why = conv->apply(it->second);
+  } else {
+    int64_t outElements = pass == ConvPass::Forward     ? g.n * g.o * g.ho * g.wo
+                          : pass == ConvPass::GradInput ? g.n * g.c * g.h * g.w
+                                                        : g.o * (g.c / g.groups) * g.kh * g.kw;
+    why = conv->find(a, b, size_t(outElements) * (g.bf16 ? 2 : 4));
+    if (why.empty())
+      choices[key] = conv->chosen();
+    if (why.empty() && std::getenv("LOOM_CUDNN_VERBOSE")) { // which algorithm cuDNN chose, for measurements
+      const Choice &c = conv->chosen();
+      static const char *passes[] = {"forward", "input gradient", "filter gradient"};
+      std::fprintf(stderr,
+                   "cuDNN convolution %s (x %lldx%lldx%lldx%lld, filter %lldx%lldx%lldx%lld, stride %lld, pad %lld, "
+                   "groups %lld, %s): algorithm %d, math type %d, workspace %zu bytes, %.3f ms\n",
+                   passes[int(pass)], (long long)g.n, (long long)g.c, (long long)g.h, (long long)g.w,
+                   (long long)g.o, (long long)(g.c / g.groups), (long long)g.kh, (long long)g.kw,
+                   (long long)g.stride, (long long)g.pad, (long long)g.groups,
+                   g.bf16 ? "bf16" : g.tf32 ? "f32, TF32" : "f32", c.algo, int(c.math), c.workspace, c.ms);
+    }
+  }
+  if (!why.empty())
+    return nullptr;
+  return conv;
+}
+
+#endif
+
+} // namespace loom::rt::cudnn

@@ -1,0 +1,63 @@
+//===- CudnnConv.h - cuDNN's convolutions and their gradients ---*- C++ -*-===//
+//
+// 2-D convolutions (forward, input gradient, filter gradient) through
+// cuDNN's convolution API on NCHW tensors, f32 or bf16 (f32 accumulation).
+// The fastest of cuDNN's algorithms is timed once per shape, pass and
+// device (cudnnFind*AlgorithmEx) and kept for the process. Host code only,
+// compiled apart from the CUDA sources: the backend (CudaConv.cu) asks
+// build() and launches what it returns.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef LOOM_RUNTIME_CUDA_CUDNNCONV_H
+#define LOOM_RUNTIME_CUDA_CUDNNCONV_H
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+struct cudnnContext; // cudnnHandle_t, without cudnn.h
+
+namespace loom::rt::cudnn {
+
+/// x [n, c, h, w] * filter [o, c / groups, kh, kw] -> y [n, o, ho, wo].
+struct ConvGeometry {
+  int64_t n = 0, c = 0, h = 0, w = 0, o = 0, kh = 0, kw = 0, ho = 0, wo = 0;
+  int64_t stride = 1, pad = 0, groups = 1;
+  bool bf16 = false; // every operand bf16 (else f32)
+  bool tf32 = true;  // f32 operands: whether TF32 tensor cores may run the products
+};
+
+/// What a convolution computes, and its operands (a, b) -> out:
+/// Forward (x, filter) -> y; GradInput (dy, filter) -> dx; GradFilter (x, dy) -> dfilter.
+enum class ConvPass { Forward, GradInput, GradFilter };
+
+class Convolution {
+public:
+  virtual ~Convolution() = default;
+  virtual size_t workspaceBytes() const = 0;
+  /// Writes `out` (overwritten, not accumulated). Returns "" or what failed.
+  virtual std::string run(const void *a, const void *b, void *out, void *workspace, cudaStream_t stream) const = 0;
+};
+
+/// Whether this build has cuDNN (cudnn.h and libcudnn).
+bool convolutionCompiledIn();
+
+/// The convolution of `g` for `pass` on the current device, its algorithm
+/// timed on operands a and b (read only: results go to a scratch buffer);
+/// null with the reason in `why` when this build has no cuDNN or cuDNN has
+/// no algorithm for it.
+std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pass, const void *a, const void *b,
+                                              std::string &why);
+
+/// One cuDNN handle per device, made on first use (a handle is bound to the
+/// device current when it is made) and kept for the process; null with the
+/// reason in `why`. Shared with CudnnAttention.cpp; each user sets its
+/// stream before each call.
+cudnnContext *handleForCurrentDevice(std::string &why);
+
+} // namespace loom::rt::cudnn
+
+#endif

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# On the GPU machine: ResNet-50 training on the CUDA backend (#21). Builds the
+# runtime (without running its whole ctest suite), runs the CNN
+# instructions against the CPU backend (CudaConv.* gtests), compares training
+# losses of the GPU with the CPU backend's, CUDA graphs with eager launches
+# and cuDNN's forward convolutions with our im2col ones, then times
+# images/s at batch 32 beside PyTorch (bench/torch_resnet.py).
+# Needs .deps from `scripts/device-deps.sh && scripts/device-bundles.sh resnet`
+# run here first. The CPU reference steps run the 64x64-image network (seconds
+# a step on 16 cores); RESNET_FULL=1 adds the 224x224 one (about a minute a
+# step on the CPU's plain convolution loops). TORCH_MODES=none skips PyTorch.
+# SECTIONS=check (tests and losses) or SECTIONS=speed (profile, images/s and
+# PyTorch) runs one half, each within a device call's ten minutes; the runtime
+# is built first either way (its ctest suite is scripts/device-build.sh's).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp}
+LOG=$(mktemp -d)
+SECTIONS=${SECTIONS:-all}
+LOOM_BUILD_DIR=build-device scripts/build.sh -DLOOM_BUILD_COMPILER=OFF 2>&1 | tail -5
+B=build-device/runtime
+R=.deps/bundles
+status=0
+# run NAME BUNDLE STEPS [ENV...]: trains on the CUDA backend into $LOG/NAME.log.
+run() {
+  local name=$1 bundle=$2 steps=$3
+  shift 3
+  env "$@" $B/loom-run "$R/$bundle.loom" --backend cuda --steps "$steps" > "$LOG/$name.log" 2>&1 || {
+    status=1
+    tail -5 "$LOG/$name.log"
+  }
+}
+close() { # close A B TOL LABEL
+  echo -n "$4: "
+  python3 test/training/Inputs/close_losses.py "$LOG/$1.log" "$LOG/$2.log" "$3" || status=1
+}
+if [ "$SECTIONS" != speed ]; then
+echo "== convolution, pooling and batch-norm instructions: CUDA against CPU (f32 with TF32 off, bf16)"
+build-device/test/unit/loom-gpu-tests --gtest_filter='CudaConv.*' 2>&1 | grep -E -A6 "^\[  (PASSED|FAILED|SKIPPED) |Failure" || status=1
+echo "== training losses, GPU against the CPU backend (f32 with TF32 off within 1e-3; bf16 within 3e-2)"
+models=(resnet50-img64)
+[ -n "${RESNET_FULL:-}" ] && models+=(resnet50)
+for m in "${models[@]}"; do
+  steps=2
+  $B/loom-run $R/$m-b32-train.loom --backend cpu --steps $steps > "$LOG/$m.cpu.log" 2>&1 || status=1
+  $B/loom-run $R/$m-b32-cuda-train.loom --backend cpu --steps $steps > "$LOG/$m-bf16.cpu.log" 2>&1 || status=1
+  run $m.cuda $m-b32-train $steps LOOM_CUDA_TF32=0
+  run $m-bf16.cuda $m-b32-cuda-train $steps
+  grep -h "^step" "$LOG/$m.cpu.log" "$LOG/$m.cuda.log" "$LOG/$m-bf16.cpu.log" "$LOG/$m-bf16.cuda.log" | sed "s/^/$m: /"
+  close $m.cuda $m.cpu 1e-3 "$m f32"
+  close $m-bf16.cuda $m-bf16.cpu 3e-2 "$m bf16"
+done
+echo "== the GPU against itself: CUDA graphs against eager launches, cuDNN's forward against im2col (f32, TF32 off)"
+m=resnet50-img64
+run $m.eager $m-b32-train 10 LOOM_CUDA_TF32=0 LOOM_CUDA_GRAPHS=0
+run $m.graphs $m-b32-train 10 LOOM_CUDA_TF32=0
+run $m.im2col $m-b32-train 10 LOOM_CUDA_TF32=0 LOOM_CUDA_CONV=im2col
+# cuDNN may pick algorithms that add in a varying order: not bit for bit.
+close $m.graphs $m.eager 1e-3 "graphs vs eager"
+close $m.graphs $m.im2col 1e-3 "cuDNN vs im2col forward"
+fi
+if [ "$SECTIONS" != check ]; then
+echo "== where a bf16 step's time goes (loom-run --profile)"
+# (the algorithm cuDNN chose for each convolution shape goes to $OUT too)
+LOOM_CUDNN_VERBOSE=1 $B/loom-run $R/resnet50-b32-cuda-train.loom --backend cuda --steps 6 \
+    --profile "$OUT/profile-resnet50-bf16.json" 2> "$OUT/cudnn-resnet50-bf16.txt" | tail -25
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+echo "== images/s at batch 32: Loom (f32 on TF32, and --target cuda) beside PyTorch (channels_last) in one invocation"
+loom=($R/resnet50-b32-train.loom $R/resnet50-b32-cuda-train.loom)
+if [ "${TORCH_MODES:-}" = none ]; then
+  for b in "${loom[@]}"; do
+    echo "$(basename "$b" .loom): $($B/loom-run "$b" --backend cuda --steps 23 2>&1 | tail -1)"
+  done
+else
+  python3 bench/torch_resnet.py --batch 32 --steps 20 --modes "${TORCH_MODES:-eager-fp32,compile-fp32,eager-bf16,compile-bf16}" \
+      --loom "${loom[@]}" --loom-run $B/loom-run 2>&1 | grep -v Warning || status=1
+fi
+fi
+rm -rf "$LOG"
+exit $status

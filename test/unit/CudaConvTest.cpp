@@ -1,0 +1,236 @@
+//===- CudaConvTest.cpp - CNN instructions: CUDA backend against CPU ------===//
+//
+// Each convolution, pooling and batch-norm instruction (forward and
+// gradient) runs alone on random operands on the CUDA backend and on the
+// CPU backend (the reference that defines the instructions), and their
+// results are compared. Shapes cover 1x1, 3x3 and 7x7 kernels, stride 2,
+// padding, groups and batch norms with several blocks per channel; f32
+// with full f32 products (TF32 off for the whole binary) and bf16 with
+// bf16's tolerance. Skips where there is no GPU.
+//
+//===----------------------------------------------------------------------===//
+
+#include "loom/rt/Bundle.h"
+#include "loom/rt/Tensor.h"
+#include "runtime/src/Backend.h"
+
+#include <cuda_runtime.h>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace loom::rt;
+
+namespace {
+
+// f32 products in full f32 (the backend reads this once, on first use).
+const bool kTf32Off = [] { return setenv("LOOM_CUDA_TF32", "0", 1) == 0; }();
+
+bool haveGpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+struct Operands {
+  std::vector<Shape> in, out;
+};
+
+/// One instruction over fresh buffers (inputs, then outputs), 256-byte aligned.
+RankProgram programFor(const std::string &op, const Operands &o, loom_dtype_t dt, Instruction &ins,
+                       nlohmann::json attrs) {
+  RankProgram r;
+  int64_t offset = 0;
+  auto add = [&](const Shape &s, const char *kind) {
+    Buffer b;
+    b.id = int64_t(r.buffers.size());
+    b.name = std::string(kind) + std::to_string(b.id);
+    b.dtype = dt;
+    b.shape = s;
+    b.bytes = numElements(s).value() * int64_t(dtypeSize(dt));
+    b.offset = offset;
+    offset += (b.bytes + 255) / 256 * 256;
+    r.buffers.push_back(b);
+    return b.id;
+  };
+  ins = Instruction{op, {}, {}, std::move(attrs)};
+  for (const Shape &s : o.in)
+    ins.in.push_back(add(s, "in"));
+  for (const Shape &s : o.out)
+    ins.out.push_back(add(s, "out"));
+  r.arenaBytes = offset;
+  r.programs["forward"] = {ins};
+  return r;
+}
+
+double relativeL2(const std::vector<double> &got, const std::vector<double> &want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+/// Runs `op` on both backends with the same random inputs (uniform in
+/// [mean - 1, mean + 1]) and expects every output within `tol` (relative L2).
+void compare(const std::string &op, const Operands &o, nlohmann::json attrs, loom_dtype_t dt, double tol,
+             double mean = 0) {
+  SCOPED_TRACE(op + " " + attrs.dump() + (dt == LOOM_BF16 ? " bf16" : " f32"));
+  Instruction ins;
+  RankProgram r = programFor(op, o, dt, ins, std::move(attrs));
+  auto cpu = makeCpuBackend(r, 2);
+  auto gpu = makeCudaBackend(r, 0);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> dist(float(mean) - 1.0f, float(mean) + 1.0f);
+  for (int64_t id : ins.in) {
+    const Buffer &b = r.buffers[id];
+    int64_t n = numElements(b.shape).value();
+    std::vector<char> bytes(b.bytes);
+    for (int64_t i = 0; i < n; ++i) {
+      float v = dist(rng);
+      if (dt == LOOM_BF16) {
+        uint16_t h = floatToBf16(v);
+        std::memcpy(bytes.data() + 2 * i, &h, 2);
+      } else {
+        std::memcpy(bytes.data() + 4 * i, &v, 4);
+      }
+    }
+    cpu->upload(b, bytes.data());
+    gpu->upload(b, bytes.data());
+  }
+  for (Backend *be : {cpu.get(), gpu.get()}) {
+    be->prepare("forward", {ins});
+    be->run("forward");
+  }
+  for (int64_t id : ins.out) {
+    const Buffer &b = r.buffers[id];
+    int64_t n = numElements(b.shape).value();
+    std::vector<char> a(b.bytes), c(b.bytes);
+    gpu->download(b, a.data());
+    cpu->download(b, c.data());
+    std::vector<double> got(n), want(n);
+    for (int64_t i = 0; i < n; ++i) {
+      got[i] = loadAsDouble(dt, a.data(), i);
+      want[i] = loadAsDouble(dt, c.data(), i);
+      ASSERT_TRUE(std::isfinite(got[i])) << b.name << "[" << i << "]";
+    }
+    double err = relativeL2(got, want);
+    EXPECT_LE(err, tol) << b.name << " " << shapeStr(b.shape) << ": relative L2 error " << err;
+  }
+}
+
+struct ConvCase {
+  Shape x, w;
+  int64_t stride, pad, groups;
+};
+
+const ConvCase kConvCases[] = {
+    {{2, 8, 6, 6}, {16, 8, 1, 1}, 1, 0, 1},   // 1x1 (the bottlenecks' first and last)
+    {{2, 8, 7, 7}, {16, 8, 1, 1}, 2, 0, 1},   // 1x1 stride 2 (the downsampling shortcut)
+    {{2, 8, 9, 9}, {8, 8, 3, 3}, 1, 1, 1},    // 3x3, padded
+    {{2, 8, 10, 10}, {16, 8, 3, 3}, 2, 1, 1}, // 3x3 stride 2 (v1.5's downsampling)
+    {{2, 3, 20, 20}, {8, 3, 7, 7}, 2, 3, 1},  // the 7x7 stem
+    {{2, 8, 6, 6}, {8, 4, 3, 3}, 1, 1, 2},    // grouped
+};
+
+void convolutions(loom_dtype_t dt, double tol) {
+  for (const ConvCase &c : kConvCases) {
+    int64_t ho = (c.x[2] + 2 * c.pad - c.w[2]) / c.stride + 1, wo = (c.x[3] + 2 * c.pad - c.w[3]) / c.stride + 1;
+    Shape y{c.x[0], c.w[0], ho, wo};
+    nlohmann::json attrs = {{"stride", c.stride}, {"padding", c.pad}, {"groups", c.groups}};
+    compare("conv2d", {{c.x, c.w}, {y}}, attrs, dt, tol);
+    compare("conv2d_grad_input", {{y, c.w}, {c.x}}, attrs, dt, tol);
+    compare("conv2d_grad_filter", {{c.x, y}, {c.w}}, attrs, dt, tol);
+  }
+}
+
+struct PoolCase {
+  Shape x;
+  int64_t kernel, stride, pad;
+};
+
+const PoolCase kPoolCases[] = {
+    {{2, 4, 9, 9}, 3, 2, 1},   // ResNet's max pool (overlapping windows)
+    {{2, 3, 8, 8}, 2, 2, 0},   // disjoint windows
+    {{2, 3, 7, 7}, 3, 1, 1},   // stride 1, padded
+    {{2, 2, 7, 7}, 7, 1, 0},   // one window over the image (a global average)
+};
+
+void pooling(loom_dtype_t dt, double tol) {
+  for (const PoolCase &c : kPoolCases) {
+    int64_t ho = (c.x[2] + 2 * c.pad - c.kernel) / c.stride + 1, wo = (c.x[3] + 2 * c.pad - c.kernel) / c.stride + 1;
+    Shape y{c.x[0], c.x[1], ho, wo};
+    nlohmann::json attrs = {{"kernel", c.kernel}, {"stride", c.stride}, {"padding", c.pad}};
+    compare("max_pool2d", {{c.x}, {y}}, attrs, dt, tol);
+    compare("max_pool2d_grad", {{c.x, y}, {c.x}}, attrs, dt, tol);
+    compare("avg_pool2d", {{c.x}, {y}}, attrs, dt, tol);
+    compare("avg_pool2d_grad", {{y}, {c.x}}, attrs, dt, tol);
+  }
+}
+
+const Shape kBatchNormCases[] = {
+    {4, 6, 5, 5},    // one block per channel
+    {16, 3, 40, 40}, // several blocks per channel, added in double
+    {3, 5, 1, 1},    // 1x1 images (a norm over the batch only)
+};
+
+void batchNorms(loom_dtype_t dt, double tol) {
+  for (const Shape &x : kBatchNormCases) {
+    Shape c{x[1]};
+    for (double mean : {0.0, 3.0}) { // 3: the mean well away from zero next to the spread
+      compare("batchnorm", {{x, c, c}, {x}}, {{"eps", 1e-5}}, dt, tol, mean);
+      compare("batchnorm_grad", {{x, c, x}, {x, c, c}}, {{"eps", 1e-5}}, dt, tol, mean);
+    }
+  }
+}
+
+} // namespace
+
+// Full f32 products: cuDNN's FMA-only algorithms against the CPU's double
+// accumulation; summation order is the only difference.
+TEST(CudaConv, ConvolutionsF32) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(kTf32Off);
+  convolutions(LOOM_F32, 1e-4);
+}
+
+// bf16 operands and results, f32 accumulation on both sides: results differ
+// by bf16 roundings (2^-9 relative) where the sums land near a tie.
+TEST(CudaConv, ConvolutionsBf16) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  convolutions(LOOM_BF16, 1e-2);
+}
+
+TEST(CudaConv, PoolingF32) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  pooling(LOOM_F32, 1e-6);
+}
+
+TEST(CudaConv, PoolingBf16) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  pooling(LOOM_BF16, 1e-2);
+}
+
+// The GPU adds in f32 within a block (double across blocks), the CPU in
+// double: dgamma's sums of ~25,000 terms differ by a few 1e-6 at worst.
+TEST(CudaConv, BatchNormF32) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  batchNorms(LOOM_F32, 1e-4);
+}
+
+TEST(CudaConv, BatchNormBf16) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  batchNorms(LOOM_BF16, 1e-2);
+}
