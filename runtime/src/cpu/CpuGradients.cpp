@@ -25,6 +25,12 @@ Kernel buildFill(const Ctx &c) {
   return [=] { std::fill(y, y + n, v); };
 }
 
+LOOM_AVX2_CLONES void geluTanhGradRange(const float *__restrict x, const float *__restrict dy, float *__restrict dx,
+                                        int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i)
+    dx[i] = dy[i] * ew::geluTanhDerivative(x[i]);
+}
+
 Kernel buildUnaryGrad(const Ctx &c) {
   c.arity(3, 1);
   for (size_t i = 0; i < 3; ++i)
@@ -39,10 +45,7 @@ Kernel buildUnaryGrad(const Ctx &c) {
   ThreadPool *pool = &c.pool;
   if (d == ew::Fn::GeluTanh) // its own loop, which the compiler vectorises
     return [=] {
-      pool->parallelFor(n, 20.0, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i)
-          dx[i] = dy[i] * ew::geluTanhDerivative(x[i]);
-      });
+      pool->parallelFor(n, 20.0, [&](int64_t begin, int64_t end) { geluTanhGradRange(x, dy, dx, begin, end); });
     };
   return [=] {
     pool->parallelFor(n, 20.0, [&](int64_t begin, int64_t end) {
