@@ -37,6 +37,32 @@ template <typename Op> Kernel binary(const Ctx &c, Op op) {
       });
     };
   }
+  // One operand of the result's shape, the other its trailing dimensions (a
+  // bias, a position table): rows over the threads.
+  auto trailing = [&](const Shape &s) {
+    size_t lead = 0;
+    while (lead < s.size() && s[lead] == 1)
+      ++lead;
+    return s.size() - lead <= shape.size() && std::equal(s.begin() + lead, s.end(), shape.end() - (s.size() - lead));
+  };
+  int64_t n = count(shape);
+  bool fullA = a.shape == o.shape, fullB = b.shape == o.shape;
+  if ((fullA && trailing(b.shape)) || (fullB && trailing(a.shape))) {
+    int64_t inner = fullA ? count(b.shape) : count(a.shape);
+    if (inner > 0 && n % inner == 0) {
+      ThreadPool *pool = &c.pool;
+      return [=] {
+        pool->parallelFor(n / inner, double(inner), [&](int64_t r0, int64_t r1) {
+          for (int64_t r = r0; r < r1; ++r) {
+            const float *ra = fullA ? pa + r * inner : pa, *rb = fullA ? pb : pb + r * inner;
+            float *ro = po + r * inner;
+            for (int64_t j = 0; j < inner; ++j)
+              ro[j] = op(ra[j], rb[j]);
+          }
+        });
+      };
+    }
+  }
   return [=] { forEachBroadcast(shape, stA, stB, [&](int64_t i, int64_t ia, int64_t ib) { po[i] = op(pa[ia], pb[ib]); }); };
 }
 

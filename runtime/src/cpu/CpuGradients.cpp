@@ -100,37 +100,54 @@ Kernel buildNormGrad(const Ctx &c, bool rms) {
   double eps = c.attrFloat("eps");
   float *px = c.f32(x), *g = c.f32(c.in(1)), *dy = c.f32(c.in(2)), *dx = c.f32(c.out(0));
   float *dg = c.f32(c.out(1)), *db = rms ? nullptr : c.f32(c.out(2));
+  ThreadPool *pool = &c.pool;
   return [=] {
-    std::vector<double> accG(h, 0), accB(h, 0);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float *xr = px + r * h, *dyr = dy + r * h;
-      double mean = 0, var = 0;
-      if (!rms) {
+    // Rows over the threads (dx and each row's mean and 1/std), then gamma's
+    // and beta's gradients by columns over the threads, each column's sum
+    // over the rows in order: the same sums whatever the threads.
+    std::vector<double> means(rows), rstds(rows);
+    pool->parallelFor(rows, double(6 * h), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const float *xr = px + r * h, *dyr = dy + r * h;
+        double mean = 0, var = 0;
+        if (!rms) {
+          for (int64_t j = 0; j < h; ++j)
+            mean += xr[j];
+          mean /= h;
+        }
         for (int64_t j = 0; j < h; ++j)
-          mean += xr[j];
-        mean /= h;
+          var += (xr[j] - mean) * (xr[j] - mean);
+        var /= h;
+        double rstd = 1.0 / std::sqrt(var + eps), sumD = 0, sumDX = 0;
+        for (int64_t j = 0; j < h; ++j) {
+          double xh = (xr[j] - mean) * rstd, d = double(dyr[j]) * g[j];
+          sumD += d, sumDX += d * xh;
+        }
+        for (int64_t j = 0; j < h; ++j) {
+          double xh = (xr[j] - mean) * rstd, d = double(dyr[j]) * g[j];
+          double v = rstd * (d - (rms ? 0.0 : sumD / h) - xh * sumDX / h);
+          dx[r * h + j] = res ? static_cast<float>(v) + res[r * h + j] : static_cast<float>(v);
+        }
+        means[r] = mean, rstds[r] = rstd;
       }
-      for (int64_t j = 0; j < h; ++j)
-        var += (xr[j] - mean) * (xr[j] - mean);
-      var /= h;
-      double rstd = 1.0 / std::sqrt(var + eps), sumD = 0, sumDX = 0;
-      for (int64_t j = 0; j < h; ++j) {
-        double xh = (xr[j] - mean) * rstd, d = double(dyr[j]) * g[j];
-        sumD += d, sumDX += d * xh;
-        accG[j] += double(dyr[j]) * xh;
-        accB[j] += dyr[j];
+    });
+    pool->parallelFor(h, double(3 * rows), [&](int64_t j0, int64_t j1) {
+      std::vector<double> accG(j1 - j0, 0), accB(j1 - j0, 0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = px + r * h, *dyr = dy + r * h;
+        double mean = means[r], rstd = rstds[r];
+        for (int64_t j = j0; j < j1; ++j) {
+          double xh = (xr[j] - mean) * rstd;
+          accG[j - j0] += double(dyr[j]) * xh;
+          accB[j - j0] += dyr[j];
+        }
       }
-      for (int64_t j = 0; j < h; ++j) {
-        double xh = (xr[j] - mean) * rstd, d = double(dyr[j]) * g[j];
-        double v = rstd * (d - (rms ? 0.0 : sumD / h) - xh * sumDX / h);
-        dx[r * h + j] = res ? static_cast<float>(v) + res[r * h + j] : static_cast<float>(v);
+      for (int64_t j = j0; j < j1; ++j) {
+        dg[j] = static_cast<float>(accG[j - j0]);
+        if (db)
+          db[j] = static_cast<float>(accB[j - j0]);
       }
-    }
-    for (int64_t j = 0; j < h; ++j) {
-      dg[j] = static_cast<float>(accG[j]);
-      if (db)
-        db[j] = static_cast<float>(accB[j]);
-    }
+    });
   };
 }
 Kernel buildLayerNormGrad(const Ctx &c) { return buildNormGrad(c, false); }
