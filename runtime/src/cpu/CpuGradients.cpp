@@ -277,20 +277,24 @@ Kernel buildCrossEntropyGrad(const Ctx &c) {
       }
     };
   }
+  ThreadPool *pool = &c.pool;
   return [=] {
     checkIndices(where, "target class in '" + name + "'", read, rows, V);
     float scale = *pdl / float(std::max<int64_t>(rows, 1));
-    for (int64_t r = 0; r < rows; ++r) {
-      const float *row = pl + r * V;
-      float *out = po + r * V;
-      float mx = *std::max_element(row, row + V);
-      double sum = 0;
-      for (int64_t j = 0; j < V; ++j)
-        sum += std::exp(double(row[j]) - mx);
-      for (int64_t j = 0; j < V; ++j)
-        out[j] = static_cast<float>(std::exp(double(row[j]) - mx) / sum) * scale;
-      out[read(r)] -= scale;
-    }
+    pool->parallelFor(rows, double(V * 20), [&](int64_t r0, int64_t r1) {
+      std::vector<double> e(V);
+      for (int64_t r = r0; r < r1; ++r) {
+        const float *row = pl + r * V;
+        float *out = po + r * V;
+        float mx = *std::max_element(row, row + V);
+        double sum = 0;
+        for (int64_t j = 0; j < V; ++j)
+          sum += (e[j] = std::exp(double(row[j]) - mx));
+        for (int64_t j = 0; j < V; ++j)
+          out[j] = static_cast<float>(e[j] / sum) * scale;
+        out[read(r)] -= scale;
+      }
+    });
   };
 }
 

@@ -383,17 +383,24 @@ Kernel buildCrossEntropy(const Ctx &c) {
       *po = static_cast<float>(total / std::max<int64_t>(rows, 1));
     };
   }
+  ThreadPool *pool = &c.pool;
   return [=] {
     checkIndices(where, "target class in '" + name + "'", read, rows, V);
+    // Each row's loss over the threads, then their sum in order.
+    std::vector<double> losses(rows);
+    pool->parallelFor(rows, double(V * 20), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const float *row = pl + r * V;
+        float mx = *std::max_element(row, row + V);
+        double sum = 0;
+        for (int64_t j = 0; j < V; ++j)
+          sum += std::exp(double(row[j]) - mx);
+        losses[r] = std::log(sum) + mx - row[read(r)];
+      }
+    });
     double total = 0;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float *row = pl + r * V;
-      float mx = *std::max_element(row, row + V);
-      double sum = 0;
-      for (int64_t j = 0; j < V; ++j)
-        sum += std::exp(double(row[j]) - mx);
-      total += std::log(sum) + mx - row[read(r)];
-    }
+    for (double l : losses)
+      total += l;
     *po = static_cast<float>(total / std::max<int64_t>(rows, 1));
   };
 }
