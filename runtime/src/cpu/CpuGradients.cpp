@@ -109,20 +109,11 @@ Kernel buildNormGrad(const Ctx &c, bool rms) {
     pool->parallelFor(rows, double(6 * h), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const float *xr = px + r * h, *dyr = dy + r * h;
-        double mean = 0, var = 0;
-        if (!rms) {
-          for (int64_t j = 0; j < h; ++j)
-            mean += xr[j];
-          mean /= h;
-        }
-        for (int64_t j = 0; j < h; ++j)
-          var += (xr[j] - mean) * (xr[j] - mean);
-        var /= h;
-        double rstd = 1.0 / std::sqrt(var + eps), sumD = 0, sumDX = 0;
-        for (int64_t j = 0; j < h; ++j) {
-          double xh = (xr[j] - mean) * rstd, d = double(dyr[j]) * g[j];
-          sumD += d, sumDX += d * xh;
-        }
+        double mean = rms ? 0.0 : sumInterleaved(h, [&](int64_t j) { return double(xr[j]); }) / h;
+        double var = sumInterleaved(h, [&](int64_t j) { return (xr[j] - mean) * (xr[j] - mean); }) / h;
+        double rstd = 1.0 / std::sqrt(var + eps);
+        double sumD = sumInterleaved(h, [&](int64_t j) { return double(dyr[j]) * g[j]; });
+        double sumDX = sumInterleaved(h, [&](int64_t j) { return double(dyr[j]) * g[j] * ((xr[j] - mean) * rstd); });
         for (int64_t j = 0; j < h; ++j) {
           double xh = (xr[j] - mean) * rstd, d = double(dyr[j]) * g[j];
           double v = rstd * (d - (rms ? 0.0 : sumD / h) - xh * sumDX / h);

@@ -122,15 +122,8 @@ Kernel buildNorm(const Ctx &c, bool rms) {
       for (int64_t r = r0; r < r1; ++r) {
         const float *xr = px + r * h;
         float *yr = py + r * h;
-        double mean = 0, var = 0;
-        if (!rms) {
-          for (int64_t j = 0; j < h; ++j)
-            mean += xr[j];
-          mean /= h;
-        }
-        for (int64_t j = 0; j < h; ++j)
-          var += (xr[j] - mean) * (xr[j] - mean);
-        var /= h;
+        double mean = rms ? 0.0 : sumInterleaved(h, [&](int64_t j) { return double(xr[j]); }) / h;
+        double var = sumInterleaved(h, [&](int64_t j) { return (xr[j] - mean) * (xr[j] - mean); }) / h;
         float inv = static_cast<float>(1.0 / std::sqrt(var + eps));
         for (int64_t j = 0; j < h; ++j)
           yr[j] = (xr[j] - static_cast<float>(mean)) * inv * g[j] + (b ? b[j] : 0.0f);

@@ -28,16 +28,9 @@ Kernel buildStepIncrement(const Ctx &c) {
 /// result, do not depend on the number of threads.
 constexpr int64_t kNormBlock = 1 << 15;
 
-/// The sum of squares of x[0, n), in double, four interleaved sums.
-LOOM_AVX2_CLONES double sumOfSquares(const float *x, int64_t n) {
-  double s[4] = {0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4)
-    for (int j = 0; j < 4; ++j)
-      s[j] += double(x[i + j]) * x[i + j];
-  for (; i < n; ++i)
-    s[0] += double(x[i]) * x[i];
-  return (s[0] + s[1]) + (s[2] + s[3]);
+/// The sum of squares of x[0, n), in double.
+double sumOfSquares(const float *x, int64_t n) {
+  return sumInterleaved(n, [&](int64_t i) { return double(x[i]) * x[i]; });
 }
 
 /// AdamW's update of [begin, end), in double; a loop the compiler vectorises.
