@@ -119,7 +119,8 @@ struct Ctx {
 /// Marks a kernel's loop function to be compiled twice, for AVX2 and for the
 /// baseline, the loader choosing by the CPU: the baseline (SSE2) vectorises
 /// half as wide. AVX2 without FMA, so the operations and results are the same.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__)
+/// (The loader's ifunc is ELF's; ASan starts after it runs.)
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__)
 #define LOOM_AVX2_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define LOOM_AVX2_CLONES
