@@ -59,8 +59,8 @@ void ThreadPool::workerLoop(int) {
   }
 }
 
-void ThreadPool::parallelFor(int64_t n, double cost,
-                             const std::function<void(int64_t, int64_t)> &body) {
+void ThreadPool::parallelFor(int64_t n, double cost, const std::function<void(int64_t, int64_t)> &body,
+                             int chunksPerThread) {
   if (n <= 0)
     return;
   int threads = size();
@@ -72,7 +72,7 @@ void ThreadPool::parallelFor(int64_t n, double cost,
   std::unique_lock<std::mutex> lock(mutex);
   task = &body;
   taskSize = n;
-  chunks = static_cast<int>(std::min<int64_t>(n, threads * 4));
+  chunks = static_cast<int>(std::min<int64_t>(n, int64_t(threads) * std::max(1, chunksPerThread)));
   nextChunk = 0;
   pending = chunks;
   ++generation;

@@ -29,8 +29,12 @@ public:
   int size() const { return static_cast<int>(workers.size()) + 1; }
 
   /// Calls body(begin, end) over [0, n). `cost` is the rough work per index
-  /// (in multiply-adds) used to decide whether threads pay off.
-  void parallelFor(int64_t n, double cost, const std::function<void(int64_t, int64_t)> &body);
+  /// (in multiply-adds) used to decide whether threads pay off. The loop is
+  /// cut into `chunksPerThread` chunks per thread, taken in turn: several
+  /// balance uneven work, one suits bodies with a fixed cost per call (a
+  /// matrix product packs its whole right-hand side for every call).
+  void parallelFor(int64_t n, double cost, const std::function<void(int64_t, int64_t)> &body,
+                   int chunksPerThread = 4);
 
 private:
   void workerLoop(int index);

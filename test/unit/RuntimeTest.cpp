@@ -92,6 +92,19 @@ TEST(ThreadPool, CoversEveryIndexOnce) {
   });
   for (auto &h : hits)
     ASSERT_EQ(h.load(), 1);
+  // One chunk per thread (the matrix products' split), and more threads than indices.
+  for (int64_t n : {int64_t(100000), int64_t(3)}) {
+    std::vector<std::atomic<int>> once(n);
+    std::atomic<int> calls{0};
+    pool.parallelFor(n, 1e6, [&](int64_t b, int64_t e) {
+      ++calls;
+      for (int64_t i = b; i < e; ++i)
+        once[i]++;
+    }, 1);
+    for (auto &h : once)
+      ASSERT_EQ(h.load(), 1);
+    EXPECT_EQ(calls.load(), std::min<int64_t>(n, pool.size()));
+  }
   // Reusable, and fine with tiny loops that run inline.
   int sum = 0;
   pool.parallelFor(3, 1.0, [&](int64_t b, int64_t e) { sum += int(e - b); });

@@ -25,6 +25,12 @@ Kernel buildFill(const Ctx &c) {
   return [=] { std::fill(y, y + n, v); };
 }
 
+LOOM_AVX2_CLONES void geluTanhGradRange(const float *__restrict x, const float *__restrict dy, float *__restrict dx,
+                                        int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i)
+    dx[i] = dy[i] * ew::geluTanhDerivative(x[i]);
+}
+
 Kernel buildUnaryGrad(const Ctx &c) {
   c.arity(3, 1);
   for (size_t i = 0; i < 3; ++i)
@@ -39,10 +45,7 @@ Kernel buildUnaryGrad(const Ctx &c) {
   ThreadPool *pool = &c.pool;
   if (d == ew::Fn::GeluTanh) // its own loop, which the compiler vectorises
     return [=] {
-      pool->parallelFor(n, 20.0, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i)
-          dx[i] = dy[i] * ew::geluTanhDerivative(x[i]);
-      });
+      pool->parallelFor(n, 20.0, [&](int64_t begin, int64_t end) { geluTanhGradRange(x, dy, dx, begin, end); });
     };
   return [=] {
     pool->parallelFor(n, 20.0, [&](int64_t begin, int64_t end) {
@@ -97,37 +100,45 @@ Kernel buildNormGrad(const Ctx &c, bool rms) {
   double eps = c.attrFloat("eps");
   float *px = c.f32(x), *g = c.f32(c.in(1)), *dy = c.f32(c.in(2)), *dx = c.f32(c.out(0));
   float *dg = c.f32(c.out(1)), *db = rms ? nullptr : c.f32(c.out(2));
+  ThreadPool *pool = &c.pool;
   return [=] {
-    std::vector<double> accG(h, 0), accB(h, 0);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float *xr = px + r * h, *dyr = dy + r * h;
-      double mean = 0, var = 0;
-      if (!rms) {
-        for (int64_t j = 0; j < h; ++j)
-          mean += xr[j];
-        mean /= h;
+    // Rows over the threads (dx and each row's mean and 1/std), then gamma's
+    // and beta's gradients by columns over the threads, each column's sum
+    // over the rows in order: the same sums whatever the threads.
+    std::vector<double> means(rows), rstds(rows);
+    pool->parallelFor(rows, double(6 * h), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const float *xr = px + r * h, *dyr = dy + r * h;
+        double mean = rms ? 0.0 : sumInterleaved(h, [&](int64_t j) { return double(xr[j]); }) / h;
+        double var = sumInterleaved(h, [&](int64_t j) { return (xr[j] - mean) * (xr[j] - mean); }) / h;
+        double rstd = 1.0 / std::sqrt(var + eps);
+        double sumD = sumInterleaved(h, [&](int64_t j) { return double(dyr[j]) * g[j]; });
+        double sumDX = sumInterleaved(h, [&](int64_t j) { return double(dyr[j]) * g[j] * ((xr[j] - mean) * rstd); });
+        for (int64_t j = 0; j < h; ++j) {
+          double xh = (xr[j] - mean) * rstd, d = double(dyr[j]) * g[j];
+          double v = rstd * (d - (rms ? 0.0 : sumD / h) - xh * sumDX / h);
+          dx[r * h + j] = res ? static_cast<float>(v) + res[r * h + j] : static_cast<float>(v);
+        }
+        means[r] = mean, rstds[r] = rstd;
       }
-      for (int64_t j = 0; j < h; ++j)
-        var += (xr[j] - mean) * (xr[j] - mean);
-      var /= h;
-      double rstd = 1.0 / std::sqrt(var + eps), sumD = 0, sumDX = 0;
-      for (int64_t j = 0; j < h; ++j) {
-        double xh = (xr[j] - mean) * rstd, d = double(dyr[j]) * g[j];
-        sumD += d, sumDX += d * xh;
-        accG[j] += double(dyr[j]) * xh;
-        accB[j] += dyr[j];
+    });
+    pool->parallelFor(h, double(3 * rows), [&](int64_t j0, int64_t j1) {
+      std::vector<double> accG(j1 - j0, 0), accB(j1 - j0, 0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = px + r * h, *dyr = dy + r * h;
+        double mean = means[r], rstd = rstds[r];
+        for (int64_t j = j0; j < j1; ++j) {
+          double xh = (xr[j] - mean) * rstd;
+          accG[j - j0] += double(dyr[j]) * xh;
+          accB[j - j0] += dyr[j];
+        }
       }
-      for (int64_t j = 0; j < h; ++j) {
-        double xh = (xr[j] - mean) * rstd, d = double(dyr[j]) * g[j];
-        double v = rstd * (d - (rms ? 0.0 : sumD / h) - xh * sumDX / h);
-        dx[r * h + j] = res ? static_cast<float>(v) + res[r * h + j] : static_cast<float>(v);
+      for (int64_t j = j0; j < j1; ++j) {
+        dg[j] = static_cast<float>(accG[j - j0]);
+        if (db)
+          db[j] = static_cast<float>(accB[j - j0]);
       }
-    }
-    for (int64_t j = 0; j < h; ++j) {
-      dg[j] = static_cast<float>(accG[j]);
-      if (db)
-        db[j] = static_cast<float>(accB[j]);
-    }
+    });
   };
 }
 Kernel buildLayerNormGrad(const Ctx &c) { return buildNormGrad(c, false); }
@@ -257,20 +268,24 @@ Kernel buildCrossEntropyGrad(const Ctx &c) {
       }
     };
   }
+  ThreadPool *pool = &c.pool;
   return [=] {
     checkIndices(where, "target class in '" + name + "'", read, rows, V);
     float scale = *pdl / float(std::max<int64_t>(rows, 1));
-    for (int64_t r = 0; r < rows; ++r) {
-      const float *row = pl + r * V;
-      float *out = po + r * V;
-      float mx = *std::max_element(row, row + V);
-      double sum = 0;
-      for (int64_t j = 0; j < V; ++j)
-        sum += std::exp(double(row[j]) - mx);
-      for (int64_t j = 0; j < V; ++j)
-        out[j] = static_cast<float>(std::exp(double(row[j]) - mx) / sum) * scale;
-      out[read(r)] -= scale;
-    }
+    pool->parallelFor(rows, double(V * 20), [&](int64_t r0, int64_t r1) {
+      std::vector<double> e(V);
+      for (int64_t r = r0; r < r1; ++r) {
+        const float *row = pl + r * V;
+        float *out = po + r * V;
+        float mx = *std::max_element(row, row + V);
+        double sum = 0;
+        for (int64_t j = 0; j < V; ++j)
+          sum += (e[j] = std::exp(double(row[j]) - mx));
+        for (int64_t j = 0; j < V; ++j)
+          out[j] = static_cast<float>(e[j] / sum) * scale;
+        out[read(r)] -= scale;
+      }
+    });
   };
 }
 

@@ -116,6 +116,16 @@ struct Ctx {
   }
 };
 
+/// Marks a kernel's loop function to be compiled twice, for AVX2 and for the
+/// baseline, the loader choosing by the CPU: the baseline (SSE2) vectorises
+/// half as wide. AVX2 without FMA, so the operations and results are the same.
+/// (The loader's ifunc is ELF's; ASan starts after it runs.)
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__)
+#define LOOM_AVX2_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define LOOM_AVX2_CLONES
+#endif
+
 using Kernel = std::function<void()>;
 using Builder = Kernel (*)(const Ctx &);
 
@@ -136,6 +146,23 @@ void registerCommunicationBuilders(BuilderTable &table);
 void registerFusedBuilders(BuilderTable &table);
 
 inline int64_t count(const Shape &s) { return numElements(s).value_or(0); }
+
+/// The sum of term(j) over j in [0, n), in double, as four interleaved sums:
+/// one chain of dependent additions waits on each. The order is fixed, so
+/// the result does not depend on the threads.
+template <typename Term> double sumInterleaved(int64_t n, Term term) {
+  double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    s0 += term(j);
+    s1 += term(j + 1);
+    s2 += term(j + 2);
+    s3 += term(j + 3);
+  }
+  for (; j < n; ++j)
+    s0 += term(j);
+  return (s0 + s1) + (s2 + s3);
+}
 
 inline std::vector<int64_t> stridesOf(const Shape &s) {
   std::vector<int64_t> st(s.size(), 1);

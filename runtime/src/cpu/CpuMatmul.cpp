@@ -137,6 +137,8 @@ Kernel buildMatmul(const Ctx &c) {
       }
     };
     // Tasks take contiguous runs of (batch, row); each row of C is independent.
+    // One run per thread: every sgemm call packs all of B again, which costs
+    // a quarter of the product at 64 rows a call.
     pool->parallelFor(batches * m, double(n * k), [&](int64_t begin, int64_t end) {
 #ifdef LOOM_HAVE_OPENBLAS
       // One product per batch's run of rows (OpenBLAS single-threaded: the
@@ -183,7 +185,7 @@ Kernel buildMatmul(const Ctx &c) {
         epilogueRow(bi, i);
       }
 #endif
-    });
+    }, 1);
     if (colSums) // B is [k, n]: sum its rows, in double, columns split over tasks
       pool->parallelFor(n, double(k), [&](int64_t begin, int64_t end) {
         for (int64_t j = begin; j < end; ++j) {

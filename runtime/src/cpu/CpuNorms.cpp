@@ -39,6 +39,28 @@ template <Reduce R> Kernel buildReduce(const Ctx &c) {
   int64_t nOut = count(o.shape), nIn = count(x.shape);
   Shape shape = x.shape;
   double per = nOut ? double(nIn) / double(nOut) : 1;
+  // Leading axes reduced, trailing kept (a bias gradient): output columns
+  // over the threads, each summing its rows in the order below.
+  size_t lead = 0;
+  while (lead < reduced.size() && reduced[lead])
+    ++lead;
+  if (std::find(reduced.begin() + lead, reduced.end(), true) == reduced.end() && nOut > 0) {
+    int64_t rows = nIn / nOut;
+    ThreadPool *pool = &c.pool;
+    return [=] {
+      pool->parallelFor(nOut, double(rows), [&](int64_t j0, int64_t j1) {
+        std::fill(po + j0, po + j1, R == Reduce::Max ? -INFINITY : 0.0f);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float *xr = px + r * nOut;
+          for (int64_t j = j0; j < j1; ++j)
+            po[j] = R == Reduce::Max ? std::max(po[j], xr[j]) : po[j] + xr[j];
+        }
+        if (R == Reduce::Mean)
+          for (int64_t j = j0; j < j1; ++j)
+            po[j] = static_cast<float>(po[j] / per);
+      });
+    };
+  }
   return [=] {
     std::fill(po, po + nOut, R == Reduce::Max ? -INFINITY : 0.0f);
     forEachBroadcast(shape, unit, st, [&](int64_t, int64_t ix, int64_t io) {
@@ -94,23 +116,19 @@ Kernel buildNorm(const Ctx &c, bool rms) {
       c.bad(cat("parameter '", c.in(i).name, "' must be [", h, "]"));
   float eps = static_cast<float>(c.attrFloat("eps"));
   float *px = c.f32(x), *g = c.f32(c.in(1)), *b = rms ? nullptr : c.f32(c.in(2)), *py = c.f32(c.out());
+  ThreadPool *pool = &c.pool;
   return [=] {
-    for (int64_t r = 0; r < rows; ++r) {
-      const float *xr = px + r * h;
-      float *yr = py + r * h;
-      double mean = 0, var = 0;
-      if (!rms) {
+    pool->parallelFor(rows, double(4 * h), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const float *xr = px + r * h;
+        float *yr = py + r * h;
+        double mean = rms ? 0.0 : sumInterleaved(h, [&](int64_t j) { return double(xr[j]); }) / h;
+        double var = sumInterleaved(h, [&](int64_t j) { return (xr[j] - mean) * (xr[j] - mean); }) / h;
+        float inv = static_cast<float>(1.0 / std::sqrt(var + eps));
         for (int64_t j = 0; j < h; ++j)
-          mean += xr[j];
-        mean /= h;
+          yr[j] = (xr[j] - static_cast<float>(mean)) * inv * g[j] + (b ? b[j] : 0.0f);
       }
-      for (int64_t j = 0; j < h; ++j)
-        var += (xr[j] - mean) * (xr[j] - mean);
-      var /= h;
-      float inv = static_cast<float>(1.0 / std::sqrt(var + eps));
-      for (int64_t j = 0; j < h; ++j)
-        yr[j] = (xr[j] - static_cast<float>(mean)) * inv * g[j] + (b ? b[j] : 0.0f);
-    }
+    });
   };
 }
 Kernel buildLayerNorm(const Ctx &c) { return buildNorm(c, false); }

@@ -24,6 +24,28 @@ Kernel buildStepIncrement(const Ctx &c) {
   return [=] { *step += 1; };
 }
 
+/// Elements per partial sum of the global norm: the partial sums, and so the
+/// result, do not depend on the number of threads.
+constexpr int64_t kNormBlock = 1 << 15;
+
+/// The sum of squares of x[0, n), in double.
+double sumOfSquares(const float *x, int64_t n) {
+  return sumInterleaved(n, [&](int64_t i) { return double(x[i]) * x[i]; });
+}
+
+/// AdamW's update of [begin, end), in double; a loop the compiler vectorises.
+LOOM_AVX2_CLONES void adamwRange(float *__restrict p, const float *__restrict g, float *__restrict m,
+                                 float *__restrict v, int64_t begin, int64_t end, double scale, double b1,
+                                 double b2, double c1, double c2, double eps, double wd, double rate) {
+  for (int64_t i = begin; i < end; ++i) {
+    double gi = g[i] * scale;
+    m[i] = static_cast<float>(b1 * m[i] + (1 - b1) * gi);
+    v[i] = static_cast<float>(b2 * v[i] + (1 - b2) * gi * gi);
+    double update = (m[i] / c1) / (std::sqrt(v[i] / c2) + eps) + wd * p[i];
+    p[i] = static_cast<float>(p[i] - rate * update);
+  }
+}
+
 Kernel buildGlobalNorm(const Ctx &c) {
   if (c.ins.out.size() != 1 || count(c.out().shape) != 1)
     c.bad("writes one scalar");
@@ -48,12 +70,22 @@ Kernel buildGlobalNorm(const Ctx &c) {
   std::vector<int> group = groupName.empty() ? std::vector<int>() : groupOf(c, groupName);
   int rank = int(c.rank.rank);
   float *out = c.f32(c.out());
+  // Blocks of the counted gradients, summed over the threads, then in order.
+  std::vector<std::pair<const float *, int64_t>> blocks;
+  for (size_t k = 0; k < grads.size(); ++k)
+    if (counted[k])
+      for (int64_t i = 0; i < grads[k].second; i += kNormBlock)
+        blocks.push_back({grads[k].first + i, std::min(kNormBlock, grads[k].second - i)});
+  ThreadPool *pool = &c.pool;
   return [=] {
+    std::vector<double> partial(blocks.size());
+    pool->parallelFor(int64_t(blocks.size()), double(kNormBlock), [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b)
+        partial[b] = sumOfSquares(blocks[b].first, blocks[b].second);
+    });
     double sum = 0;
-    for (size_t k = 0; k < grads.size(); ++k)
-      if (counted[k])
-        for (int64_t i = 0; i < grads[k].second; ++i)
-          sum += double(grads[k].first[i]) * grads[k].first[i];
+    for (double s : partial)
+      sum += s;
     if (comm) {
       float total = static_cast<float>(sum);
       comm->allReduce(rank, group, &total, 1, Reduction::Sum);
@@ -100,13 +132,7 @@ Kernel buildOptimizer(const Ctx &c, bool adam) {
     if (adam) {
       double c1 = 1 - std::pow(b1, t), c2 = 1 - std::pow(b2, t);
       pool->parallelFor(n, 20.0, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          double gi = g[i] * scale;
-          m[i] = static_cast<float>(b1 * m[i] + (1 - b1) * gi);
-          v[i] = static_cast<float>(b2 * v[i] + (1 - b2) * gi * gi);
-          double update = (m[i] / c1) / (std::sqrt(v[i] / c2) + eps) + wd * p[i];
-          p[i] = static_cast<float>(p[i] - rate * update);
-        }
+        adamwRange(p, g, m, v, begin, end, scale, b1, b2, c1, c2, eps, wd, rate);
       });
     } else {
       pool->parallelFor(n, 4.0, [&](int64_t begin, int64_t end) {

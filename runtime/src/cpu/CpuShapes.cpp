@@ -13,6 +13,19 @@ namespace loom::rt::cpu {
 
 namespace {
 
+/// Copies runs of `run` elements (bytes per element `es`) from src + from[r]
+/// to dst + to[r] (offsets in elements), the runs over the threads.
+Kernel copyRuns(const Ctx &c, char *dst, const char *src, std::vector<int64_t> to, std::vector<int64_t> from,
+                int64_t run, size_t es) {
+  ThreadPool *pool = &c.pool;
+  return [=] {
+    pool->parallelFor(int64_t(to.size()), double(run * es) / 8, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        std::memcpy(dst + to[r] * es, src + from[r] * es, run * es);
+    });
+  };
+}
+
 /// Copies `in` (bytes per element `es`) read through strides `st` into `out`
 /// laid out densely in `shape`.
 Kernel stridedCopy(const Ctx &c, const Buffer &in, const Buffer &out, Shape shape,
@@ -22,6 +35,17 @@ Kernel stridedCopy(const Ctx &c, const Buffer &in, const Buffer &out, Shape shap
     c.bad("input and result must have the same dtype");
   char *pi = c.arena + in.offset, *po = c.arena + out.offset;
   std::vector<int64_t> zero(shape.size(), 0);
+  if (!shape.empty() && st.back() == 1 && shape.back() > 1) {
+    // The last dimension is contiguous in both (a slice, a broadcast row):
+    // whole rows at a time.
+    Shape rows(shape.begin(), shape.end() - 1);
+    std::vector<int64_t> rowStrides(st.begin(), st.end() - 1), to, from;
+    forEachBroadcast(rows, rowStrides, std::vector<int64_t>(rows.size(), 0), [&](int64_t o, int64_t i, int64_t) {
+      to.push_back(o * shape.back());
+      from.push_back(base + i);
+    });
+    return copyRuns(c, po, pi, to, from, shape.back(), es);
+  }
   return [=] {
     forEachBroadcast(shape, st, zero, [&](int64_t o, int64_t i, int64_t) {
       std::memcpy(po + o * es, pi + (base + i) * es, es);
@@ -82,16 +106,15 @@ Kernel buildConcat(const Ctx &c) {
     expect[axis] = x.shape[axis];
     if (x.shape != expect || offset + x.shape[axis] > o.shape[axis])
       c.bad(cat("input ", i, " ", shapeStr(x.shape), " does not fit the result ", shapeStr(o.shape)));
-    size_t es = dtypeSize(x.dtype);
-    char *px = c.arena + x.offset, *po = c.arena + o.offset;
-    Shape shape = x.shape;
-    int64_t base = offset * ost[axis];
-    std::vector<int64_t> zero(shape.size(), 0);
-    parts.push_back([=] {
-      forEachBroadcast(shape, ost, zero, [&](int64_t xi, int64_t oi, int64_t) {
-        std::memcpy(po + (base + oi) * es, px + xi * es, es);
-      });
+    // x's rows are runs of its last dimension in the result too.
+    Shape rows(x.shape.begin(), x.shape.end() - 1);
+    std::vector<int64_t> rowStrides(ost.begin(), ost.end() - 1), to, from;
+    int64_t run = x.shape.back(), base = offset * ost[axis];
+    forEachBroadcast(rows, rowStrides, std::vector<int64_t>(rows.size(), 0), [&](int64_t xi, int64_t oi, int64_t) {
+      to.push_back(base + oi);
+      from.push_back(xi * run);
     });
+    parts.push_back(copyRuns(c, c.arena + o.offset, c.arena + x.offset, to, from, run, dtypeSize(x.dtype)));
     offset += x.shape[axis];
   }
   if (offset != o.shape[axis])
