@@ -13,19 +13,30 @@ import threading
 
 import loom
 
+_print = threading.Lock()  # one thread's line at a time
+
+
+def say(line: str) -> None:
+    """Prints a line whole, even while other threads print theirs."""
+    with _print:
+        print(line, flush=True)
+
 
 def stream(server: loom.Server, prompt: list[str], label: str) -> None:
     """Prints one generation as it arrives: text where the prompt is text, else ids."""
     if all(word.isdigit() for word in prompt):
         with server.generate([int(word) for word in prompt], max_new_tokens=16) as g:
             for token in g:
-                print(f"{label}token {token}", flush=True)
+                say(f"{label}token {token}")
     else:
         with server.generate(" ".join(prompt), max_new_tokens=64, temperature=0.8, top_p=0.95, seed=1) as g:
-            for piece in g.text():
-                print(piece, end="", flush=True)
-            print()
-    print(f"{label}finished: {g.finish_reason}, {len(g.tokens)} tokens")
+            if label:  # several prompts at once: each text whole, when it ends
+                say(label + "".join(g.text()))
+            else:
+                for piece in g.text():
+                    print(piece, end="", flush=True)
+                print()
+    say(f"{label}finished: {g.finish_reason}, {len(g.tokens)} tokens")
 
 
 def main() -> None:
