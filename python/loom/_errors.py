@@ -8,8 +8,9 @@ class LoomError(RuntimeError):
     ``"invalid_argument"`` (a caller's mistake: a wrong name, size or option,
     a closed session), ``"invalid_bundle"`` (corrupt, truncated or foreign
     files), ``"unsupported"`` (valid, but this runtime or backend cannot run
-    it), ``"io_error"`` (a file could not be read or written) or
-    ``"internal"`` (a bug in Loom).
+    it), ``"io_error"`` (a file could not be read or written),
+    ``"resource_exhausted"`` (full for now: a server's queue; retry later) or
+    ``"internal"`` (a bug in Loom, or a failed step of a generation).
     """
 
     def __init__(self, message: str, code: str = "internal") -> None:

@@ -177,10 +177,6 @@ class Session:
         """Loads parameters from safetensors; every one is checked before any is changed."""
         self._native.load_weights(os.fspath(path))
 
-    # Generation (serving bundles): an iterator of tokens, `generate(prompt,
-    # max_tokens)`, belongs here once the runtime's C API has KV-cache
-    # generation; it will bind the prompt as `bind` does and yield each token.
-
     def _importable(self, name: str, value: Any) -> Any:
         """What the native bind reads: a NumPy array, or a DLPack capsule
         made ready for the runtime's copy (GPU tensors), or the tensor."""

@@ -4,6 +4,9 @@
 // the public C API, whose status becomes loom.LoomError. Arrays cross as
 // nanobind ndarrays (NumPy's buffer protocol or DLPack); the Python side
 // (loom/session.py) adds keyword inputs and the DLPack stream handshake.
+// Serving (loom/server.py): a server, its tokenizer, and generations whose
+// tokens the server's thread queues and Python threads wait for without
+// the GIL.
 //
 //===----------------------------------------------------------------------===//
 
@@ -11,14 +14,22 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <shared_mutex>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -41,6 +52,7 @@ const char *codeName(loom_status_code_t code) {
   case LOOM_UNSUPPORTED: return "unsupported";
   case LOOM_IO_ERROR: return "io_error";
   case LOOM_INTERNAL: return "internal";
+  case LOOM_RESOURCE_EXHAUSTED: return "resource_exhausted";
   }
   return "internal";
 }
@@ -326,6 +338,365 @@ private:
   std::vector<Info> inputInfos, outputInfos;
 };
 
+
+//===----------------------------------------------------------------------===//
+// Serving
+//===----------------------------------------------------------------------===//
+
+/// A Python str of UTF-8 bytes; a byte that is no UTF-8 becomes U+FFFD.
+nb::str utf8(const char *data, size_t bytes) {
+  PyObject *text = PyUnicode_DecodeUTF8(data, Py_ssize_t(bytes), "replace");
+  if (!text)
+    throw nb::python_error();
+  return nb::steal<nb::str>(text);
+}
+
+/// An open server, shared by the Python server and its generations and
+/// tokenizer. Every call holds `mutex` shared; close() holds it alone, so
+/// nothing uses the server or its tokenizer while it is destroyed. Lock it
+/// with the GIL released: destroying waits for the server's thread.
+struct ServerHandle {
+  loom_server_t *server = nullptr;
+  std::shared_mutex mutex;
+  ServerHandle() = default;
+  ServerHandle(const ServerHandle &) = delete;
+  ServerHandle &operator=(const ServerHandle &) = delete;
+  ~ServerHandle() { loom_server_destroy(server); }
+
+  void close() {
+    std::unique_lock<std::shared_mutex> lock(mutex);
+    loom_server_destroy(server);
+    server = nullptr;
+  }
+  /// `mutex` held shared, taken without the GIL (close() holds it alone
+  /// while it waits for the server's thread).
+  std::shared_lock<std::shared_mutex> sharedLock() {
+    nb::gil_scoped_release release;
+    return std::shared_lock<std::shared_mutex>(mutex);
+  }
+  /// The server, for a caller that holds `mutex` shared.
+  loom_server_t *open() const {
+    if (!server)
+      throw StatusError{LOOM_INVALID_ARGUMENT, "the server is closed"};
+    return server;
+  }
+};
+
+/// A request's tokens as the server's thread delivers them, waiting for a
+/// Python thread to take them.
+struct TokenQueue {
+  std::mutex mutex;
+  std::condition_variable ready;
+  std::deque<int32_t> tokens;
+  loom_finish_reason_t finish = LOOM_FINISH_NONE;
+  std::string error;
+
+  /// loom_token_callback_t: `user` is a std::shared_ptr<TokenQueue> on the
+  /// heap, the server's reference, dropped with the request's last event.
+  static void onToken(const loom_token_event_t *event, void *user) {
+    auto *ref = static_cast<std::shared_ptr<TokenQueue> *>(user);
+    TokenQueue &q = **ref;
+    {
+      std::lock_guard<std::mutex> lock(q.mutex);
+      if (event->token >= 0)
+        q.tokens.push_back(event->token);
+      if (event->finish != LOOM_FINISH_NONE) {
+        q.finish = event->finish;
+        if (event->error)
+          q.error = event->error;
+      }
+    }
+    q.ready.notify_all();
+    if (event->finish != LOOM_FINISH_NONE)
+      delete ref;
+  }
+};
+
+const char *finishName(loom_finish_reason_t finish) {
+  switch (finish) {
+  case LOOM_FINISH_NONE: return "";
+  case LOOM_FINISH_LENGTH: return "length";
+  case LOOM_FINISH_STOP: return "stop";
+  case LOOM_FINISH_CANCELLED: return "cancelled";
+  case LOOM_FINISH_ERROR: return "error";
+  }
+  return "error";
+}
+
+/// One submitted request: its tokens one at a time; cancelled when closed
+/// or collected before it finished.
+class NativeGeneration {
+public:
+  NativeGeneration(std::shared_ptr<ServerHandle> server, std::shared_ptr<TokenQueue> queue, uint64_t request)
+      : server(std::move(server)), queue(std::move(queue)), id(request) {}
+  NativeGeneration(const NativeGeneration &) = delete;
+  NativeGeneration &operator=(const NativeGeneration &) = delete;
+  ~NativeGeneration() { cancel(); }
+
+  uint64_t request() const { return id; }
+
+  /// The next token, or None once the request ended (raises on an error).
+  /// Waits without the GIL, looking for Ctrl-C every 100 ms.
+  std::optional<int32_t> next() {
+    for (;;) {
+      {
+        nb::gil_scoped_release release;
+        std::unique_lock<std::mutex> lock(queue->mutex);
+        auto ready = [&] { return !queue->tokens.empty() || queue->finish != LOOM_FINISH_NONE; };
+        if (queue->ready.wait_for(lock, std::chrono::milliseconds(100), ready)) {
+          if (!queue->tokens.empty()) {
+            int32_t token = queue->tokens.front();
+            queue->tokens.pop_front();
+            return token;
+          }
+          if (queue->finish == LOOM_FINISH_ERROR)
+            throw StatusError{LOOM_INTERNAL, queue->error};
+          return std::nullopt;
+        }
+      }
+      if (PyErr_CheckSignals() != 0)
+        throw nb::python_error();
+    }
+  }
+
+  /// "" while tokens may follow, else "length", "stop", "cancelled" or "error".
+  std::string finishReason() {
+    std::lock_guard<std::mutex> lock(queue->mutex);
+    return finishName(queue->finish);
+  }
+
+  /// Ends the request early, unless it ended; the server then stops
+  /// producing its tokens and frees its cache.
+  void cancel() {
+    {
+      std::lock_guard<std::mutex> lock(queue->mutex);
+      if (queue->finish != LOOM_FINISH_NONE)
+        return;
+    }
+    auto lock = server->sharedLock();
+    if (server->server)
+      loom_status_free(loom_server_cancel(server->server, id)); // fails only for a NULL server
+  }
+
+private:
+  std::shared_ptr<ServerHandle> server;
+  std::shared_ptr<TokenQueue> queue;
+  uint64_t id;
+};
+
+/// A tokenizer: opened from a file or bundle (owned), or a server's
+/// (borrowed, usable while the server is open).
+class NativeTokenizer {
+public:
+  explicit NativeTokenizer(const std::string &path) {
+    loom_tokenizer_t *t = nullptr;
+    {
+      nb::gil_scoped_release release;
+      check(loom_tokenizer_create(path.c_str(), &t));
+    }
+    owned.reset(t);
+    tokenizer = t;
+  }
+  NativeTokenizer(std::shared_ptr<ServerHandle> server, const loom_tokenizer_t *tokenizer)
+      : server(std::move(server)), tokenizer(tokenizer) {}
+
+  /// Runs `call` while the tokenizer is alive: a server's only while the
+  /// server is open.
+  template <typename F> auto use(F call) {
+    if (!server)
+      return call();
+    auto lock = server->sharedLock();
+    server->open();
+    return call();
+  }
+
+  int32_t vocabSize() { return use([&] { return loom_tokenizer_vocab_size(tokenizer); }); }
+  std::optional<int32_t> bosId() { return idOrNone(use([&] { return loom_tokenizer_bos_id(tokenizer); })); }
+  std::optional<int32_t> eosId() { return idOrNone(use([&] { return loom_tokenizer_eos_id(tokenizer); })); }
+
+  std::vector<int32_t> encode(const std::string &text) {
+    std::vector<int32_t> ids(text.size() + 16);
+    use([&] {
+      nb::gil_scoped_release release;
+      size_t n = 0;
+      check(loom_tokenizer_encode(tokenizer, text.data(), text.size(), ids.data(), ids.size(), &n));
+      if (n > ids.size()) {
+        ids.resize(n);
+        check(loom_tokenizer_encode(tokenizer, text.data(), text.size(), ids.data(), ids.size(), &n));
+      }
+      ids.resize(n);
+      return 0;
+    });
+    return ids;
+  }
+
+  nb::str decode(const std::vector<int32_t> &ids) {
+    std::string text(ids.size() * 4, '\0');
+    use([&] {
+      nb::gil_scoped_release release;
+      size_t n = 0;
+      check(loom_tokenizer_decode(tokenizer, ids.data(), ids.size(), text.data(), text.size(), &n));
+      if (n > text.size()) {
+        text.resize(n);
+        check(loom_tokenizer_decode(tokenizer, ids.data(), ids.size(), text.data(), text.size(), &n));
+      }
+      text.resize(n);
+      return 0;
+    });
+    return utf8(text.data(), text.size());
+  }
+
+  const loom_tokenizer_t *get() const { return tokenizer; }
+  const std::shared_ptr<ServerHandle> &owner() const { return server; }
+
+private:
+  static std::optional<int32_t> idOrNone(int32_t id) { return id >= 0 ? std::optional<int32_t>(id) : std::nullopt; }
+
+  std::shared_ptr<ServerHandle> server;
+  std::unique_ptr<loom_tokenizer_t, void (*)(loom_tokenizer_t *)> owned{nullptr, loom_tokenizer_destroy};
+  const loom_tokenizer_t *tokenizer = nullptr;
+};
+
+/// Decodes a generation's text token by token (loom_token_decoder_*).
+class NativeTokenDecoder {
+public:
+  explicit NativeTokenDecoder(std::shared_ptr<NativeTokenizer> tokenizer) : tokenizer(std::move(tokenizer)) {
+    loom_token_decoder_t *d = nullptr;
+    this->tokenizer->use([&] {
+      check(loom_token_decoder_create(this->tokenizer->get(), &d));
+      return 0;
+    });
+    decoder.reset(d);
+  }
+
+  /// The text `token` completes ("" while a character is unfinished).
+  nb::str push(int32_t token) {
+    return piece([&](const char **text, size_t *n) { return loom_token_decoder_push(decoder.get(), token, text, n); });
+  }
+  /// What is still held back, at the end.
+  nb::str finish() {
+    return piece([&](const char **text, size_t *n) { return loom_token_decoder_finish(decoder.get(), text, n); });
+  }
+
+private:
+  template <typename F> nb::str piece(F call) {
+    const char *text = nullptr;
+    size_t n = 0;
+    tokenizer->use([&] {
+      check(call(&text, &n));
+      return 0;
+    });
+    return utf8(text, n);
+  }
+
+  std::shared_ptr<NativeTokenizer> tokenizer; // a decoder reads its tokenizer
+  std::unique_ptr<loom_token_decoder_t, void (*)(loom_token_decoder_t *)> decoder{nullptr,
+                                                                                    loom_token_decoder_destroy};
+};
+
+using Prompt = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+class NativeServer {
+public:
+  NativeServer(const std::string &bundle, const std::string &backend, int threads, int maxQueue) {
+    loom_server_options_t options;
+    loom_server_options_init(&options);
+    options.backend = backend.c_str();
+    options.num_threads = threads;
+    options.max_queue = maxQueue;
+    auto handle = std::make_shared<ServerHandle>();
+    {
+      nb::gil_scoped_release release; // loads weights, prepares programs, starts the thread
+      check(loom_server_create(bundle.c_str(), &options, &handle->server));
+    }
+    h = std::move(handle);
+  }
+
+  void close() {
+    nb::gil_scoped_release release; // waits for the server's thread
+    h->close();
+  }
+  bool closed() {
+    auto lock = h->sharedLock();
+    return !h->server;
+  }
+
+  std::unique_ptr<NativeGeneration> submit(Prompt prompt, int maxNewTokens, float temperature, int topK, float topP,
+                                           float repetitionPenalty, uint64_t seed,
+                                           const std::vector<int32_t> &stopTokens) {
+    loom_sampling_params_t params;
+    loom_sampling_params_init(&params);
+    params.max_new_tokens = maxNewTokens;
+    params.temperature = temperature;
+    params.top_k = topK;
+    params.top_p = topP;
+    params.repetition_penalty = repetitionPenalty;
+    params.seed = seed;
+    params.stop_tokens = stopTokens.data();
+    params.num_stop_tokens = int32_t(stopTokens.size());
+    auto queue = std::make_shared<TokenQueue>();
+    auto *serverRef = new std::shared_ptr<TokenQueue>(queue); // the callback's, until the last event
+    uint64_t id = 0;
+    loom_status_t *status = nullptr;
+    {
+      auto lock = h->sharedLock();
+      loom_server_t *server = nullptr;
+      try {
+        server = h->open();
+      } catch (...) {
+        delete serverRef;
+        throw;
+      }
+      nb::gil_scoped_release release;
+      status = loom_server_submit(server, prompt.data(), prompt.shape(0), &params, &TokenQueue::onToken, serverRef,
+                                  &id);
+    }
+    if (status)
+      delete serverRef; // refused: the callback never runs
+    check(status);
+    return std::make_unique<NativeGeneration>(h, std::move(queue), id);
+  }
+
+  /// The bundle's tokenizer, or None.
+  std::shared_ptr<NativeTokenizer> tokenizer() {
+    const loom_tokenizer_t *t = nullptr;
+    {
+      auto lock = h->sharedLock();
+      loom_server_t *server = h->open();
+      nb::gil_scoped_release release; // reads it the first time
+      check(loom_server_tokenizer(server, &t));
+    }
+    if (!t)
+      return nullptr;
+    return std::make_shared<NativeTokenizer>(h, t);
+  }
+
+  void drain() {
+    auto lock = h->sharedLock();
+    loom_server_t *server = h->open();
+    nb::gil_scoped_release release;
+    check(loom_server_drain(server));
+  }
+
+  nb::dict stats() {
+    loom_server_stats_t s;
+    loom_server_stats_init(&s);
+    {
+      auto lock = h->sharedLock();
+      check(loom_server_stats(h->open(), &s));
+    }
+    nb::dict d;
+    d["submitted"] = s.submitted, d["finished"] = s.finished, d["refused"] = s.refused;
+    d["cancelled"] = s.cancelled, d["prompt_tokens"] = s.prompt_tokens;
+    d["generated_tokens"] = s.generated_tokens, d["steps"] = s.steps, d["waiting"] = s.waiting;
+    d["running"] = s.running, d["free_blocks"] = s.free_blocks, d["total_blocks"] = s.total_blocks;
+    return d;
+  }
+
+private:
+  std::shared_ptr<ServerHandle> h;
+};
+
 } // namespace
 
 NB_MODULE(_native, m) {
@@ -370,4 +741,40 @@ NB_MODULE(_native, m) {
            "Parameters to a safetensors file.")
       .def("load_weights", &NativeSession::loadWeights, nb::arg("path"),
            "Parameters from a safetensors file; a bad file changes nothing.");
+
+  nb::class_<NativeGeneration>(m, "Generation", "A submitted request (see loom.Generation).")
+      .def_prop_ro("request", &NativeGeneration::request, "The server's id of the request.")
+      .def("next", &NativeGeneration::next,
+           "The next token, waiting for it without the GIL; None once the request ended.")
+      .def_prop_ro("finish_reason", &NativeGeneration::finishReason,
+                   "'' while tokens may follow, else 'length', 'stop', 'cancelled' or 'error'.")
+      .def("cancel", &NativeGeneration::cancel, "Ends the request early: loom_server_cancel.");
+
+  nb::class_<NativeTokenizer>(m, "Tokenizer", "A bundle's tokenizer (see loom.Tokenizer).")
+      .def(nb::init<const std::string &>(), nb::arg("path"),
+           "Opens a bundle's tokenizer or a tokenizer file: loom_tokenizer_create.")
+      .def_prop_ro("vocab_size", &NativeTokenizer::vocabSize, "One more than the largest id.")
+      .def_prop_ro("bos_id", &NativeTokenizer::bosId, "The begin-of-sequence id, or None.")
+      .def_prop_ro("eos_id", &NativeTokenizer::eosId, "The end-of-sequence id, or None.")
+      .def("encode", &NativeTokenizer::encode, nb::arg("text"), "The ids of a text.")
+      .def("decode", &NativeTokenizer::decode, nb::arg("ids"), "The text of ids.");
+
+  nb::class_<NativeTokenDecoder>(m, "TokenDecoder", "Decodes a generation's text token by token.")
+      .def(nb::init<std::shared_ptr<NativeTokenizer>>(), nb::arg("tokenizer"),
+           "A decoder over a tokenizer: loom_token_decoder_create.")
+      .def("push", &NativeTokenDecoder::push, nb::arg("token"), "The text the token completes.")
+      .def("finish", &NativeTokenDecoder::finish, "What is still held back, at the end.");
+
+  nb::class_<NativeServer>(m, "Server", "A serving bundle, running (see loom.Server).")
+      .def(nb::init<const std::string &, const std::string &, int, int>(), nb::arg("bundle"), nb::arg("backend"),
+           nb::arg("threads"), nb::arg("max_queue"), "Opens a serving bundle: loom_server_create.")
+      .def("close", &NativeServer::close, "Cancels what runs and stops the server.")
+      .def_prop_ro("closed", &NativeServer::closed, "Whether close() was called.")
+      .def("submit", &NativeServer::submit, nb::arg("prompt"), nb::arg("max_new_tokens"), nb::arg("temperature"),
+           nb::arg("top_k"), nb::arg("top_p"), nb::arg("repetition_penalty"), nb::arg("seed"),
+           nb::arg("stop_tokens"), "Queues a request: loom_server_submit.")
+      .def("tokenizer", &NativeServer::tokenizer, nb::sig("def tokenizer(self) -> Tokenizer | None"),
+           "The bundle's tokenizer, or None.")
+      .def("drain", &NativeServer::drain, "Refuses new requests and finishes the others.")
+      .def("stats", &NativeServer::stats, "The server's counters: loom_server_stats.");
 }

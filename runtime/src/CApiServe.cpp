@@ -7,13 +7,19 @@
 #include "runtime/src/serve/Engine.h"
 
 #include <memory>
+#include <mutex>
 
 using loom::rt::capi::guarded;
 using loom::rt::capi::nullArgument;
 
 struct loom_server_t {
+  std::string bundlePath;
   std::vector<std::unique_ptr<loom::rt::Session>> ranks;
   std::unique_ptr<loom::rt::serve::Engine> engine;
+  // The bundle's tokenizer, read when first asked for (most servers take ids).
+  std::mutex tokenizerMutex;
+  bool tokenizerRead = false;
+  std::unique_ptr<loom_tokenizer_t, void (*)(loom_tokenizer_t *)> tokenizer{nullptr, loom_tokenizer_destroy};
 };
 
 static_assert(int(loom::rt::serve::Finish::Length) == LOOM_FINISH_LENGTH &&
@@ -87,6 +93,7 @@ loom_status_t *loom_server_create(const char *bundle_path, const loom_server_opt
       engineOptions.maxQueue = size_t(options->max_queue);
     }
     auto server = std::make_unique<loom_server_t>();
+    server->bundlePath = bundle_path;
     server->ranks = loom::rt::openLocalRanks(bundle_path, opts);
     std::vector<loom::rt::Session *> sessions;
     for (auto &s : server->ranks)
@@ -154,6 +161,24 @@ loom_status_t *loom_server_drain(loom_server_t *server) {
   if (!server)
     return nullArgument("server");
   return guarded([&] { server->engine->stop(true); });
+}
+
+loom_status_t *loom_server_tokenizer(loom_server_t *server, const loom_tokenizer_t **out_tokenizer) {
+  if (!server)
+    return nullArgument("server");
+  if (!out_tokenizer)
+    return nullArgument("out_tokenizer");
+  *out_tokenizer = nullptr;
+  std::lock_guard<std::mutex> lock(server->tokenizerMutex);
+  if (!server->tokenizerRead && !server->ranks.front()->manifest().tokenizer.empty()) {
+    loom_tokenizer_t *tokenizer = nullptr;
+    if (loom_status_t *status = loom_tokenizer_create(server->bundlePath.c_str(), &tokenizer))
+      return status;
+    server->tokenizer.reset(tokenizer);
+  }
+  server->tokenizerRead = true;
+  *out_tokenizer = server->tokenizer.get();
+  return nullptr;
 }
 
 loom_status_t *loom_server_stats(const loom_server_t *server, loom_server_stats_t *out) {

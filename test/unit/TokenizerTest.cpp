@@ -6,6 +6,7 @@
 //
 //===----------------------------------------------------------------------===//
 
+#include "loom/runtime.h"
 #include "loom/rt/Error.h"
 #include "loom/rt/Safetensors.h"
 #include "loom/rt/Tokenizer.h"
@@ -13,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <unistd.h>
@@ -153,6 +155,57 @@ TEST(Tokenizer, BadFilesAreRefusedNamingTheField) {
   std::filesystem::remove(unknown);
   std::filesystem::remove(std::filesystem::temp_directory_path() / ("g-" + pid + ".model"));
   EXPECT_THROW(Tokenizer::load(kDir + "/no-such-file.json"), loom::rt::Error);
+}
+
+/// The C API's tokenizer: sizes reported for a second call, the stream's
+/// held-back character, and statuses rather than exceptions.
+TEST(Tokenizer, CApiEncodesDecodesAndStreams) {
+  loom_tokenizer_t *tok = nullptr;
+  ASSERT_EQ(loom_tokenizer_create((kDir + "/bpe.tokenizer.json").c_str(), &tok), nullptr);
+  EXPECT_EQ(loom_tokenizer_vocab_size(tok), 571);
+  EXPECT_EQ(loom_tokenizer_eos_id(tok), 0);
+  const std::string text = "hello 🎉 world";
+  size_t n = 0;
+  ASSERT_EQ(loom_tokenizer_encode(tok, text.data(), text.size(), nullptr, 0, &n), nullptr);
+  std::vector<int32_t> ids(n);
+  size_t again = 0;
+  ASSERT_EQ(loom_tokenizer_encode(tok, text.data(), text.size(), ids.data(), ids.size(), &again), nullptr);
+  EXPECT_EQ(again, n);
+  auto reference = Tokenizer::load(kDir + "/bpe.tokenizer.json");
+  EXPECT_EQ(ids, reference->encode(text));
+
+  char small[4];
+  size_t bytes = 0;
+  ASSERT_EQ(loom_tokenizer_decode(tok, ids.data(), ids.size(), small, sizeof small, &bytes), nullptr);
+  EXPECT_EQ(bytes, text.size());
+  EXPECT_EQ(std::string(small, sizeof small), text.substr(0, 4));
+
+  loom_token_decoder_t *decoder = nullptr;
+  ASSERT_EQ(loom_token_decoder_create(tok, &decoder), nullptr);
+  std::string streamed;
+  for (int32_t id : ids) {
+    const char *piece = nullptr;
+    size_t length = 0;
+    ASSERT_EQ(loom_token_decoder_push(decoder, id, &piece, &length), nullptr);
+    EXPECT_EQ(std::strlen(piece), length);
+    EXPECT_TRUE(wholeUtf8(piece));
+    streamed += piece;
+  }
+  const char *rest = nullptr;
+  ASSERT_EQ(loom_token_decoder_finish(decoder, &rest, nullptr), nullptr);
+  EXPECT_EQ(streamed + rest, text);
+  loom_token_decoder_destroy(decoder);
+  loom_tokenizer_destroy(tok);
+
+  loom_status_t *status = loom_tokenizer_create((kDir + "/no-such-file.json").c_str(), &tok);
+  ASSERT_NE(status, nullptr);
+  EXPECT_EQ(loom_status_code(status), LOOM_IO_ERROR);
+  EXPECT_EQ(tok, nullptr);
+  loom_status_free(status);
+  status = loom_tokenizer_encode(nullptr, "x", 1, nullptr, 0, &n);
+  ASSERT_NE(status, nullptr);
+  EXPECT_STREQ(loom_status_message(status), "tokenizer must not be NULL");
+  loom_status_free(status);
 }
 
 } // namespace

@@ -215,6 +215,64 @@ typedef struct loom_server_stats_t {
 void loom_server_stats_init(loom_server_stats_t *stats);
 loom_status_t *loom_server_stats(const loom_server_t *server, loom_server_stats_t *out_stats);
 
+/*--- Tokenizers -----------------------------------------------------------*/
+
+/* The tokenizer a bundle carries (the manifest's "tokenizer", docs/import.md):
+ * GPT-2's byte-level BPE (tokenizer.json) or SentencePiece (tokenizer.model,
+ * where the runtime was built with it). Text is UTF-8. A tokenizer does not
+ * change once opened: encode and decode from any number of threads at once. */
+typedef struct loom_tokenizer_t loom_tokenizer_t;
+
+/* Opens the tokenizer of the bundle directory `path` (a bundle that carries
+ * none is refused with LOOM_INVALID_ARGUMENT), or the tokenizer.json or
+ * SentencePiece .model file `path`. */
+loom_status_t *loom_tokenizer_create(const char *path, loom_tokenizer_t **out_tokenizer);
+void loom_tokenizer_destroy(loom_tokenizer_t *tokenizer);
+
+/* The tokenizer of the server's bundle, owned by the server and valid until
+ * loom_server_destroy; NULL in `out_tokenizer` (and no error) when the bundle
+ * carries none. Read when first asked for. */
+loom_status_t *loom_server_tokenizer(loom_server_t *server, const loom_tokenizer_t **out_tokenizer);
+
+/* One more than the largest id. */
+int32_t loom_tokenizer_vocab_size(const loom_tokenizer_t *tokenizer);
+/* Begin- and end-of-sequence ids (SentencePiece's own; for BPE the added
+ * token "<|endoftext|>", else "<s>" / "</s>"), or -1 when there is none. */
+int32_t loom_tokenizer_bos_id(const loom_tokenizer_t *tokenizer);
+int32_t loom_tokenizer_eos_id(const loom_tokenizer_t *tokenizer);
+
+/* The ids of `text_bytes` bytes of `text`, with no special token such as BOS
+ * added. Writes at most `capacity` ids to `tokens` (NULL when capacity is 0)
+ * and the number of all of them to `out_num_tokens`: a number above
+ * `capacity` asks for a call with a larger array. */
+loom_status_t *loom_tokenizer_encode(const loom_tokenizer_t *tokenizer, const char *text,
+                                     size_t text_bytes, int32_t *tokens, size_t capacity,
+                                     size_t *out_num_tokens);
+/* The text of `num_tokens` ids, the same way: at most `capacity` bytes to
+ * `text` (no NUL is added), the length of all of it to `out_bytes`. Ids
+ * outside the vocabulary decode to nothing. */
+loom_status_t *loom_tokenizer_decode(const loom_tokenizer_t *tokenizer, const int32_t *tokens,
+                                     size_t num_tokens, char *text, size_t capacity,
+                                     size_t *out_bytes);
+
+/* Decodes a generation one token at a time, as its tokens arrive. The bytes
+ * of a UTF-8 character split over tokens wait for the token that completes
+ * it, so every piece is whole characters; all pieces and the finish together
+ * equal loom_tokenizer_decode of all the ids. One decoder per generation,
+ * used by one thread at a time; its tokenizer must outlive it. */
+typedef struct loom_token_decoder_t loom_token_decoder_t;
+loom_status_t *loom_token_decoder_create(const loom_tokenizer_t *tokenizer,
+                                         loom_token_decoder_t **out_decoder);
+void loom_token_decoder_destroy(loom_token_decoder_t *decoder);
+/* The text `token` completes: `out_text` receives it (NUL-terminated, valid
+ * until the next call on the decoder), `out_bytes` (may be NULL) its length. */
+loom_status_t *loom_token_decoder_push(loom_token_decoder_t *decoder, int32_t token,
+                                       const char **out_text, size_t *out_bytes);
+/* What is still held back (an unfinished character) as it is, at the end of
+ * the generation; the decoder is then empty. */
+loom_status_t *loom_token_decoder_finish(loom_token_decoder_t *decoder, const char **out_text,
+                                         size_t *out_bytes);
+
 /*--- Memory: reading outputs in place, binding inputs from a GPU ----------*/
 
 /* Where memory is; the values are DLPack's device types (kDLCPU, kDLCUDA),
