@@ -112,6 +112,10 @@ class Tokenizer:
         """The begin-of-sequence id, or None."""
 
     @property
+    def prepends_bos(self) -> bool:
+        """Whether a text prompt starts with BOS (SentencePiece models, as Llama's tokenizer)."""
+
+    @property
     def eos_id(self) -> int | None:
         """The end-of-sequence id, or None."""
 

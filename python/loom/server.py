@@ -48,6 +48,13 @@ class Tokenizer:
         return self._native.bos_id
 
     @property
+    def prepends_bos(self) -> bool:
+        """Whether a text prompt starts with BOS, as the checkpoint's own
+        tokenizer does (SentencePiece models: Llama's; not GPT-2's BPE).
+        ``Server.generate`` applies it; ``encode`` adds no BOS."""
+        return self._native.prepends_bos
+
+    @property
     def eos_id(self) -> Optional[int]:
         """The end-of-sequence id (GPT-2's ``<|endoftext|>``, ``</s>``), or None:
         pass it in ``stop_tokens`` to end a generation there."""
@@ -222,7 +229,10 @@ class Server:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise LoomError("this bundle has no tokenizer; pass token ids", "invalid_argument")
-            ids = np.asarray(self.tokenizer.encode(prompt), dtype=np.int32)
+            # BOS first where the checkpoint's own tokenizer adds it (Llama's
+            # SentencePiece), as loom-run --prompt-text and loom-serve do.
+            bos = [self.tokenizer.bos_id] if self.tokenizer.prepends_bos else []
+            ids = np.asarray(bos + self.tokenizer.encode(prompt), dtype=np.int32)
             eos = self.tokenizer.eos_id
             if eos is not None and not ignore_eos:
                 stops.append(eos)

@@ -513,6 +513,7 @@ public:
   int32_t vocabSize() { return use([&] { return loom_tokenizer_vocab_size(tokenizer); }); }
   std::optional<int32_t> bosId() { return idOrNone(use([&] { return loom_tokenizer_bos_id(tokenizer); })); }
   std::optional<int32_t> eosId() { return idOrNone(use([&] { return loom_tokenizer_eos_id(tokenizer); })); }
+  bool prependsBos() { return use([&] { return loom_tokenizer_prepends_bos(tokenizer) != 0; }); }
 
   std::vector<int32_t> encode(const std::string &text) {
     std::vector<int32_t> ids(text.size() + 16);
@@ -755,6 +756,8 @@ NB_MODULE(_native, m) {
            "Opens a bundle's tokenizer or a tokenizer file: loom_tokenizer_create.")
       .def_prop_ro("vocab_size", &NativeTokenizer::vocabSize, "One more than the largest id.")
       .def_prop_ro("bos_id", &NativeTokenizer::bosId, "The begin-of-sequence id, or None.")
+      .def_prop_ro("prepends_bos", &NativeTokenizer::prependsBos,
+                   "Whether a text prompt starts with BOS (SentencePiece models, as Llama's tokenizer).")
       .def_prop_ro("eos_id", &NativeTokenizer::eosId, "The end-of-sequence id, or None.")
       .def("encode", &NativeTokenizer::encode, nb::arg("text"), "The ids of a text.")
       .def("decode", &NativeTokenizer::decode, nb::arg("ids"), "The text of ids.");

@@ -4,6 +4,7 @@ early, reproduce seeded sampling, decode text with the bundle's tokenizer, and
 refuse bad input with the runtime's message."""
 
 import gc
+import json
 import re
 import subprocess
 import sys
@@ -37,6 +38,11 @@ def serve_bundles(tmp_path_factory) -> Path:
                     "--vocab", "576", "--ffn", "1024", "-o", str(out / "text.mlir")], **quiet)
     subprocess.run([str(loomc), "compile", str(out / "text.mlir"), "--serve", "--max-batch", "4", "--tokenizer",
                     str(ROOT / "test" / "tokenizer" / "bpe.tokenizer.json"), "-o", str(out / "text.serve")], **quiet)
+    # spm.serve: a Llama with test/tokenizer's SentencePiece model (BOS first).
+    subprocess.run([str(loomc), "models", "llama", "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads",
+                    "1", "--seq", "32", "--vocab", "512", "-o", str(out / "spm.mlir")], **quiet)
+    subprocess.run([str(loomc), "compile", str(out / "spm.mlir"), "--serve", "--seed", "4", "--tokenizer",
+                    str(ROOT / "test" / "tokenizer" / "spm.model"), "-o", str(out / "spm.serve")], **quiet)
     return out
 
 
@@ -169,6 +175,25 @@ def test_text_prompts_and_streamed_text(serve_bundles):
         same = list(s.generate(ids, max_new_tokens=12, temperature=1.0, seed=5, stop_tokens=[0]))
         assert same == g.tokens
     assert loom.Tokenizer(serve_bundles / "text.serve").encode("hello world") == ids
+
+
+def test_text_prompts_as_loom_run(serve_bundles, loom_run):
+    """A text prompt gives loom-run --prompt-text's ids, tokens and text: BOS
+    first for a SentencePiece model, none for GPT-2's BPE."""
+    for bundle, bos in (("text.serve", False), ("spm.serve", True)):
+        out = subprocess.run([str(loom_run), str(serve_bundles / bundle), "--prompt-text", "hello world",
+                              "--max-new", "6", "--ignore-eos", "--threads", "1"],
+                             check=True, capture_output=True, text=True).stdout
+        counts, tokens = re.search(r"^request 0: (\d+) prompt \+ \d+ new tokens \(\w+\):(.*)$", out, re.M).groups()
+        text = json.loads(re.search(r"^request 0 text: (.*)$", out, re.M).group(1))
+        with loom.Server(serve_bundles / bundle, threads=1) as s:
+            tok = s.tokenizer
+            assert tok.prepends_bos == bos
+            g = s.generate("hello world", max_new_tokens=6, ignore_eos=True)
+            assert "".join(g.text()) == text
+            assert g.tokens == [int(t) for t in tokens.split()]
+            assert g.prompt == ([tok.bos_id] if bos else []) + tok.encode("hello world")
+            assert len(g.prompt) == int(counts)
 
 
 def test_bad_input_raises_the_runtimes_message(server, bundles, serve_bundles):

@@ -66,6 +66,10 @@ int32_t loom_tokenizer_eos_id(const loom_tokenizer_t *tokenizer) {
   return tokenizer ? tokenizer->impl->eosId().value_or(-1) : -1;
 }
 
+int loom_tokenizer_prepends_bos(const loom_tokenizer_t *tokenizer) {
+  return tokenizer && tokenizer->impl->prependsBos() ? 1 : 0;
+}
+
 loom_status_t *loom_tokenizer_encode(const loom_tokenizer_t *tokenizer, const char *text, size_t text_bytes,
                                      int32_t *tokens, size_t capacity, size_t *out_num_tokens) {
   if (!tokenizer)

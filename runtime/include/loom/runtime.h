@@ -240,6 +240,10 @@ int32_t loom_tokenizer_vocab_size(const loom_tokenizer_t *tokenizer);
  * token "<|endoftext|>", else "<s>" / "</s>"), or -1 when there is none. */
 int32_t loom_tokenizer_bos_id(const loom_tokenizer_t *tokenizer);
 int32_t loom_tokenizer_eos_id(const loom_tokenizer_t *tokenizer);
+/* 1 when a prompt starts with BOS, as the checkpoint's own tokenizer does by
+ * default (SentencePiece models: Llama's add_bos_token; not GPT-2's BPE); 0
+ * otherwise. loom-run --prompt-text and loom-serve's text prompts do so. */
+int loom_tokenizer_prepends_bos(const loom_tokenizer_t *tokenizer);
 
 /* The ids of `text_bytes` bytes of `text`, with no special token such as BOS
  * added. Writes at most `capacity` ids to `tokens` (NULL when capacity is 0)
