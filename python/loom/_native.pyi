@@ -113,7 +113,7 @@ class Tokenizer:
 
     @property
     def prepends_bos(self) -> bool:
-        """Whether a text prompt starts with BOS (SentencePiece models, as Llama's tokenizer)."""
+        """Whether a text prompt starts with BOS (SentencePiece, as Llama)."""
 
     @property
     def eos_id(self) -> int | None:

@@ -757,7 +757,7 @@ NB_MODULE(_native, m) {
       .def_prop_ro("vocab_size", &NativeTokenizer::vocabSize, "One more than the largest id.")
       .def_prop_ro("bos_id", &NativeTokenizer::bosId, "The begin-of-sequence id, or None.")
       .def_prop_ro("prepends_bos", &NativeTokenizer::prependsBos,
-                   "Whether a text prompt starts with BOS (SentencePiece models, as Llama's tokenizer).")
+                   "Whether a text prompt starts with BOS (SentencePiece, as Llama).")
       .def_prop_ro("eos_id", &NativeTokenizer::eosId, "The end-of-sequence id, or None.")
       .def("encode", &NativeTokenizer::encode, nb::arg("text"), "The ids of a text.")
       .def("decode", &NativeTokenizer::decode, nb::arg("ids"), "The text of ids.");
