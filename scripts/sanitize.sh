@@ -47,7 +47,8 @@ build() {
   fi
   say "building $SAN"
   cmake --build "$SAN" --parallel "${LOOM_JOBS:-$(nproc)}" \
-    --target loom-runtime-tests loom-corruption-tests loom-run loom-compare loom-embed-example loom-serve-example loom-fuzzers
+    --target loom-runtime-tests loom-corruption-tests loom-run loom-compare loom-tokenize loom-embed-example \
+      loom-serve-example loom-fuzzers
 }
 
 run_tests() {
