@@ -118,6 +118,10 @@ resnet() {
     c "$m" "${sgd[@]}" -o $out/$n-b32-train.loom
     c "$m" "${sgd[@]}" --target cuda -o $out/$n-b32-cuda-train.loom
   done
+  # Data parallelism over 2 GPUs at 32 images per GPU.
+  dp=(--batch 64 --train --optimizer sgd --lr 0.1 --momentum 0.9 --cluster h100:2 --force dp=2,zero=0)
+  c models/resnet50.mlir "${dp[@]}" -o $out/resnet50-dp2-train.loom
+  c models/resnet50.mlir "${dp[@]}" --target cuda -o $out/resnet50-dp2-cuda-train.loom
 }
 single() {
 for m in gpt-tiny llama-tiny bert-tiny mlp; do
