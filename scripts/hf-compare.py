@@ -102,17 +102,19 @@ def hf_logits(model, tokens):
         return model(tokens.long()).logits.float()
 
 
-def greedy_check(model, prompt, got, tie):
+def greedy_check(model, prompt, got, tie, want):
     """Whether `got` (new tokens after `prompt`) is transformers' greedy
-    continuation, where a near-tie may go either way: at a token that
+    continuation `want`, where a near-tie may go either way: at a token that
     differs, the two logits may be within `tie` x the largest logit (the
-    comparison then goes on from Loom's token). Returns (ok, ties, detail)."""
+    comparison then goes on from Loom's token, with transformers' greedy
+    continuation from there). Returns (ok, ties, detail)."""
     i, ties = 0, []
     while i < len(got):
-        prefix = torch.tensor([prompt + got[:i]])
-        with torch.no_grad():
-            want = model.generate(prefix.long(), max_new_tokens=len(got) - i, do_sample=False,
-                                  min_new_tokens=len(got) - i, pad_token_id=0)[0, prefix.shape[1]:].tolist()
+        if i > 0:
+            prefix = torch.tensor([prompt + got[:i]])
+            with torch.no_grad():
+                want = model.generate(prefix.long(), max_new_tokens=len(got) - i, do_sample=False,
+                                      min_new_tokens=len(got) - i, pad_token_id=0)[0, prefix.shape[1]:].tolist()
         j = next((k for k, (a, b) in enumerate(zip(got[i:], want)) if a != b), None)
         if j is None:
             return True, ties, ""
@@ -173,7 +175,7 @@ def check(args):
         # A near-tie: within 100x the f32 logits' tolerance of 1e-5 (CPU) or
         # 1e-6 (what the GPU reaches with TF32 off), relative to the largest logit.
         tie = 1e-4
-        ok, ties, detail = greedy_check(model, prompt[0].tolist(), got, tie)
+        ok, ties, detail = greedy_check(model, prompt[0].tolist(), got, tie, want)
         failed += not ok
         print("%-11s gen.loom        %-5s greedy: %d of %d tokens as transformers%s %s"
               % (name, args.backend, sum(a == b for a, b in zip(got, want)), NEW,
@@ -200,7 +202,7 @@ def check(args):
             same = sum(a == b for a, b in zip(got, reference))
             exact = bundle == "serve.loom"
             if exact:
-                ok, ties, detail = greedy_check(model, prompt[0].tolist(), got, tie)
+                ok, ties, detail = greedy_check(model, prompt[0].tolist(), got, tie, reference)
                 failed += not ok
                 verdict = ("ok" if ok else "FAIL " + detail) + (
                     " (near-ties: %s)" % ", ".join(ties) if ties else "")

@@ -31,13 +31,22 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::vector<std::vector<int32_t>> readPrompts(const std::string &path) {
+/// The lines of a prompt file.
+std::vector<std::string> readLines(const std::string &path) {
   std::ifstream in(path);
   if (!in)
     fail(LOOM_IO_ERROR, "cannot open prompt file '", path, "': ", std::strerror(errno));
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);)
+    lines.push_back(line);
+  return lines;
+}
+
+std::vector<std::vector<int32_t>> readPrompts(const std::string &path) {
   std::vector<std::vector<int32_t>> prompts;
-  std::string line;
-  for (int lineNo = 1; std::getline(in, line); ++lineNo) {
+  std::vector<std::string> lines = readLines(path);
+  for (int lineNo = 1; lineNo <= int(lines.size()); ++lineNo) {
+    std::string &line = lines[size_t(lineNo - 1)];
     for (char &c : line)
       if (c == ',' || c == '[' || c == ']')
         c = ' ';
@@ -61,13 +70,10 @@ std::vector<std::vector<int32_t>> readPrompts(const std::string &path) {
 }
 
 std::vector<std::string> readTextPrompts(const std::string &path) {
-  std::ifstream in(path);
-  if (!in)
-    fail(LOOM_IO_ERROR, "cannot open prompt file '", path, "': ", std::strerror(errno));
   std::vector<std::string> texts;
-  for (std::string line; std::getline(in, line);)
+  for (std::string &line : readLines(path))
     if (!line.empty())
-      texts.push_back(line);
+      texts.push_back(std::move(line));
   if (texts.empty())
     fail(LOOM_INVALID_ARGUMENT, path, ": no prompt (one prompt per line)");
   return texts;
@@ -313,17 +319,11 @@ int generate(std::vector<std::unique_ptr<Session>> &ranks, const GenerateOptions
     for (int32_t t : results[q].tokens)
       std::printf(" %d", t);
     std::printf("\n");
-    if (tokenizer) {
-      // Decoded as a stream decodes it (a character split over tokens waits
-      // for its end), printed as a JSON string so that any byte shows.
-      Tokenizer::StreamDecoder stream(*tokenizer);
-      std::string text;
-      for (int32_t t : results[q].tokens)
-        text += stream.push(t);
-      text += stream.finish();
+    if (tokenizer) // as a JSON string, so that any byte shows
       std::printf("request %zu text: %s\n", q,
-                  nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
-    }
+                  nlohmann::json(tokenizer->decode(results[q].tokens))
+                      .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+                      .c_str());
   }
   double mean = 0;
   for (double g : gaps)

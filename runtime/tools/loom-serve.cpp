@@ -54,8 +54,8 @@ struct Pending {
   serve::Finish finish = serve::Finish::None;
   std::string error;
   Clock::time_point submitted = Clock::now(), last;
-  /// With a tokenizer: the text of the tokens as they stream (the streaming
-  /// handler's thread only).
+  /// With a tokenizer, when streaming: the text of the tokens as they arrive
+  /// (the streaming handler's thread only).
   std::unique_ptr<Tokenizer::StreamDecoder> text;
 };
 
@@ -222,7 +222,7 @@ private:
       return;
     }
     auto pending = std::make_shared<Pending>();
-    if (tokenizer)
+    if (tokenizer && c.stream)
       pending->text = std::make_unique<Tokenizer::StreamDecoder>(*tokenizer);
     uint64_t id = 0;
     try {
@@ -245,12 +245,8 @@ private:
         return;
       }
       json choice = {{"index", 0}, {"tokens", pending->tokens}, {"finish_reason", serve::finishName(pending->finish)}};
-      if (pending->text) {
-        std::string text;
-        for (int32_t t : pending->tokens)
-          text += pending->text->push(t);
-        choice["text"] = text + pending->text->finish();
-      }
+      if (tokenizer)
+        choice["text"] = tokenizer->decode(pending->tokens);
       json body = {{"id", name},
                    {"object", "text_completion"},
                    {"model", model},
