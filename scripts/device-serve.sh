@@ -13,6 +13,8 @@ R=.deps/bundles
 T=$(mktemp -d)
 status=0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+echo "== decoding's kernels (paged attention, few-row products, argmax) against the CPU backend"
+build-device/test/unit/loom-gpu-tests --gtest_filter='CudaServe.*' 2>&1 | grep -E -A6 "^\[  (PASSED|FAILED|SKIPPED) |Failure" || status=1
 printf '1 2 3 4 5\n10 20 30\n7 9 7 9 7 9 7 9 7 9 7 9 7 9 7 9 7 9 7\n100\n50 60\n' > $T/small.txt
 echo "== greedy decoding with the cache equals re-running the forward pass (CUDA, bf16)"
 for m in gpt-tiny llama-tiny; do
@@ -32,12 +34,12 @@ $B/loom-run $R/gpt2-350m-serve-b1.loom --backend cuda --prompt $T/short.txt --ma
     --reference $R/gpt2-350m-fwd.loom | grep -E "^reference" || status=1
 echo "== Loom: GPT-2 350M, prompt 128, 128 new tokens"
 $B/loom-run $R/gpt2-350m-serve-b1.loom --backend cuda --prompt $T/b1.txt --max-new 128 --repeat 3 \
-    | grep -E "^serving|^time|^per-token|^throughput" | sed 's/^/batch 1: /' || status=1
+    | grep -E "^serving|^time|^per-token|^throughput|^engine" | sed 's/^/batch 1: /' || status=1
 $B/loom-run $R/gpt2-350m-serve.loom --backend cuda --prompt $T/b32.txt --max-new 128 --repeat 3 \
-    | grep -E "^serving|^time|^per-token|^throughput" | sed 's/^/batch 32: /' || status=1
+    | grep -E "^serving|^time|^per-token|^throughput|^engine" | sed 's/^/batch 32: /' || status=1
 echo "== Loom: TinyLlama 1.1B, prompt 128, 128 new tokens, batch 1"
 $B/loom-run $R/llama-1.1b-serve-b1.loom --backend cuda --prompt $T/l1.txt --max-new 128 --repeat 3 \
-    | grep -E "^time|^per-token|^throughput" || status=1
+    | grep -E "^time|^per-token|^throughput|^engine" || status=1
 if [ -z "${SKIP_HF:-}" ]; then
   echo "== transformers generate, same models and card"
   python3 bench/serve_hf.py --model gpt2-350m --batches 1,32 || status=1

@@ -39,6 +39,10 @@ public:
   /// after the work queued on that device's legacy default stream, and
   /// returns when the copy is done.
   virtual void uploadFromDevice(const Buffer &b, const void *src, int device);
+  /// The column of the largest value in each of the first `rows` rows of
+  /// `b` (f32 or bf16, rows of `cols`): the first on ties, NaN never. Greedy
+  /// decoding reads these instead of whole rows of logits.
+  virtual void argmaxRows(const Buffer &b, int64_t rows, int64_t cols, int32_t *out);
   /// Whether programs replay as CUDA graphs once warm (those without
   /// collectives or transfers), so launches cost the host nothing.
   virtual bool replaysGraphs() const { return false; }

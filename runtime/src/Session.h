@@ -64,6 +64,11 @@ public:
   /// Copies of buffers, whichever memory they live in.
   std::vector<char> read(const Buffer &b) const;
   void write(const Buffer &b, const void *src);
+  /// The column of the largest value of each of `b`'s first `rows` rows of
+  /// `cols` (f32 or bf16; the first on ties), computed where `b` lives.
+  void argmaxRows(const Buffer &b, int64_t rows, int64_t cols, int32_t *out) {
+    backend->argmaxRows(b, rows, cols, out);
+  }
   /// Times every instruction by op from now on (loom-run --profile).
   void setProfiling(bool on) { backend->setProfiling(on); }
   /// Records every instruction's interval from now on (loom-run --trace).

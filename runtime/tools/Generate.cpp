@@ -290,7 +290,9 @@ int generate(std::vector<std::unique_ptr<Session>> &ranks, const GenerateOptions
   std::vector<Session *> sessions;
   for (auto &s : ranks)
     sessions.push_back(s.get());
-  serve::Engine engine(sessions);
+  serve::EngineOptions engineOptions;
+  engineOptions.eventLogits = !o.reference.empty(); // the reference compares logits too
+  serve::Engine engine(sessions, engineOptions);
   const ServeConfig &cfg = engine.config();
   std::printf("serving: %zu step programs (%lld to %lld tokens), cache of %lld blocks of %lld tokens, "
               "max batch %lld, max sequence %lld\n",
@@ -299,6 +301,7 @@ int generate(std::vector<std::unique_ptr<Session>> &ranks, const GenerateOptions
   bool keep = !o.reference.empty();
   double seconds = 0;
   std::vector<Result> results = runOnce(engine, prompts, sampling, keep, seconds); // warm-up
+  const serve::EngineStats before = engine.stats();
   double total = 0;
   std::vector<double> firsts, gaps;
   size_t generated = 0;
@@ -336,6 +339,16 @@ int generate(std::vector<std::unique_ptr<Session>> &ranks, const GenerateOptions
               "warm-up)\n",
               total > 0 ? double(generated) / total : 0.0, generated, prompts.size() * size_t(o.repeat), total,
               o.repeat, o.repeat == 1 ? "" : "s");
+  const serve::EngineStats after = engine.stats();
+  if (uint64_t steps = after.steps - before.steps) {
+    auto ms = [&](double a, double b) { return (a - b) / double(steps) * 1e3; };
+    std::printf("engine steps: %llu, mean %.3f ms: inputs %.3f, program %.3f, logits %.3f, sampling %.3f\n",
+                (unsigned long long)steps,
+                ms(after.inputSeconds + after.programSeconds + after.logitsSeconds + after.sampleSeconds,
+                   before.inputSeconds + before.programSeconds + before.logitsSeconds + before.sampleSeconds),
+                ms(after.inputSeconds, before.inputSeconds), ms(after.programSeconds, before.programSeconds),
+                ms(after.logitsSeconds, before.logitsSeconds), ms(after.sampleSeconds, before.sampleSeconds));
+  }
   if (!o.reference.empty()) {
     SessionOptions refOptions = sessionOptions;
     refOptions.rank = 0;

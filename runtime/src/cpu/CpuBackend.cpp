@@ -254,6 +254,26 @@ void Backend::uploadFromDevice(const Buffer &b, const void *, int device) {
        "or open the session with the cuda backend");
 }
 
+void Backend::argmaxRows(const Buffer &b, int64_t rows, int64_t cols, int32_t *out) {
+  int64_t size = b.dtype == LOOM_BF16 ? 2 : 4;
+  if ((b.dtype != LOOM_BF16 && b.dtype != LOOM_F32) || cols < 1 || rows < 0 || rows * cols * size > b.bytes)
+    fail(LOOM_INVALID_ARGUMENT, "argmax of ", rows, " rows of ", cols, " over '", b.name, "' (", dtypeName(b.dtype),
+         shapeStr(b.shape), ")");
+  std::vector<char> all(size_t(b.bytes));
+  download(b, all.data());
+  for (int64_t r = 0; r < rows; ++r) {
+    int32_t best = 0;
+    float top = -INFINITY;
+    bool any = false;
+    for (int64_t c = 0; c < cols; ++c) {
+      float v = float(loadAsDouble(b.dtype, all.data(), r * cols + c));
+      if (v == v && (!any || v > top))
+        top = v, best = int32_t(c), any = true;
+    }
+    out[r] = best;
+  }
+}
+
 double denseInstructionFlops(const RankProgram &rank, const Instruction &ins) {
   auto count = [](const Shape &s) { return double(numElements(s).value_or(0)); };
   if (ins.op == "matmul" && ins.in.size() >= 2 && ins.in.size() <= 4 && !ins.out.empty()) { // 3, 4: epilogue inputs

@@ -151,6 +151,8 @@ CudaBackendImpl::~CudaBackendImpl() {
   if (kernelsLibrary)
     cudaLibraryUnload(kernelsLibrary);
   cudaFree(workspace);
+  cudaFree(argmaxOut);
+  cudaFree(skinnyCounters);
   cudaFree(errorWord);
   cudaFree(arena);
   gemmPlans.clear();
@@ -235,6 +237,17 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
       for (size_t k = i + 1; k < j; ++k) // converted in the first's launch
         steps.push_back({cat("instruction ", program, "[", k, "] 'cast'"), label, 0, [](cudaStream_t) {},
                          nullptr, nullptr});
+      i = j - 1;
+      continue;
+    }
+    if (i + 1 < instrs.size() && slicesTogether(instrs[i], instrs[i + 1])) { // q, k and v of one product
+      size_t j = i + 1;
+      while (j < instrs.size() && j - i < 8 && slicesTogether(instrs[i], instrs[j]))
+        ++j;
+      steps.push_back({where, label, 0, buildSlices(instrs, i, j), nullptr, nullptr});
+      for (size_t k = i + 1; k < j; ++k) // copied in the first's launch
+        steps.push_back({cat("instruction ", program, "[", k, "] 'slice'"), label, 0, [](cudaStream_t) {}, nullptr,
+                         nullptr});
       i = j - 1;
       continue;
     }

@@ -82,6 +82,7 @@ public:
   int cudaDevice() const override { return device; }
   char *arenaData(const Buffer &b) override { return ptr(b); }
   void uploadFromDevice(const Buffer &b, const void *src, int srcDevice) override;
+  void argmaxRows(const Buffer &b, int64_t rows, int64_t cols, int32_t *out) override; // CudaServe.cu
   bool has(const std::string &program) const override { return programs.count(program) > 0; }
 
   void prepare(const std::string &program, const std::vector<Instruction> &instrs) override;
@@ -227,6 +228,10 @@ private:
   Launch buildPagedAttention(const Instruction &ins);
   // CudaLayout.cu
   Launch buildSliceOrConcat(const Instruction &ins);
+  /// Whether two slices take the same input along the same axis (one
+  /// launch copies a run of them: buildSlices, up to eight).
+  bool slicesTogether(const Instruction &a, const Instruction &b);
+  Launch buildSlices(const std::vector<Instruction> &instrs, size_t begin, size_t end);
   Launch buildTransposeOrBroadcast(const Instruction &ins);
   Launch buildEmbedding(const Instruction &ins);
   // CudaNorms.cu
@@ -235,6 +240,14 @@ private:
   Launch buildNormGrad(const Instruction &ins);
   // CudaGemm.cu
   Launch buildMatmul(const Instruction &ins);
+  /// A bf16 product of at most 8 rows with its epilogue (none, bias, bias
+  /// GELU, residual) as our split-K kernel (CudaSkinnyGemm.cu); null where
+  /// it does not apply.
+  Launch buildSkinnyGemm(const Instruction &ins, const std::string &epilogue);
+  /// `ours` or `theirs`, whichever runs faster here (timed now); `theirs`
+  /// when `ours` is null.
+  Launch fasterOf(Launch ours, Launch theirs);
+  static constexpr int64_t kSkinnyCounters = 4096;
   Launch buildGemm(const Instruction &ins);
   // CudaAttention.cu
   Launch buildAttention(const Instruction &ins, bool grad);
@@ -326,6 +339,11 @@ private:
   long long *errorWord = nullptr;
   char *workspace = nullptr;
   size_t workspaceBytes = 0, workspaceAllocated = 0;
+  int32_t *argmaxOut = nullptr; // argmaxRows' results on the device, argmaxCapacity of them
+  int64_t argmaxCapacity = 0;
+  /// The split-K products' arrival counters (CudaSkinnyGemm.cu), zero
+  /// between launches: each product's last block resets its tiles'.
+  unsigned *skinnyCounters = nullptr;
   std::vector<void *> allocations;
   std::string where;
   struct Step {

@@ -175,7 +175,7 @@ Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
   auto found = ins.attrs.find("epilogue");
   std::string epilogue = found != ins.attrs.end() && found->is_string() ? found->get<std::string>() : "";
   if (epilogue.empty())
-    return buildGemm(ins);
+    return fasterOf(buildSkinnyGemm(ins, epilogue), buildGemm(ins));
   static const bool lt = [] {
     const char *e = std::getenv("LOOM_CUDA_EPILOGUES");
     return !(e && std::string(e) == "0");
@@ -218,7 +218,7 @@ Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
     plan = planGemm(gemmTypes(a, b, o), ta, tb, m, n, k, ptr(a), lda, ptr(b), b.shape[rb - 1], ptr(o), n, 256, &e);
   if (plan) {
     char *pa = ptr(a), *pb = ptr(b), *po = ptr(o);
-    return [=](cudaStream_t s) { gemm(*plan, pa, pb, po, s, &e); };
+    return fasterOf(buildSkinnyGemm(ins, epilogue), [=](cudaStream_t s) { gemm(*plan, pa, pb, po, s, &e); });
   }
   // Apart: the product (with its bias in cuBLASLt's epilogue where it can
   // be), then our kernels for the rest.

@@ -51,7 +51,82 @@ __global__ void embeddingGradKernel(const void *ids, bool wide, DPtr dy, float *
   }
 }
 
+/// Slices of one tensor along one axis, in one launch: part p copies rows
+/// of width[p] units from the source at column start[p] (units: sixteen
+/// bytes where every width, start and row pitch allows, else two or one).
+constexpr int kMaxSlices = 8;
+struct SliceParts {
+  int count = 0;
+  int64_t rows = 0, pitch = 0; // source row pitch, in units
+  int64_t start[kMaxSlices] = {}, width[kMaxSlices] = {}, first[kMaxSlices + 1] = {}; // first: prefix of widths
+  void *out[kMaxSlices] = {};
+};
+
+template <typename E> __global__ void slicesKernel(const E *in, SliceParts parts) {
+  int64_t total = parts.rows * parts.first[parts.count];
+  GRID_LOOP(i, total) {
+    int64_t row = i / parts.first[parts.count], col = i % parts.first[parts.count];
+    int p = 0;
+    while (col >= parts.first[p + 1])
+      ++p;
+    col -= parts.first[p];
+    static_cast<E *>(parts.out[p])[row * parts.width[p] + col] = in[row * parts.pitch + parts.start[p] + col];
+  }
+}
+
 } // namespace
+
+bool CudaBackendImpl::slicesTogether(const Instruction &a, const Instruction &b) {
+  return a.op == "slice" && b.op == "slice" && a.in == b.in && a.attrs.value("axis", 0) == b.attrs.value("axis", 0) &&
+         buf(a.out[0]).dtype == buf(b.out[0]).dtype;
+}
+
+Launch CudaBackendImpl::buildSlices(const std::vector<Instruction> &instrs, size_t begin, size_t end) {
+  if (end - begin > size_t(kMaxSlices) || end - begin < 2)
+    fail(LOOM_INTERNAL, where, ": ", end - begin, " slices in one launch");
+  const Buffer &x = buf(instrs[begin].in[0]);
+  int64_t axis = axisOf(instrs[begin], "axis", x.shape.size(), 0);
+  int64_t outer = 1, inner = dtypeSize(x.dtype);
+  for (int64_t d = 0; d < axis; ++d)
+    outer *= x.shape[d];
+  for (size_t d = axis + 1; d < x.shape.size(); ++d)
+    inner *= x.shape[d];
+  int64_t pitch = x.shape[axis] * inner; // bytes
+  SliceParts parts;
+  parts.count = int(end - begin);
+  parts.rows = outer;
+  int64_t unit = 16;
+  for (size_t i = begin; i < end; ++i) {
+    const Buffer &o = buf(instrs[i].out[0]);
+    int64_t start = static_cast<int64_t>(num(instrs[i], "start", 0)) * inner, width = o.shape[axis] * inner;
+    if (start < 0 || start + width > pitch || count(o.shape) * int64_t(dtypeSize(o.dtype)) != width * outer)
+      fail(LOOM_INVALID_BUNDLE, "instruction [", i, "] 'slice': out of its input's bounds");
+    parts.start[i - begin] = start, parts.width[i - begin] = width, parts.out[i - begin] = ptr(o);
+    for (int64_t v : {start, width, pitch, int64_t(reinterpret_cast<uintptr_t>(ptr(o)))})
+      while (v % unit)
+        unit /= 2;
+  }
+  if (reinterpret_cast<uintptr_t>(ptr(x)) % unit)
+    unit = 1;
+  unit = unit >= 16 ? 16 : unit >= 2 ? 2 : 1;
+  parts.pitch = pitch / unit;
+  for (int p = 0; p < parts.count; ++p) {
+    parts.start[p] /= unit, parts.width[p] /= unit;
+    parts.first[p + 1] = parts.first[p] + parts.width[p];
+  }
+  int64_t total = parts.rows * parts.first[parts.count];
+  const char *pi = ptr(x);
+  return [=](cudaStream_t s) {
+    if (total == 0)
+      return;
+    if (unit == 16)
+      slicesKernel<<<blocksFor(total), kThreads, 0, s>>>(reinterpret_cast<const uint4 *>(pi), parts);
+    else if (unit == 2)
+      slicesKernel<<<blocksFor(total), kThreads, 0, s>>>(reinterpret_cast<const uint16_t *>(pi), parts);
+    else
+      slicesKernel<<<blocksFor(total), kThreads, 0, s>>>(reinterpret_cast<const uint8_t *>(pi), parts);
+  };
+}
 
 Launch CudaBackendImpl::buildSliceOrConcat(const Instruction &ins) {
   const std::string &op = ins.op;

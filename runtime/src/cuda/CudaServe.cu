@@ -14,6 +14,10 @@
 #include "runtime/src/cuda/CudaBackendImpl.h"
 #include "runtime/src/cuda/CudaKernelsCommon.cuh"
 
+#include <cstdlib>
+#include <string>
+#include <type_traits>
+
 namespace loom::rt::cuda {
 
 namespace {
@@ -154,7 +158,202 @@ __global__ void pagedAttentionKernel(DPtr q, const T *kc, const T *vc, const int
   }
 }
 
+/// Sixteen bytes of a cache row as floats.
+template <typename T> struct Pack;
+template <> struct Pack<float> {
+  static constexpr int N = 4;
+  __device__ static void load(const float *p, float *out) {
+    float4 v = *reinterpret_cast<const float4 *>(p);
+    out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
+  }
+};
+template <> struct Pack<__nv_bfloat16> {
+  static constexpr int N = 8;
+  __device__ static void load(const __nv_bfloat16 *p, float *out) {
+    int4 v = *reinterpret_cast<const int4 *>(p);
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&v);
+    for (int i = 0; i < 4; ++i) {
+      float2 f = __bfloat1622float2(h[i]);
+      out[2 * i] = f.x, out[2 * i + 1] = f.y;
+    }
+  }
+};
+
+constexpr int kVecThreads = 256;
+
+/// The same attention with sixteen-byte loads, for rows whose head slices
+/// are sixteen-byte aligned. The token's block table is read into shared
+/// memory once, so each key's address costs no global load. Scores: a
+/// thread per key, its row read as D/N independent vectors. Output: the
+/// threads split into key groups of D/N threads, each thread a vector of
+/// dimensions over its group's keys, and the groups' sums reduced in
+/// shared memory. Every load of a loop is independent of the others, so
+/// many are in flight (the old kernel's chained table-then-row loads left
+/// decoding bound by their latency).
+template <typename T, int G>
+__global__ void __launch_bounds__(kVecThreads)
+    pagedAttentionVecKernel(DPtr q, const T *kc, const T *vc, const int32_t *positions, const int32_t *table,
+                            DPtr o, int heads, int kvHeads, int D, int blockSize, int perSeq, int64_t numBlocks,
+                            float scale, int maxKeys, long long *err) {
+  constexpr int N = Pack<T>::N;
+  extern __shared__ float smem[];
+  const int token = blockIdx.x, kh = blockIdx.y;
+  constexpr int group = G; // query heads per key/value head, unrolled
+  const int64_t W = int64_t(kvHeads) * D;
+  float *qs = smem;                                           // [group][D]
+  float *scores = qs + group * D;                             // [group][maxKeys]
+  int *tbl = reinterpret_cast<int *>(scores + group * maxKeys); // [perSeq]
+  const int32_t *blocks = table + int64_t(token) * perSeq;
+  const int pos = positions[token];
+  if (pos < 0 || pos >= maxKeys) {
+    if (threadIdx.x == 0 && kh == 0)
+      raise(err, kBadPosition, token, pos);
+    return;
+  }
+  const int keys = pos + 1, used = pos / blockSize + 1;
+  for (int b = threadIdx.x; b < used; b += blockDim.x) {
+    int e = blocks[b];
+    if (e < 0 || e >= numBlocks) {
+      if (kh == 0)
+        raise(err, kBadBlock, token, e);
+      e = 0; // reported; read something in bounds
+    }
+    tbl[b] = e;
+  }
+  for (int i = threadIdx.x; i < group * D; i += blockDim.x)
+    qs[i] = q[(int64_t(token) * heads + kh * group + i / D) * D + i % D] * scale;
+  __syncthreads();
+  auto rowOf = [&](int p) { return (int64_t(tbl[p / blockSize]) * blockSize + p % blockSize) * W + int64_t(kh) * D; };
+  for (int p = threadIdx.x; p < keys; p += blockDim.x) {
+    const T *krow = kc + rowOf(p);
+    float acc[G] = {};
+    for (int d = 0; d < D; d += N) {
+      float kv[N];
+      Pack<T>::load(krow + d, kv);
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+          acc[g] += qs[g * D + d + j] * kv[j];
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+      scores[g * maxKeys + p] = acc[g];
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int g = warp; g < group; g += warps) {
+    float mx = -INFINITY;
+    for (int p = lane; p < keys; p += 32)
+      mx = fmaxf(mx, scores[g * maxKeys + p]);
+    for (int off = 16; off > 0; off /= 2)
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float sum = 0;
+    for (int p = lane; p < keys; p += 32) {
+      float e = __expf(scores[g * maxKeys + p] - mx);
+      scores[g * maxKeys + p] = e;
+      sum += e;
+    }
+    for (int off = 16; off > 0; off /= 2)
+      sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    float inv = 1.0f / sum;
+    for (int p = lane; p < keys; p += 32)
+      scores[g * maxKeys + p] *= inv;
+  }
+  __syncthreads();
+  const int chunks = D / N, groups = blockDim.x / chunks;
+  const int c = threadIdx.x % chunks, kg = threadIdx.x / chunks;
+  float acc[G][N] = {};
+  if (kg < groups) {
+#pragma unroll 4
+    for (int p = kg; p < keys; p += groups) {
+      float vv[N];
+      Pack<T>::load(vc + rowOf(p) + c * N, vv);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float w = scores[g * maxKeys + p];
+#pragma unroll
+        for (int j = 0; j < N; ++j)
+          acc[g][j] += w * vv[j];
+      }
+    }
+  }
+  __syncthreads(); // the scores are read: the partial sums overlay them
+  float *partial = smem; // [groups][group][D]
+  if (kg < groups)
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+        partial[(kg * group + g) * D + c * N + j] = acc[g][j];
+  __syncthreads();
+  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+    float sum = 0;
+    for (int k = 0; k < groups; ++k)
+      sum += partial[k * group * D + i];
+    o.st((int64_t(token) * heads + kh * group + i / D) * D + i % D, sum);
+  }
+}
+
+/// Block per row: each thread the largest of its stride of columns (the
+/// first on ties, NaN never), then the block's.
+template <typename T> __global__ void argmaxRowsKernel(const T *x, int64_t cols, int32_t *out) {
+  const T *row = x + int64_t(blockIdx.x) * cols;
+  float best = -INFINITY;
+  int64_t at = -1;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    float v = toFloat(row[c]);
+    if (v == v && (at < 0 || v > best))
+      best = v, at = c;
+  }
+  __shared__ float bests[32];
+  __shared__ int64_t ats[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  auto better = [](float v, int64_t a, float w, int64_t b) { // (w, b) beats (v, a)
+    return b >= 0 && (a < 0 || w > v || (w == v && b < a));
+  };
+  for (int off = 16; off > 0; off /= 2) {
+    float w = __shfl_down_sync(0xffffffffu, best, off);
+    int64_t b = __shfl_down_sync(0xffffffffu, at, off);
+    if (better(best, at, w, b))
+      best = w, at = b;
+  }
+  if (lane == 0)
+    bests[warp] = best, ats[warp] = at;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < int(blockDim.x / 32); ++w)
+      if (better(best, at, bests[w], ats[w]))
+        best = bests[w], at = ats[w];
+    out[blockIdx.x] = int32_t(at < 0 ? 0 : at);
+  }
+}
+
 } // namespace
+
+void CudaBackendImpl::argmaxRows(const Buffer &b, int64_t rows, int64_t cols, int32_t *out) {
+  int64_t size = b.dtype == LOOM_BF16 ? 2 : 4;
+  if ((b.dtype != LOOM_BF16 && b.dtype != LOOM_F32) || cols < 1 || rows < 0 || rows * cols * size > b.bytes)
+    fail(LOOM_INVALID_ARGUMENT, "argmax of ", rows, " rows of ", cols, " over '", b.name, "' (", dtypeName(b.dtype),
+         shapeStr(b.shape), ")");
+  if (rows == 0)
+    return;
+  LOOM_CUDA_CHECK(cudaSetDevice(device));
+  if (rows > argmaxCapacity) {
+    cudaFree(argmaxOut);
+    argmaxOut = nullptr, argmaxCapacity = 0;
+    LOOM_CUDA_CHECK(cudaMalloc(&argmaxOut, size_t(rows) * sizeof(int32_t)));
+    argmaxCapacity = rows;
+  }
+  if (b.dtype == LOOM_BF16)
+    argmaxRowsKernel<<<unsigned(rows), 1024, 0, stream>>>(reinterpret_cast<const __nv_bfloat16 *>(ptr(b)), cols,
+                                                          argmaxOut);
+  else
+    argmaxRowsKernel<<<unsigned(rows), 1024, 0, stream>>>(reinterpret_cast<const float *>(ptr(b)), cols, argmaxOut);
+  LOOM_CUDA_CHECK(cudaGetLastError());
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(out, argmaxOut, size_t(rows) * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+  LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
 
 Launch CudaBackendImpl::buildKvWrite(const Instruction &ins) {
   const Buffer &k = buf(ins.in[0]), &slots = buf(ins.in[2]), &kc = buf(ins.out[0]);
@@ -194,30 +393,68 @@ Launch CudaBackendImpl::buildPagedAttention(const Instruction &ins) {
     fail(LOOM_UNSUPPORTED, where, ": paged attention supports up to ", kMaxGroup,
          " query heads per key/value head and head dimensions up to ", kAttnThreads, ", got ", group, " and ", D);
   int maxKeys = perSeq * blockSize;
-  int splitMax = std::max(1, kAttnThreads / D);
-  size_t shared = std::max<size_t>(size_t(group) * (D + maxKeys), size_t(splitMax) * group * D) * sizeof(float);
-  if (shared > 227 * 1024)
-    fail(LOOM_UNSUPPORTED, where, ": paged attention over ", maxKeys, " positions needs ", shared,
-         " bytes of shared memory; compile with a smaller --max-seq");
   bool bf = kc.dtype == LOOM_BF16;
-  if (shared > 48 * 1024) {
-    if (bf)
-      LOOM_CUDA_CHECK(cudaFuncSetAttribute(pagedAttentionKernel<__nv_bfloat16>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)));
-    else
-      LOOM_CUDA_CHECK(cudaFuncSetAttribute(pagedAttentionKernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(shared)));
-  }
-  float scale = float(num(ins, "scale", 1.0 / std::sqrt(double(D))));
+  if (kc.dtype != buf(ins.in[2]).dtype || (kc.dtype != LOOM_BF16 && kc.dtype != LOOM_F32))
+    fail(LOOM_UNSUPPORTED, where, ": paged attention caches must both be f32 or bf16");
   int64_t n = q.shape[0] * q.shape[1], numBlocks = kc.shape[0] / blockSize;
   DPtr pq = fp(ins.in[0]), po = fp(ins.out[0]);
   const void *pk = ptr(kc), *pv = ptr(buf(ins.in[2]));
-  if (kc.dtype != buf(ins.in[2]).dtype || (kc.dtype != LOOM_BF16 && kc.dtype != LOOM_F32))
-    fail(LOOM_UNSUPPORTED, where, ": paged attention caches must both be f32 or bf16");
   const int32_t *pp = reinterpret_cast<const int32_t *>(ptr(pos)), *pt = reinterpret_cast<const int32_t *>(ptr(table));
   long long *err = errorWord;
+  float scale = float(num(ins, "scale", 1.0 / std::sqrt(double(D))));
+  // Sixteen-byte loads where every head slice of a row is aligned to them.
+  int pack = bf ? 8 : 4;
+  bool vec = D % pack == 0 && reinterpret_cast<uintptr_t>(pk) % 16 == 0 && reinterpret_cast<uintptr_t>(pv) % 16 == 0 &&
+             kVecThreads / (D / pack) >= 1;
+  static const bool oldKernel = [] {
+    const char *e = std::getenv("LOOM_CUDA_PAGED_SCALAR");
+    return e && std::string(e) == "1";
+  }();
+  vec = vec && !oldKernel;
+  size_t shared;
+  if (vec) {
+    int groups = kVecThreads / (D / pack);
+    shared = std::max<size_t>(size_t(group) * (D + maxKeys) * sizeof(float) + size_t(perSeq) * sizeof(int),
+                              size_t(groups) * group * D * sizeof(float));
+  } else {
+    int splitMax = std::max(1, kAttnThreads / D);
+    shared = std::max<size_t>(size_t(group) * (D + maxKeys), size_t(splitMax) * group * D) * sizeof(float);
+  }
+  if (shared > 227 * 1024)
+    fail(LOOM_UNSUPPORTED, where, ": paged attention over ", maxKeys, " positions needs ", shared,
+         " bytes of shared memory; compile with a smaller --max-seq");
+  auto allow = [&](const void *kernel) {
+    if (shared > 48 * 1024)
+      LOOM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)));
+  };
+  dim3 grid{unsigned(n), unsigned(kvHeads), 1u};
+  // A kernel of cache element T (tag: a null T*) and its launch.
+  auto vecLaunch = [&](auto tag, auto kernel) -> Launch {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+    allow(reinterpret_cast<const void *>(kernel));
+    return [=](cudaStream_t s) {
+      kernel<<<grid, kVecThreads, shared, s>>>(pq, static_cast<const T *>(pk), static_cast<const T *>(pv), pp, pt, po,
+                                               heads, kvHeads, D, blockSize, perSeq, numBlocks, scale, maxKeys, err);
+    };
+  };
+  const float *f32 = nullptr;
+  const __nv_bfloat16 *b16 = nullptr;
+  if (vec) {
+    switch (group * 2 + bf) {
+    case 2: return vecLaunch(f32, pagedAttentionVecKernel<float, 1>);
+    case 3: return vecLaunch(b16, pagedAttentionVecKernel<__nv_bfloat16, 1>);
+    case 4: return vecLaunch(f32, pagedAttentionVecKernel<float, 2>);
+    case 5: return vecLaunch(b16, pagedAttentionVecKernel<__nv_bfloat16, 2>);
+    case 8: return vecLaunch(f32, pagedAttentionVecKernel<float, 4>);
+    case 9: return vecLaunch(b16, pagedAttentionVecKernel<__nv_bfloat16, 4>);
+    case 16: return vecLaunch(f32, pagedAttentionVecKernel<float, 8>);
+    case 17: return vecLaunch(b16, pagedAttentionVecKernel<__nv_bfloat16, 8>);
+    default: break; // other group sizes: the general kernel
+    }
+  }
+  allow(bf ? reinterpret_cast<const void *>(pagedAttentionKernel<__nv_bfloat16>)
+           : reinterpret_cast<const void *>(pagedAttentionKernel<float>));
   return [=](cudaStream_t s) {
-    dim3 grid{unsigned(n), unsigned(kvHeads), 1u};
     if (bf)
       pagedAttentionKernel<__nv_bfloat16><<<grid, kAttnThreads, shared, s>>>(
           pq, static_cast<const __nv_bfloat16 *>(pk), static_cast<const __nv_bfloat16 *>(pv), pp, pt, po, heads,

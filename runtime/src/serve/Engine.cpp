@@ -230,6 +230,10 @@ bool Engine::step() {
 }
 
 void Engine::runStep(const ServeProgram &p, const std::vector<Planned> &plan, std::vector<Outgoing> &events) {
+  using Clock = std::chrono::steady_clock;
+  auto t0 = Clock::now();
+  double inputs = 0; // summed over the ranks' threads: each binds its own
+  std::mutex inputsMu;
   const int64_t n = p.tokens, perSeq = cfg.maxBlocksPerSeq, bs = cfg.blockSize;
   std::vector<int32_t> tokens(size_t(n), 0), positions(size_t(n), 0), slots(size_t(n), -1);
   std::vector<int32_t> table(size_t(n * perSeq), 0), rows(size_t(p.rows), 0);
@@ -250,11 +254,16 @@ void Engine::runStep(const ServeProgram &p, const std::vector<Planned> &plan, st
     s.bindInput(p.name + "." + name, v.data(), v.size() * sizeof(int32_t));
   };
   auto run = [&](Session &s) {
+    auto b0 = Clock::now();
     bind(s, "tokens", tokens);
     bind(s, "positions", positions);
     bind(s, "slots", slots);
     bind(s, "block_table", table);
     bind(s, "rows", rows);
+    {
+      std::lock_guard<std::mutex> lock(inputsMu);
+      inputs = std::max(inputs, std::chrono::duration<double>(Clock::now() - b0).count());
+    }
     s.runProgram(p.name);
   };
   if (ranks.size() == 1) {
@@ -275,27 +284,39 @@ void Engine::runStep(const ServeProgram &p, const std::vector<Planned> &plan, st
     if (first)
       std::rethrow_exception(first);
   }
+  auto t1 = Clock::now();
   // The logits of the sampled rows, as f32.
   const Buffer &out = ranks[0]->output(p.name + ".logits");
   const int64_t V = cfg.vocab, sampled = std::count_if(plan.begin(), plan.end(), [](auto &x) { return x.row >= 0; });
-  raw = ranks[0]->read(out);
-  logits.resize(size_t(sampled * V));
-  for (int64_t i = 0; i < sampled * V; ++i)
-    logits[i] = out.dtype == LOOM_BF16 ? bf16ToFloat(reinterpret_cast<const uint16_t *>(raw.data())[i])
-                                       : reinterpret_cast<const float *>(raw.data())[i];
+  // Greedy rows need only their argmax: the device finds it, and the step
+  // reads back a token per row instead of rows of vocab logits.
+  bool greedy = !options.eventLogits && std::all_of(plan.begin(), plan.end(), [](const Planned &x) {
+    return x.row < 0 || (x.request->params.temperature == 0 && x.request->params.repetitionPenalty == 1);
+  });
+  if (greedy) {
+    argmax.resize(size_t(sampled));
+    ranks[0]->argmaxRows(out, sampled, V, argmax.data());
+  } else {
+    raw = ranks[0]->read(out);
+    logits.resize(size_t(sampled * V));
+    for (int64_t i = 0; i < sampled * V; ++i)
+      logits[i] = out.dtype == LOOM_BF16 ? bf16ToFloat(reinterpret_cast<const uint16_t *>(raw.data())[i])
+                                         : reinterpret_cast<const float *>(raw.data())[i];
+  }
+  auto t2 = Clock::now();
   for (const Planned &pl : plan) {
     Request &r = *pl.request;
     r.computed += pl.count;
     if (pl.row < 0)
       continue;
-    int32_t token = r.sampler->next(logits.data() + pl.row * V, V, r.tokens);
+    int32_t token = greedy ? argmax[size_t(pl.row)] : r.sampler->next(logits.data() + pl.row * V, V, r.tokens);
     r.tokens.push_back(token);
     TokenEvent e;
     e.request = r.id;
     e.token = token;
     e.index = static_cast<int32_t>(r.tokens.size() - r.promptLength - 1);
-    e.logits = logits.data() + pl.row * V;
-    e.vocab = V;
+    if (!greedy)
+      e.logits = logits.data() + pl.row * V, e.vocab = V;
     events.push_back({e, r.callback});
     const auto &stops = r.params.stopTokens;
     if (std::find(stops.begin(), stops.end(), token) != stops.end())
@@ -303,6 +324,13 @@ void Engine::runStep(const ServeProgram &p, const std::vector<Planned> &plan, st
     else if (r.tokens.size() >= r.limit)
       finish(r, Finish::Length, "", events);
   }
+  auto t3 = Clock::now();
+  auto secs = [](auto d) { return std::chrono::duration<double>(d).count(); };
+  std::lock_guard<std::mutex> lock(mu);
+  counters.inputSeconds += inputs;
+  counters.programSeconds += secs(t1 - t0) - inputs;
+  counters.logitsSeconds += secs(t2 - t1);
+  counters.sampleSeconds += secs(t3 - t2);
 }
 
 void Engine::deliver(std::vector<Outgoing> &events) {

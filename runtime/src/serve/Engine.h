@@ -46,7 +46,8 @@ struct TokenEvent {
   Finish finish = Finish::None; // not None on the request's last event
   std::string error;      // why, when finish is Error
   /// The logits the token was sampled from (vocab of them), valid during
-  /// the callback; null on an event without a token.
+  /// the callback; null on an event without a token, and unless the
+  /// engine was asked for them (EngineOptions::eventLogits).
   const float *logits = nullptr;
   int64_t vocab = 0;
 };
@@ -56,6 +57,10 @@ struct EngineOptions {
   /// Requests waiting for a slot at most; more are refused (the HTTP
   /// server answers 429).
   size_t maxQueue = 1024;
+  /// Hand each token's logits to its callback (TokenEvent::logits). Off,
+  /// a step whose sampled rows are all greedy reads back only their argmax
+  /// (computed on the device) instead of whole rows of logits.
+  bool eventLogits = false;
 };
 
 struct EngineStats {
@@ -63,6 +68,10 @@ struct EngineStats {
   uint64_t promptTokens = 0, generatedTokens = 0, steps = 0;
   size_t waiting = 0, running = 0;
   int64_t freeBlocks = 0, totalBlocks = 0;
+  /// Where the steps' time went on the stepping thread: handing the step's
+  /// tokens, positions and block table to the ranks, running the program,
+  /// reading the sampled rows' logits back, and sampling.
+  double inputSeconds = 0, programSeconds = 0, logitsSeconds = 0, sampleSeconds = 0;
 };
 
 class Engine {
@@ -144,6 +153,7 @@ private:
   std::vector<std::unique_ptr<Request>> running; // the stepping thread's
   std::vector<float> logits;                     // scratch, the stepping thread's
   std::vector<char> raw;
+  std::vector<int32_t> argmax;                   // scratch: greedy rows' tokens
 
   std::thread worker;
   bool stopping = false, draining = false; // guarded by mu
