@@ -13,7 +13,7 @@ R=.deps/bundles
 T=$(mktemp -d)
 status=0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-echo "== decoding's kernels (paged attention, few-row products, argmax) against the CPU backend"
+echo "== decoding's kernels (paged attention, slices, argmax) against the CPU backend"
 build-device/test/unit/loom-gpu-tests --gtest_filter='CudaServe.*' 2>&1 | grep -E -A6 "^\[  (PASSED|FAILED|SKIPPED) |Failure" || status=1
 printf '1 2 3 4 5\n10 20 30\n7 9 7 9 7 9 7 9 7 9 7 9 7 9 7 9 7 9 7\n100\n50 60\n' > $T/small.txt
 echo "== greedy decoding with the cache equals re-running the forward pass (CUDA, bf16)"

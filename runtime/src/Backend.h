@@ -25,6 +25,10 @@ public:
   virtual std::string name() const = 0;
   virtual void upload(const Buffer &b, const void *src) = 0;         // b.bytes bytes
   virtual void download(const Buffer &b, void *dst) const = 0;       // b.bytes bytes
+  /// upload, for an input the next run of this backend's programs reads
+  /// (and nothing else before it): `src` may be reused when it returns, but
+  /// the copy may finish later, ordered before that run (CUDA: no wait).
+  virtual void uploadBeforeRun(const Buffer &b, const void *src) { upload(b, src); }
   virtual void prepare(const std::string &program, const std::vector<Instruction> &instrs) = 0;
   virtual bool has(const std::string &program) const = 0;
   virtual void run(const std::string &program) = 0;

@@ -216,6 +216,10 @@ void Session::bindInput(const std::string &name, const void *src, size_t bytes) 
   backend->upload(inputOfSize(*this, name, bytes), src);
 }
 
+void Session::bindInputBeforeRun(const std::string &name, const void *src, size_t bytes) {
+  backend->uploadBeforeRun(inputOfSize(*this, name, bytes), src);
+}
+
 void Session::bindInputFromDevice(const std::string &name, const void *src, size_t bytes, int device) {
   backend->uploadFromDevice(inputOfSize(*this, name, bytes), src, device);
 }

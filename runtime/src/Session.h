@@ -66,6 +66,9 @@ public:
   void write(const Buffer &b, const void *src);
   /// The column of the largest value of each of `b`'s first `rows` rows of
   /// `cols` (f32 or bf16; the first on ties), computed where `b` lives.
+  /// bindInput for an input only the next runProgram reads: the copy may
+  /// still be under way when it returns (`src` may be reused).
+  void bindInputBeforeRun(const std::string &name, const void *src, size_t bytes);
   void argmaxRows(const Buffer &b, int64_t rows, int64_t cols, int32_t *out) {
     backend->argmaxRows(b, rows, cols, out);
   }

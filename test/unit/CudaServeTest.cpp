@@ -4,10 +4,8 @@
 // operands on the CUDA backend and on the CPU backend (the reference), and
 // their results are compared: paged attention over a shuffled block table
 // (one and several query heads per key/value head, f32 and bf16, decoding
-// tokens and a prompt chunk), and bf16 products of a few rows with each
-// epilogue through the split-K kernel (LOOM_CUDA_SKINNY=1 makes the backend
-// take it wherever it applies). Also the device argmax greedy decoding
-// reads. Skips where there is no GPU.
+// tokens and a prompt chunk), and the slices of one tensor in one launch.
+// Also the device argmax greedy decoding reads. Skips where there is no GPU.
 //
 //===----------------------------------------------------------------------===//
 
@@ -32,11 +30,7 @@ using namespace loom::rt;
 
 namespace {
 
-const bool kSetup = [] {
-  setenv("LOOM_CUDA_TF32", "0", 1);   // f32 products in full f32
-  setenv("LOOM_CUDA_SKINNY", "1", 1); // our few-row products wherever they apply
-  return true;
-}();
+const bool kTf32Off = [] { return setenv("LOOM_CUDA_TF32", "0", 1) == 0; }(); // f32 products in full f32
 
 bool haveGpu() {
   int n = 0;
@@ -184,36 +178,6 @@ TEST(CudaServe, PagedAttentionBf16) {
   if (!haveGpu())
     GTEST_SKIP() << "no CUDA device";
   pagedAttention(LOOM_BF16, 1e-2);
-}
-
-TEST(CudaServe, FewRowProducts) {
-  if (!haveGpu())
-    GTEST_SKIP() << "no CUDA device";
-  std::mt19937 rng(5);
-  struct Case {
-    int64_t rows, K, N;
-  };
-  // Rows 1..8 (decoding batches), the GPT-2 350M shapes, a ragged last tile.
-  const Case cases[] = {{1, 1024, 3072}, {1, 4096, 1024}, {3, 1024, 4096}, {8, 1024, 1024}, {5, 64, 200}};
-  for (const Case &c : cases)
-    for (const char *epilogue : {"", "bias", "bias_gelu", "bias_residual", "residual"}) {
-      SCOPED_TRACE(std::to_string(c.rows) + "x" + std::to_string(c.K) + "x" + std::to_string(c.N) + " '" +
-                   epilogue + "'");
-      std::string e = epilogue;
-      std::vector<Operand> in = {{{1, c.rows, c.K}, LOOM_BF16}, {{c.K, c.N}, LOOM_BF16}};
-      if (e.rfind("bias", 0) == 0)
-        in.push_back({{c.N}, LOOM_BF16});
-      if (e.find("residual") != std::string::npos)
-        in.push_back({{1, c.rows, c.N}, LOOM_BF16});
-      nlohmann::json attrs = nlohmann::json::object();
-      if (!e.empty())
-        attrs["epilogue"] = e;
-      OneInstruction p("matmul", in, {{{1, c.rows, c.N}, LOOM_BF16}}, attrs);
-      std::vector<std::vector<char>> inputs;
-      for (int64_t id : p.ins.in)
-        inputs.push_back(randomFloats(p.rank.buffers[id], rng));
-      compare(p, inputs, 1e-2);
-    }
 }
 
 // Slices of one tensor along one axis run as one launch (q, k and v of the

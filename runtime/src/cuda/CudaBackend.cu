@@ -152,7 +152,7 @@ CudaBackendImpl::~CudaBackendImpl() {
     cudaLibraryUnload(kernelsLibrary);
   cudaFree(workspace);
   cudaFree(argmaxOut);
-  cudaFree(skinnyCounters);
+  cudaFree(l2Flush);
   cudaFree(errorWord);
   cudaFree(arena);
   gemmPlans.clear();
@@ -169,6 +169,21 @@ void CudaBackendImpl::upload(const Buffer &b, const void *src) {
   LOOM_CUDA_CHECK(cudaSetDevice(device)); // each rank's thread drives its own GPU
   LOOM_CUDA_CHECK(cudaMemcpyAsync(ptr(b), src, b.bytes, cudaMemcpyHostToDevice, stream));
   LOOM_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+void CudaBackendImpl::uploadBeforeRun(const Buffer &b, const void *src) {
+  // From pageable memory the copy has left `src` when cudaMemcpyAsync
+  // returns (it is staged), and the stream orders it before the next
+  // program: nothing to wait for. From page-locked memory the copy reads
+  // `src` later: wait for it.
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, src) != cudaSuccess) {
+    cudaGetLastError();
+    attributes.type = cudaMemoryTypeHost;
+  }
+  if (attributes.type != cudaMemoryTypeUnregistered)
+    return upload(b, src);
+  LOOM_CUDA_CHECK(cudaSetDevice(device));
+  LOOM_CUDA_CHECK(cudaMemcpyAsync(ptr(b), src, b.bytes, cudaMemcpyHostToDevice, stream));
 }
 void CudaBackendImpl::download(const Buffer &b, void *dst) const {
   LOOM_CUDA_CHECK(cudaSetDevice(device));

@@ -78,6 +78,7 @@ public:
   bool replaysGraphs() const override { return graphsWanted(); }
 
   void upload(const Buffer &b, const void *src) override;
+  void uploadBeforeRun(const Buffer &b, const void *src) override;
   void download(const Buffer &b, void *dst) const override;
   int cudaDevice() const override { return device; }
   char *arenaData(const Buffer &b) override { return ptr(b); }
@@ -240,14 +241,12 @@ private:
   Launch buildNormGrad(const Instruction &ins);
   // CudaGemm.cu
   Launch buildMatmul(const Instruction &ins);
-  /// A bf16 product of at most 8 rows with its epilogue (none, bias, bias
-  /// GELU, residual) as our split-K kernel (CudaSkinnyGemm.cu); null where
-  /// it does not apply.
-  Launch buildSkinnyGemm(const Instruction &ins, const std::string &epilogue);
-  /// `ours` or `theirs`, whichever runs faster here (timed now); `theirs`
-  /// when `ours` is null.
-  Launch fasterOf(Launch ours, Launch theirs);
-  static constexpr int64_t kSkinnyCounters = 4096;
+  /// Evicts the L2 cache (writes twice its size) on the stream: timing a
+  /// product as decoding runs it, its weights coming from memory.
+  void flushL2();
+  void *l2Flush = nullptr;
+  size_t l2FlushBytes = 0;
+  int l2FlushValue = 0;
   Launch buildGemm(const Instruction &ins);
   // CudaAttention.cu
   Launch buildAttention(const Instruction &ins, bool grad);
@@ -341,9 +340,6 @@ private:
   size_t workspaceBytes = 0, workspaceAllocated = 0;
   int32_t *argmaxOut = nullptr; // argmaxRows' results on the device, argmaxCapacity of them
   int64_t argmaxCapacity = 0;
-  /// The split-K products' arrival counters (CudaSkinnyGemm.cu), zero
-  /// between launches: each product's last block resets its tiles'.
-  unsigned *skinnyCounters = nullptr;
   std::vector<void *> allocations;
   std::string where;
   struct Step {

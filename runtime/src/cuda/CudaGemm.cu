@@ -10,6 +10,7 @@
 
 #include "runtime/src/cuda/CudaBackendImpl.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 
@@ -96,10 +97,15 @@ CudaBackendImpl::planGemm(const GemmTypes &t, bool ta, bool tb, int64_t m, int64
     LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, alignAttr[i], &align[i], sizeof align[i]));
   LOOM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align[3],
                                                          sizeof align[3]));
-  cublasLtMatmulHeuristicResult_t found[8];
+  // Products of a few rows (decoding) read their weights from memory each
+  // time: more candidates (cuBLASLt's first picks are tuned for larger
+  // products), each timed with the L2 cache flushed, as it will run.
+  const bool fewRows = m <= 64;
+  constexpr int kMaxCandidates = 32;
+  cublasLtMatmulHeuristicResult_t found[kMaxCandidates];
   int returned = 0;
-  cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt, plan->desc, plan->a, plan->b, plan->c, plan->c, pref, 8,
-                                                     found, &returned);
+  cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt, plan->desc, plan->a, plan->b, plan->c, plan->c, pref,
+                                                     fewRows ? kMaxCandidates : 8, found, &returned);
   cublasLtMatmulPreferenceDestroy(pref);
   if ((st != CUBLAS_STATUS_SUCCESS || returned == 0) && epilogue)
     return nullptr;
@@ -121,13 +127,26 @@ CudaBackendImpl::planGemm(const GemmTypes &t, bool ta, bool tb, int64_t m, int64
     };
     if (launch() != CUBLAS_STATUS_SUCCESS)
       continue;
-    LOOM_CUDA_CHECK(cudaEventRecord(e0, stream));
-    for (int r = 0; r < 3; ++r)
-      launch();
-    LOOM_CUDA_CHECK(cudaEventRecord(e1, stream));
-    LOOM_CUDA_CHECK(cudaEventSynchronize(e1));
     float ms = 0;
-    LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (fewRows) {
+      for (int r = 0; r < 3; ++r) {
+        float one = 0;
+        flushL2();
+        LOOM_CUDA_CHECK(cudaEventRecord(e0, stream));
+        launch();
+        LOOM_CUDA_CHECK(cudaEventRecord(e1, stream));
+        LOOM_CUDA_CHECK(cudaEventSynchronize(e1));
+        LOOM_CUDA_CHECK(cudaEventElapsedTime(&one, e0, e1));
+        ms += one;
+      }
+    } else {
+      LOOM_CUDA_CHECK(cudaEventRecord(e0, stream));
+      for (int r = 0; r < 3; ++r)
+        launch();
+      LOOM_CUDA_CHECK(cudaEventRecord(e1, stream));
+      LOOM_CUDA_CHECK(cudaEventSynchronize(e1));
+      LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    }
     if (ms < best)
       best = ms, plan->algo = found[i].algo;
   }
@@ -138,6 +157,16 @@ CudaBackendImpl::planGemm(const GemmTypes &t, bool ta, bool tb, int64_t m, int64
     fail(LOOM_INTERNAL, where, ": no cuBLASLt algorithm ran a ", m, "x", n, "x", k, " product");
   gemmPlans[key] = plan;
   return plan;
+}
+
+void CudaBackendImpl::flushL2() {
+  if (!l2Flush) {
+    int l2 = 0;
+    LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
+    l2FlushBytes = std::max<size_t>(size_t(l2) * 2, 1 << 20);
+    LOOM_CUDA_CHECK(cudaMalloc(&l2Flush, l2FlushBytes));
+  }
+  LOOM_CUDA_CHECK(cudaMemsetAsync(l2Flush, ++l2FlushValue, l2FlushBytes, stream));
 }
 
 void CudaBackendImpl::gemm(const GemmPlan &p, const void *a, const void *b, void *c, cudaStream_t s,
@@ -175,7 +204,7 @@ Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
   auto found = ins.attrs.find("epilogue");
   std::string epilogue = found != ins.attrs.end() && found->is_string() ? found->get<std::string>() : "";
   if (epilogue.empty())
-    return fasterOf(buildSkinnyGemm(ins, epilogue), buildGemm(ins));
+    return buildGemm(ins);
   static const bool lt = [] {
     const char *e = std::getenv("LOOM_CUDA_EPILOGUES");
     return !(e && std::string(e) == "0");
@@ -218,7 +247,7 @@ Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
     plan = planGemm(gemmTypes(a, b, o), ta, tb, m, n, k, ptr(a), lda, ptr(b), b.shape[rb - 1], ptr(o), n, 256, &e);
   if (plan) {
     char *pa = ptr(a), *pb = ptr(b), *po = ptr(o);
-    return fasterOf(buildSkinnyGemm(ins, epilogue), [=](cudaStream_t s) { gemm(*plan, pa, pb, po, s, &e); });
+    return [=](cudaStream_t s) { gemm(*plan, pa, pb, po, s, &e); };
   }
   // Apart: the product (with its bias in cuBLASLt's epilogue where it can
   // be), then our kernels for the rest.

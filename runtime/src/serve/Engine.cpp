@@ -251,7 +251,7 @@ void Engine::runStep(const ServeProgram &p, const std::vector<Planned> &plan, st
       rows[pl.row] = static_cast<int32_t>(at - 1);
   }
   auto bind = [&](Session &s, const char *name, const std::vector<int32_t> &v) {
-    s.bindInput(p.name + "." + name, v.data(), v.size() * sizeof(int32_t));
+    s.bindInputBeforeRun(p.name + "." + name, v.data(), v.size() * sizeof(int32_t));
   };
   auto run = [&](Session &s) {
     auto b0 = Clock::now();
