@@ -4,7 +4,8 @@
 // gradient) runs alone on random operands on the CUDA backend and on the
 // CPU backend (the reference that defines the instructions), and their
 // results are compared. Shapes cover 1x1, 3x3 and 7x7 kernels, stride 2,
-// padding, groups and batch norms with several blocks per channel; f32
+// padding, groups and batch norms with several blocks per channel (alone
+// and with a fused ReLU); f32
 // with full f32 products (TF32 off for the whole binary) and bf16 with
 // bf16's tolerance; NCHW, and NHWC (`layout = "nhwc"`: the same cases with
 // their tensors channels last, filters OHWI) as loom-nhwc-layout compiles
@@ -198,9 +199,13 @@ void batchNorms(loom_dtype_t dt, double tol, bool nhwc = false) {
   for (const Shape &nchw : kBatchNormCases) {
     Shape x = laidOut(nchw, nhwc), c{nchw[1]};
     nlohmann::json attrs = withLayout({{"eps", 1e-5}}, nhwc);
+    nlohmann::json relu = attrs;
+    relu["activation"] = "relu"; // batch norm + ReLU fused; the gradient's fourth input is the ReLU's output
     for (double mean : {0.0, 3.0}) { // 3: the mean well away from zero next to the spread
       compare("batchnorm", {{x, c, c}, {x}}, attrs, dt, tol, mean);
       compare("batchnorm_grad", {{x, c, x}, {x, c, c}}, attrs, dt, tol, mean);
+      compare("batchnorm", {{x, c, c}, {x}}, relu, dt, tol, mean);
+      compare("batchnorm_grad", {{x, c, x, x}, {x, c, c}}, relu, dt, tol, mean);
     }
   }
 }

@@ -145,22 +145,27 @@ Kernel buildLayerNormGrad(const Ctx &c) { return buildNormGrad(c, false); }
 Kernel buildRMSNormGrad(const Ctx &c) { return buildNormGrad(c, true); }
 
 Kernel buildBatchNormGrad(const Ctx &c) {
-  c.arity(3, 3);
+  bool relu = batchNormRelu(c);
+  c.arity(relu ? 4 : 3, 3);
   const Buffer &x = c.in(0);
   for (size_t i = 0; i < 3; ++i)
     c.needF32(c.in(i)), c.needF32(c.out(i));
   c.sameShape(x, c.in(2)), c.sameShape(x, c.out(0));
+  if (relu)
+    c.needF32(c.in(3)), c.sameShape(x, c.in(3));
   BatchNormLayout l = batchNormLayout(c, x.shape);
   int64_t n = l.n, ch = l.ch, inner = l.inner;
   double eps = c.attrFloat("eps");
-  float *px = c.f32(x), *g = c.f32(c.in(1)), *dy = c.f32(c.in(2)), *dx = c.f32(c.out(0));
-  float *dg = c.f32(c.out(1)), *db = c.f32(c.out(2));
+  float *px = c.f32(x), *g = c.f32(c.in(1)), *pdy = c.f32(c.in(2)), *dx = c.f32(c.out(0));
+  float *dg = c.f32(c.out(1)), *db = c.f32(c.out(2)), *py = relu ? c.f32(c.in(3)) : nullptr;
   ThreadPool *pool = &c.pool;
   return [=] {
     pool->parallelFor(ch, double(n * inner * 3), [&](int64_t c0, int64_t c1) {
       for (int64_t cc = c0; cc < c1; ++cc) {
         double cnt = double(n * inner), mean = 0, var = 0;
         auto at = [&](int64_t i, int64_t j) { return l.at(i, cc, j); };
+        // With a fused ReLU, its gradient first (unary_grad's dy * relu'(y)).
+        auto dyAt = [&](int64_t k) { return py ? pdy[k] * ew::derivative(ew::Fn::Relu, py[k], 0) : pdy[k]; };
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < inner; ++j)
             mean += px[at(i, j)];
@@ -172,12 +177,13 @@ Kernel buildBatchNormGrad(const Ctx &c) {
         double rstd = 1.0 / std::sqrt(var + eps), sumD = 0, sumDX = 0, sumDy = 0, sumDyX = 0;
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < inner; ++j) {
-            double xh = (px[at(i, j)] - mean) * rstd, d = double(dy[at(i, j)]) * g[cc];
-            sumD += d, sumDX += d * xh, sumDy += dy[at(i, j)], sumDyX += dy[at(i, j)] * xh;
+            float dy = dyAt(at(i, j));
+            double xh = (px[at(i, j)] - mean) * rstd, d = double(dy) * g[cc];
+            sumD += d, sumDX += d * xh, sumDy += dy, sumDyX += dy * xh;
           }
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < inner; ++j) {
-            double xh = (px[at(i, j)] - mean) * rstd, d = double(dy[at(i, j)]) * g[cc];
+            double xh = (px[at(i, j)] - mean) * rstd, d = double(dyAt(at(i, j))) * g[cc];
             dx[at(i, j)] = static_cast<float>(rstd * (d - sumD / cnt - xh * sumDX / cnt));
           }
         dg[cc] = static_cast<float>(sumDyX);

@@ -298,6 +298,15 @@ struct BatchNormLayout {
   int64_t at(int64_t i, int64_t cc, int64_t j) const { return i * ch * inner + cc * sc + j * sj; }
 };
 
+/// Whether a batch norm (or its gradient) has ReLU fused after it
+/// (`activation = "relu"`, loom-fuse-elementwise's bn + relu).
+inline bool batchNormRelu(const Ctx &c) {
+  std::string act = attrString(c, "activation", "");
+  if (!act.empty() && act != "relu")
+    c.bad(cat("activation must be relu, got '", act, "'"));
+  return act == "relu";
+}
+
 inline BatchNormLayout batchNormLayout(const Ctx &c, const Shape &x) {
   if (x.size() < 2)
     c.bad("input must be [N, C, ...]");

@@ -6,6 +6,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "runtime/src/cpu/CpuKernels.h"
+#include "runtime/src/Elementwise.h"
 
 #include <algorithm>
 #include <cmath>
@@ -146,6 +147,7 @@ Kernel buildBatchNorm(const Ctx &c) {
   if (c.in(1).shape != Shape{ch} || c.in(2).shape != Shape{ch})
     c.bad(cat("gamma and beta must be [", ch, "]"));
   float eps = static_cast<float>(c.attrFloat("eps"));
+  bool relu = batchNormRelu(c);
   float *px = c.f32(x), *g = c.f32(c.in(1)), *b = c.f32(c.in(2)), *py = c.f32(c.out());
   ThreadPool *pool = &c.pool;
   return [=] {
@@ -166,7 +168,8 @@ Kernel buildBatchNorm(const Ctx &c) {
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < inner; ++j) {
             int64_t at = l.at(i, cc, j);
-            py[at] = (px[at] - m) * inv * g[cc] + b[cc];
+            float v = (px[at] - m) * inv * g[cc] + b[cc];
+            py[at] = relu ? ew::relu(v) : v;
           }
       }
     });

@@ -42,7 +42,8 @@ __global__ void im2colKernel(const float *x, float *col, ConvShape s) {
 /// cancel where the mean is large next to the spread: {Σ(x - K),
 /// Σ(x - K)², Σdy, Σdy(x - K)} (the last two for the gradient). A grid of
 /// (channel, slice) blocks adds its slices in double (sums zeroed first).
-__global__ void batchNormSumsKernel(DPtr x, DPtr dy, double *sums, int64_t n, int64_t ch, int64_t inner) {
+/// With `act` (a fused ReLU's output), dy counts only where act > 0.
+__global__ void batchNormSumsKernel(DPtr x, DPtr dy, DPtr act, double *sums, int64_t n, int64_t ch, int64_t inner) {
   __shared__ float shared[32];
   int64_t c = blockIdx.x, count = n * inner;
   float shift = x[c * inner];
@@ -53,7 +54,7 @@ __global__ void batchNormSumsKernel(DPtr x, DPtr dy, double *sums, int64_t n, in
     s[0] += v;
     s[1] += v * v;
     if (dy) {
-      float d = dy[at];
+      float d = act && !(act[at] > 0.0f) ? 0.0f : dy[at];
       s[2] += d;
       s[3] += d * v;
     }
@@ -71,7 +72,7 @@ __global__ void batchNormSumsKernel(DPtr x, DPtr dy, double *sums, int64_t n, in
 /// 0, c]; the block adds its 8 rows of sums before one atomic per channel
 /// and sum. `rows` is N x H x W.
 constexpr int kNhwcRows = 8;
-__global__ void batchNormSumsNhwcKernel(DPtr x, DPtr dy, double *sums, int64_t rows, int64_t ch) {
+__global__ void batchNormSumsNhwcKernel(DPtr x, DPtr dy, DPtr act, double *sums, int64_t rows, int64_t ch) {
   __shared__ float shared[4][kNhwcRows][33];
   int64_t c = blockIdx.x * 32 + threadIdx.x;
   float s[4] = {0, 0, 0, 0};
@@ -83,7 +84,7 @@ __global__ void batchNormSumsNhwcKernel(DPtr x, DPtr dy, double *sums, int64_t r
       s[0] += v;
       s[1] += v * v;
       if (dy) {
-        float d = dy[at];
+        float d = act && !(act[at] > 0.0f) ? 0.0f : dy[at];
         s[2] += d;
         s[3] += d * v;
       }
@@ -129,25 +130,26 @@ __global__ void batchNormStatsKernel(DPtr x, const double *sums, DPtr gamma, Bat
   }
 }
 
-/// y = (x - mean) · rstd · gamma + beta.
+/// y = (x - mean) · rstd · gamma + beta, then max(y, 0) with a fused ReLU.
 __global__ void batchNormApplyKernel(DPtr x, DPtr gamma, DPtr beta, const BatchNormStats *stats, DPtr y,
-                                     int64_t total, int64_t ch, int64_t inner, bool nhwc) {
+                                     int64_t total, int64_t ch, int64_t inner, bool nhwc, bool relu) {
   GRID_LOOP(i, total) {
     int64_t c = nhwc ? i % ch : (i / inner) % ch;
     BatchNormStats s = stats[c];
-    y.st(i, (x[i] - s.mean) * s.rstd * gamma[c] + beta[c]);
+    float v = (x[i] - s.mean) * s.rstd * gamma[c] + beta[c];
+    y.st(i, relu && !(v > 0.0f) ? 0.0f : v);
   }
 }
 
 /// dx = rstd · (gamma · dy - g·Σdy / count - x̂ · g·Σdy·x̂ / count), the CPU
-/// backend's formula.
-__global__ void batchNormGradApplyKernel(DPtr x, DPtr gamma, DPtr dy, const BatchNormStats *stats, DPtr dx,
-                                         int64_t total, int64_t ch, int64_t inner, bool nhwc) {
+/// backend's formula; with `act`, dy counts only where act > 0.
+__global__ void batchNormGradApplyKernel(DPtr x, DPtr gamma, DPtr dy, DPtr act, const BatchNormStats *stats,
+                                         DPtr dx, int64_t total, int64_t ch, int64_t inner, bool nhwc) {
   GRID_LOOP(i, total) {
     int64_t c = nhwc ? i % ch : (i / inner) % ch;
     BatchNormStats s = stats[c];
-    float xh = (x[i] - s.mean) * s.rstd;
-    dx.st(i, s.rstd * (gamma[c] * dy[i] - s.a - xh * s.b));
+    float xh = (x[i] - s.mean) * s.rstd, d = act && !(act[i] > 0.0f) ? 0.0f : dy[i];
+    dx.st(i, s.rstd * (gamma[c] * d - s.a - xh * s.b));
   }
 }
 
@@ -351,28 +353,34 @@ unsigned batchNormSlices(int64_t count) {
 }
 
 /// A batch norm's input as [n, ch, inner]: the channel is dimension 1, or
-/// the last with layout nhwc.
+/// the last with layout nhwc; relu: a ReLU fused after it (activation).
 struct BatchNormDims {
   int64_t n, ch, inner;
-  bool nhwc;
+  bool nhwc, relu;
 };
 BatchNormDims batchNormDims(const Instruction &ins, const Shape &x, const std::string &where) {
   bool nhwc = channelsLast(ins, where);
+  auto act = ins.attrs.find("activation");
+  bool relu = act != ins.attrs.end();
+  if (relu && !(act->is_string() && act->get<std::string>() == "relu"))
+    fail(LOOM_INVALID_BUNDLE, where, ": activation must be relu, got ", act->dump());
+  if (relu && ins.op == "batchnorm_grad" && ins.in.size() != 4)
+    fail(LOOM_INVALID_BUNDLE, where, ": batchnorm_grad with activation relu takes the ReLU's output as a fourth input");
   int64_t n = x[0], ch = nhwc ? x.back() : x[1];
-  return {n, ch, numElements(x).value_or(0) / std::max<int64_t>(n * ch, 1), nhwc};
+  return {n, ch, numElements(x).value_or(0) / std::max<int64_t>(n * ch, 1), nhwc, relu};
 }
 
-/// The per-channel sums of x (and dy) into `sums`, zeroed first.
-void launchBatchNormSums(const BatchNormDims &d, DPtr x, DPtr dy, double *sums, cudaStream_t s) {
+/// The per-channel sums of x (and dy, masked by act) into `sums`, zeroed first.
+void launchBatchNormSums(const BatchNormDims &d, DPtr x, DPtr dy, DPtr act, double *sums, cudaStream_t s) {
   LOOM_CUDA_CHECK(cudaMemsetAsync(sums, 0, size_t(d.ch) * 4 * sizeof(double), s));
   if (d.nhwc) {
     int64_t rows = d.n * d.inner;
     unsigned slices = unsigned(std::clamp<int64_t>((rows + kNhwcRows * 32 - 1) / (kNhwcRows * 32), 1, 65535));
-    batchNormSumsNhwcKernel<<<dim3(unsigned((d.ch + 31) / 32), slices), dim3(32, kNhwcRows), 0, s>>>(x, dy, sums,
-                                                                                                   rows, d.ch);
+    batchNormSumsNhwcKernel<<<dim3(unsigned((d.ch + 31) / 32), slices), dim3(32, kNhwcRows), 0, s>>>(
+        x, dy, act, sums, rows, d.ch);
   } else {
-    batchNormSumsKernel<<<dim3(unsigned(d.ch), batchNormSlices(d.n * d.inner)), kThreads, 0, s>>>(x, dy, sums, d.n,
-                                                                                                d.ch, d.inner);
+    batchNormSumsKernel<<<dim3(unsigned(d.ch), batchNormSlices(d.n * d.inner)), kThreads, 0, s>>>(
+        x, dy, act, sums, d.n, d.ch, d.inner);
   }
 }
 } // namespace
@@ -383,7 +391,7 @@ void launchBatchNormSums(const BatchNormDims &d, DPtr x, DPtr dy, double *sums, 
 Launch CudaBackendImpl::buildBatchNorm(const Instruction &ins) {
   BatchNormDims d = batchNormDims(ins, buf(ins.in[0]).shape, where);
   int64_t n = d.n, ch = d.ch, inner = d.inner, total = n * ch * inner, channelStride = d.nhwc ? 1 : inner;
-  bool nhwc = d.nhwc;
+  bool nhwc = d.nhwc, relu = d.relu;
   double eps = num(ins, "eps", 1e-5);
   DPtr x = fp(ins.in[0]), g = fp(ins.in[1]), b = fp(ins.in[2]), y = fp(ins.out[0]);
   size_t sumsBytes = (size_t(ch) * 4 * sizeof(double) + 255) / 256 * 256;
@@ -391,31 +399,32 @@ Launch CudaBackendImpl::buildBatchNorm(const Instruction &ins) {
   return [=](cudaStream_t s) {
     double *sums = reinterpret_cast<double *>(workspace);
     auto *stats = reinterpret_cast<BatchNormStats *>(workspace + sumsBytes);
-    launchBatchNormSums(d, x, DPtr{}, sums, s);
+    launchBatchNormSums(d, x, DPtr{}, DPtr{}, sums, s);
     batchNormStatsKernel<<<blocksFor(ch), kThreads, 0, s>>>(x, sums, g, stats, DPtr{}, DPtr{}, ch, channelStride,
                                                             n * inner, eps);
-    batchNormApplyKernel<<<blocksFor(total), kThreads, 0, s>>>(x, g, b, stats, y, total, ch, inner, nhwc);
+    batchNormApplyKernel<<<blocksFor(total), kThreads, 0, s>>>(x, g, b, stats, y, total, ch, inner, nhwc, relu);
   };
 }
 
-/// batchnorm_grad (x, gamma, dy -> dx, dgamma, dbeta): the statistics are
-/// recomputed from x with the sums the gradient needs, in one read of x and dy.
+/// batchnorm_grad (x, gamma, dy (, y) -> dx, dgamma, dbeta): the statistics
+/// are recomputed from x with the sums the gradient needs, in one read of x
+/// and dy (and of a fused ReLU's output y, which masks dy).
 Launch CudaBackendImpl::buildBatchNormGrad(const Instruction &ins) {
   BatchNormDims d = batchNormDims(ins, buf(ins.in[0]).shape, where);
   int64_t n = d.n, ch = d.ch, inner = d.inner, total = n * ch * inner, channelStride = d.nhwc ? 1 : inner;
   bool nhwc = d.nhwc;
   double eps = num(ins, "eps", 1e-5);
-  DPtr x = fp(ins.in[0]), g = fp(ins.in[1]), dy = fp(ins.in[2]);
+  DPtr x = fp(ins.in[0]), g = fp(ins.in[1]), dy = fp(ins.in[2]), act = d.relu ? fp(ins.in[3]) : DPtr{};
   DPtr dx = fp(ins.out[0]), dg = fp(ins.out[1]), db = fp(ins.out[2]);
   size_t sumsBytes = (size_t(ch) * 4 * sizeof(double) + 255) / 256 * 256;
   reserve(sumsBytes + size_t(ch) * sizeof(BatchNormStats));
   return [=](cudaStream_t s) {
     double *sums = reinterpret_cast<double *>(workspace);
     auto *stats = reinterpret_cast<BatchNormStats *>(workspace + sumsBytes);
-    launchBatchNormSums(d, x, dy, sums, s);
+    launchBatchNormSums(d, x, dy, act, sums, s);
     batchNormStatsKernel<<<blocksFor(ch), kThreads, 0, s>>>(x, sums, g, stats, dg, db, ch, channelStride, n * inner,
                                                             eps);
-    batchNormGradApplyKernel<<<blocksFor(total), kThreads, 0, s>>>(x, g, dy, stats, dx, total, ch, inner, nhwc);
+    batchNormGradApplyKernel<<<blocksFor(total), kThreads, 0, s>>>(x, g, dy, act, stats, dx, total, ch, inner, nhwc);
   };
 }
 
