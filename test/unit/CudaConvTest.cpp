@@ -16,6 +16,7 @@
 #include "loom/rt/Bundle.h"
 #include "loom/rt/Tensor.h"
 #include "runtime/src/Backend.h"
+#include "test/unit/SingleInstruction.h"
 
 #include <cuda_runtime.h>
 
@@ -29,6 +30,8 @@
 #include <vector>
 
 using namespace loom::rt;
+using loom::rt::test::Operands;
+using loom::rt::test::programFor;
 
 namespace {
 
@@ -38,37 +41,6 @@ const bool kTf32Off = [] { return setenv("LOOM_CUDA_TF32", "0", 1) == 0; }();
 bool haveGpu() {
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-struct Operands {
-  std::vector<Shape> in, out;
-};
-
-/// One instruction over fresh buffers (inputs, then outputs), 256-byte aligned.
-RankProgram programFor(const std::string &op, const Operands &o, loom_dtype_t dt, Instruction &ins,
-                       nlohmann::json attrs) {
-  RankProgram r;
-  int64_t offset = 0;
-  auto add = [&](const Shape &s, const char *kind) {
-    Buffer b;
-    b.id = int64_t(r.buffers.size());
-    b.name = std::string(kind) + std::to_string(b.id);
-    b.dtype = dt;
-    b.shape = s;
-    b.bytes = numElements(s).value() * int64_t(dtypeSize(dt));
-    b.offset = offset;
-    offset += (b.bytes + 255) / 256 * 256;
-    r.buffers.push_back(b);
-    return b.id;
-  };
-  ins = Instruction{op, {}, {}, std::move(attrs)};
-  for (const Shape &s : o.in)
-    ins.in.push_back(add(s, "in"));
-  for (const Shape &s : o.out)
-    ins.out.push_back(add(s, "out"));
-  r.arenaBytes = offset;
-  r.programs["forward"] = {ins};
-  return r;
 }
 
 double relativeL2(const std::vector<double> &got, const std::vector<double> &want) {
