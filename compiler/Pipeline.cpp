@@ -33,6 +33,8 @@ void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o,
   add(createPartitionTensorParallel(partition));
   if (o.bf16)
     add(createMixedPrecision());
+  if (o.nhwc)
+    add(createNhwcLayout());
   add(createLowerToStep());
   if (o.serve.enabled)
     add(createServePrograms());
@@ -65,6 +67,9 @@ struct CompilePipelineOptions : public PassPipelineOptions<CompilePipelineOption
                      llvm::cl::init(false)};
   Option<std::string> precision{*this, "precision", llvm::cl::desc("f32 or bf16"),
                                 llvm::cl::init("f32")};
+  Option<std::string> layout{*this, "layout",
+                             llvm::cl::desc("nchw, or nhwc: convolutions channels-last"),
+                             llvm::cl::init("nchw")};
   Option<bool> fuse{*this, "fuse", llvm::cl::desc("Fused kernels and GEMM epilogues"),
                     llvm::cl::init(false)};
   Option<std::string> optimizer{*this, "optimizer", llvm::cl::desc("adamw, sgd or none"),
@@ -108,6 +113,7 @@ void mlir::loom::registerCompilePipeline() {
         o.train = p.train;
         o.bf16 = p.precision == "bf16";
         o.fuse = p.fuse;
+        o.nhwc = p.layout == "nhwc";
         o.training.optimizer = p.optimizer;
         o.dataParallel = p.dp, o.tensorParallel = p.tp, o.pipelineParallel = p.pp;
         o.virtualStages = p.vpp, o.microbatches = p.mb;

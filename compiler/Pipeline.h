@@ -15,11 +15,11 @@
 namespace mlir::loom {
 
 /// Adds the stages `options` needs: configure, batch specialisation,
-/// tensor-parallel partitioning, mixed precision, lowering to the step, and
-/// for training the pipeline split, autodiff, the schedule, data
-/// parallelism, the optimizer update and the step rewrites; then fusion,
-/// compaction and memory planning. With `until`, stops after the pass of
-/// that argument (for tests that check one stage's input).
+/// tensor-parallel partitioning, mixed precision, the NHWC layout, lowering
+/// to the step, and for training the pipeline split, autodiff, the
+/// schedule, data parallelism, the optimizer update and the step rewrites;
+/// then fusion, compaction and memory planning. With `until`, stops after
+/// the pass of that argument (for tests that check one stage's input).
 void buildCompilePipeline(OpPassManager &pm, const BundleOptions &options, StringRef until = "");
 
 /// Registers `loom-compile` (with its options) for loom-opt.

@@ -288,6 +288,98 @@ int64_t activationEpilogues(rt::RankProgram &r, const std::set<int64_t> &kept) {
   return removed;
 }
 
+/// Batch norm then ReLU, as ResNet has after most convolutions, become one
+/// instruction each way:
+///   batchnorm(x, g, b) -> y; relu(y) -> a
+///     => batchnorm{activation = relu}(x, g, b) -> a
+///   unary_grad{fn = relu}(y, a, da) -> dy; batchnorm_grad(x, g, dy) -> dx, dg, db
+///     => batchnorm_grad{activation = relu}(x, g, da, a) -> dx, dg, db
+/// where y has no other reader and dy none but the batch norm's gradient,
+/// so neither is written: one pass less over the activation each way. The
+/// gradient moves its reads of da and a down to where it is, so nothing in
+/// between may write them; the batch norm writes a early, so nothing in
+/// between may touch it. Runs before the chains take the ReLUs.
+int64_t batchNormRelu(rt::RankProgram &r, const std::set<int64_t> &kept) {
+  Readers readers = readersOf(r);
+  std::map<std::string, std::vector<bool>> erased;
+  for (auto &[name, list] : r.programs)
+    erased[name].assign(list.size(), false);
+  int64_t removed = 0;
+  for (auto &[name, list] : r.programs)
+    for (size_t i = 0; i < list.size(); ++i) {
+      rt::Instruction &bn = list[i];
+      if (erased[name][i] || bn.op != "batchnorm" || bn.in.size() != 3 || bn.out.size() != 1 ||
+          !strAttr(bn, "activation").empty())
+        continue;
+      int64_t y = bn.out[0];
+      auto found = readers.find(y);
+      if (kept.count(y) || r.buffers[y].viewOf >= 0 || found == readers.end())
+        continue;
+      std::optional<size_t> relu;
+      std::optional<std::pair<std::string, size_t>> grad;
+      bool other = false;
+      for (const auto &[program, index] : found->second) {
+        const rt::Instruction &ins = r.programs[program][index];
+        if (!relu && program == name && index > i && ins.op == "relu" && ins.in.size() == 1 && ins.in[0] == y &&
+            ins.out.size() == 1)
+          relu = index;
+        else if (!grad && ins.op == "unary_grad" && strAttr(ins, "fn") == "relu" && ins.in.size() == 3 &&
+                 ins.in[0] == y && ins.out.size() == 1)
+          grad = std::make_pair(program, index);
+        else
+          other = true;
+      }
+      if (other || !relu || erased[name][*relu])
+        continue;
+      int64_t a = list[*relu].out[0];
+      const rt::Buffer &yb = r.buffers[y], &ab = r.buffers[a];
+      if (!floating(yb) || ab.dtype != yb.dtype || ab.shape != yb.shape || kept.count(storageOf(r, a)) > 0 ||
+          touchedBetween(r, list, erased[name], i, *relu, storageOf(r, a), true) ||
+          anyRoot(r, bn.in, storageOf(r, a)))
+        continue;
+      std::optional<size_t> bnGrad;
+      if (grad) {
+        std::vector<rt::Instruction> &glist = r.programs[grad->first];
+        const rt::Instruction &ug = glist[grad->second];
+        int64_t dy = ug.out[0], da = ug.in[2];
+        auto dyReaders = readers.find(dy);
+        if (ug.in[1] != a || kept.count(dy) || r.buffers[dy].viewOf >= 0 || storageOf(r, dy) == storageOf(r, da) ||
+            dyReaders == readers.end() || dyReaders->second.size() != 1 ||
+            dyReaders->second[0].first != grad->first || dyReaders->second[0].second <= grad->second)
+          continue;
+        size_t l = dyReaders->second[0].second;
+        const rt::Instruction &bg = glist[l];
+        if (erased[grad->first][l] || bg.op != "batchnorm_grad" || bg.in.size() != 3 || bg.in[2] != dy ||
+            bg.in[0] != bn.in[0] || bg.in[1] != bn.in[1] || strAttr(bg, "layout") != strAttr(bn, "layout") ||
+            !strAttr(bg, "activation").empty() ||
+            touchedBetween(r, glist, erased[grad->first], grad->second, l, storageOf(r, da), false) ||
+            touchedBetween(r, glist, erased[grad->first], grad->second, l, storageOf(r, a), false))
+          continue;
+        bnGrad = l;
+      }
+      bn.out = {a};
+      bn.attrs["activation"] = "relu";
+      erased[name][*relu] = true;
+      ++removed;
+      if (grad) {
+        std::vector<rt::Instruction> &glist = r.programs[grad->first];
+        rt::Instruction &bg = glist[*bnGrad];
+        bg.in = {bg.in[0], bg.in[1], glist[grad->second].in[2], a};
+        bg.attrs["activation"] = "relu";
+        erased[grad->first][grad->second] = true;
+        ++removed;
+      }
+    }
+  for (auto &[name, list] : r.programs) {
+    std::vector<rt::Instruction> out;
+    for (size_t i = 0; i < list.size(); ++i)
+      if (!erased[name][i])
+        out.push_back(std::move(list[i]));
+    list = std::move(out);
+  }
+  return removed;
+}
+
 /// Fuses the chains of this round. A chain starts at a fusable instruction
 /// and takes each later fusable instruction of its shape that reads one of
 /// its results (not through a view); it may pass over up to kSkip other
@@ -541,7 +633,8 @@ int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
   for (const rt::Parameter &p : r.params)
     if (p.grad >= 0)
       kept.insert(storageOf(r, p.grad));
-  int64_t removed = fuseChains(r, nextKernel, kept, Round::F32);
+  int64_t removed = batchNormRelu(r, kept);
+  removed += fuseChains(r, nextKernel, kept, Round::F32);
   Readers readers = readersOf(r);
   // GEMM epilogues: a matmul whose result only a following bias add reads
   // (a bias add no elementwise chain took, such as q|k|v's before its

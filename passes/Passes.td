@@ -48,6 +48,21 @@ def PartitionTensorParallel : Pass<"loom-partition-tp", "::mlir::ModuleOp"> {
   ];
 }
 
+def NhwcLayout : Pass<"loom-nhwc-layout", "::mlir::ModuleOp"> {
+  let summary = "Runs a convolution network's convolutions, batch norms and pooling in NHWC";
+  let description = [{
+    Channels last is the layout tensor cores read best. In a module with
+    `loom.conv2d`, every convolution, batch norm of an image and pooling
+    takes `layout = "nhwc"` with NHWC tensor types (filters OHWI), between
+    `loom.transpose` conversions; then elementwise ops take the layout of
+    their operands, the blocks that convolve pass their images in NHWC
+    (their `loom.repeat`s convert around them), reductions over the spatial
+    axes read NHWC, and a conversion followed by its inverse cancels. What
+    is left converts the input image once and each filter where it is
+    read. `loomc compile --layout nchw` leaves it out of the pipeline.
+  }];
+}
+
 //===----------------------------------------------------------------------===//
 // The compile pipeline (loom-compile): configuration, then the lowered step
 //===----------------------------------------------------------------------===//

@@ -58,6 +58,9 @@ struct BundleOptions {
   std::string tokenizerFile;
   bool train = false;      // lower @loss with backward and update programs
   bool bf16 = false;       // bf16 activations, f32 master parameters (loom-mixed-precision)
+  /// Convolutions, batch norms and pooling in NHWC (loom-nhwc-layout);
+  /// loomc compile's default for --target cuda.
+  bool nhwc = false;
   /// Data-parallel ranks: each runs batch / dataParallel examples, and the
   /// update starts by averaging gradients (and the loss) over the ranks.
   int64_t dataParallel = 1;

@@ -110,13 +110,16 @@ serve() {
 resnet() {
   # ResNet-50 (224x224, 1000 classes) and the same network on 64x64 images
   # with 100 classes (the CPU reference steps take seconds), batch 32, SGD
-  # with momentum as torchvision trains it: f32, and --target cuda (bf16, --fuse).
+  # with momentum as torchvision trains it: f32 (NCHW, and NHWC), and
+  # --target cuda (bf16, --fuse, NHWC; and NCHW to compare).
   "$B/compiler/loomc" models resnet --image 64 --classes 100 -o .deps/resnet50-img64.mlir
   sgd=(--batch 32 --train --optimizer sgd --lr 0.1 --momentum 0.9)
   for m in models/resnet50.mlir .deps/resnet50-img64.mlir; do
     n=$(basename "$m" .mlir)
     c "$m" "${sgd[@]}" -o $out/$n-b32-train.loom
+    c "$m" "${sgd[@]}" --layout nhwc -o $out/$n-b32-nhwc-train.loom
     c "$m" "${sgd[@]}" --target cuda -o $out/$n-b32-cuda-train.loom
+    c "$m" "${sgd[@]}" --target cuda --layout nchw -o $out/$n-b32-cuda-nchw-train.loom
   done
   # Data parallelism over 2 GPUs at 32 images per GPU.
   dp=(--batch 64 --train --optimizer sgd --lr 0.1 --momentum 0.9 --cluster h100:2 --force dp=2,zero=0)

@@ -45,10 +45,13 @@ for m in "${models[@]}"; do
   $B/loom-run $R/$m-b32-train.loom --backend cpu --steps $steps > "$LOG/$m.cpu.log" 2>&1 || status=1
   $B/loom-run $R/$m-b32-cuda-train.loom --backend cpu --steps $steps > "$LOG/$m-bf16.cpu.log" 2>&1 || status=1
   run $m.cuda $m-b32-train $steps LOOM_CUDA_TF32=0
+  run $m-nhwc.cuda $m-b32-nhwc-train $steps LOOM_CUDA_TF32=0
   run $m-bf16.cuda $m-b32-cuda-train $steps
-  grep -h "^step" "$LOG/$m.cpu.log" "$LOG/$m.cuda.log" "$LOG/$m-bf16.cpu.log" "$LOG/$m-bf16.cuda.log" | sed "s/^/$m: /"
+  grep -h "^step" "$LOG/$m.cpu.log" "$LOG/$m.cuda.log" "$LOG/$m-nhwc.cuda.log" "$LOG/$m-bf16.cpu.log" \
+      "$LOG/$m-bf16.cuda.log" | sed "s/^/$m: /"
   close $m.cuda $m.cpu 1e-3 "$m f32"
-  close $m-bf16.cuda $m-bf16.cpu 3e-2 "$m bf16"
+  close $m-nhwc.cuda $m.cpu 1e-3 "$m f32 NHWC"
+  close $m-bf16.cuda $m-bf16.cpu 3e-2 "$m bf16 (NHWC)"
 done
 echo "== the GPU against itself: CUDA graphs against eager launches, cuDNN's forward against im2col (f32, TF32 off)"
 m=resnet50-img64
@@ -65,8 +68,9 @@ echo "== where a bf16 step's time goes (loom-run --profile)"
 LOOM_CUDNN_VERBOSE=1 $B/loom-run $R/resnet50-b32-cuda-train.loom --backend cuda --steps 6 \
     --profile "$OUT/profile-resnet50-bf16.json" 2> "$OUT/cudnn-resnet50-bf16.txt" | tail -25
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-echo "== images/s at batch 32: Loom (f32 on TF32, and --target cuda) beside PyTorch (channels_last) in one invocation"
-loom=($R/resnet50-b32-train.loom $R/resnet50-b32-cuda-train.loom)
+echo "== images/s at batch 32: Loom (f32 on TF32 and --target cuda, each NCHW and NHWC) beside PyTorch (channels_last) in one invocation"
+loom=($R/resnet50-b32-train.loom $R/resnet50-b32-nhwc-train.loom $R/resnet50-b32-cuda-nchw-train.loom
+      $R/resnet50-b32-cuda-train.loom)
 if [ "${TORCH_MODES:-}" = none ]; then
   for b in "${loom[@]}"; do
     echo "$(basename "$b" .loom): $($B/loom-run "$b" --backend cuda --steps 23 2>&1 | tail -1)"

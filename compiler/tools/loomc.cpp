@@ -100,6 +100,10 @@ cl::opt<std::string> compileTarget("target", cl::desc("cpu (the default), or cud
                                                       "otherwise, --precision bf16 (every bundle runs on "
                                                       "either backend)"),
                                    cl::init("cpu"), cl::sub(compileCmd));
+cl::opt<std::string> compileLayout("layout", cl::desc("Convolutions, batch norms and pooling in nchw, or "
+                                                      "nhwc (channels last, for tensor cores: the default "
+                                                      "with --target cuda)"),
+                                   cl::init(""), cl::sub(compileCmd));
 cl::opt<bool> compileInfer("infer", cl::desc("Compile the forward pass (the default)"),
                            cl::sub(compileCmd));
 cl::opt<bool> compileTrain("train", cl::desc("Compile a training step of @loss: forward, "
@@ -436,6 +440,9 @@ int runCompile() {
   options.bf16 = compilePrecision == "bf16" || (cuda && compilePrecision.getNumOccurrences() == 0);
   options.noWeights = compileNoWeights;
   options.fuse = compileFuse || cuda;
+  if (!compileLayout.empty() && compileLayout != "nchw" && compileLayout != "nhwc")
+    return fail("--layout must be nchw or nhwc, got '" + compileLayout + "'");
+  options.nhwc = compileLayout.empty() ? cuda : compileLayout == "nhwc";
   options.dataParallel = dp;
   options.tensorParallel = tp;
   options.pipelineParallel = pp;

@@ -337,6 +337,31 @@ func.func @conv_fit(%x: tensor<1x3x2x2xf32>, %w: tensor<8x3x3x3xf32>) {
 
 // -----
 
+// NHWC: the channels are the last dimension of the input and the filter (OHWI).
+func.func @conv_channels_nhwc(%x: tensor<1x32x32x3xf32>, %w: tensor<8x3x3x4xf32>) {
+  // expected-error @+1 {{'loom.conv2d' op input has 3 channels but filter 'tensor<8x3x3x4xf32>' with groups = 1 expects 4}}
+  %0 = loom.conv2d %x, %w {layout = "nhwc"} : tensor<1x32x32x3xf32>, tensor<8x3x3x4xf32>
+  return
+}
+
+// -----
+
+func.func @conv_layout(%x: tensor<1x3x8x8xf32>, %w: tensor<8x3x3x3xf32>) {
+  // expected-error @+1 {{'loom.conv2d' op attribute 'layout' failed to satisfy constraint: image layout, "nchw" or "nhwc"}}
+  %0 = loom.conv2d %x, %w {layout = "chwn"} : tensor<1x3x8x8xf32>, tensor<8x3x3x3xf32>
+  return
+}
+
+// -----
+
+func.func @batchnorm_nhwc(%x: tensor<2x4x4x8xf32>, %g: tensor<4xf32>) {
+  // expected-error @+1 {{'loom.batchnorm' op gamma must be 'tensor<8xf32>' to match input 'tensor<2x4x4x8xf32>', got 'tensor<4xf32>'}}
+  %0 = loom.batchnorm %x, %g, %g {layout = "nhwc"} : tensor<2x4x4x8xf32>, tensor<4xf32>, tensor<4xf32>
+  return
+}
+
+// -----
+
 func.func @maxpool_rank(%x: tensor<3x32x32xf32>) {
   // expected-error @+1 {{'loom.max_pool2d' op expects input [N, C, H, W], got 'tensor<3x32x32xf32>'}}
   %0 = loom.max_pool2d %x {kernel = 2} : tensor<3x32x32xf32>

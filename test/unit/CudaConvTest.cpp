@@ -4,15 +4,19 @@
 // gradient) runs alone on random operands on the CUDA backend and on the
 // CPU backend (the reference that defines the instructions), and their
 // results are compared. Shapes cover 1x1, 3x3 and 7x7 kernels, stride 2,
-// padding, groups and batch norms with several blocks per channel; f32
+// padding, groups and batch norms with several blocks per channel (alone
+// and with a fused ReLU); f32
 // with full f32 products (TF32 off for the whole binary) and bf16 with
-// bf16's tolerance. Skips where there is no GPU.
+// bf16's tolerance; NCHW, and NHWC (`layout = "nhwc"`: the same cases with
+// their tensors channels last, filters OHWI) as loom-nhwc-layout compiles
+// for the GPU. Skips where there is no GPU.
 //
 //===----------------------------------------------------------------------===//
 
 #include "loom/rt/Bundle.h"
 #include "loom/rt/Tensor.h"
 #include "runtime/src/Backend.h"
+#include "test/unit/SingleInstruction.h"
 
 #include <cuda_runtime.h>
 
@@ -26,6 +30,8 @@
 #include <vector>
 
 using namespace loom::rt;
+using loom::rt::test::Operands;
+using loom::rt::test::programFor;
 
 namespace {
 
@@ -35,37 +41,6 @@ const bool kTf32Off = [] { return setenv("LOOM_CUDA_TF32", "0", 1) == 0; }();
 bool haveGpu() {
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-struct Operands {
-  std::vector<Shape> in, out;
-};
-
-/// One instruction over fresh buffers (inputs, then outputs), 256-byte aligned.
-RankProgram programFor(const std::string &op, const Operands &o, loom_dtype_t dt, Instruction &ins,
-                       nlohmann::json attrs) {
-  RankProgram r;
-  int64_t offset = 0;
-  auto add = [&](const Shape &s, const char *kind) {
-    Buffer b;
-    b.id = int64_t(r.buffers.size());
-    b.name = std::string(kind) + std::to_string(b.id);
-    b.dtype = dt;
-    b.shape = s;
-    b.bytes = numElements(s).value() * int64_t(dtypeSize(dt));
-    b.offset = offset;
-    offset += (b.bytes + 255) / 256 * 256;
-    r.buffers.push_back(b);
-    return b.id;
-  };
-  ins = Instruction{op, {}, {}, std::move(attrs)};
-  for (const Shape &s : o.in)
-    ins.in.push_back(add(s, "in"));
-  for (const Shape &s : o.out)
-    ins.out.push_back(add(s, "out"));
-  r.arenaBytes = offset;
-  r.programs["forward"] = {ins};
-  return r;
 }
 
 double relativeL2(const std::vector<double> &got, const std::vector<double> &want) {
@@ -125,6 +100,17 @@ void compare(const std::string &op, const Operands &o, nlohmann::json attrs, loo
   }
 }
 
+/// An NCHW (or OIHW) shape stored channels last: NHWC (or OHWI).
+Shape channelsLast(const Shape &s) { return {s[0], s[2], s[3], s[1]}; }
+
+/// The shape as the layout stores it, and the layout's attribute.
+Shape laidOut(const Shape &s, bool nhwc) { return nhwc ? channelsLast(s) : s; }
+nlohmann::json withLayout(nlohmann::json attrs, bool nhwc) {
+  if (nhwc)
+    attrs["layout"] = "nhwc";
+  return attrs;
+}
+
 struct ConvCase {
   Shape x, w;
   int64_t stride, pad, groups;
@@ -139,14 +125,14 @@ const ConvCase kConvCases[] = {
     {{2, 8, 6, 6}, {8, 4, 3, 3}, 1, 1, 2},    // grouped
 };
 
-void convolutions(loom_dtype_t dt, double tol) {
+void convolutions(loom_dtype_t dt, double tol, bool nhwc = false) {
   for (const ConvCase &c : kConvCases) {
     int64_t ho = (c.x[2] + 2 * c.pad - c.w[2]) / c.stride + 1, wo = (c.x[3] + 2 * c.pad - c.w[3]) / c.stride + 1;
-    Shape y{c.x[0], c.w[0], ho, wo};
-    nlohmann::json attrs = {{"stride", c.stride}, {"padding", c.pad}, {"groups", c.groups}};
-    compare("conv2d", {{c.x, c.w}, {y}}, attrs, dt, tol);
-    compare("conv2d_grad_input", {{y, c.w}, {c.x}}, attrs, dt, tol);
-    compare("conv2d_grad_filter", {{c.x, y}, {c.w}}, attrs, dt, tol);
+    Shape x = laidOut(c.x, nhwc), w = laidOut(c.w, nhwc), y = laidOut({c.x[0], c.w[0], ho, wo}, nhwc);
+    nlohmann::json attrs = withLayout({{"stride", c.stride}, {"padding", c.pad}, {"groups", c.groups}}, nhwc);
+    compare("conv2d", {{x, w}, {y}}, attrs, dt, tol);
+    compare("conv2d_grad_input", {{y, w}, {x}}, attrs, dt, tol);
+    compare("conv2d_grad_filter", {{x, y}, {w}}, attrs, dt, tol);
   }
 }
 
@@ -162,15 +148,15 @@ const PoolCase kPoolCases[] = {
     {{2, 2, 7, 7}, 7, 1, 0},   // one window over the image (a global average)
 };
 
-void pooling(loom_dtype_t dt, double tol) {
+void pooling(loom_dtype_t dt, double tol, bool nhwc = false) {
   for (const PoolCase &c : kPoolCases) {
     int64_t ho = (c.x[2] + 2 * c.pad - c.kernel) / c.stride + 1, wo = (c.x[3] + 2 * c.pad - c.kernel) / c.stride + 1;
-    Shape y{c.x[0], c.x[1], ho, wo};
-    nlohmann::json attrs = {{"kernel", c.kernel}, {"stride", c.stride}, {"padding", c.pad}};
-    compare("max_pool2d", {{c.x}, {y}}, attrs, dt, tol);
-    compare("max_pool2d_grad", {{c.x, y}, {c.x}}, attrs, dt, tol);
-    compare("avg_pool2d", {{c.x}, {y}}, attrs, dt, tol);
-    compare("avg_pool2d_grad", {{y}, {c.x}}, attrs, dt, tol);
+    Shape x = laidOut(c.x, nhwc), y = laidOut({c.x[0], c.x[1], ho, wo}, nhwc);
+    nlohmann::json attrs = withLayout({{"kernel", c.kernel}, {"stride", c.stride}, {"padding", c.pad}}, nhwc);
+    compare("max_pool2d", {{x}, {y}}, attrs, dt, tol);
+    compare("max_pool2d_grad", {{x, y}, {x}}, attrs, dt, tol);
+    compare("avg_pool2d", {{x}, {y}}, attrs, dt, tol);
+    compare("avg_pool2d_grad", {{y}, {x}}, attrs, dt, tol);
   }
 }
 
@@ -178,14 +164,20 @@ const Shape kBatchNormCases[] = {
     {4, 6, 5, 5},    // one block per channel
     {16, 3, 40, 40}, // several blocks per channel, added in double
     {3, 5, 1, 1},    // 1x1 images (a norm over the batch only)
+    {4, 70, 6, 6},   // NHWC: channels over several blocks of 32, the last one partial
 };
 
-void batchNorms(loom_dtype_t dt, double tol) {
-  for (const Shape &x : kBatchNormCases) {
-    Shape c{x[1]};
+void batchNorms(loom_dtype_t dt, double tol, bool nhwc = false) {
+  for (const Shape &nchw : kBatchNormCases) {
+    Shape x = laidOut(nchw, nhwc), c{nchw[1]};
+    nlohmann::json attrs = withLayout({{"eps", 1e-5}}, nhwc);
+    nlohmann::json relu = attrs;
+    relu["activation"] = "relu"; // batch norm + ReLU fused; the gradient's fourth input is the ReLU's output
     for (double mean : {0.0, 3.0}) { // 3: the mean well away from zero next to the spread
-      compare("batchnorm", {{x, c, c}, {x}}, {{"eps", 1e-5}}, dt, tol, mean);
-      compare("batchnorm_grad", {{x, c, x}, {x, c, c}}, {{"eps", 1e-5}}, dt, tol, mean);
+      compare("batchnorm", {{x, c, c}, {x}}, attrs, dt, tol, mean);
+      compare("batchnorm_grad", {{x, c, x}, {x, c, c}}, attrs, dt, tol, mean);
+      compare("batchnorm", {{x, c, c}, {x}}, relu, dt, tol, mean);
+      compare("batchnorm_grad", {{x, c, x, x}, {x, c, c}}, relu, dt, tol, mean);
     }
   }
 }
@@ -233,4 +225,45 @@ TEST(CudaConv, BatchNormBf16) {
   if (!haveGpu())
     GTEST_SKIP() << "no CUDA device";
   batchNorms(LOOM_BF16, 1e-2);
+}
+
+// Channels last (what loom-nhwc-layout compiles for the GPU): cuDNN with
+// CUDNN_TENSOR_NHWC descriptors and OHWI filters, and our NHWC batch-norm
+// and pooling kernels, against the CPU backend's NHWC forms at the same
+// tolerances as NCHW.
+TEST(CudaConv, ConvolutionsNhwcF32) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(kTf32Off);
+  convolutions(LOOM_F32, 1e-4, true);
+}
+
+TEST(CudaConv, ConvolutionsNhwcBf16) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  convolutions(LOOM_BF16, 1e-2, true);
+}
+
+TEST(CudaConv, PoolingNhwcF32) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  pooling(LOOM_F32, 1e-6, true);
+}
+
+TEST(CudaConv, PoolingNhwcBf16) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  pooling(LOOM_BF16, 1e-2, true);
+}
+
+TEST(CudaConv, BatchNormNhwcF32) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  batchNorms(LOOM_F32, 1e-4, true);
+}
+
+TEST(CudaConv, BatchNormNhwcBf16) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  batchNorms(LOOM_BF16, 1e-2, true);
 }

@@ -36,7 +36,8 @@ protected:
   GradientCheck() { context.loadDialect<mlir::loom::LoomDialect, func::FuncDialect>(); }
 
   /// Checks every parameter of `text` (@loss); int inputs get ids below their limit.
-  void check(const std::string &text, int64_t batch = 1, int samples = 12) {
+  /// With `nhwc`, compiled with loom-nhwc-layout (convolution networks channels last).
+  void check(const std::string &text, int64_t batch = 1, int samples = 12, bool nhwc = false) {
     auto module = parseSourceString<ModuleOp>(text, &context);
     ASSERT_TRUE(module) << text;
     std::string dir = ::testing::TempDir() + "/loom-grad-" + std::to_string(::getpid()) + "-" +
@@ -47,6 +48,7 @@ protected:
     options.seed = 5;
     options.train = true;
     options.training.optimizer = "none";
+    options.nhwc = nhwc;
     ASSERT_TRUE(succeeded(mlir::loom::writeBundle(*module, options, dir)));
     rt::Session s(dir, {});
     const rt::RankProgram &r = s.rank();
@@ -266,6 +268,30 @@ TEST_F(GradientCheck, Convolutions) {
   check(single(x, "    %x = loom.get @x : tensor<2x3x6x6xf32>\n"
                   "    %y = loom.avg_pool2d %x {kernel = 2, stride = 2} : tensor<2x3x6x6xf32>\n",
                "tensor<2x3x3x3xf32>", 4));
+}
+
+// conv -> batch norm -> relu -> pooling, in NCHW and compiled channels last
+// (loom-nhwc-layout): the NHWC kernels' gradients, and those of the layout
+// conversions (the image's, the filter's, the result's), are right too.
+TEST_F(GradientCheck, ConvolutionNetworkNchwAndNhwc) {
+  std::string p = "  loom.param @x : tensor<2x3x6x6xf32> init <normal(1.0)>\n"
+                  "  loom.param @w : tensor<4x3x3x3xf32> init <normal(0.5)>\n"
+                  "  loom.param @g : tensor<4xf32> init <normal(1.0)>\n"
+                  "  loom.param @b : tensor<4xf32> init <normal(1.0)>\n";
+  std::string net = "    %x = loom.get @x : tensor<2x3x6x6xf32>\n    %w = loom.get @w : tensor<4x3x3x3xf32>\n"
+                    "    %g = loom.get @g : tensor<4xf32>\n    %b = loom.get @b : tensor<4xf32>\n"
+                    "    %c = loom.conv2d %x, %w {padding = 1} : tensor<2x3x6x6xf32>, tensor<4x3x3x3xf32>\n"
+                    "    %n = loom.batchnorm %c, %g, %b : tensor<2x4x6x6xf32>, tensor<4xf32>, tensor<4xf32>\n"
+                    "    %a = loom.relu %n : tensor<2x4x6x6xf32>\n";
+  for (bool nhwc : {false, true}) {
+    SCOPED_TRACE(nhwc ? "nhwc" : "nchw");
+    check(single(p, net + "    %y = loom.max_pool2d %a {kernel = 3, padding = 1, stride = 2} : tensor<2x4x6x6xf32>\n",
+                 "tensor<2x4x3x3xf32>", 4),
+          1, 12, nhwc);
+    check(single(p, net + "    %y = loom.avg_pool2d %a {kernel = 2, stride = 2} : tensor<2x4x6x6xf32>\n",
+                 "tensor<2x4x3x3xf32>", 4),
+          1, 12, nhwc);
+  }
 }
 
 TEST_F(GradientCheck, WholeTinyModels) {

@@ -448,7 +448,7 @@ LogicalResult BatchNormOp::verify() {
   auto x = cast<RankedTensorType>(getX().getType());
   if (x.getRank() < 2)
     return emitOpError() << "input must be [N, C, ...] with rank >= 2, got " << x;
-  int64_t channels = x.getDimSize(1);
+  int64_t channels = x.getDimSize(getLayout() == "nhwc" ? x.getRank() - 1 : 1);
   if (failed(verifyFeatureParam(*this, "gamma", getGamma().getType(), x, channels)) ||
       failed(verifyFeatureParam(*this, "beta", getBeta().getType(), x, channels)))
     return failure();
@@ -701,9 +701,15 @@ static LogicalResult inferConv2DOp(MLIRContext *, std::optional<Location> loc,
   auto w = rankedOperand(loc, name, "filter", adaptor.getFilter());
   if (failed(x) || failed(w))
     return failure();
+  bool nhwc = adaptor.getLayout() == "nhwc";
   if (x->getRank() != 4 || w->getRank() != 4)
-    return inferError(loc, name, "expects input [N, C, H, W] and filter [O, C/groups, KH, KW], got ",
+    return inferError(loc, name,
+                      nhwc ? "expects input [N, H, W, C] and filter [O, KH, KW, C/groups], got "
+                           : "expects input [N, C, H, W] and filter [O, C/groups, KH, KW], got ",
                       *x, " and ", *w);
+  // Dimension positions: channels, height, width (of x; the filter's
+  // kernel height and width sit at the same places, its channels too).
+  int64_t dc = nhwc ? 3 : 1, dh = nhwc ? 1 : 2, dw = nhwc ? 2 : 3;
   if (x->getElementType() != w->getElementType())
     return inferError(loc, name, "input ", *x, " and filter ", *w,
                       " have different element types");
@@ -712,19 +718,20 @@ static LogicalResult inferConv2DOp(MLIRContext *, std::optional<Location> loc,
   if (stride < 1 || padding < 0 || groups < 1)
     return inferError(loc, name, "needs stride >= 1, padding >= 0 and groups >= 1, got ",
                       stride, ", ", padding, " and ", groups);
-  if (!isDyn(x->getDimSize(1)) && x->getDimSize(1) != w->getDimSize(1) * groups)
-    return inferError(loc, name, "input has ", x->getDimSize(1), " channels but filter ", *w,
-                      " with groups = ", groups, " expects ", w->getDimSize(1) * groups);
+  if (!isDyn(x->getDimSize(dc)) && x->getDimSize(dc) != w->getDimSize(dc) * groups)
+    return inferError(loc, name, "input has ", x->getDimSize(dc), " channels but filter ", *w,
+                      " with groups = ", groups, " expects ", w->getDimSize(dc) * groups);
   if (w->getDimSize(0) % groups != 0)
     return inferError(loc, name, "output channels ", w->getDimSize(0),
                       " are not divisible by groups = ", groups);
-  auto h = windowExtent(x->getDimSize(2), w->getDimSize(2), stride, padding);
-  auto wd = windowExtent(x->getDimSize(3), w->getDimSize(3), stride, padding);
+  auto h = windowExtent(x->getDimSize(dh), w->getDimSize(dh), stride, padding);
+  auto wd = windowExtent(x->getDimSize(dw), w->getDimSize(dw), stride, padding);
   if (failed(h) || failed(wd))
     return inferError(loc, name, "filter ", *w, " does not fit input ", *x, " with padding ",
                       padding);
-  inferred.push_back(RankedTensorType::get({x->getDimSize(0), w->getDimSize(0), *h, *wd},
-                                           x->getElementType()));
+  int64_t n = x->getDimSize(0), o = w->getDimSize(0);
+  SmallVector<int64_t> shape = nhwc ? SmallVector<int64_t>{n, *h, *wd, o} : SmallVector<int64_t>{n, o, *h, *wd};
+  inferred.push_back(RankedTensorType::get(shape, x->getElementType()));
   return success();
 }
 
@@ -735,19 +742,22 @@ static LogicalResult inferPool(std::optional<Location> loc, StringRef name,
   auto x = rankedOperand(loc, name, "input", adaptor.getX());
   if (failed(x))
     return failure();
+  bool nhwc = adaptor.getLayout() == "nhwc";
   if (x->getRank() != 4)
-    return inferError(loc, name, "expects input [N, C, H, W], got ", *x);
+    return inferError(loc, name, nhwc ? "expects input [N, H, W, C], got " : "expects input [N, C, H, W], got ", *x);
+  int64_t dh = nhwc ? 1 : 2, dw = nhwc ? 2 : 3;
   int64_t kernel = adaptor.getKernel(), stride = adaptor.getStride(),
           padding = adaptor.getPadding();
   if (kernel < 1 || stride < 1 || padding < 0 || padding * 2 >= kernel + 1)
     return inferError(loc, name, "needs kernel >= 1, stride >= 1 and 0 <= padding <= kernel/2, got ",
                       kernel, ", ", stride, " and ", padding);
-  auto h = windowExtent(x->getDimSize(2), kernel, stride, padding);
-  auto w = windowExtent(x->getDimSize(3), kernel, stride, padding);
+  auto h = windowExtent(x->getDimSize(dh), kernel, stride, padding);
+  auto w = windowExtent(x->getDimSize(dw), kernel, stride, padding);
   if (failed(h) || failed(w))
     return inferError(loc, name, "window ", kernel, " does not fit input ", *x);
-  inferred.push_back(RankedTensorType::get({x->getDimSize(0), x->getDimSize(1), *h, *w},
-                                           x->getElementType()));
+  int64_t n = x->getDimSize(0), c = x->getDimSize(nhwc ? 3 : 1);
+  SmallVector<int64_t> shape = nhwc ? SmallVector<int64_t>{n, *h, *w, c} : SmallVector<int64_t>{n, c, *h, *w};
+  inferred.push_back(RankedTensorType::get(shape, x->getElementType()));
   return success();
 }
 

@@ -200,6 +200,14 @@ def Loom_SoftmaxOp : Loom_Op<"softmax", [Pure, AllTypesMatch<["x", "result"]>, D
   let hasVerifier = 1;
 }
 
+// The layout of an image tensor: absent or "nchw" (channels first), or
+// "nhwc" (channels last, what tensor cores read best).
+def Loom_LayoutAttr : StringBasedAttr<
+    CPred<"::llvm::isa<::mlir::StringAttr>($_self) && "
+          "(::llvm::cast<::mlir::StringAttr>($_self).getValue() == \"nchw\" || "
+          "::llvm::cast<::mlir::StringAttr>($_self).getValue() == \"nhwc\")">,
+    "image layout, \"nchw\" or \"nhwc\"">;
+
 //===----------------------------------------------------------------------===//
 // Normalisation
 //===----------------------------------------------------------------------===//
@@ -231,10 +239,11 @@ def Loom_BatchNormOp : Loom_Op<"batchnorm", [Pure, AllTypesMatch<["x", "result"]
   let summary = "Batch normalisation over all dimensions but the channel (dim 1)";
   let description = [{
     Normalises `[N, C, ...]` with the statistics of the batch for each
-    channel, then scales by `gamma[C]` and shifts by `beta[C]`.
+    channel, then scales by `gamma[C]` and shifts by `beta[C]`. With
+    `layout = "nhwc"` the channel is the last dimension (`[N, ..., C]`).
   }];
   let arguments = (ins Loom_FloatTensor:$x, Loom_FloatTensor:$gamma, Loom_FloatTensor:$beta,
-                       DefaultValuedAttr<F64Attr, "1e-5">:$eps);
+                       DefaultValuedAttr<F64Attr, "1e-5">:$eps, OptionalAttr<Loom_LayoutAttr>:$layout);
   let results = (outs Loom_FloatTensor:$result);
   let assemblyFormat = "$x `,` $gamma `,` $beta attr-dict `:` type($x) `,` type($gamma) `,` type($beta)";
   let hasVerifier = 1;
@@ -407,25 +416,30 @@ def Loom_CastOp : Loom_Op<"cast", [Pure, DeclareOpInterfaceMethods<LoomDifferent
 //===----------------------------------------------------------------------===//
 
 def Loom_Conv2DOp : Loom_Op<"conv2d", [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
-  let summary = "2-D convolution, NCHW input and OIHW filter";
+  let summary = "2-D convolution, NCHW input and OIHW filter (or NHWC and OHWI)";
   let description = [{
     `x` is `[N, C, H, W]` and `filter` `[O, C / groups, KH, KW]`; the result
     is `[N, O, (H + 2*pad - KH) / stride + 1, (W + 2*pad - KW) / stride + 1]`.
+    With `layout = "nhwc"` (channels last, chosen by loom-layout-nhwc) `x` is
+    `[N, H, W, C]`, `filter` `[O, KH, KW, C / groups]` and the result
+    `[N, Ho, Wo, O]`.
   }];
   let arguments = (ins Loom_FloatTensor:$x, Loom_FloatTensor:$filter,
                        DefaultValuedAttr<I64Attr, "1">:$stride,
                        DefaultValuedAttr<I64Attr, "0">:$padding,
-                       DefaultValuedAttr<I64Attr, "1">:$groups);
+                       DefaultValuedAttr<I64Attr, "1">:$groups,
+                       OptionalAttr<Loom_LayoutAttr>:$layout);
   let results = (outs Loom_FloatTensor:$result);
   let assemblyFormat = "$x `,` $filter attr-dict `:` type($x) `,` type($filter)";
 }
 
 class Loom_Pool2DOp<string mnemonic, string what>
     : Loom_Op<mnemonic, [Pure, DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
-  let summary = what # " pooling over windows of an NCHW tensor";
+  let summary = what # " pooling over windows of an NCHW tensor (NHWC with layout = \"nhwc\")";
   let arguments = (ins Loom_FloatTensor:$x, I64Attr:$kernel,
                        DefaultValuedAttr<I64Attr, "1">:$stride,
-                       DefaultValuedAttr<I64Attr, "0">:$padding);
+                       DefaultValuedAttr<I64Attr, "0">:$padding,
+                       OptionalAttr<Loom_LayoutAttr>:$layout);
   let results = (outs Loom_FloatTensor:$result);
   let assemblyFormat = "$x attr-dict `:` type($x)";
 }

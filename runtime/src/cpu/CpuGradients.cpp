@@ -145,23 +145,27 @@ Kernel buildLayerNormGrad(const Ctx &c) { return buildNormGrad(c, false); }
 Kernel buildRMSNormGrad(const Ctx &c) { return buildNormGrad(c, true); }
 
 Kernel buildBatchNormGrad(const Ctx &c) {
-  c.arity(3, 3);
+  bool relu = batchNormRelu(c);
+  c.arity(relu ? 4 : 3, 3);
   const Buffer &x = c.in(0);
   for (size_t i = 0; i < 3; ++i)
     c.needF32(c.in(i)), c.needF32(c.out(i));
   c.sameShape(x, c.in(2)), c.sameShape(x, c.out(0));
-  if (x.shape.size() < 2)
-    c.bad("input must be [N, C, ...]");
-  int64_t n = x.shape[0], ch = x.shape[1], inner = count(x.shape) / std::max<int64_t>(n * ch, 1);
+  if (relu)
+    c.needF32(c.in(3)), c.sameShape(x, c.in(3));
+  BatchNormLayout l = batchNormLayout(c, x.shape);
+  int64_t n = l.n, ch = l.ch, inner = l.inner;
   double eps = c.attrFloat("eps");
-  float *px = c.f32(x), *g = c.f32(c.in(1)), *dy = c.f32(c.in(2)), *dx = c.f32(c.out(0));
-  float *dg = c.f32(c.out(1)), *db = c.f32(c.out(2));
+  float *px = c.f32(x), *g = c.f32(c.in(1)), *pdy = c.f32(c.in(2)), *dx = c.f32(c.out(0));
+  float *dg = c.f32(c.out(1)), *db = c.f32(c.out(2)), *py = relu ? c.f32(c.in(3)) : nullptr;
   ThreadPool *pool = &c.pool;
   return [=] {
     pool->parallelFor(ch, double(n * inner * 3), [&](int64_t c0, int64_t c1) {
       for (int64_t cc = c0; cc < c1; ++cc) {
         double cnt = double(n * inner), mean = 0, var = 0;
-        auto at = [&](int64_t i, int64_t j) { return (i * ch + cc) * inner + j; };
+        auto at = [&](int64_t i, int64_t j) { return l.at(i, cc, j); };
+        // With a fused ReLU, its gradient first (unary_grad's dy * relu'(y)).
+        auto dyAt = [&](int64_t k) { return py ? pdy[k] * ew::derivative(ew::Fn::Relu, py[k], 0) : pdy[k]; };
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < inner; ++j)
             mean += px[at(i, j)];
@@ -173,12 +177,13 @@ Kernel buildBatchNormGrad(const Ctx &c) {
         double rstd = 1.0 / std::sqrt(var + eps), sumD = 0, sumDX = 0, sumDy = 0, sumDyX = 0;
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < inner; ++j) {
-            double xh = (px[at(i, j)] - mean) * rstd, d = double(dy[at(i, j)]) * g[cc];
-            sumD += d, sumDX += d * xh, sumDy += dy[at(i, j)], sumDyX += dy[at(i, j)] * xh;
+            float dy = dyAt(at(i, j));
+            double xh = (px[at(i, j)] - mean) * rstd, d = double(dy) * g[cc];
+            sumD += d, sumDX += d * xh, sumDy += dy, sumDyX += dy * xh;
           }
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < inner; ++j) {
-            double xh = (px[at(i, j)] - mean) * rstd, d = double(dy[at(i, j)]) * g[cc];
+            double xh = (px[at(i, j)] - mean) * rstd, d = double(dyAt(at(i, j))) * g[cc];
             dx[at(i, j)] = static_cast<float>(rstd * (d - sumD / cnt - xh * sumDX / cnt));
           }
         dg[cc] = static_cast<float>(sumDyX);
@@ -345,13 +350,16 @@ Kernel buildConv2DGrad(const Ctx &c, bool filter) {
   const Buffer &x = filter ? c.in(0) : c.out();
   c.needF32(c.in(0)), c.needF32(c.in(1)), c.needF32(c.out());
   int64_t stride = c.attrInt("stride", 1), pad = c.attrInt("padding", 0), groups = c.attrInt("groups", 1);
-  if (x.shape.size() != 4 || w.shape.size() != 4 || dy.shape.size() != 4 || groups < 1 ||
-      x.shape[1] != w.shape[1] * groups)
+  bool nhwc = channelsLast(c);
+  if (x.shape.size() != 4 || w.shape.size() != 4 || dy.shape.size() != 4 || groups < 1)
     c.bad("inconsistent conv2d gradient shapes");
-  int64_t N = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3];
-  int64_t O = w.shape[0], Cg = w.shape[1], KH = w.shape[2], KW = w.shape[3];
-  int64_t Ho = dy.shape[2], Wo = dy.shape[3], Og = O / groups;
-  if (dy.shape != Shape{N, O, (H + 2 * pad - KH) / stride + 1, (W + 2 * pad - KW) / stride + 1})
+  ImageLayout xl = imageLayout(x.shape, nhwc), wl = imageLayout(w.shape, nhwc), yl = imageLayout(dy.shape, nhwc);
+  if (xl.c != wl.c * groups || wl.n % groups)
+    c.bad("inconsistent conv2d gradient shapes");
+  int64_t N = xl.n, C = xl.c, H = xl.h, W = xl.w;
+  int64_t O = wl.n, Cg = wl.c, KH = wl.h, KW = wl.w;
+  int64_t Ho = yl.h, Wo = yl.w, Og = O / groups;
+  if (dy.shape != imageShape(N, O, (H + 2 * pad - KH) / stride + 1, (W + 2 * pad - KW) / stride + 1, nhwc))
     c.bad("the output gradient does not match the convolution");
   float *px = c.f32(x), *pw = c.f32(w), *pdy = c.f32(dy);
   ThreadPool *pool = &c.pool;
@@ -372,11 +380,10 @@ Kernel buildConv2DGrad(const Ctx &c, bool filter) {
                     for (int64_t ow = 0; ow < Wo; ++ow) {
                       int64_t iw = ow * stride - pad + kw;
                       if (iw >= 0 && iw < W)
-                        acc += double(pdy[((n * O + oc) * Ho + oh) * Wo + ow]) *
-                               px[((n * C + g * Cg + ci) * H + ih) * W + iw];
+                        acc += double(pdy[yl.at(n, oc, oh, ow)]) * px[xl.at(n, g * Cg + ci, ih, iw)];
                     }
                   }
-                pw[((oc * Cg + ci) * KH + kh) * KW + kw] = static_cast<float>(acc);
+                pw[wl.at(oc, ci, kh, kw)] = static_cast<float>(acc);
               }
         }
       });
@@ -385,12 +392,14 @@ Kernel buildConv2DGrad(const Ctx &c, bool filter) {
     pool->parallelFor(N * C, double(Og * KH * KW * Ho * Wo), [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         int64_t n = t / C, cin = t % C, g = cin / Cg, ci = cin % Cg;
-        float *dx = px + (n * C + cin) * H * W;
-        std::fill(dx, dx + H * W, 0.0f);
+        float *dx = px + xl.at(n, cin, 0, 0);
+        for (int64_t ih = 0; ih < H; ++ih)
+          for (int64_t iw = 0; iw < W; ++iw)
+            dx[ih * xl.sh + iw * xl.sw] = 0.0f;
         for (int64_t oc = g * Og; oc < (g + 1) * Og; ++oc)
           for (int64_t kh = 0; kh < KH; ++kh)
             for (int64_t kw = 0; kw < KW; ++kw) {
-              float wv = pw[((oc * Cg + ci) * KH + kh) * KW + kw];
+              float wv = pw[wl.at(oc, ci, kh, kw)];
               for (int64_t oh = 0; oh < Ho; ++oh) {
                 int64_t ih = oh * stride - pad + kh;
                 if (ih < 0 || ih >= H)
@@ -398,7 +407,7 @@ Kernel buildConv2DGrad(const Ctx &c, bool filter) {
                 for (int64_t ow = 0; ow < Wo; ++ow) {
                   int64_t iw = ow * stride - pad + kw;
                   if (iw >= 0 && iw < W)
-                    dx[ih * W + iw] += wv * pdy[((n * O + oc) * Ho + oh) * Wo + ow];
+                    dx[ih * xl.sh + iw * xl.sw] += wv * pdy[yl.at(n, oc, oh, ow)];
                 }
               }
             }
@@ -417,35 +426,37 @@ template <bool Max> Kernel buildPoolGrad(const Ctx &c) {
   if (Max)
     c.sameShape(c.in(0), dx);
   int64_t k = c.attrInt("kernel"), stride = c.attrInt("stride", 1), pad = c.attrInt("padding", 0);
+  bool nhwc = channelsLast(c);
   if (dx.shape.size() != 4 || dy.shape.size() != 4 || k < 1 || stride < 1)
     c.bad("inconsistent pooling gradient shapes");
-  int64_t NC = dx.shape[0] * dx.shape[1], H = dx.shape[2], W = dx.shape[3];
-  int64_t Ho = dy.shape[2], Wo = dy.shape[3];
+  ImageLayout xl = imageLayout(dx.shape, nhwc), yl = imageLayout(dy.shape, nhwc);
+  int64_t N = xl.n, C = xl.c, H = xl.h, W = xl.w, Ho = yl.h, Wo = yl.w;
   float *px = Max ? c.f32(c.in(0)) : nullptr, *pdy = c.f32(dy), *pdx = c.f32(dx);
   return [=] {
-    std::fill(pdx, pdx + NC * H * W, 0.0f);
-    for (int64_t nc = 0; nc < NC; ++nc)
-      for (int64_t oh = 0; oh < Ho; ++oh)
-        for (int64_t ow = 0; ow < Wo; ++ow) {
-          float g = pdy[(nc * Ho + oh) * Wo + ow];
-          int64_t best = -1;
-          float bestV = -INFINITY;
-          for (int64_t kh = 0; kh < k; ++kh)
-            for (int64_t kw = 0; kw < k; ++kw) {
-              int64_t ih = oh * stride - pad + kh, iw = ow * stride - pad + kw;
-              if (ih < 0 || ih >= H || iw < 0 || iw >= W)
-                continue;
-              int64_t at = nc * H * W + ih * W + iw;
-              if (Max) {
-                if (px[at] > bestV)
-                  bestV = px[at], best = at;
-              } else {
-                pdx[at] += g / float(k * k);
+    std::fill(pdx, pdx + N * C * H * W, 0.0f);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t ch = 0; ch < C; ++ch)
+        for (int64_t oh = 0; oh < Ho; ++oh)
+          for (int64_t ow = 0; ow < Wo; ++ow) {
+            float g = pdy[yl.at(n, ch, oh, ow)];
+            int64_t best = -1;
+            float bestV = -INFINITY;
+            for (int64_t kh = 0; kh < k; ++kh)
+              for (int64_t kw = 0; kw < k; ++kw) {
+                int64_t ih = oh * stride - pad + kh, iw = ow * stride - pad + kw;
+                if (ih < 0 || ih >= H || iw < 0 || iw >= W)
+                  continue;
+                int64_t at = xl.at(n, ch, ih, iw);
+                if (Max) {
+                  if (px[at] > bestV)
+                    bestV = px[at], best = at;
+                } else {
+                  pdx[at] += g / float(k * k);
+                }
               }
-            }
-          if (Max && best >= 0)
-            pdx[best] += g;
-        }
+            if (Max && best >= 0)
+              pdx[best] += g;
+          }
   };
 }
 

@@ -254,6 +254,70 @@ inline std::string attrString(const Ctx &c, const char *name, const std::string 
   return it->get<std::string>();
 }
 
+/// An image-like tensor's sizes as [N, C, H, W] and the element strides of
+/// those dimensions: NCHW, or channels last (NHWC) for the instructions that
+/// carry `layout = "nhwc"`. Filters read the same way: OIHW, or OHWI.
+struct ImageLayout {
+  int64_t n = 0, c = 0, h = 0, w = 0;
+  int64_t sn = 0, sc = 0, sh = 0, sw = 0;
+  int64_t at(int64_t i, int64_t ch, int64_t y, int64_t x) const { return i * sn + ch * sc + y * sh + x * sw; }
+};
+
+/// Whether the instruction's `layout` says channels last; anything but
+/// nchw or nhwc is an invalid bundle.
+inline bool channelsLast(const Ctx &c) {
+  std::string layout = attrString(c, "layout", "nchw");
+  if (layout != "nchw" && layout != "nhwc")
+    c.bad(cat("layout must be nchw or nhwc, got '", layout, "'"));
+  return layout == "nhwc";
+}
+
+/// The [N, C, H, W] view of a rank-4 `shape` stored NCHW or NHWC.
+inline ImageLayout imageLayout(const Shape &shape, bool nhwc) {
+  ImageLayout l;
+  if (nhwc) {
+    l.n = shape[0], l.h = shape[1], l.w = shape[2], l.c = shape[3];
+    l.sc = 1, l.sw = l.c, l.sh = l.w * l.c, l.sn = l.h * l.w * l.c;
+  } else {
+    l.n = shape[0], l.c = shape[1], l.h = shape[2], l.w = shape[3];
+    l.sw = 1, l.sh = l.w, l.sc = l.h * l.w, l.sn = l.c * l.h * l.w;
+  }
+  return l;
+}
+
+/// The sizes [N, C, H, W] as a stored shape of that layout.
+inline Shape imageShape(int64_t n, int64_t c, int64_t h, int64_t w, bool nhwc) {
+  return nhwc ? Shape{n, h, w, c} : Shape{n, c, h, w};
+}
+
+/// A batch norm's input as [N, C, inner] (inner: the positions of an
+/// image): the channel is dimension 1, or the last with `layout = "nhwc"`.
+struct BatchNormLayout {
+  int64_t n = 0, ch = 0, inner = 0;
+  int64_t sc = 0, sj = 0; // strides of the channel and the position; N's is ch * inner
+  int64_t at(int64_t i, int64_t cc, int64_t j) const { return i * ch * inner + cc * sc + j * sj; }
+};
+
+/// Whether a batch norm (or its gradient) has ReLU fused after it
+/// (`activation = "relu"`, loom-fuse-elementwise's bn + relu).
+inline bool batchNormRelu(const Ctx &c) {
+  std::string act = attrString(c, "activation", "");
+  if (!act.empty() && act != "relu")
+    c.bad(cat("activation must be relu, got '", act, "'"));
+  return act == "relu";
+}
+
+inline BatchNormLayout batchNormLayout(const Ctx &c, const Shape &x) {
+  if (x.size() < 2)
+    c.bad("input must be [N, C, ...]");
+  bool nhwc = channelsLast(c);
+  BatchNormLayout l;
+  l.n = x[0], l.ch = nhwc ? x.back() : x[1];
+  l.inner = count(x) / std::max<int64_t>(l.n * l.ch, 1);
+  l.sc = nhwc ? 1 : l.inner, l.sj = nhwc ? l.ch : 1;
+  return l;
+}
+
 /// Where this rank's slice of a vocabulary split over `vocab_group` starts
 /// (0 and the whole group size 1 when the attribute is absent).
 inline std::pair<int64_t, int64_t> vocabSlice(const Ctx &c, int64_t localRows) {

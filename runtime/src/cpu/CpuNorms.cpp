@@ -6,6 +6,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "runtime/src/cpu/CpuKernels.h"
+#include "runtime/src/Elementwise.h"
 
 #include <algorithm>
 #include <cmath>
@@ -141,12 +142,12 @@ Kernel buildBatchNorm(const Ctx &c) {
     c.needF32(c.in(i));
   c.needF32(c.out());
   c.sameShape(x, c.out());
-  if (x.shape.size() < 2)
-    c.bad("input must be [N, C, ...]");
-  int64_t n = x.shape[0], ch = x.shape[1], inner = count(x.shape) / std::max<int64_t>(n * ch, 1);
+  BatchNormLayout l = batchNormLayout(c, x.shape);
+  int64_t n = l.n, ch = l.ch, inner = l.inner;
   if (c.in(1).shape != Shape{ch} || c.in(2).shape != Shape{ch})
     c.bad(cat("gamma and beta must be [", ch, "]"));
   float eps = static_cast<float>(c.attrFloat("eps"));
+  bool relu = batchNormRelu(c);
   float *px = c.f32(x), *g = c.f32(c.in(1)), *b = c.f32(c.in(2)), *py = c.f32(c.out());
   ThreadPool *pool = &c.pool;
   return [=] {
@@ -155,19 +156,20 @@ Kernel buildBatchNorm(const Ctx &c) {
         double mean = 0, var = 0;
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < inner; ++j)
-            mean += px[(i * ch + cc) * inner + j];
+            mean += px[l.at(i, cc, j)];
         mean /= double(n * inner);
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < inner; ++j) {
-            double d = px[(i * ch + cc) * inner + j] - mean;
+            double d = px[l.at(i, cc, j)] - mean;
             var += d * d;
           }
         var /= double(n * inner);
         float inv = static_cast<float>(1.0 / std::sqrt(var + eps)), m = static_cast<float>(mean);
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < inner; ++j) {
-            int64_t at = (i * ch + cc) * inner + j;
-            py[at] = (px[at] - m) * inv * g[cc] + b[cc];
+            int64_t at = l.at(i, cc, j);
+            float v = (px[at] - m) * inv * g[cc] + b[cc];
+            py[at] = relu ? ew::relu(v) : v;
           }
       }
     });

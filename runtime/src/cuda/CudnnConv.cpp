@@ -109,10 +109,12 @@ public:
     LOOM_CUDNN_TRY(cudnnCreateTensorDescriptor(&y));
     LOOM_CUDNN_TRY(cudnnCreateFilterDescriptor(&w));
     LOOM_CUDNN_TRY(cudnnCreateConvolutionDescriptor(&conv));
-    LOOM_CUDNN_TRY(cudnnSetTensor4dDescriptor(x, CUDNN_TENSOR_NCHW, type, int(g.n), int(g.c), int(g.h), int(g.w)));
-    LOOM_CUDNN_TRY(cudnnSetTensor4dDescriptor(y, CUDNN_TENSOR_NCHW, type, int(g.n), int(g.o), int(g.ho), int(g.wo)));
-    LOOM_CUDNN_TRY(cudnnSetFilter4dDescriptor(w, type, CUDNN_TENSOR_NCHW, int(g.o), int(g.c / g.groups), int(g.kh),
-                                              int(g.kw)));
+    // Sizes are given as n, c, h, w whatever the format; NHWC filters are
+    // [o, kh, kw, c / groups].
+    cudnnTensorFormat_t format = g.nhwc ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
+    LOOM_CUDNN_TRY(cudnnSetTensor4dDescriptor(x, format, type, int(g.n), int(g.c), int(g.h), int(g.w)));
+    LOOM_CUDNN_TRY(cudnnSetTensor4dDescriptor(y, format, type, int(g.n), int(g.o), int(g.ho), int(g.wo)));
+    LOOM_CUDNN_TRY(cudnnSetFilter4dDescriptor(w, type, format, int(g.o), int(g.c / g.groups), int(g.kh), int(g.kw)));
     // Products accumulate in f32 for both dtypes.
     LOOM_CUDNN_TRY(cudnnSetConvolution2dDescriptor(conv, int(g.pad), int(g.pad), int(g.stride), int(g.stride), 1, 1,
                                                    CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
@@ -233,7 +235,7 @@ std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pa
   int device = 0;
   cudaGetDevice(&device);
   ChoiceKey key{device, int(pass), g.bf16, g.tf32,
-                {g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.ho, g.wo, g.stride, g.pad, g.groups}};
+                {g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.ho, g.wo, g.stride, g.pad, g.groups, int64_t(g.nhwc)}};
   static std::mutex mutex;
   static std::map<ChoiceKey, Choice> choices;
   std::lock_guard<std::mutex> lock(mutex);
@@ -251,11 +253,12 @@ std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pa
       static const char *passes[] = {"forward", "input gradient", "filter gradient"};
       std::fprintf(stderr,
                    "cuDNN convolution %s (x %lldx%lldx%lldx%lld, filter %lldx%lldx%lldx%lld, stride %lld, pad %lld, "
-                   "groups %lld, %s): algorithm %d, math type %d, workspace %zu bytes, %.3f ms\n",
+                   "groups %lld, %s, %s): algorithm %d, math type %d, workspace %zu bytes, %.3f ms\n",
                    passes[int(pass)], (long long)g.n, (long long)g.c, (long long)g.h, (long long)g.w,
                    (long long)g.o, (long long)(g.c / g.groups), (long long)g.kh, (long long)g.kw,
                    (long long)g.stride, (long long)g.pad, (long long)g.groups,
-                   g.bf16 ? "bf16" : g.tf32 ? "f32, TF32" : "f32", c.algo, int(c.math), c.workspace, c.ms);
+                   g.bf16 ? "bf16" : g.tf32 ? "f32, TF32" : "f32", g.nhwc ? "NHWC" : "NCHW", c.algo, int(c.math),
+                   c.workspace, c.ms);
     }
   }
   if (!why.empty())

@@ -1,7 +1,8 @@
 //===- CudnnConv.h - cuDNN's convolutions and their gradients ---*- C++ -*-===//
 //
 // 2-D convolutions (forward, input gradient, filter gradient) through
-// cuDNN's convolution API on NCHW tensors, f32 or bf16 (f32 accumulation).
+// cuDNN's convolution API on NCHW or NHWC tensors, f32 or bf16 (f32
+// accumulation).
 // The fastest of cuDNN's algorithms is timed once per shape, pass and
 // device (cudnnFind*AlgorithmEx) and kept for the process. Host code only,
 // compiled apart from the CUDA sources: the backend (CudaConv.cu) asks
@@ -22,12 +23,15 @@ struct cudnnContext; // cudnnHandle_t, without cudnn.h
 
 namespace loom::rt::cudnn {
 
-/// x [n, c, h, w] * filter [o, c / groups, kh, kw] -> y [n, o, ho, wo].
+/// x [n, c, h, w] * filter [o, c / groups, kh, kw] -> y [n, o, ho, wo]; with
+/// nhwc the tensors are stored channels last: x [n, h, w, c], filter
+/// [o, kh, kw, c / groups], y [n, ho, wo, o] (the sizes are named the same).
 struct ConvGeometry {
   int64_t n = 0, c = 0, h = 0, w = 0, o = 0, kh = 0, kw = 0, ho = 0, wo = 0;
   int64_t stride = 1, pad = 0, groups = 1;
   bool bf16 = false; // every operand bf16 (else f32)
   bool tf32 = true;  // f32 operands: whether TF32 tensor cores may run the products
+  bool nhwc = false; // channels last (CUDNN_TENSOR_NHWC), what tensor cores read best
 };
 
 /// What a convolution computes, and its operands (a, b) -> out:
