@@ -34,11 +34,17 @@ namespace {
 
 /// Ops after the final norm that act on each row on its own, so that the
 /// tail can run on the sampled rows only.
-bool rowWise(const std::string &op) {
+bool rowWise(const rt::RankProgram &r, const rt::Instruction &ins) {
   static const std::set<std::string> ops = {"layernorm", "rmsnorm", "matmul", "add",  "sub",  "mul",
                                             "div",       "cast",    "gelu",   "relu", "silu", "tanh",
                                             "exp",       "neg",     "scale",  "softmax"};
-  return ops.count(op) > 0;
+  if (ins.op == "all_gather" && ins.in.size() == 1 && ins.attrs.contains("axis")) {
+    // A vocabulary-parallel head's logits, gathered along the vocabulary:
+    // each row from its own row on every rank.
+    int64_t rank = int64_t(r.buffers[ins.in[0]].shape.size()), axis = ins.attrs.value("axis", int64_t(0));
+    return axis == rank - 1 || axis == -1;
+  }
+  return ops.count(ins.op) > 0;
 }
 
 /// The step sizes: powers of two up to the chunk, and max_batch itself.
@@ -174,7 +180,7 @@ private:
     std::set<int64_t> tail = {rt::storageOf(r, forward[finalNorm].out[0])};
     for (size_t i = finalNorm + 1; i < forward.size(); ++i) {
       const rt::Instruction &ins = forward[i];
-      if (!rowWise(ins.op))
+      if (!rowWise(r, ins))
         return "serving needs the output head to be row-wise after the final norm; '" + ins.op +
                "' (instruction " + std::to_string(i) + ") is not";
       for (int64_t id : ins.in)

@@ -104,6 +104,9 @@ serve() {
   c models/gpt2-350m.mlir --serve --target cuda --max-batch 32 --max-seq 256 -o $out/gpt2-350m-serve.loom
   c models/gpt2-350m.mlir --serve --target cuda --max-batch 1 --max-seq 256 -o $out/gpt2-350m-serve-b1.loom
   c models/llama-1.1b.mlir --serve --target cuda --max-batch 1 --max-seq 256 -o $out/llama-1.1b-serve-b1.loom
+  # Tensor-parallel decoding over NCCL (timed where the machine has two GPUs).
+  c models/gpt2-350m.mlir --serve --target cuda --max-batch 1 --max-seq 256 --cluster h100:2 --force tp=2 \
+      -o $out/gpt2-350m-serve-b1-tp2.loom
   # One reference step of GPT-2 350M with the cache against its full forward pass.
   c models/gpt2-350m.mlir --target cuda -o $out/gpt2-350m-fwd.loom
 }
