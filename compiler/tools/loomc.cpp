@@ -16,6 +16,7 @@
 #include "compiler/bundle/BundleWriter.h"
 #include "compiler/planner/Cluster.h"
 #include "compiler/planner/PlanFile.h"
+#include "compiler/planner/ServePlanner.h"
 #include "dialects/loom/IR/LoomDialect.h"
 #include "mlir/Dialect/Func/IR/FuncOps.h"
 #include "mlir/IR/Diagnostics.h"
@@ -167,6 +168,12 @@ cl::opt<bool> compileServe("serve", cl::desc("Compile a decoder for serving: ste
                                              "key/value cache, for continuous batching (loom-run "
                                              "--generate, loom-serve, the C API's loom_server_*)"),
                            cl::sub(compileCmd));
+cl::opt<std::string> serveObjective(
+    "objective",
+    cl::desc("With --serve on several GPUs: the planner picks the tensor-parallel degree for the "
+             "shortest decoding step at batch 1 (latency) or the most tokens/s per GPU at --max-batch "
+             "(throughput), and prints its predictions"),
+    cl::init(""), cl::sub(compileCmd), cl::cat(serveCategory));
 cl::opt<int64_t> serveMaxBatch("max-batch", cl::desc("Sequences decoding at once (default 8)"), cl::init(8),
                                cl::sub(compileCmd), cl::cat(serveCategory));
 cl::opt<int64_t> serveMaxSeq("max-seq", cl::desc("Tokens per sequence, prompt and answer (default: the "
@@ -357,6 +364,8 @@ int runCompile() {
     for (auto *o : {&serveMaxBatch, &serveMaxSeq, &serveBlockSize, &serveKvBlocks, &servePrefillChunk})
       if (o->getNumOccurrences())
         return fail("--" + o->ArgStr.str() + " applies to serving bundles (--serve)");
+  if (!compileServe && serveObjective.getNumOccurrences())
+    return fail("--objective applies to serving bundles (--serve); training plans minimise the step time");
   if (compileServe) {
     if (serveMaxBatch < 1 || serveMaxBatch > 65536)
       return fail("--max-batch must be in [1, 65536]");
@@ -408,12 +417,30 @@ int runCompile() {
     if (plan.value("batch", int64_t(0)) != compileBatch)
       return fail(compilePlan + " is a plan for batch " + std::to_string(plan.value("batch", int64_t(0))) +
                   "; compile with --batch " + std::to_string(plan.value("batch", int64_t(0))));
+  } else if (compileServe && !serveObjective.empty() && !force.tp) {
+    if (force.dp || force.pp)
+      return fail("serving bundles split over tensor parallelism only: leave dp and pp out of --force");
+    auto spec = mlir::loom::buildModelSpec(*module, llvm::sys::path::stem(compileInput));
+    if (failed(spec))
+      return 1;
+    int64_t seq = 0;
+    for (const auto &l : spec->layers)
+      seq = std::max<int64_t>(seq, int64_t(l.seq));
+    ::loom::planner::ServePlan sp = ::loom::planner::planServing(
+        *spec, cluster, serveMaxBatch, serveMaxSeq > 0 ? int64_t(serveMaxSeq) : seq, serveObjective);
+    if (!sp.found)
+      return fail(sp.error);
+    llvm::outs() << ::loom::planner::describeServePlan(sp, cluster) << "\n";
+    plan = {{"format", "loom-plan"}, {"devices", sp.tp}, {"batch", int64_t(compileBatch)},
+            {"dp", 1}, {"tp", sp.tp}, {"pp", 1}, {"vpp", 1}, {"microbatches", 1}};
   } else if (!compileTrain && (cluster.numDevices() > 1 || !compileForce.empty())) {
     // Inference splits over tensor parallelism only; the planner's costs are a training step's.
     if (!force.tp || *force.tp != cluster.numDevices() || force.dp.value_or(1) != 1 ||
         force.pp.value_or(1) != 1)
       return fail("inference bundles split over tensor parallelism: give --force tp=" +
                   std::to_string(cluster.numDevices()) + " for --cluster " + compileCluster +
+                  (compileServe ? std::string(", or let the planner choose with --objective latency|throughput")
+                                : std::string()) +
                   " (data and pipeline parallelism apply to training bundles, --train)");
     plan = {{"format", "loom-plan"}, {"devices", cluster.numDevices()}, {"batch", int64_t(compileBatch)},
             {"dp", 1}, {"tp", *force.tp}, {"pp", 1}, {"vpp", 1}, {"microbatches", 1}};

@@ -1,0 +1,62 @@
+//===- ServePlanner.h - How far to split a decoder for serving -*- C++ -*-===//
+//
+// loomc compile --serve --cluster C --objective latency|throughput: the
+// tensor-parallel degree of a serving bundle. A decoding step reads every
+// weight and the cached keys and values once, launches a few hundred small
+// kernels, and under tensor parallelism all-reduces each layer's output
+// twice. Latency picks the degree with the shortest step at batch 1;
+// throughput the most tokens per second per GPU at --max-batch (more
+// replicas of a smaller split, one server each). Degrees whose weights and
+// cache do not fit a GPU are refused with the reason.
+//
+//===----------------------------------------------------------------------===//
+#ifndef LOOM_COMPILER_PLANNER_SERVEPLANNER_H
+#define LOOM_COMPILER_PLANNER_SERVEPLANNER_H
+
+#include "compiler/planner/Cluster.h"
+#include "compiler/planner/Planner.h"
+
+#include <string>
+#include <vector>
+
+namespace loom::planner {
+
+struct ServeCandidate {
+  int64_t tp = 1;
+  bool fits = false;
+  std::string why;             // why it does not apply, when it does not
+  double memoryBytes = 0;      // weights and cache per GPU
+  double latencySeconds = 0;   // a decoding step at batch 1
+  double batchStepSeconds = 0; // a decoding step at --max-batch
+  double tokensPerSecondPerGpu = 0;
+  double launches = 0;         // kernels a step launches (the model's forward instructions)
+};
+
+struct ServePlan {
+  bool found = false;
+  std::string error;
+  std::string objective;
+  int64_t tp = 1;
+  std::vector<ServeCandidate> candidates; // tp = 1, 2, 4, 8 where the node has them
+};
+
+/// What each operation of the model's forward pass (the planner's count,
+/// before the compiler fuses them) costs a decoding step beyond its reads,
+/// measured on an H200 (GPT-2 350M, batch 1, session of 2026-11-27,
+/// docs/benchmarks.md): 424 operations (225 launches once fused) took the
+/// step's program 1.017 ms from a CUDA graph and 1.382 ms without one,
+/// against 0.185 ms of weight reads at 80% of the memory bandwidth.
+/// Programs with NCCL calls are not captured as graphs (tp > 1).
+constexpr double kGraphLaunchSeconds = 1.96e-6, kEagerLaunchSeconds = 2.82e-6;
+
+/// `objective` is "latency" or "throughput"; maxSeq the tokens a sequence
+/// holds (its cache), maxBatch the sequences decoding at once.
+ServePlan planServing(const ModelSpec &spec, const Cluster &cluster, int64_t maxBatch, int64_t maxSeq,
+                      const std::string &objective, const CostOptions &options = {});
+
+/// The choice and every candidate, for loomc's output.
+std::string describeServePlan(const ServePlan &plan, const Cluster &cluster);
+
+} // namespace loom::planner
+
+#endif
