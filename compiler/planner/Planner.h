@@ -115,6 +115,8 @@ struct StagePlan {
   std::vector<std::pair<int64_t, int64_t>> chunks; // [first, count] per virtual stage
   std::string layerRanges() const;                 // "0-6, 14-20"
   double forwardTime = 0, backwardTime = 0; // per microbatch, seconds
+  /// The weight-gradient part of backwardTime (ZB-H1's deferred W task).
+  double weightGradTime = 0;
   double memoryBytes = 0;
   double weightBytes = 0, activationBytes = 0;
 };
