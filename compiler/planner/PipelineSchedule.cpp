@@ -284,10 +284,12 @@ std::string timelineSvg(const PipelineTimeline &tl, const SvgExtras &x) {
   double ly = top + p * (rowH + gap) + 20;
   os << "<g font-size=\"11\">";
   double lx = left;
-  std::vector<std::pair<const char *, const char *>> legend = {{"#4e79a7", "forward"},
-                                                               {"#59a14f", "backward"}};
+  std::vector<std::pair<const char *, const char *>> legend = {{"#4e79a7", "forward"}};
   if (weightTasks)
-    legend.push_back({"#b07aa1", "weight gradient"});
+    legend.insert(legend.end(),
+                  {{"#59a14f", "backward: input gradient"}, {"#b07aa1", "weight gradient"}});
+  else
+    legend.push_back({"#59a14f", "backward"});
   legend.insert(legend.end(), {{"#eeeeee", "idle (bubble)"},
                                {"#f28e2b", "gradient all-reduce"},
                                {"#9c755f", "optimizer"},

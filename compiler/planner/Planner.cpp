@@ -506,7 +506,8 @@ PlanResult Planner::search(int64_t batch, const Constraints &c) const {
         } else {
           schedules.push_back({Schedule::GPipe, 1});
           schedules.push_back({Schedule::OneFOneB, 1});
-          schedules.push_back({Schedule::ZeroBubbleH1, 1});
+          if (options.zeroBubbleSchedule || c.schedule == Schedule::ZeroBubbleH1)
+            schedules.push_back({Schedule::ZeroBubbleH1, 1});
           for (int64_t v = 2; v <= 8; ++v)
             if (p * v <= static_cast<int64_t>(spec.layers.size()) && m % p == 0)
               schedules.push_back({Schedule::Interleaved, v});
