@@ -2,6 +2,7 @@
 // RUN: loom-opt %models/mlp.mlir --loom-compile="train=true batch=4 pp=2 mb=2 schedule=gpipe until=loom-distribute-ranks" | loom-opt --loom-pipeline-schedule | FileCheck %s --check-prefix=GPIPE
 // RUN: loom-opt %models/mlp.mlir --loom-compile="train=true batch=4 pp=2 mb=4 schedule=1f1b until=loom-distribute-ranks" | loom-opt --loom-pipeline-schedule | FileCheck %s --check-prefix=1F1B
 // RUN: loom-opt %models/mlp.mlir --loom-compile="train=true batch=4 pp=2 mb=4 schedule=zb-h1 until=loom-distribute-ranks" | loom-opt --loom-pipeline-schedule | FileCheck %s --check-prefix=ZBH1
+// RUN: loom-opt %models/mlp.mlir --loom-compile="train=true batch=4 pp=2 mb=2 schedule=zb-h1 until=loom-distribute-ranks" | sed -e 's/"unary_grad" \[15, 16, 26\] -> \[28\]/"unary_grad" [15, 16, 26] -> [16]/' -e 's/\[28\] -> \[29\]/[16] -> [29]/' -e 's/\[28, 12\] -> \[31\]/[16, 12] -> [31]/' -e 's/\[11, 28\] -> \[32\]/[11, 16] -> [32]/' | loom-opt --loom-pipeline-schedule | FileCheck %s --check-prefix=ZBWAR
 // RUN: loom-opt %models/mlp.mlir --loom-compile="train=true batch=4 until=loom-distribute-ranks" | loom-opt --loom-pipeline-schedule | FileCheck %s --check-prefix=NOPIPE
 
 // loom-pipeline-schedule replaces forward and backward with one `step`
@@ -175,6 +176,18 @@
 // ZBH1-NOT: "recv"
 // ZBH1-NOT: "send"
 // ZBH1: loomrt.instr "scale" [[[LOSS:[0-9]+]]] -> [[[LOSS]]] {factor = 2.500000e-01 : f64}
+
+// ZB-H1 keeps program order where a buffer is reused: with the last stage's
+// relu gradient written over the relu output (buffer 16, as sed rewrites it
+// above), the head's weight gradient, which reads that output, must run
+// before the overwrite, so it stays in B instead of moving to W.
+// ZBWAR-LABEL: loomrt.rank 1
+// ZBWAR: loomrt.instr "cross_entropy_grad" {{.*}} -> [[[DL:[0-9]+]]]
+// ZBWAR-NEXT: loomrt.instr "matmul" [[[DL]], {{[0-9]+}}] -> [{{[0-9]+}}] {transpose_b = true}
+// ZBWAR-NEXT: loomrt.instr "matmul" [[[RELU:[0-9]+]], [[DL]]] -> [{{[0-9]+}}] {transpose_a = true}
+// ZBWAR-NEXT: loomrt.instr "unary_grad" [{{[0-9]+}}, [[RELU]], {{[0-9]+}}] -> [[[RELU]]]
+// ZBWAR-NEXT: loomrt.instr "matmul" [[[RELU]], {{[0-9]+}}] -> [{{[0-9]+}}] {transpose_b = true}
+// ZBWAR-NEXT: loomrt.instr "send" {{.*}}peer = 0
 
 // One stage, one microbatch: nothing to schedule.
 // NOPIPE-NOT: "step"
