@@ -79,7 +79,7 @@ struct CompilePipelineOptions : public PassPipelineOptions<CompilePipelineOption
   Option<int64_t> pp{*this, "pp", llvm::cl::desc("Pipeline stages"), llvm::cl::init(1)};
   Option<int64_t> vpp{*this, "vpp", llvm::cl::desc("Virtual stages per rank"), llvm::cl::init(1)};
   Option<int64_t> mb{*this, "mb", llvm::cl::desc("Microbatches per step"), llvm::cl::init(1)};
-  Option<std::string> schedule{*this, "schedule", llvm::cl::desc("gpipe, 1f1b or interleaved"),
+  Option<std::string> schedule{*this, "schedule", llvm::cl::desc("gpipe, 1f1b, interleaved or zb-h1"),
                                llvm::cl::init("1f1b")};
   Option<int64_t> zero{*this, "zero", llvm::cl::desc("ZeRO stage (0 or 1)"), llvm::cl::init(0)};
   Option<int64_t> seed{*this, "seed", llvm::cl::desc("Initialisation seed"), llvm::cl::init(0)};

@@ -36,7 +36,7 @@ static LogicalResult checkPlan(ModuleOp module, const BundleOptions &o) {
   planner::Schedule schedule;
   if (!planner::parseSchedule(o.schedule, schedule))
     return module.emitError() << "unknown schedule '" << o.schedule
-                              << "'; use gpipe, 1f1b or interleaved";
+                              << "'; use " << planner::scheduleChoices();
   if ((vpp > 1) != (schedule == planner::Schedule::Interleaved && pp > 1))
     return module.emitError() << "interleaved 1F1B needs pp > 1 and vpp > 1 (and vpp > 1 "
                                  "needs the interleaved schedule); got pp = "

@@ -2,6 +2,9 @@
 //
 // The loom-pipeline-schedule pass: each rank's "step" program, the schedule's
 // microbatch tasks for the chunks it holds with send/recv between stages.
+// Under ZB-H1 each chunk's backward is split in two tasks: the input
+// gradient (B), what the previous chunk waits for, and the weight gradient
+// (W), which the schedule defers.
 //
 //===----------------------------------------------------------------------===//
 
@@ -29,6 +32,8 @@ struct Lowered {
   rt::RankProgram base;
   std::vector<rt::Instruction> forward, backward;
   std::vector<int64_t> forwardChunk, backwardChunk;
+  /// Task of each backward instruction: 1 (B) or, split under ZB-H1, 2 (W).
+  std::vector<int> backwardPass;
   std::map<std::pair<int64_t, int64_t>, int64_t> paramGrads; // (param buffer, chunk) -> grad
   int64_t loss = -1, chunks = 1;
 };
@@ -52,19 +57,12 @@ public:
         producer.try_emplace(root(id), std::make_pair(l.forwardChunk[i], 0));
     for (size_t i = 0; i < l.backward.size(); ++i)
       for (int64_t id : l.backward[i].out)
-        producer.try_emplace(root(id), std::make_pair(l.backwardChunk[i], 1));
+        producer.try_emplace(root(id), std::make_pair(l.backwardChunk[i], l.backwardPass[i]));
     // Which roots each task (chunk, pass) reads that another chunk produced.
-    for (int pass = 0; pass < 2; ++pass) {
-      const auto &list = pass ? l.backward : l.forward;
-      const auto &chunkOf = pass ? l.backwardChunk : l.forwardChunk;
-      for (size_t i = 0; i < list.size(); ++i)
-        for (int64_t id : list[i].in) {
-          int64_t rt = root(id);
-          auto it = producer.find(rt);
-          if (it != producer.end() && it->second.first != chunkOf[i])
-            needs[{chunkOf[i], pass}].insert(rt);
-        }
-    }
+    for (size_t i = 0; i < l.forward.size(); ++i)
+      noteNeeds(l.forward[i], l.forwardChunk[i], 0);
+    for (size_t i = 0; i < l.backward.size(); ++i)
+      noteNeeds(l.backward[i], l.backwardChunk[i], l.backwardPass[i]);
     // Full-batch inputs; the lowered ones (one microbatch) become per-task slices.
     for (rt::NamedBuffer &in : r.inputs) {
       rt::Buffer full = r.buffers[in.buffer];
@@ -106,12 +104,14 @@ public:
     for (const planner::PipelineTask &task :
          planner::stageOrder(schedule, grid.pp, m, vpp, stage)) {
       int64_t chunk = task.chunk * grid.pp + stage, k = task.microbatch;
-      int pass = task.forward ? 0 : 1;
+      int pass = task.kind == planner::TaskKind::Forward  ? 0
+                 : task.kind == planner::TaskKind::Backward ? 1
+                                                            : 2;
       receive(chunk, pass, k);
       const auto &list = pass ? l.backward : l.forward;
       const auto &chunkOf = pass ? l.backwardChunk : l.forwardChunk;
       for (size_t i = 0; i < list.size(); ++i) {
-        if (chunkOf[i] != chunk)
+        if (chunkOf[i] != chunk || (pass && l.backwardPass[i] != pass))
           continue;
         rt::Instruction ins = list[i];
         for (int64_t &id : ins.in)
@@ -122,7 +122,8 @@ public:
       }
       if (pass == 0 && producer.count(root(l.loss)) && producer[root(l.loss)].first == chunk)
         step.push_back({"add", {lossSum.id, copy(l.loss, k)}, {lossSum.id}, json::object()});
-      if (pass == 1)
+      // The gradients are summed once the task that finishes them has run.
+      if (pass == (schedule == planner::Schedule::ZeroBubbleH1 ? 2 : 1))
         for (auto &[key, grad] : l.paramGrads)
           if (key.second == chunk)
             step.push_back({"add", {accumulator[key.first], copy(grad, k)},
@@ -142,6 +143,14 @@ public:
 
 private:
   int64_t root(int64_t id) const { return rt::storageOf(l.base, id); }
+  void noteNeeds(const rt::Instruction &ins, int64_t chunk, int pass) {
+    for (int64_t id : ins.in) {
+      int64_t rt = root(id);
+      auto it = producer.find(rt);
+      if (it != producer.end() && it->second.first != chunk)
+        needs[{chunk, pass}].insert(rt);
+    }
+  }
   /// This microbatch's copy of an activation (parameters and state are shared).
   int64_t copy(int64_t id, int64_t k) {
     if (isFloatRole(r.buffers[id]))
@@ -217,6 +226,63 @@ private:
   std::set<std::pair<int64_t, int64_t>> sliced, received;
 };
 
+/// ZB-H1's split of each chunk's backward: B is what the gradients another
+/// chunk reads depend on (every writer of every root a B instruction reads),
+/// W the rest (the weight gradients). A W instruction that a later B
+/// instruction would overwrite the operands or results of stays in B, so
+/// that running W after B keeps every read and write in program order.
+std::vector<int> splitBackward(const rt::RankProgram &base, const std::vector<rt::Instruction> &list,
+                               const std::vector<int64_t> &chunkOf) {
+  auto root = [&](int64_t id) { return rt::storageOf(base, id); };
+  std::map<int64_t, std::vector<size_t>> writers; // root -> backward instructions
+  for (size_t i = 0; i < list.size(); ++i)
+    for (int64_t id : list[i].out)
+      writers[root(id)].push_back(i);
+  std::vector<int> pass(list.size(), 2);
+  std::vector<size_t> work;
+  auto toB = [&](size_t i) {
+    if (pass[i] == 2)
+      pass[i] = 1, work.push_back(i);
+  };
+  for (size_t i = 0; i < list.size(); ++i)
+    for (int64_t id : list[i].in)
+      if (auto it = writers.find(root(id)); it != writers.end())
+        for (size_t w : it->second)
+          if (chunkOf[w] != chunkOf[i])
+            toB(w);
+  for (bool changed = true; changed;) {
+    while (!work.empty()) {
+      size_t i = work.back();
+      work.pop_back();
+      for (int64_t id : list[i].in)
+        if (auto it = writers.find(root(id)); it != writers.end())
+          for (size_t w : it->second)
+            if (chunkOf[w] == chunkOf[i])
+              toB(w);
+    }
+    // Last B writer of each root; a W instruction before it that touches
+    // the root must not move past it.
+    std::map<int64_t, size_t> lastB;
+    for (size_t i = 0; i < list.size(); ++i)
+      if (pass[i] == 1)
+        for (int64_t id : list[i].out)
+          lastB[root(id)] = i;
+    changed = false;
+    for (size_t i = 0; i < list.size(); ++i) {
+      if (pass[i] != 2)
+        continue;
+      bool hazard = false;
+      for (const auto *ids : {&list[i].in, &list[i].out})
+        for (int64_t id : *ids)
+          if (auto it = lastB.find(root(id)); it != lastB.end() && it->second > i)
+            hazard = true;
+      if (hazard)
+        toB(i), changed = true;
+    }
+  }
+  return pass;
+}
+
 /// Splits a program's instructions from their chunk notes.
 void takeChunks(std::vector<rt::Instruction> &list, std::vector<int64_t> &chunks) {
   for (rt::Instruction &ins : list) {
@@ -236,7 +302,7 @@ struct PipelineSchedulePass : mlir::loom::impl::PipelineScheduleBase<PipelineSch
       return; // forward and backward stay as they are
     planner::Schedule schedule;
     if (!planner::parseSchedule(o->schedule, schedule)) {
-      module.emitError() << "unknown schedule '" << o->schedule << "'; use gpipe, 1f1b or interleaved";
+      module.emitError() << "unknown schedule '" << o->schedule << "'; use " << planner::scheduleChoices();
       return signalPassFailure();
     }
     Grid grid{o->dataParallel, o->tensorParallel, pp};
@@ -252,6 +318,9 @@ struct PipelineSchedulePass : mlir::loom::impl::PipelineScheduleBase<PipelineSch
         takeChunks(l.forward, l.forwardChunk);
         takeChunks(l.backward, l.backwardChunk);
         l.base = r;
+        l.backwardPass = schedule == planner::Schedule::ZeroBubbleH1
+                             ? splitBackward(l.base, l.backward, l.backwardChunk)
+                             : std::vector<int>(l.backward.size(), 1);
         l.paramGrads = sr.paramGrads;
         l.loss = r.outputs[0].buffer;
         l.chunks = pp * vpp;

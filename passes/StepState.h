@@ -69,7 +69,7 @@ struct BundleOptions {
   /// Megatron tensor parallelism over this many ranks (loom-partition-tp).
   int64_t tensorParallel = 1;
   /// Pipeline stages, virtual stages per rank (interleaved 1F1B) and
-  /// microbatches per step; the schedule is gpipe, 1f1b or interleaved.
+  /// microbatches per step; the schedule is gpipe, 1f1b, interleaved or zb-h1.
   int64_t pipelineParallel = 1, virtualStages = 1, microbatches = 1;
   std::string schedule = "1f1b";
   /// Units (embedding, each layer, head) per pipeline chunk, in chunk order

@@ -32,9 +32,13 @@ const char *scheduleName(Schedule s) {
     return "1f1b";
   case Schedule::Interleaved:
     return "interleaved";
+  case Schedule::ZeroBubbleH1:
+    return "zb-h1";
   }
   return "?";
 }
+
+const char *scheduleChoices() { return "gpipe, 1f1b, interleaved or zb-h1"; }
 
 const char *recomputeName(Recompute r) {
   switch (r) {
@@ -55,6 +59,8 @@ bool parseSchedule(const std::string &text, Schedule &out) {
     out = Schedule::OneFOneB;
   else if (text == "interleaved")
     out = Schedule::Interleaved;
+  else if (text == "zb-h1")
+    out = Schedule::ZeroBubbleH1;
   else
     return false;
   return true;
@@ -72,11 +78,16 @@ bool parseRecompute(const std::string &text, Recompute &out) {
   return true;
 }
 
-double bubbleFraction(Schedule s, int64_t p, int64_t m, int64_t v) {
+double bubbleFraction(Schedule s, int64_t p, int64_t m, int64_t v, double forwardShare,
+                      double weightShare) {
   if (p <= 1 || m <= 0)
     return 0;
   double bubble = double(p - 1) / double(m);
-  return s == Schedule::Interleaved ? bubble / double(std::max<int64_t>(v, 1)) : bubble;
+  if (s == Schedule::Interleaved)
+    return bubble / double(std::max<int64_t>(v, 1));
+  if (s == Schedule::ZeroBubbleH1)
+    return bubble * (forwardShare + std::max(1 - forwardShare - 2 * weightShare, 0.0));
+  return bubble;
 }
 
 double microbatchesInFlight(Schedule s, int64_t p, int64_t m, int64_t v, int64_t stage) {
@@ -89,6 +100,8 @@ double microbatchesInFlight(Schedule s, int64_t p, int64_t m, int64_t v, int64_t
     double inFlight = double(p - stage) + double(p - 1) / double(std::max<int64_t>(v, 1));
     return std::min(inFlight, double(m));
   }
+  case Schedule::ZeroBubbleH1:
+    return double(std::min<int64_t>(m, p));
   }
   return double(m);
 }

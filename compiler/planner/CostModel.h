@@ -28,20 +28,32 @@ double reduceScatterTime(double bytes, int64_t n, const Link &link);
 /// Point-to-point transfer: S/B + alpha.
 double p2pTime(double bytes, const Link &link);
 
-enum class Schedule { GPipe, OneFOneB, Interleaved };
+/// ZeroBubbleH1 is ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism"
+/// (ICLR 2024): 1F1B with each backward split into its input-gradient part
+/// (B, on the critical path) and its weight-gradient part (W, deferred into
+/// the bubble), holding no more microbatches than 1F1B's first stage.
+enum class Schedule { GPipe, OneFOneB, Interleaved, ZeroBubbleH1 };
 enum class Recompute { None, Selective, Full };
 const char *scheduleName(Schedule s);
+/// The schedule names parseSchedule accepts, for error messages.
+const char *scheduleChoices();
 const char *recomputeName(Recompute r);
 bool parseSchedule(const std::string &text, Schedule &out);
 bool parseRecompute(const std::string &text, Recompute &out);
 
 /// Fraction of the ideal step lost to the pipeline bubble: (p-1)/m for GPipe
-/// and 1F1B, (p-1)/(v m) for interleaved 1F1B with v virtual stages.
-double bubbleFraction(Schedule s, int64_t p, int64_t m, int64_t v);
+/// and 1F1B, (p-1)/(v m) for interleaved 1F1B with v virtual stages, and for
+/// ZB-H1 (p-1)(F + max(B - W, 0)) / (m (F + B + W)), where `forwardShare`
+/// F/(F+B+W) and `weightShare` W/(F+B+W) split a microbatch's work into
+/// forward, input gradient B and weight gradient W: (p-1)/(3m) when F = B =
+/// W, a third of 1F1B's (Qi et al. 2024, for m >= p).
+double bubbleFraction(Schedule s, int64_t p, int64_t m, int64_t v, double forwardShare = 0,
+                      double weightShare = 0);
 
 /// Microbatches whose activations stage `stage` (0-based) holds at its peak:
 /// GPipe all m; 1F1B min(m, p - stage); interleaved adds the warm-up of the
-/// other chunks, (p - 1)/v more on stage 0 (Narayanan et al. 2021).
+/// other chunks, (p - 1)/v more on stage 0 (Narayanan et al. 2021); ZB-H1
+/// min(m, p) on every stage (later stages use that room to defer W).
 double microbatchesInFlight(Schedule s, int64_t p, int64_t m, int64_t v, int64_t stage);
 
 /// Bytes per parameter for weights, gradients and Adam state under mixed

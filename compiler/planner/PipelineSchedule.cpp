@@ -9,15 +9,55 @@
 
 namespace loom::planner {
 
+const char *taskLetter(TaskKind kind) {
+  switch (kind) {
+  case TaskKind::Forward:
+    return "F";
+  case TaskKind::Backward:
+    return "B";
+  case TaskKind::Weight:
+    return "W";
+  }
+  return "?";
+}
+
+namespace {
+/// ZB-H1: the warm-up forwards of 1F1B, then B before F; a stage defers its
+/// W tasks while fewer than min(p, m) microbatches hold activations (forward
+/// run, W not yet), so later stages, which 1F1B leaves with fewer in flight,
+/// fill the bubble before their next B and at the end with deferred W tasks.
+std::vector<PipelineTask> zeroBubbleH1Order(int64_t p, int64_t m, int64_t stage) {
+  std::vector<PipelineTask> order;
+  int64_t limit = std::min(p, m), f = 0, b = 0, w = 0;
+  for (; f < std::min(p - stage, m); ++f)
+    order.push_back({TaskKind::Forward, f, 0});
+  while (b < m) {
+    order.push_back({TaskKind::Backward, b++, 0});
+    if (f < m) {
+      if (f - w >= limit)
+        order.push_back({TaskKind::Weight, w++, 0});
+      order.push_back({TaskKind::Forward, f++, 0});
+    } else {
+      order.push_back({TaskKind::Weight, w++, 0});
+    }
+  }
+  while (w < m)
+    order.push_back({TaskKind::Weight, w++, 0});
+  return order;
+}
+} // namespace
+
 std::vector<PipelineTask> stageOrder(Schedule s, int64_t p, int64_t m, int64_t v, int64_t stage) {
   std::vector<PipelineTask> order;
   if (s == Schedule::GPipe) {
     for (int64_t mb = 0; mb < m; ++mb)
-      order.push_back({true, mb, 0});
+      order.push_back({TaskKind::Forward, mb, 0});
     for (int64_t mb = 0; mb < m; ++mb)
-      order.push_back({false, mb, 0});
+      order.push_back({TaskKind::Backward, mb, 0});
     return order;
   }
+  if (s == Schedule::ZeroBubbleH1)
+    return zeroBubbleH1Order(p, m, stage);
   if (s == Schedule::OneFOneB)
     v = 1;
   // Interleaved (and, with v = 1, plain) 1F1B: microbatches go through the
@@ -26,11 +66,11 @@ std::vector<PipelineTask> stageOrder(Schedule s, int64_t p, int64_t m, int64_t v
   auto forwardTask = [&](int64_t k) {
     int64_t group = v == 1 ? 0 : (k / p) % v;
     int64_t mb = v == 1 ? k : (k / (p * v)) * p + k % p;
-    return PipelineTask{true, mb, group};
+    return PipelineTask{TaskKind::Forward, mb, group};
   };
   auto backwardTask = [&](int64_t k) {
     PipelineTask t = forwardTask(k);
-    t.forward = false;
+    t.kind = TaskKind::Backward;
     t.chunk = v - 1 - t.chunk;
     return t;
   };
@@ -60,7 +100,8 @@ double PipelineTimeline::idleFraction() const {
 
 PipelineTimeline simulatePipeline(Schedule s, int64_t p, int64_t m, int64_t v,
                                   const std::vector<double> &forward,
-                                  const std::vector<double> &backward, double transfer) {
+                                  const std::vector<double> &backward, double transfer,
+                                  const std::vector<double> &weightGrad) {
   if (s != Schedule::Interleaved)
     v = 1;
   PipelineTimeline tl;
@@ -68,32 +109,34 @@ PipelineTimeline simulatePipeline(Schedule s, int64_t p, int64_t m, int64_t v,
   std::vector<std::vector<PipelineTask>> orders(p);
   for (int64_t st = 0; st < p; ++st)
     orders[st] = stageOrder(s, p, m, v, st);
-  // Finish time of each task: key (forward, microbatch, chunk, stage).
-  std::map<std::tuple<bool, int64_t, int64_t, int64_t>, double> done;
+  // Finish time of each task: key (kind, microbatch, chunk, stage).
+  std::map<std::tuple<TaskKind, int64_t, int64_t, int64_t>, double> done;
   std::vector<size_t> next(p, 0);
   std::vector<double> free(p, 0);
   auto dependency = [&](const PipelineTask &t, int64_t st, double &ready) -> bool {
     ready = 0;
-    auto need = [&](bool fwd, int64_t chunk, int64_t stage, double extra) {
-      auto it = done.find({fwd, t.microbatch, chunk, stage});
+    auto need = [&](TaskKind kind, int64_t chunk, int64_t stage, double extra) {
+      auto it = done.find({kind, t.microbatch, chunk, stage});
       if (it == done.end())
         return false;
       ready = std::max(ready, it->second + extra);
       return true;
     };
-    if (t.forward) {
+    if (t.kind == TaskKind::Forward) {
       if (st > 0)
-        return need(true, t.chunk, st - 1, transfer);
+        return need(TaskKind::Forward, t.chunk, st - 1, transfer);
       if (t.chunk > 0)
-        return need(true, t.chunk - 1, p - 1, transfer);
+        return need(TaskKind::Forward, t.chunk - 1, p - 1, transfer);
       return true;
     }
-    if (!need(true, t.chunk, st, 0))
+    if (t.kind == TaskKind::Weight)
+      return need(TaskKind::Backward, t.chunk, st, 0);
+    if (!need(TaskKind::Forward, t.chunk, st, 0))
       return false;
     if (st < p - 1)
-      return need(false, t.chunk, st + 1, transfer);
+      return need(TaskKind::Backward, t.chunk, st + 1, transfer);
     if (t.chunk < v - 1)
-      return need(false, t.chunk + 1, 0, transfer);
+      return need(TaskKind::Backward, t.chunk + 1, 0, transfer);
     return true;
   };
   size_t remaining = 0;
@@ -118,17 +161,23 @@ PipelineTimeline simulatePipeline(Schedule s, int64_t p, int64_t m, int64_t v,
       for (int64_t st = 0; st < p; ++st)
         if (next[st] < orders[st].size()) {
           const PipelineTask &t = orders[st][next[st]];
-          os << "stage " << st << " waits to run " << (t.forward ? "F" : "B") << t.microbatch
+          os << "stage " << st << " waits to run " << taskLetter(t.kind) << t.microbatch
              << "." << t.chunk << "; ";
         }
       tl.deadlock = os.str();
       return tl;
     }
     const PipelineTask &t = orders[pick][next[pick]];
-    double duration = (t.forward ? forward : backward)[pick] / double(v);
+    double weight = s != Schedule::ZeroBubbleH1 ? 0
+                    : weightGrad.empty()      ? backward[pick] / 2
+                                              : weightGrad[pick];
+    double duration = t.kind == TaskKind::Forward ? forward[pick]
+                      : t.kind == TaskKind::Weight ? weight
+                                                   : backward[pick] - weight;
+    duration /= double(v);
     TimedTask timed{t, pickStart, pickStart + duration};
     tl.stages[pick].push_back(timed);
-    done[{t.forward, t.microbatch, t.chunk, pick}] = timed.end;
+    done[{t.kind, t.microbatch, t.chunk, pick}] = timed.end;
     free[pick] = timed.end;
     tl.makespan = std::max(tl.makespan, timed.end);
     ++next[pick];
@@ -163,6 +212,10 @@ std::string timelineSvg(const PipelineTimeline &tl, const SvgExtras &x) {
   double scale = chartW / total;
   double height = top + p * (rowH + gap) + 70;
   double width = left + chartW + 40 + memW + 70;
+  bool weightTasks = false;
+  for (const auto &tasks : tl.stages)
+    for (const TimedTask &t : tasks)
+      weightTasks |= t.task.kind == TaskKind::Weight;
   std::ostringstream os;
   os.precision(2);
   os << std::fixed;
@@ -173,7 +226,9 @@ std::string timelineSvg(const PipelineTimeline &tl, const SvgExtras &x) {
      << escape(x.title) << "</text>\n";
   os << "<text x=\"" << left << "\" y=\"44\" fill=\"#555\">step " << total * 1e3
      << " ms; idle (bubble) " << tl.idleFraction() * 100
-     << "% of pipeline time; F = forward, B = backward, number = microbatch</text>\n";
+     << "% of pipeline time; F = forward, B = backward"
+     << (weightTasks ? " (input gradient), W = weight gradient" : "")
+     << ", number = microbatch</text>\n";
   for (int64_t st = 0; st < p; ++st) {
     double y = top + st * (rowH + gap);
     os << "<text x=\"10\" y=\"" << y + rowH * 0.65 << "\">device " << st << "</text>\n";
@@ -184,15 +239,21 @@ std::string timelineSvg(const PipelineTimeline &tl, const SvgExtras &x) {
       int shade = static_cast<int>(t.task.chunk % 4);
       const char *fwd[] = {"#4e79a7", "#6b93c4", "#2f5d8a", "#8fb0d9"};
       const char *bwd[] = {"#59a14f", "#7bbf6f", "#3d7a35", "#9fd393"};
+      const char *wgt[] = {"#b07aa1", "#c79bbd", "#8c5a80", "#dcbcd4"};
+      const char *fill = t.task.kind == TaskKind::Forward  ? fwd[shade]
+                         : t.task.kind == TaskKind::Weight ? wgt[shade]
+                                                           : bwd[shade];
+      const char *what = t.task.kind == TaskKind::Forward  ? "forward"
+                         : t.task.kind == TaskKind::Weight ? "weight gradient"
+                                                           : "backward";
       os << "<rect x=\"" << bx << "\" y=\"" << y << "\" width=\"" << bw << "\" height=\"" << rowH
-         << "\" fill=\"" << (t.task.forward ? fwd[shade] : bwd[shade])
-         << "\" stroke=\"white\" stroke-width=\"0.5\"><title>" << (t.task.forward ? "forward" : "backward")
+         << "\" fill=\"" << fill << "\" stroke=\"white\" stroke-width=\"0.5\"><title>" << what
          << " microbatch " << t.task.microbatch << ", chunk " << t.task.chunk << ": "
          << t.start * 1e3 << "-" << t.end * 1e3 << " ms</title></rect>\n";
       if (bw > 22)
         os << "<text x=\"" << bx + bw / 2 << "\" y=\"" << y + rowH * 0.65
            << "\" fill=\"white\" text-anchor=\"middle\" font-size=\"10\">"
-           << (t.task.forward ? "F" : "B") << t.task.microbatch << "</text>\n";
+           << taskLetter(t.task.kind) << t.task.microbatch << "</text>\n";
     }
     double cx = left + tl.makespan * scale;
     if (x.dpCommSeconds > 0)
@@ -223,10 +284,18 @@ std::string timelineSvg(const PipelineTimeline &tl, const SvgExtras &x) {
   double ly = top + p * (rowH + gap) + 20;
   os << "<g font-size=\"11\">";
   double lx = left;
-  for (auto [color, label] : {std::pair{"#4e79a7", "forward"}, {"#59a14f", "backward"},
-                              {"#eeeeee", "idle (bubble)"}, {"#f28e2b", "gradient all-reduce"},
-                              {"#9c755f", "optimizer"}, {"#76b7b2", "memory: weights + optimizer"},
-                              {"#edc948", "memory: activations"}}) {
+  std::vector<std::pair<const char *, const char *>> legend = {{"#4e79a7", "forward"}};
+  if (weightTasks)
+    legend.insert(legend.end(),
+                  {{"#59a14f", "backward: input gradient"}, {"#b07aa1", "weight gradient"}});
+  else
+    legend.push_back({"#59a14f", "backward"});
+  legend.insert(legend.end(), {{"#eeeeee", "idle (bubble)"},
+                               {"#f28e2b", "gradient all-reduce"},
+                               {"#9c755f", "optimizer"},
+                               {"#76b7b2", "memory: weights + optimizer"},
+                               {"#edc948", "memory: activations"}});
+  for (auto [color, label] : legend) {
     os << "<rect x=\"" << lx << "\" y=\"" << ly << "\" width=\"12\" height=\"12\" fill=\"" << color
        << "\" stroke=\"#999\" stroke-width=\"0.5\"/><text x=\"" << lx + 16 << "\" y=\"" << ly + 10
        << "\">" << label << "</text>";

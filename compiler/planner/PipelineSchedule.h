@@ -1,9 +1,11 @@
 //===- PipelineSchedule.h - Per-stage task orders and their timing -*- C++ -*-===//
 //
 // The order in which each pipeline stage runs its forward and backward
-// microbatch tasks under GPipe, 1F1B and interleaved 1F1B (Narayanan et al.
-// 2021), and an event-driven simulation of all stages together that times
-// them and detects a deadlock (a state where no stage can run its next task).
+// microbatch tasks under GPipe, 1F1B, interleaved 1F1B (Narayanan et al.
+// 2021) and ZB-H1 (Qi et al. 2024, backward split into input-gradient and
+// weight-gradient tasks), and an event-driven simulation of all stages
+// together that times them and detects a deadlock (a state where no stage can
+// run its next task).
 // The partitioner uses the same orders for each rank's instruction stream.
 //
 //===----------------------------------------------------------------------===//
@@ -17,11 +19,19 @@
 
 namespace loom::planner {
 
+/// Forward; Backward: the whole backward, or under ZB-H1 only its
+/// input-gradient part (what the previous stage waits for); Weight: the
+/// weight-gradient part that ZB-H1 runs later, on the same stage.
+enum class TaskKind { Forward, Backward, Weight };
+
 struct PipelineTask {
-  bool forward = true;
+  TaskKind kind = TaskKind::Forward;
   int64_t microbatch = 0;
   int64_t chunk = 0; // virtual stage index on this device (0 unless interleaved)
 };
+
+/// "F", "B" or "W".
+const char *taskLetter(TaskKind kind);
 
 /// Task order of `stage` (0-based) for p stages, m microbatches, v chunks.
 std::vector<PipelineTask> stageOrder(Schedule s, int64_t p, int64_t m, int64_t v, int64_t stage);
@@ -42,13 +52,18 @@ struct PipelineTimeline {
 
 /// Simulates every stage; forward/backward durations are per chunk and
 /// microbatch on each stage, `transfer` the send time between stages.
+/// `weightGrad` is the weight-gradient part of each stage's backward, which
+/// ZB-H1 runs as its own task (W) and the other schedules ignore; empty means
+/// half the backward.
 PipelineTimeline simulatePipeline(Schedule s, int64_t p, int64_t m, int64_t v,
                                   const std::vector<double> &forward,
-                                  const std::vector<double> &backward, double transfer);
+                                  const std::vector<double> &backward, double transfer,
+                                  const std::vector<double> &weightGrad = {});
 
 /// The timeline as an SVG: one row per stage, forward boxes blue, backward
-/// green (darker for later chunks), idle time visible, the gradient reduction
-/// and optimizer step marked after the flush, and a memory bar per stage.
+/// green (darker for later chunks), weight-gradient tasks purple, idle time
+/// visible, the gradient reduction and optimizer step marked after the
+/// flush, and a memory bar per stage.
 struct SvgExtras {
   std::string title;
   double dpCommSeconds = 0, optimizerSeconds = 0;

@@ -67,7 +67,7 @@ private:
       return bad("zero", "0 or 1 (ZeRO stage)", plan["zero"]);
     Schedule schedule;
     if (!plan["schedule"].is_string() || !parseSchedule(plan["schedule"].get<std::string>(), schedule))
-      return bad("schedule", "gpipe, 1f1b or interleaved", plan["schedule"]);
+      return bad("schedule", scheduleChoices(), plan["schedule"]);
     Recompute recompute;
     if (!plan["recompute"].is_string() ||
         !parseRecompute(plan["recompute"].get<std::string>(), recompute))

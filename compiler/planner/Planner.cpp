@@ -45,6 +45,7 @@ std::string ms(double seconds) {
 /// Costs of one layer for one microbatch, given tp, microbatch size and recomputation.
 struct LayerTimes {
   double forward = 0, backward = 0, recompute = 0, tpComm = 0;
+  double weightGrad = 0; // the part of backward that computes weight gradients
   double compute = 0; // the compute part of forward + backward + recompute
   double total() const { return forward + backward + recompute + tpComm; }
 };
@@ -102,7 +103,7 @@ bool parseConstraints(const std::string &text, Constraints &out, std::string &er
     } else if (key == "schedule") {
       Schedule s;
       if (!parseSchedule(value, s)) {
-        error = "--force schedule must be gpipe, 1f1b or interleaved, got '" + value + "'";
+        error = std::string("--force schedule must be ") + scheduleChoices() + ", got '" + value + "'";
         return false;
       }
       out.schedule = s;
@@ -253,8 +254,14 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     // With several microbatches each backward adds its weight gradients into
     // f32 accumulators: read 4 + write 4 bytes a parameter, plus the 16-bit
     // gradient it adds.
-    if (m > 1)
-      lt_.backward += (l.shardedParams / lt + (l.params - l.shardedParams)) * (8 + 2) / memRate;
+    // Weight gradients: one GEMM per weight matmul of the forward (the
+    // attention scores and values have no weights), plus that accumulation.
+    lt_.weightGrad = l.flops > 0 ? fwdCompute * (1 - l.attentionFlops / l.flops) : 0;
+    if (m > 1) {
+      double accumulate = (l.shardedParams / lt + (l.params - l.shardedParams)) * (8 + 2) / memRate;
+      lt_.backward += accumulate;
+      lt_.weightGrad += accumulate;
+    }
     lt_.compute = 3 * fwdCompute;
     if (plan.recompute == Recompute::Full) {
       lt_.recompute = lt_.forward;
@@ -371,11 +378,12 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     for (int64_t i = first; i < first + count; ++i) {
       s.forwardTime += times[i].forward + times[i].tpComm / 2;
       s.backwardTime += times[i].backward + times[i].recompute + times[i].tpComm / 2;
+      s.weightGradTime += times[i].weightGrad;
       s.weightBytes += weightBytes[i];
     }
     s.memoryBytes += chunkMemory(first, count, c);
   }
-  double slowest = 0, slowestCompute = 0, slowestTp = 0;
+  double slowest = 0, slowestCompute = 0, slowestTp = 0, slowestForward = 0, slowestWeight = 0;
   for (int64_t st = 0; st < p; ++st) {
     StagePlan &s = plan.stages[st];
     s.activationBytes = s.memoryBytes - s.weightBytes;
@@ -383,6 +391,7 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     double stageTime = s.forwardTime + s.backwardTime;
     if (stageTime > slowest) {
       slowest = stageTime;
+      slowestForward = s.forwardTime, slowestWeight = s.weightGradTime;
       slowestCompute = 0, slowestTp = 0;
       for (int64_t c = st; c < chunks; c += p)
         for (int64_t i = bounds[c]; i < bounds[c + 1]; ++i)
@@ -399,7 +408,10 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
   double p2p = p > 1 ? 2 * v * p2pTime(b * boundary * width / t, ppLink) : 0;
   double perMicrobatch = slowest + p2p;
   double steady = m * perMicrobatch;
-  double bubble = bubbleFraction(plan.schedule, p, m, v) * steady;
+  double bubble = slowest > 0 ? bubbleFraction(plan.schedule, p, m, v, slowestForward / slowest,
+                                                slowestWeight / slowest) *
+                                     steady
+                              : 0;
 
   // Gradients: fp32 all-reduce over dp (ZeRO-1: reduce-scatter, then all-gather bf16 weights).
   double stageParams = 0;
@@ -494,6 +506,8 @@ PlanResult Planner::search(int64_t batch, const Constraints &c) const {
         } else {
           schedules.push_back({Schedule::GPipe, 1});
           schedules.push_back({Schedule::OneFOneB, 1});
+          if (options.zeroBubbleSchedule || c.schedule == Schedule::ZeroBubbleH1)
+            schedules.push_back({Schedule::ZeroBubbleH1, 1});
           for (int64_t v = 2; v <= 8; ++v)
             if (p * v <= static_cast<int64_t>(spec.layers.size()) && m % p == 0)
               schedules.push_back({Schedule::Interleaved, v});
@@ -590,6 +604,7 @@ json planToJson(const Plan &plan, const ModelSpec &model, const Cluster &cluster
                       {"layer_chunks", s.chunks},
                       {"forward_ms", s.forwardTime * 1e3},
                       {"backward_ms", s.backwardTime * 1e3},
+                      {"weight_grad_ms", s.weightGradTime * 1e3},
                       {"memory_gib", s.memoryBytes / kGiB},
                       {"weight_gib", s.weightBytes / kGiB},
                       {"activation_gib", s.activationBytes / kGiB}});

@@ -69,6 +69,9 @@ struct CostOptions {
   /// Gradient all-reduce in buckets during the last microbatch's backward
   /// (Loom's runtime); false: after it, fully exposed (Megatron-LM 2021).
   bool overlapGradientReduce = true;
+  /// The search weighs ZB-H1 (backward split into input- and weight-gradient
+  /// tasks) for pipelined plans; false: only the schedules of Megatron-LM 2021.
+  bool zeroBubbleSchedule = true;
   double reservedBytes = 3.0 * (1ull << 30); // CUDA context, NCCL and cuBLAS workspaces
   /// Bytes per activation element moved by memory-bound kernels: 2 for bf16
   /// (the default), 4 when the runtime keeps activations in f32.
@@ -115,6 +118,8 @@ struct StagePlan {
   std::vector<std::pair<int64_t, int64_t>> chunks; // [first, count] per virtual stage
   std::string layerRanges() const;                 // "0-6, 14-20"
   double forwardTime = 0, backwardTime = 0; // per microbatch, seconds
+  /// The weight-gradient part of backwardTime (ZB-H1's deferred W task).
+  double weightGradTime = 0;
   double memoryBytes = 0;
   double weightBytes = 0, activationBytes = 0;
 };

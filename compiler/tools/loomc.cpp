@@ -768,11 +768,13 @@ int inspectPlan() {
                  << " tokens/s, MFU " << llvm::format("%.1f", 100 * pred.at("mfu").get<double>())
                  << "%, peak memory " << llvm::format("%.1f", pred.at("peak_memory_gib").get<double>())
                  << " GiB\n";
-    std::vector<double> fwd, bwd;
+    std::vector<double> fwd, bwd, wgt;
     SvgExtras extras;
     for (const auto &st : plan.at("stages")) {
       fwd.push_back(st.at("forward_ms").get<double>() / 1e3);
       bwd.push_back(st.at("backward_ms").get<double>() / 1e3);
+      // Plans written before ZB-H1 have no weight-gradient split: half the backward.
+      wgt.push_back(st.value("weight_grad_ms", bwd.back() * 1e3 / 2) / 1e3);
       extras.weightBytes.push_back(st.at("weight_gib").get<double>() * double(1ull << 30));
       extras.activationBytes.push_back(st.at("activation_gib").get<double>() * double(1ull << 30));
     }
@@ -780,7 +782,7 @@ int inspectPlan() {
       return fail(inspectInput + ": 'stages' lists " + std::to_string(fwd.size()) +
                   " stages but pp is " + std::to_string(p));
     double transfer = m > 0 && p > 1 ? pred.at("pp_comm_ms").get<double>() / 1e3 / m / (2 * v) : 0;
-    PipelineTimeline tl = simulatePipeline(schedule, p, m, v, fwd, bwd, transfer);
+    PipelineTimeline tl = simulatePipeline(schedule, p, m, v, fwd, bwd, transfer, wgt);
     if (tl.deadlocked)
       return fail("the schedule deadlocks: " + tl.deadlock);
     llvm::outs() << "  simulated pipeline " << llvm::format("%.2f", tl.makespan * 1e3)

@@ -1,7 +1,7 @@
 //===- ParallelTest.cpp - Every plan trains like one device ---------------===//
 //
 // Compiles tiny GPT and Llama models for dp, tp, pp, their combinations,
-// every pipeline schedule and ZeRO-1, runs all ranks on CPU threads for a
+// every pipeline schedule (ZB-H1 included) and ZeRO-1, runs all ranks on CPU threads for a
 // few AdamW steps on the same global batches, and checks that the losses and
 // the updated parameters (gathered from their parts) equal a one-device run.
 // Tolerance: relative 2e-5 on losses and max-abs 2e-5 on parameters, for f32
@@ -206,6 +206,9 @@ std::vector<Config> configs() {
       {"pp4-gpipe", 1, 1, 4, 1, 4, "gpipe"},
       {"pp4-1f1b", 1, 1, 4, 1, 4, "1f1b"},
       {"pp2-interleaved", 1, 1, 2, 2, 4, "interleaved"},
+      {"pp2-zbh1", 1, 1, 2, 1, 4, "zb-h1"},
+      {"pp4-zbh1", 1, 1, 4, 1, 4, "zb-h1"},
+      {"dp2tp2pp2-zbh1", 2, 2, 2, 1, 2, "zb-h1"},
       {"accumulate4", 1, 1, 1, 1, 4},
       {"dp2-zero1", 2, 1, 1, 1, 1, "1f1b", true},
       {"dp2pp2-zero1", 2, 1, 2, 1, 2, "gpipe", true},
@@ -214,6 +217,7 @@ std::vector<Config> configs() {
       {"bf16-dp2", 2, 1, 1, 1, 1, "1f1b", false, true},
       {"bf16-tp2", 1, 2, 1, 1, 1, "1f1b", false, true},
       {"bf16-pp2", 1, 1, 2, 1, 4, "1f1b", false, true},
+      {"bf16-pp2-zbh1", 1, 1, 2, 1, 4, "zb-h1", false, true},
       {"bf16-dp2tp2pp2", 2, 2, 2, 1, 2, "1f1b", false, true},
       {"bf16-dp2tp2-zero1", 2, 2, 1, 1, 1, "1f1b", true, true},
       // bf16 with --fuse: the epilogue rewrites in partitioned and pipelined programs.

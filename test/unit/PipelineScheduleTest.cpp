@@ -1,26 +1,30 @@
 //===- PipelineScheduleTest.cpp - Schedules are complete and deadlock-free ===//
 
 #include "compiler/planner/PipelineSchedule.h"
+#include "compiler/planner/CostModel.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <set>
 
 using namespace loom::planner;
 
 TEST(PipelineSchedule, EveryTaskOnceAndNoDeadlock) {
-  for (Schedule s : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved})
+  for (Schedule s : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved,
+                     Schedule::ZeroBubbleH1})
     for (int64_t p : {1, 2, 3, 4, 8})
       for (int64_t m : {1, 2, 4, 8, 12, 16})
         for (int64_t v : {1, 2, 3}) {
           if (s == Schedule::Interleaved && (v < 2 || m % p != 0))
             continue;
           int64_t chunks = s == Schedule::Interleaved ? v : 1;
+          int64_t kinds = s == Schedule::ZeroBubbleH1 ? 3 : 2; // F, B (and W)
           for (int64_t st = 0; st < p; ++st) {
-            std::set<std::tuple<bool, int64_t, int64_t>> seen;
+            std::set<std::tuple<TaskKind, int64_t, int64_t>> seen;
             for (const PipelineTask &t : stageOrder(s, p, m, v, st))
-              EXPECT_TRUE(seen.insert({t.forward, t.microbatch, t.chunk}).second);
-            EXPECT_EQ(seen.size(), size_t(2 * m * chunks));
+              EXPECT_TRUE(seen.insert({t.kind, t.microbatch, t.chunk}).second);
+            EXPECT_EQ(seen.size(), size_t(kinds * m * chunks));
           }
           std::vector<double> f(p, 1.0), b(p, 2.0);
           PipelineTimeline tl = simulatePipeline(s, p, m, v, f, b, 0.0);
@@ -49,12 +53,57 @@ TEST(PipelineSchedule, BubbleMatchesTheFormula) {
   EXPECT_NEAR(bubbleInter / bubblePlain, 1.0 / v, 0.15);
 }
 
+TEST(PipelineSchedule, ZeroBubbleH1BubbleIsAThirdOfOneFOneB) {
+  // Qi et al. 2024: with m >= p, 1F1B idles (p-1)(F + B + W) per stage and
+  // ZB-H1 (p-1)(F + B - W); with F = B = W that is a third.
+  for (int64_t p : {2, 4, 8})
+    for (int64_t m : {8, 16, 32}) {
+      std::vector<double> f(p, 1.0), b(p, 2.0), w(p, 1.0);
+      PipelineTimeline plain = simulatePipeline(Schedule::OneFOneB, p, m, 1, f, b, 0.0);
+      PipelineTimeline zb = simulatePipeline(Schedule::ZeroBubbleH1, p, m, 1, f, b, 0.0, w);
+      ASSERT_FALSE(zb.deadlocked) << zb.deadlock;
+      double bubblePlain = plain.makespan - 3.0 * m, bubbleZb = zb.makespan - 3.0 * m;
+      EXPECT_DOUBLE_EQ(bubblePlain, 3.0 * (p - 1));
+      EXPECT_DOUBLE_EQ(bubbleZb, 1.0 * (p - 1)) << "p=" << p << " m=" << m;
+      EXPECT_NEAR(zb.idleFraction() * p * zb.makespan, p * bubbleZb, 1e-9);
+    }
+  // A smaller W fills less: F = 1, B = 1.4, W = 0.6 leaves (p-1)(F + B - W).
+  int64_t p = 4, m = 16;
+  PipelineTimeline zb = simulatePipeline(Schedule::ZeroBubbleH1, p, m, 1, std::vector<double>(p, 1.0),
+                                         std::vector<double>(p, 2.0), 0.0,
+                                         std::vector<double>(p, 0.6));
+  EXPECT_NEAR(zb.makespan - 3.0 * m, (p - 1) * (1.0 + 1.4 - 0.6), 1e-9);
+  // The cost model's formula says the same.
+  EXPECT_NEAR(bubbleFraction(Schedule::ZeroBubbleH1, p, m, 1, 1.0 / 3, 0.6 / 3) * 3.0 * m,
+              (p - 1) * (1.0 + 1.4 - 0.6), 1e-9);
+}
+
+TEST(PipelineSchedule, ZeroBubbleH1WaitsOnlyForTheInputGradient) {
+  // Stage 0 of 2 runs B0 as soon as stage 1's B0 ends, before stage 1's W0.
+  PipelineTimeline tl = simulatePipeline(Schedule::ZeroBubbleH1, 2, 4, 1, {1, 1}, {2, 2}, 0.0,
+                                         {1, 1});
+  auto find = [&](int64_t st, TaskKind kind, int64_t mb) {
+    for (const TimedTask &t : tl.stages[st])
+      if (t.task.kind == kind && t.task.microbatch == mb)
+        return t;
+    return TimedTask{};
+  };
+  EXPECT_DOUBLE_EQ(find(1, TaskKind::Backward, 0).end, 3.0);
+  EXPECT_DOUBLE_EQ(find(0, TaskKind::Backward, 0).start, 3.0);
+  EXPECT_GE(find(0, TaskKind::Weight, 0).start, find(0, TaskKind::Backward, 0).end);
+}
+
 TEST(PipelineSchedule, OneFOneBHoldsFewerActivations) {
   // Peak forwards outstanding on stage 0: p for 1F1B, m for GPipe.
   auto peak = [](const std::vector<PipelineTask> &order) {
     int64_t live = 0, most = 0;
     for (const PipelineTask &t : order) {
-      live += t.forward ? 1 : -1;
+      // A microbatch holds its activations until its last backward task.
+      bool last = t.kind == TaskKind::Weight ||
+                  (t.kind == TaskKind::Backward &&
+                   std::none_of(order.begin(), order.end(),
+                                [](const PipelineTask &o) { return o.kind == TaskKind::Weight; }));
+      live += t.kind == TaskKind::Forward ? 1 : last ? -1 : 0;
       most = std::max(most, live);
     }
     return most;
@@ -62,6 +111,21 @@ TEST(PipelineSchedule, OneFOneBHoldsFewerActivations) {
   EXPECT_EQ(peak(stageOrder(Schedule::OneFOneB, 4, 16, 1, 0)), 4);
   EXPECT_EQ(peak(stageOrder(Schedule::OneFOneB, 4, 16, 1, 3)), 1);
   EXPECT_EQ(peak(stageOrder(Schedule::GPipe, 4, 16, 1, 0)), 16);
+  // ZB-H1 never holds more than 1F1B's first stage: p on every stage.
+  for (int64_t st = 0; st < 4; ++st)
+    EXPECT_EQ(peak(stageOrder(Schedule::ZeroBubbleH1, 4, 16, 1, st)), 4) << "stage " << st;
+  EXPECT_EQ(peak(stageOrder(Schedule::ZeroBubbleH1, 4, 2, 1, 3)), 2);
+}
+
+TEST(PipelineSchedule, SvgDrawsWeightGradientTasks) {
+  PipelineTimeline tl =
+      simulatePipeline(Schedule::ZeroBubbleH1, 2, 4, 1, {1, 1}, {2, 2}, 0.0, {1, 1});
+  std::string svg = timelineSvg(tl, SvgExtras{});
+  EXPECT_NE(svg.find("weight gradient microbatch 3"), std::string::npos);
+  EXPECT_NE(svg.find(">W3<"), std::string::npos);
+  std::string plain = timelineSvg(
+      simulatePipeline(Schedule::OneFOneB, 2, 4, 1, {1, 1}, {2, 2}, 0.0), SvgExtras{});
+  EXPECT_EQ(plain.find("weight gradient"), std::string::npos);
 }
 
 TEST(PipelineSchedule, SvgHasARowPerDevice) {

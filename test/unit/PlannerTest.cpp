@@ -28,6 +28,10 @@ TEST(CostModel, BubbleFractions) {
   EXPECT_DOUBLE_EQ(bubbleFraction(Schedule::OneFOneB, 4, 8, 1), 3.0 / 8);
   EXPECT_DOUBLE_EQ(bubbleFraction(Schedule::Interleaved, 4, 8, 2), 3.0 / 16);
   EXPECT_DOUBLE_EQ(bubbleFraction(Schedule::OneFOneB, 1, 8, 1), 0.0);
+  // ZB-H1: (p-1)/m (F + B - W)/(F + B + W); F = B = W gives a third of 1F1B.
+  EXPECT_DOUBLE_EQ(bubbleFraction(Schedule::ZeroBubbleH1, 4, 8, 1, 1.0 / 3, 1.0 / 3), 1.0 / 8);
+  // W longer than B cannot hide more than B: the forward part remains.
+  EXPECT_DOUBLE_EQ(bubbleFraction(Schedule::ZeroBubbleH1, 4, 8, 1, 0.25, 0.5), 3.0 / 8 * 0.25);
 }
 
 TEST(CostModel, MicrobatchesInFlight) {
@@ -36,6 +40,8 @@ TEST(CostModel, MicrobatchesInFlight) {
   EXPECT_EQ(microbatchesInFlight(Schedule::OneFOneB, 4, 8, 1, 3), 1);
   EXPECT_EQ(microbatchesInFlight(Schedule::OneFOneB, 8, 2, 1, 0), 2); // fewer microbatches than stages
   EXPECT_DOUBLE_EQ(microbatchesInFlight(Schedule::Interleaved, 4, 16, 2, 0), 4 + 1.5);
+  EXPECT_EQ(microbatchesInFlight(Schedule::ZeroBubbleH1, 4, 8, 1, 3), 4);
+  EXPECT_EQ(microbatchesInFlight(Schedule::ZeroBubbleH1, 8, 2, 1, 0), 2);
 }
 
 TEST(CostModel, ZeroMemoryTable) {
@@ -169,6 +175,39 @@ TEST(Planner, InterleavingShrinksTheBubble) {
   PlanResult inter = planner.search(64, c);
   ASSERT_TRUE(plain.found && inter.found) << plain.error << inter.error;
   EXPECT_NEAR(inter.best.bubbleTime / plain.best.bubbleTime, 0.5, 0.05);
+}
+
+TEST(Planner, ZeroBubbleH1CutsTheBubble) {
+  Planner planner(handModel(32, 4096, 2048, 32, 51200), cluster("a100-80g:8x4"));
+  Constraints c;
+  c.tp = 8, c.pp = 4, c.microbatchSize = 1, c.recompute = Recompute::Full;
+  c.schedule = Schedule::OneFOneB;
+  PlanResult plain = planner.search(64, c);
+  c.schedule = Schedule::ZeroBubbleH1;
+  PlanResult zb = planner.search(64, c);
+  ASSERT_TRUE(plain.found && zb.found) << plain.error << zb.error;
+  EXPECT_EQ(zb.best.schedule, Schedule::ZeroBubbleH1);
+  // The weight gradients are about a third of a microbatch's work (less
+  // under full recomputation, which B redoes), so about 0.4 of 1F1B's bubble.
+  double ratio = zb.best.bubbleTime / plain.best.bubbleTime;
+  EXPECT_GT(ratio, 0.3);
+  EXPECT_LT(ratio, 0.6);
+  const StagePlan &s = zb.best.stages[0];
+  EXPECT_NEAR(ratio, (s.forwardTime + s.backwardTime - 2 * s.weightGradTime) /
+                         (s.forwardTime + s.backwardTime), 0.05);
+  EXPECT_LT(zb.best.stepTime, plain.best.stepTime);
+  // Stage 0 holds p microbatches under both; the later stages hold p under
+  // ZB-H1 (1F1B: p - stage), which costs more where a stage's activations
+  // are larger than stage 0's (here the last, with the fp32 logits).
+  ASSERT_EQ(zb.best.stages[0].numLayers, plain.best.stages[0].numLayers);
+  EXPECT_DOUBLE_EQ(zb.best.stages[0].activationBytes, plain.best.stages[0].activationBytes);
+  EXPECT_GE(zb.best.peakMemoryBytes, plain.best.peakMemoryBytes);
+  // Unforced, the planner picks ZB-H1 over 1F1B for this pp = 4 plan.
+  c.schedule.reset();
+  c.vpp = 1;
+  PlanResult free = planner.search(64, c);
+  ASSERT_TRUE(free.found) << free.error;
+  EXPECT_EQ(free.best.schedule, Schedule::ZeroBubbleH1) << free.best.shortName();
 }
 
 TEST(Planner, RecomputationTradesTimeForMemory) {

@@ -50,7 +50,7 @@ module attributes {loom.options = {batch = 4 : i64, train = true}, loom.plan = {
 
 // -----
 
-// expected-error @below {{unknown schedule 'zigzag'; use gpipe, 1f1b or interleaved}}
+// expected-error @below {{unknown schedule 'zigzag'; use gpipe, 1f1b, interleaved or zb-h1}}
 module attributes {loom.options = {batch = 4 : i64, train = true}, loom.plan = {pp = 2 : i64, schedule = "zigzag"}} {
 }
 
