@@ -12,6 +12,7 @@
 #include "loom/rt/Bundle.h"
 #include "loom/rt/Tensor.h"
 #include "runtime/src/Backend.h"
+#include "test/unit/SingleInstruction.h"
 
 #include <cuda_runtime.h>
 
@@ -37,6 +38,8 @@ bool haveGpu() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
+using loom::rt::test::ProgramBuilder;
+
 struct Operand {
   Shape shape;
   loom_dtype_t dtype;
@@ -48,26 +51,12 @@ struct OneInstruction {
   Instruction ins;
   OneInstruction(const std::string &op, const std::vector<Operand> &in, const std::vector<Operand> &out,
                  nlohmann::json attrs) {
-    int64_t offset = 0;
-    auto add = [&](const Operand &o) {
-      Buffer b;
-      b.id = int64_t(rank.buffers.size());
-      b.name = "b" + std::to_string(b.id);
-      b.dtype = o.dtype;
-      b.shape = o.shape;
-      b.bytes = numElements(o.shape).value() * int64_t(dtypeSize(o.dtype));
-      b.offset = offset;
-      offset += (b.bytes + 255) / 256 * 256;
-      rank.buffers.push_back(b);
-      return b.id;
-    };
-    ins = Instruction{op, {}, {}, std::move(attrs)};
-    for (const Operand &o : in)
-      ins.in.push_back(add(o));
-    for (const Operand &o : out)
-      ins.out.push_back(add(o));
-    rank.arenaBytes = offset;
-    rank.programs["forward"] = {ins};
+    std::vector<std::pair<Shape, loom_dtype_t>> i, o;
+    for (const Operand &x : in)
+      i.push_back({x.shape, x.dtype});
+    for (const Operand &x : out)
+      o.push_back({x.shape, x.dtype});
+    rank = loom::rt::test::programFor(op, i, o, ins, std::move(attrs));
   }
 };
 
@@ -190,27 +179,18 @@ TEST(CudaServe, SlicesOfOneTensor) {
     int64_t axis;
     std::vector<std::pair<int64_t, int64_t>> parts; // start, size
     loom_dtype_t dt;
+    int64_t skew; // bytes the outputs sit past a 256-byte boundary
   };
   const Case cases[] = {
-      {{1, 3, 3072}, 2, {{0, 1024}, {1024, 1024}, {2048, 1024}}, LOOM_BF16}, // sixteen-byte units
-      {{2, 5, 21}, 2, {{0, 7}, {7, 7}, {14, 7}}, LOOM_BF16},                // two-byte units
-      {{4, 6, 3}, 1, {{1, 2}, {3, 3}}, LOOM_F32},                          // a middle axis, a gap
+      {{1, 3, 3072}, 2, {{0, 1024}, {1024, 1024}, {2048, 1024}}, LOOM_BF16, 0}, // sixteen-byte units
+      {{1, 3, 3072}, 2, {{0, 1024}, {1024, 1024}, {2048, 1024}}, LOOM_BF16, 2}, // outputs unaligned: two
+      {{2, 5, 21}, 2, {{0, 7}, {7, 7}, {14, 7}}, LOOM_BF16, 0},                // two-byte units
+      {{4, 6, 3}, 1, {{1, 2}, {3, 3}}, LOOM_F32, 0},                          // a middle axis, a gap
   };
   std::mt19937 rng(9);
   for (const Case &c : cases) {
-    RankProgram r;
-    int64_t offset = 0;
-    auto add = [&](const Shape &s) {
-      Buffer b;
-      b.id = int64_t(r.buffers.size());
-      b.name = "b" + std::to_string(b.id);
-      b.dtype = c.dt, b.shape = s;
-      b.bytes = numElements(s).value() * int64_t(dtypeSize(c.dt));
-      b.offset = offset;
-      offset += (b.bytes + 255) / 256 * 256 + 2; // outputs not sixteen-byte aligned after the first
-      r.buffers.push_back(b);
-      return b.id;
-    };
+    ProgramBuilder builder;
+    auto add = [&](const Shape &s) { return builder.add(s, c.dt, "b", builder.rank.buffers.empty() ? 0 : c.skew); };
     int64_t x = add(c.x);
     std::vector<Instruction> prog;
     for (auto [start, size] : c.parts) {
@@ -218,8 +198,7 @@ TEST(CudaServe, SlicesOfOneTensor) {
       s[size_t(c.axis)] = size;
       prog.push_back(Instruction{"slice", {x}, {add(s)}, {{"axis", c.axis}, {"start", start}, {"size", size}}});
     }
-    r.arenaBytes = offset;
-    r.programs["forward"] = prog;
+    RankProgram r = builder.finish(prog);
     auto cpu = makeCpuBackend(r, 1);
     auto gpu = makeCudaBackend(r, 0);
     std::vector<char> bytes = randomFloats(r.buffers[size_t(x)], rng);

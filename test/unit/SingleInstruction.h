@@ -1,9 +1,9 @@
 //===- SingleInstruction.h - One instruction over fresh buffers -*- C++ -*-===//
 //
-// What the instruction-level tests share (CudaConvTest.cpp runs one on the
-// GPU against the CPU, CpuLayoutTest.cpp one layout against the other): a
-// rank program of a single instruction whose inputs and outputs are fresh
-// 256-byte-aligned buffers of one dtype.
+// What the instruction-level tests share (CudaConvTest.cpp and
+// CudaServeTest.cpp run instructions on the GPU against the CPU,
+// CpuLayoutTest.cpp one layout against the other): rank programs over fresh
+// 256-byte-aligned buffers, of one instruction or a few.
 //
 //===----------------------------------------------------------------------===//
 #ifndef LOOM_TEST_UNIT_SINGLEINSTRUCTION_H
@@ -22,32 +22,54 @@ struct Operands {
   std::vector<Shape> in, out;
 };
 
-/// `op` over fresh buffers (inputs, then outputs), as the program "forward";
-/// `ins` receives the instruction.
-inline RankProgram programFor(const std::string &op, const Operands &o, loom_dtype_t dt, Instruction &ins,
-                              nlohmann::json attrs) {
-  RankProgram r;
+/// Buffers laid out one after another in a fresh arena, each at a 256-byte
+/// boundary (plus `skew` bytes, to test unaligned operands).
+struct ProgramBuilder {
+  RankProgram rank;
   int64_t offset = 0;
-  auto add = [&](const Shape &s, const char *kind) {
+  int64_t add(const Shape &s, loom_dtype_t dt, const std::string &kind = "b", int64_t skew = 0) {
     Buffer b;
-    b.id = int64_t(r.buffers.size());
-    b.name = std::string(kind) + std::to_string(b.id);
+    b.id = int64_t(rank.buffers.size());
+    b.name = kind + std::to_string(b.id);
     b.dtype = dt;
     b.shape = s;
     b.bytes = numElements(s).value() * int64_t(dtypeSize(dt));
-    b.offset = offset;
-    offset += (b.bytes + 255) / 256 * 256;
-    r.buffers.push_back(b);
+    b.offset = offset + skew;
+    offset = (b.offset + b.bytes + 255) / 256 * 256;
+    rank.buffers.push_back(b);
     return b.id;
-  };
+  }
+  /// The program "forward" over the buffers added so far.
+  RankProgram finish(std::vector<Instruction> program) {
+    rank.arenaBytes = offset;
+    rank.programs["forward"] = std::move(program);
+    return rank;
+  }
+};
+
+/// `op` over fresh buffers (inputs, then outputs) of the given shapes and
+/// dtypes, as the program "forward"; `ins` receives the instruction.
+inline RankProgram programFor(const std::string &op, const std::vector<std::pair<Shape, loom_dtype_t>> &in,
+                              const std::vector<std::pair<Shape, loom_dtype_t>> &out, Instruction &ins,
+                              nlohmann::json attrs) {
+  ProgramBuilder p;
   ins = Instruction{op, {}, {}, std::move(attrs)};
+  for (const auto &[s, dt] : in)
+    ins.in.push_back(p.add(s, dt, "in"));
+  for (const auto &[s, dt] : out)
+    ins.out.push_back(p.add(s, dt, "out"));
+  return p.finish({ins});
+}
+
+/// The same, every buffer of one dtype.
+inline RankProgram programFor(const std::string &op, const Operands &o, loom_dtype_t dt, Instruction &ins,
+                              nlohmann::json attrs) {
+  std::vector<std::pair<Shape, loom_dtype_t>> in, out;
   for (const Shape &s : o.in)
-    ins.in.push_back(add(s, "in"));
+    in.push_back({s, dt});
   for (const Shape &s : o.out)
-    ins.out.push_back(add(s, "out"));
-  r.arenaBytes = offset;
-  r.programs["forward"] = {ins};
-  return r;
+    out.push_back({s, dt});
+  return programFor(op, in, out, ins, std::move(attrs));
 }
 
 } // namespace loom::rt::test
