@@ -42,6 +42,20 @@ __global__ void im2colKernel(const float *x, float *col, ConvShape s) {
 /// cancel where the mean is large next to the spread: {Σ(x - K),
 /// Σ(x - K)², Σdy, Σdy(x - K)} (the last two for the gradient). A grid of
 /// (channel, slice) blocks adds its slices in double (sums zeroed first).
+/// One element's part of a channel's batch-norm sums: of x - shift and its
+/// square, and with dy (counted only where a fused ReLU's output `act` is
+/// positive) of dy and dy (x - shift).
+__device__ inline void addToSums(const DPtr &x, const DPtr &dy, const DPtr &act, int64_t at, float shift, float *s) {
+  float v = x[at] - shift;
+  s[0] += v;
+  s[1] += v * v;
+  if (dy) {
+    float d = act && !(act[at] > 0.0f) ? 0.0f : dy[at];
+    s[2] += d;
+    s[3] += d * v;
+  }
+}
+
 /// With `act` (a fused ReLU's output), dy counts only where act > 0.
 __global__ void batchNormSumsKernel(DPtr x, DPtr dy, DPtr act, double *sums, int64_t n, int64_t ch, int64_t inner) {
   __shared__ float shared[32];
@@ -49,15 +63,7 @@ __global__ void batchNormSumsKernel(DPtr x, DPtr dy, DPtr act, double *sums, int
   float shift = x[c * inner];
   float s[4] = {0, 0, 0, 0};
   for (int64_t i = blockIdx.y * int64_t(blockDim.x) + threadIdx.x; i < count; i += int64_t(gridDim.y) * blockDim.x) {
-    int64_t at = ((i / inner) * ch + c) * inner + i % inner;
-    float v = x[at] - shift;
-    s[0] += v;
-    s[1] += v * v;
-    if (dy) {
-      float d = act && !(act[at] > 0.0f) ? 0.0f : dy[at];
-      s[2] += d;
-      s[3] += d * v;
-    }
+    addToSums(x, dy, act, ((i / inner) * ch + c) * inner + i % inner, shift, s);
   }
   for (int t = 0; t < (dy ? 4 : 2); ++t) {
     float total = blockSum(s[t], shared);
@@ -79,15 +85,7 @@ __global__ void batchNormSumsNhwcKernel(DPtr x, DPtr dy, DPtr act, double *sums,
   if (c < ch) {
     float shift = x[c];
     for (int64_t r = blockIdx.y * int64_t(kNhwcRows) + threadIdx.y; r < rows; r += int64_t(gridDim.y) * kNhwcRows) {
-      int64_t at = r * ch + c;
-      float v = x[at] - shift;
-      s[0] += v;
-      s[1] += v * v;
-      if (dy) {
-        float d = act && !(act[at] > 0.0f) ? 0.0f : dy[at];
-        s[2] += d;
-        s[3] += d * v;
-      }
+      addToSums(x, dy, act, r * ch + c, shift, s);
     }
   }
   for (int t = 0; t < 4; ++t)

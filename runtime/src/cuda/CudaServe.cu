@@ -67,6 +67,30 @@ template <typename T> __device__ inline float toFloat(T v);
 template <> __device__ inline float toFloat(float v) { return v; }
 template <> __device__ inline float toFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
 
+/// Softmax of each query head's scores ([group][maxKeys], the first `keys`
+/// of each row) in place: a warp per head.
+__device__ inline void softmaxScores(float *scores, int group, int keys, int maxKeys) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int g = warp; g < group; g += warps) {
+    float mx = -INFINITY;
+    for (int p = lane; p < keys; p += 32)
+      mx = fmaxf(mx, scores[g * maxKeys + p]);
+    for (int off = 16; off > 0; off /= 2)
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float sum = 0;
+    for (int p = lane; p < keys; p += 32) {
+      float e = __expf(scores[g * maxKeys + p] - mx);
+      scores[g * maxKeys + p] = e;
+      sum += e;
+    }
+    for (int off = 16; off > 0; off /= 2)
+      sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    float inv = 1.0f / sum;
+    for (int p = lane; p < keys; p += 32)
+      scores[g * maxKeys + p] *= inv;
+  }
+}
+
 /// Block (token, kv head). Shared memory: the group's queries [group][D]
 /// and their scores [group][keys]; the partial outputs reuse it at the end.
 /// A thread scores whole keys (its row read in one pass, no shuffles), so
@@ -111,26 +135,7 @@ __global__ void pagedAttentionKernel(DPtr q, const T *kc, const T *vc, const int
       scores[g * maxKeys + p] = acc[g];
   }
   __syncthreads();
-  // Softmax per query head: a warp per head.
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  for (int g = warp; g < group; g += warps) {
-    float mx = -INFINITY;
-    for (int p = lane; p < keys; p += 32)
-      mx = fmaxf(mx, scores[g * maxKeys + p]);
-    for (int off = 16; off > 0; off /= 2)
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    float sum = 0;
-    for (int p = lane; p < keys; p += 32) {
-      float e = __expf(scores[g * maxKeys + p] - mx);
-      scores[g * maxKeys + p] = e;
-      sum += e;
-    }
-    for (int off = 16; off > 0; off /= 2)
-      sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    float inv = 1.0f / sum;
-    for (int p = lane; p < keys; p += 32)
-      scores[g * maxKeys + p] *= inv;
-  }
+  softmaxScores(scores, group, keys, maxKeys);
   __syncthreads();
   // Output: each thread a dimension and a stride of keys (consecutive
   // threads read consecutive dimensions of a value row); partial sums
@@ -241,25 +246,7 @@ __global__ void __launch_bounds__(kVecThreads)
       scores[g * maxKeys + p] = acc[g];
   }
   __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  for (int g = warp; g < group; g += warps) {
-    float mx = -INFINITY;
-    for (int p = lane; p < keys; p += 32)
-      mx = fmaxf(mx, scores[g * maxKeys + p]);
-    for (int off = 16; off > 0; off /= 2)
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    float sum = 0;
-    for (int p = lane; p < keys; p += 32) {
-      float e = __expf(scores[g * maxKeys + p] - mx);
-      scores[g * maxKeys + p] = e;
-      sum += e;
-    }
-    for (int off = 16; off > 0; off /= 2)
-      sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    float inv = 1.0f / sum;
-    for (int p = lane; p < keys; p += 32)
-      scores[g * maxKeys + p] *= inv;
-  }
+  softmaxScores(scores, group, keys, maxKeys);
   __syncthreads();
   const int chunks = D / N, groups = blockDim.x / chunks;
   const int c = threadIdx.x % chunks, kg = threadIdx.x / chunks;
