@@ -14,13 +14,12 @@ FLOPs counted the same way, followed by Loom's speed relative to each PyTorch mo
 """
 import argparse
 import math
-import re
-import subprocess
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from loom_vs_torch import compare, time_steps, train_loom
 
 
 class Block(nn.Module):
@@ -98,14 +97,7 @@ def run(mode, a):
 
     step = training_step(step_fn, model, opt, dtype, tokens, targets)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        loss = step()
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / a.steps
+    dt, loss = time_steps(step, a.steps)
     tps = a.batch * a.seq / dt
     print(f"torch {mode:13s} {tps:10.0f} tokens/s  {tps * flops_per_token / 1e12:6.1f} TFLOP/s  "
           f"{dt * 1e3:8.1f} ms/step  loss {loss.item():.4f}  params {n_params / 1e6:.1f}M", flush=True)
@@ -133,16 +125,6 @@ def profile_kernels(step, mode, top, steps=3):
     print(f"  {mode}: {sum(r[0] for r in rows):.1f} ms of kernels per step; the {top} longest:")
     for ms, count, name in rows[:top]:
         print(f"  {ms:7.2f} ms {count:5d}x  {name[:110]}")
-
-
-def loom(bundle, a):
-    """Trains a Loom bundle on the GPU; returns (tokens/s, ms/step) as loom-run measured them."""
-    cmd = [a.loom_run, bundle, "--backend", "cuda", "--steps", str(a.steps + 3)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    found = re.search(r"trained: ([\d.]+) ms per step, (\d+) tokens/s", out.stdout)
-    if out.returncode != 0 or not found:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {(out.stderr or out.stdout).strip()[-300:]}")
-    return float(found.group(2)), float(found.group(1))
 
 
 def flops_per_token(a):
@@ -173,21 +155,10 @@ if __name__ == "__main__":
     a = arguments("eager-fp32,compile-fp32,eager-bf16,compile-bf16")
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     fpt = flops_per_token(a)
-    results = {}
-    for bundle in a.loom:
-        name = "loom " + bundle.rstrip("/").split("/")[-1].removesuffix(".loom")
-        try:
-            tps, ms = loom(bundle, a)
-            results[name] = tps
-            print(f"{name:19s} {tps:10.0f} tokens/s  {tps * fpt / 1e12:6.1f} TFLOP/s  {ms:8.1f} ms/step", flush=True)
-        except Exception as e:
-            print(f"{name}: failed: {e}")
-    torch_rates = {}
-    for mode in a.modes.split(","):
-        try:
-            torch_rates[mode] = run(mode, a)
-        except Exception as e:  # report and go on: one failing mode should not hide the rest
-            print(f"torch {mode}: failed: {type(e).__name__}: {e}")
-    for name, tps in results.items():
-        ratios = ", ".join(f"{tps / r:.2f}x torch {m}" for m, r in torch_rates.items() if r)
-        print(f"{name}: {ratios}")
+
+    def loom(bundle, name):
+        tps, ms = train_loom(bundle, a.loom_run, a.steps, "tokens")
+        print(f"{name:19s} {tps:10.0f} tokens/s  {tps * fpt / 1e12:6.1f} TFLOP/s  {ms:8.1f} ms/step", flush=True)
+        return tps
+
+    compare(a.loom, a.modes, loom, lambda mode: run(mode, a))

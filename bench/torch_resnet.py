@@ -15,13 +15,12 @@ With --loom, each bundle (compiled for the same network and batch) trains first 
 followed by its speed relative to each PyTorch mode.
 """
 import argparse
-import re
-import subprocess
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from loom_vs_torch import compare, time_steps, train_loom
 
 
 def conv_bn(cin, cout, k, stride=1):
@@ -82,29 +81,12 @@ def run(mode, a):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        loss = step()
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / a.steps
+    dt, loss = time_steps(step, a.steps)
     ips = a.batch / dt
     print(f"torch {mode:13s} {ips:10.0f} images/s  {dt * 1e3:8.1f} ms/step  loss {loss.item():.4f}", flush=True)
     del model, opt
     torch.cuda.empty_cache()
     return ips
-
-
-def loom(bundle, a):
-    """Trains a Loom bundle on the GPU; returns (images/s, ms/step) as loom-run measured them."""
-    cmd = [a.loom_run, bundle, "--backend", "cuda", "--steps", str(a.steps + 3)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    found = re.search(r"trained: ([\d.]+) ms per step, (\d+) examples/s", out.stdout)
-    if out.returncode != 0 or not found:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {(out.stderr or out.stdout).strip()[-300:]}")
-    return float(found.group(2)), float(found.group(1))
 
 
 def arguments():
@@ -123,21 +105,10 @@ if __name__ == "__main__":
     a = arguments()
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"ResNet-50 {a.image}x{a.image}, {a.classes} classes, batch {a.batch}")
-    results = {}
-    for bundle in a.loom:
-        name = "loom " + bundle.rstrip("/").split("/")[-1].removesuffix(".loom")
-        try:
-            ips, ms = loom(bundle, a)
-            results[name] = ips
-            print(f"{name:19s} {ips:10.0f} images/s  {ms:8.1f} ms/step", flush=True)
-        except Exception as e:
-            print(f"{name}: failed: {e}")
-    torch_rates = {}
-    for mode in a.modes.split(","):
-        try:
-            torch_rates[mode] = run(mode, a)
-        except Exception as e:  # report and go on: one failing mode should not hide the rest
-            print(f"torch {mode}: failed: {type(e).__name__}: {e}")
-    for name, ips in results.items():
-        ratios = ", ".join(f"{ips / r:.2f}x torch {m}" for m, r in torch_rates.items() if r)
-        print(f"{name}: {ratios}")
+
+    def loom(bundle, name):
+        ips, ms = train_loom(bundle, a.loom_run, a.steps, "examples")
+        print(f"{name:19s} {ips:10.0f} images/s  {ms:8.1f} ms/step", flush=True)
+        return ips
+
+    compare(a.loom, a.modes, loom, lambda mode: run(mode, a))
