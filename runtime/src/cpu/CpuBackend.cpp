@@ -259,14 +259,19 @@ void Backend::argmaxRows(const Buffer &b, int64_t rows, int64_t cols, int32_t *o
   if ((b.dtype != LOOM_BF16 && b.dtype != LOOM_F32) || cols < 1 || rows < 0 || rows * cols * size > b.bytes)
     fail(LOOM_INVALID_ARGUMENT, "argmax of ", rows, " rows of ", cols, " over '", b.name, "' (", dtypeName(b.dtype),
          shapeStr(b.shape), ")");
-  std::vector<char> all(size_t(b.bytes));
-  download(b, all.data());
+  std::vector<char> copy;
+  const char *all = hostData(b); // read in place where the arena is host memory
+  if (!all) {
+    copy.resize(size_t(b.bytes));
+    download(b, copy.data());
+    all = copy.data();
+  }
   for (int64_t r = 0; r < rows; ++r) {
     int32_t best = 0;
     float top = -INFINITY;
     bool any = false;
     for (int64_t c = 0; c < cols; ++c) {
-      float v = float(loadAsDouble(b.dtype, all.data(), r * cols + c));
+      float v = float(loadAsDouble(b.dtype, all, r * cols + c));
       if (v == v && (!any || v > top))
         top = v, best = int32_t(c), any = true;
     }
