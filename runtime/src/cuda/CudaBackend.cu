@@ -311,6 +311,9 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
     if (steps[i].replayable || steps[i].replayed)
       graph.hooks.push_back(i);
   programs[program] = std::move(steps);
+  // The L2 flush buffer (twice the cache) only served timing the products.
+  cudaFree(l2Flush);
+  l2Flush = nullptr;
 }
 
 void CudaBackendImpl::run(const std::string &program) {

@@ -91,6 +91,17 @@ __device__ inline void softmaxScores(float *scores, int group, int keys, int max
   }
 }
 
+/// The block's output: the sums of `parts` partial outputs ([parts][group][D]
+/// in shared memory) of the group's query heads, stored from `at` on.
+__device__ inline void storeSums(const float *partial, int parts, int group, int D, DPtr o, int64_t at) {
+  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+    float sum = 0;
+    for (int k = 0; k < parts; ++k)
+      sum += partial[k * group * D + i];
+    o.st(at + i, sum);
+  }
+}
+
 /// Block (token, kv head). Shared memory: the group's queries [group][D]
 /// and their scores [group][keys]; the partial outputs reuse it at the end.
 /// A thread scores whole keys (its row read in one pass, no shuffles), so
@@ -155,12 +166,7 @@ __global__ void pagedAttentionKernel(DPtr q, const T *kc, const T *vc, const int
     for (int g = 0; g < group; ++g)
       partial[(part * group + g) * D + d] = acc[g];
   __syncthreads();
-  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-    float s = 0;
-    for (int k = 0; k < split; ++k)
-      s += partial[k * group * D + i];
-    o.st((int64_t(token) * heads + kh * group + i / D) * D + i % D, s);
-  }
+  storeSums(partial, split, group, D, o, (int64_t(token) * heads + kh * group) * D);
 }
 
 /// Sixteen bytes of a cache row as floats.
@@ -274,12 +280,7 @@ __global__ void __launch_bounds__(kVecThreads)
       for (int j = 0; j < N; ++j)
         partial[(kg * group + g) * D + c * N + j] = acc[g][j];
   __syncthreads();
-  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-    float sum = 0;
-    for (int k = 0; k < groups; ++k)
-      sum += partial[k * group * D + i];
-    o.st((int64_t(token) * heads + kh * group + i / D) * D + i % D, sum);
-  }
+  storeSums(partial, groups, group, D, o, (int64_t(token) * heads + kh * group) * D);
 }
 
 /// Block per row: each thread the largest of its stride of columns (the
