@@ -128,24 +128,16 @@ CudaBackendImpl::planGemm(const GemmTypes &t, bool ta, bool tb, int64_t m, int64
     if (launch() != CUBLAS_STATUS_SUCCESS)
       continue;
     float ms = 0;
-    if (fewRows) {
-      for (int r = 0; r < 3; ++r) {
-        float one = 0;
+    for (int r = 0; r < 3; ++r) {
+      if (fewRows)
         flushL2();
-        LOOM_CUDA_CHECK(cudaEventRecord(e0, stream));
-        launch();
-        LOOM_CUDA_CHECK(cudaEventRecord(e1, stream));
-        LOOM_CUDA_CHECK(cudaEventSynchronize(e1));
-        LOOM_CUDA_CHECK(cudaEventElapsedTime(&one, e0, e1));
-        ms += one;
-      }
-    } else {
+      float one = 0;
       LOOM_CUDA_CHECK(cudaEventRecord(e0, stream));
-      for (int r = 0; r < 3; ++r)
-        launch();
+      launch();
       LOOM_CUDA_CHECK(cudaEventRecord(e1, stream));
       LOOM_CUDA_CHECK(cudaEventSynchronize(e1));
-      LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      LOOM_CUDA_CHECK(cudaEventElapsedTime(&one, e0, e1));
+      ms += one;
     }
     if (ms < best)
       best = ms, plan->algo = found[i].algo;

@@ -232,7 +232,7 @@ bool Engine::step() {
 void Engine::runStep(const ServeProgram &p, const std::vector<Planned> &plan, std::vector<Outgoing> &events) {
   using Clock = std::chrono::steady_clock;
   auto t0 = Clock::now();
-  double inputs = 0; // summed over the ranks' threads: each binds its own
+  double inputs = 0; // the slowest rank's: each binds its own, at once
   std::mutex inputsMu;
   const int64_t n = p.tokens, perSeq = cfg.maxBlocksPerSeq, bs = cfg.blockSize;
   std::vector<int32_t> tokens(size_t(n), 0), positions(size_t(n), 0), slots(size_t(n), -1);
