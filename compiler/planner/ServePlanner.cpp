@@ -116,8 +116,8 @@ std::string describeServePlan(const ServePlan &plan, const Cluster &cluster) {
     }
     os << line;
   }
-  os << "  (predicted: weights and cache read once a step at " << "the device's memory bandwidth, "
-     << "measured per-launch costs, ring all-reduces of each layer's output)";
+  os << "  (predicted: weights and cache read once a step at the device's memory bandwidth, "
+        "measured per-launch costs, ring all-reduces of each layer's output)";
   return os.str();
 }
 

@@ -404,6 +404,11 @@ int runCompile() {
   // The plan: read from --plan, or searched with --force's parts fixed. One
   // device needs no search.
   nlohmann::json plan = nlohmann::json::object();
+  // Inference and serving plans: tensor parallelism over `devices` only.
+  auto tensorParallelOnly = [&](int64_t devices, int64_t tp) {
+    return nlohmann::json{{"format", "loom-plan"}, {"devices", devices}, {"batch", int64_t(compileBatch)},
+                          {"dp", 1}, {"tp", tp}, {"pp", 1}, {"vpp", 1}, {"microbatches", 1}};
+  };
   if (!compilePlan.empty()) {
     auto spec = mlir::loom::buildModelSpec(*module, llvm::sys::path::stem(compileInput));
     if (failed(spec))
@@ -431,8 +436,7 @@ int runCompile() {
     if (!sp.found)
       return fail(sp.error);
     llvm::outs() << ::loom::planner::describeServePlan(sp, cluster) << "\n";
-    plan = {{"format", "loom-plan"}, {"devices", sp.tp}, {"batch", int64_t(compileBatch)},
-            {"dp", 1}, {"tp", sp.tp}, {"pp", 1}, {"vpp", 1}, {"microbatches", 1}};
+    plan = tensorParallelOnly(sp.tp, sp.tp);
   } else if (!compileTrain && (cluster.numDevices() > 1 || !compileForce.empty())) {
     // Inference splits over tensor parallelism only; the planner's costs are a training step's.
     if (!force.tp || *force.tp != cluster.numDevices() || force.dp.value_or(1) != 1 ||
@@ -442,8 +446,7 @@ int runCompile() {
                   (compileServe ? std::string(", or let the planner choose with --objective latency|throughput")
                                 : std::string()) +
                   " (data and pipeline parallelism apply to training bundles, --train)");
-    plan = {{"format", "loom-plan"}, {"devices", cluster.numDevices()}, {"batch", int64_t(compileBatch)},
-            {"dp", 1}, {"tp", *force.tp}, {"pp", 1}, {"vpp", 1}, {"microbatches", 1}};
+    plan = tensorParallelOnly(cluster.numDevices(), *force.tp);
   } else if (cluster.numDevices() > 1 || !compileForce.empty()) {
     auto spec = mlir::loom::buildModelSpec(*module, llvm::sys::path::stem(compileInput));
     if (failed(spec))
