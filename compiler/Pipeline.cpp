@@ -96,6 +96,9 @@ struct CompilePipelineOptions : public PassPipelineOptions<CompilePipelineOption
   Option<int64_t> prefillChunk{*this, "prefill-chunk",
                                llvm::cl::desc("Serving: most tokens per step (0: min(max-seq, 512))"),
                                llvm::cl::init(0)};
+  Option<std::string> weightLayout{*this, "weight-layout",
+                               llvm::cl::desc("Serving: prepared weights nk ([out, in]) or kn"),
+                               llvm::cl::init("nk")};
   Option<std::string> until{*this, "until",
                             llvm::cl::desc("Stop after the pass of this argument (loom-autodiff, ...)"),
                             llvm::cl::init("")};
@@ -123,6 +126,7 @@ void mlir::loom::registerCompilePipeline() {
         o.serve.enabled = p.serve;
         o.serve.maxBatch = p.maxBatch, o.serve.maxSeq = p.maxSeq, o.serve.blockSize = p.blockSize;
         o.serve.kvBlocks = p.kvBlocks, o.serve.prefillChunk = p.prefillChunk;
+        o.serve.weightLayout = p.weightLayout;
         buildCompilePipeline(pm, o, p.until);
       });
 }

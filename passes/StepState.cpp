@@ -155,7 +155,7 @@ void mlir::loom::setCompileOptions(ModuleOp module, const BundleOptions &o) {
   if (o.serve.enabled)
     options["serve"] = {{"max_batch", o.serve.maxBatch},   {"max_seq", o.serve.maxSeq},
                         {"block_size", o.serve.blockSize}, {"kv_blocks", o.serve.kvBlocks},
-                        {"prefill_chunk", o.serve.prefillChunk}};
+                        {"prefill_chunk", o.serve.prefillChunk}, {"weight_layout", o.serve.weightLayout}};
   MLIRContext *ctx = module.getContext();
   module->setAttr("loom.options", jsonToAttr(ctx, options));
   module->setAttr("loom.plan", jsonToAttr(ctx, plan));
@@ -205,6 +205,7 @@ FailureOr<BundleOptions> mlir::loom::getCompileOptions(ModuleOp module) {
       so.blockSize = sv.value("block_size", so.blockSize);
       so.kvBlocks = sv.value("kv_blocks", so.kvBlocks);
       so.prefillChunk = sv.value("prefill_chunk", so.prefillChunk);
+      so.weightLayout = sv.value("weight_layout", so.weightLayout);
     }
     o.dataParallel = plan.value("dp", o.dataParallel);
     o.tensorParallel = plan.value("tp", o.tensorParallel);

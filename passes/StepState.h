@@ -45,6 +45,10 @@ struct ServeOptions {
   int64_t blockSize = 16;   // tokens per cache block
   int64_t kvBlocks = 0;     // cache blocks; 0: enough for max_batch sequences of max_seq
   int64_t prefillChunk = 0; // most tokens per step; 0: min(max_seq, 512)
+  /// The prepared bf16 weights of the products: "nk" ([out, in], each
+  /// output's weights contiguous, as decoding reads them) or "kn" (the
+  /// model's own [in, out]).
+  std::string weightLayout = "nk";
 };
 
 struct BundleOptions {

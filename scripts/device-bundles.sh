@@ -104,9 +104,14 @@ serve() {
   c models/gpt2-350m.mlir --serve --target cuda --max-batch 32 --max-seq 256 -o $out/gpt2-350m-serve.loom
   c models/gpt2-350m.mlir --serve --target cuda --max-batch 1 --max-seq 256 -o $out/gpt2-350m-serve-b1.loom
   c models/llama-1.1b.mlir --serve --target cuda --max-batch 1 --max-seq 256 -o $out/llama-1.1b-serve-b1.loom
+  # The same with the weights as the model lays them out ([K, N]; the default is [N, K]).
+  c models/gpt2-350m.mlir --serve --target cuda --max-batch 1 --max-seq 256 --weight-layout kn -o $out/gpt2-350m-serve-b1-kn.loom
+  c models/llama-1.1b.mlir --serve --target cuda --max-batch 1 --max-seq 256 --weight-layout kn -o $out/llama-1.1b-serve-b1-kn.loom
   # Tensor-parallel decoding over NCCL (timed where the machine has two GPUs).
   c models/gpt2-350m.mlir --serve --target cuda --max-batch 1 --max-seq 256 --cluster h100:2 --force tp=2 \
       -o $out/gpt2-350m-serve-b1-tp2.loom
+  c models/llama-1.1b.mlir --serve --target cuda --max-batch 1 --max-seq 256 --cluster h100:2 --force tp=2 \
+      -o $out/llama-1.1b-serve-b1-tp2.loom
   # One reference step of GPT-2 350M with the cache against its full forward pass.
   c models/gpt2-350m.mlir --target cuda -o $out/gpt2-350m-fwd.loom
 }

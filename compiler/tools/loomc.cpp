@@ -189,6 +189,11 @@ cl::opt<int64_t> servePrefillChunk("prefill-chunk", cl::desc("Most tokens one st
                                                              "sequences keep going (default: "
                                                              "min(max-seq, 512))"),
                                    cl::init(0), cl::sub(compileCmd), cl::cat(serveCategory));
+cl::opt<std::string> serveWeightLayout(
+    "weight-layout",
+    cl::desc("Layout of the prepared bf16 weight matrices: nk ([out, in], each output's weights "
+             "contiguous, as decoding reads them; the default) or kn (the model's [in, out])"),
+    cl::init("nk"), cl::sub(compileCmd), cl::cat(serveCategory));
 cl::opt<std::string> compileTokenizer("tokenizer",
                                       cl::desc("Copy this tokenizer (tokenizer.json or a "
                                                "SentencePiece .model) into the bundle (default: "
@@ -364,6 +369,10 @@ int runCompile() {
     for (auto *o : {&serveMaxBatch, &serveMaxSeq, &serveBlockSize, &serveKvBlocks, &servePrefillChunk})
       if (o->getNumOccurrences())
         return fail("--" + o->ArgStr.str() + " applies to serving bundles (--serve)");
+  if (!compileServe && serveWeightLayout.getNumOccurrences())
+    return fail("--weight-layout applies to serving bundles (--serve)");
+  if (serveWeightLayout != "nk" && serveWeightLayout != "kn")
+    return fail("--weight-layout must be nk or kn, got '" + serveWeightLayout + "'");
   if (!compileServe && serveObjective.getNumOccurrences())
     return fail("--objective applies to serving bundles (--serve); training plans minimise the step time");
   if (compileServe) {
@@ -498,6 +507,7 @@ int runCompile() {
   options.serve.maxBatch = serveMaxBatch, options.serve.maxSeq = serveMaxSeq;
   options.serve.blockSize = serveBlockSize, options.serve.kvBlocks = serveKvBlocks;
   options.serve.prefillChunk = servePrefillChunk;
+  options.serve.weightLayout = serveWeightLayout;
   llvm::StringRef stem = llvm::sys::path::stem(compileInput);
   options.modelName = stem.str();
   options.tokenizerFile = compileTokenizer;
