@@ -4,8 +4,10 @@
 // operands on the CUDA backend and on the CPU backend (the reference), and
 // their results are compared: paged attention over a shuffled block table
 // (one and several query heads per key/value head, f32 and bf16, decoding
-// tokens and a prompt chunk), and the slices of one tensor in one launch.
-// Also the device argmax greedy decoding reads. Skips where there is no GPU.
+// tokens and a prompt chunk), the slices of one tensor in one launch, and
+// the products of a few rows by [N, K] weights (alone, with each epilogue,
+// and the products of one input in one launch). Also the device argmax
+// greedy decoding reads. Skips where there is no GPU.
 //
 //===----------------------------------------------------------------------===//
 
@@ -126,6 +128,8 @@ void pagedAttention(loom_dtype_t dt, double tol) {
       {32, 4, 64, {3, 4, 5, 6, 7, 8, 9}},   // TinyLlama's groups of 8, a prompt chunk
       {6, 2, 16, {20, 33}},                 // groups of 3 (the general kernel)
       {4, 4, 128, {64, 127}},               // head dimension 128
+      // Enough (token, head) blocks to fill the GPU: the keys not split.
+      {16, 16, 64, {0, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 120, 127, 64, 32, 16, 17, 18, 19, 100}},
   };
   std::mt19937 rng(11);
   for (const PagedCase &c : cases) {
@@ -214,6 +218,137 @@ TEST(CudaServe, SlicesOfOneTensor) {
       gpu->download(b, g.data());
       cpu->download(b, w.data());
       EXPECT_EQ(g, w) << shapeStr(c.x) << " slice " << ins.attrs.dump();
+    }
+  }
+}
+
+/// Products of a few rows by [N, K] bf16 weights (transpose_b), as
+/// decoding runs them, in the decoding kernel (LOOM_CUDA_GEMV=1) against
+/// the CPU backend: the epilogues, rows that do not fill the kernel's
+/// tile, K not a multiple of the kernel's stride, f32 results, and three
+/// products of one input in one launch.
+TEST(CudaServe, DecodeProducts) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  struct Product {
+    int64_t n;
+    std::string epilogue;
+  };
+  struct Case {
+    int64_t rows, k;
+    std::vector<Product> products; // of one input
+    loom_dtype_t out;
+  };
+  const Case cases[] = {
+      {1, 1024, {{1000, ""}}, LOOM_BF16},
+      {3, 2056, {{520, "residual"}}, LOOM_BF16},
+      {8, 5632, {{64, "bias_gelu"}}, LOOM_BF16},
+      {5, 64, {{300, "bias_residual"}}, LOOM_F32},
+      {1, 2048, {{1000, "bias"}}, LOOM_F32},
+      {2, 512, {{256, ""}, {64, ""}, {64, "residual"}}, LOOM_BF16}, // q, k and v: one launch
+  };
+  setenv("LOOM_CUDA_GEMV", "1", 1);
+  std::mt19937 rng(21);
+  for (const Case &c : cases) {
+    ProgramBuilder builder;
+    int64_t x = builder.add({1, c.rows, c.k}, LOOM_BF16, "x");
+    std::vector<Instruction> prog;
+    std::vector<int64_t> inputs = {x};
+    for (const Product &p : c.products) {
+      int64_t w = builder.add({p.n, c.k}, LOOM_BF16, "w");
+      Instruction ins{"matmul", {x, w}, {}, {{"transpose_b", true}}};
+      inputs.push_back(w);
+      if (p.epilogue.rfind("bias", 0) == 0)
+        ins.in.push_back(builder.add({p.n}, c.out, "bias"));
+      if (p.epilogue.find("residual") != std::string::npos)
+        ins.in.push_back(builder.add({1, c.rows, p.n}, c.out, "residual"));
+      for (size_t i = 2; i < ins.in.size(); ++i)
+        inputs.push_back(ins.in[i]);
+      if (!p.epilogue.empty())
+        ins.attrs["epilogue"] = p.epilogue;
+      ins.out.push_back(builder.add({1, c.rows, p.n}, c.out, "out"));
+      prog.push_back(ins);
+    }
+    RankProgram r = builder.finish(prog);
+    auto cpu = makeCpuBackend(r, 2);
+    auto gpu = makeCudaBackend(r, 0);
+    for (int64_t id : inputs) {
+      std::vector<char> bytes = randomFloats(r.buffers[size_t(id)], rng);
+      cpu->upload(r.buffers[size_t(id)], bytes.data());
+      gpu->upload(r.buffers[size_t(id)], bytes.data());
+    }
+    for (Backend *be : {cpu.get(), gpu.get()}) {
+      be->prepare("forward", prog);
+      be->run("forward");
+    }
+    for (const Instruction &ins : prog) {
+      const Buffer &b = r.buffers[size_t(ins.out[0])];
+      int64_t n = numElements(b.shape).value();
+      std::vector<char> g(size_t(b.bytes)), w(size_t(b.bytes));
+      gpu->download(b, g.data());
+      cpu->download(b, w.data());
+      double num = 0, den = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        double got = loadAsDouble(b.dtype, g.data(), i), want = loadAsDouble(b.dtype, w.data(), i);
+        ASSERT_TRUE(std::isfinite(got)) << b.name << "[" << i << "]";
+        num += (got - want) * (got - want), den += want * want;
+      }
+      double err = std::sqrt(num / std::max(den, 1e-30));
+      // bf16 results: their rounding; f32: the order of the sums.
+      EXPECT_LE(err, c.out == LOOM_BF16 ? 1e-2 : 1e-5)
+          << c.rows << " rows, K " << c.k << ", " << shapeStr(b.shape) << " " << ins.attrs.dump()
+          << ": relative L2 error " << err;
+    }
+  }
+  unsetenv("LOOM_CUDA_GEMV");
+}
+
+/// A decoding layer's rotary embeddings of q and k and its cache write, one
+/// launch on the GPU, against the three instructions on the CPU: both
+/// rotated results and both caches (a padding slot left alone).
+TEST(CudaServe, RotaryAndCacheWrite) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  for (loom_dtype_t dt : {LOOM_F32, LOOM_BF16}) {
+    const int64_t n = 3, heads = 8, kvHeads = 2, d = 64, rows = 48;
+    ProgramBuilder builder;
+    int64_t q = builder.add({1, n, heads * d}, dt), k = builder.add({1, n, kvHeads * d}, dt);
+    int64_t v = builder.add({1, n, kvHeads * d}, dt), pos = builder.add({1, n}, LOOM_I32);
+    int64_t slots = builder.add({n}, LOOM_I32);
+    int64_t qr = builder.add({1, n, heads * d}, dt), kr = builder.add({1, n, kvHeads * d}, dt);
+    int64_t kc = builder.add({rows, kvHeads * d}, dt), vc = builder.add({rows, kvHeads * d}, dt);
+    std::vector<Instruction> prog = {
+        {"rotary", {q, pos}, {qr}, {{"num_heads", heads}, {"theta", 10000.0}}},
+        {"rotary", {k, pos}, {kr}, {{"num_heads", kvHeads}, {"theta", 10000.0}}},
+        {"kv_write", {kr, v, slots}, {kc, vc}, nlohmann::json::object()},
+    };
+    RankProgram r = builder.finish(prog);
+    auto cpu = makeCpuBackend(r, 1);
+    auto gpu = makeCudaBackend(r, 0);
+    std::mt19937 rng(5);
+    std::vector<int32_t> positions = {0, 17, 200}, slotIds = {40, -1, 7};
+    for (int64_t id : {q, k, v, kc, vc}) {
+      std::vector<char> bytes = randomFloats(r.buffers[size_t(id)], rng);
+      cpu->upload(r.buffers[size_t(id)], bytes.data());
+      gpu->upload(r.buffers[size_t(id)], bytes.data());
+    }
+    for (Backend *be : {cpu.get(), gpu.get()}) {
+      be->upload(r.buffers[size_t(pos)], positions.data());
+      be->upload(r.buffers[size_t(slots)], slotIds.data());
+      be->prepare("forward", prog);
+      be->run("forward");
+    }
+    for (int64_t id : {qr, kr, kc, vc}) {
+      const Buffer &b = r.buffers[size_t(id)];
+      int64_t count = numElements(b.shape).value();
+      std::vector<char> g(size_t(b.bytes)), w(size_t(b.bytes));
+      gpu->download(b, g.data());
+      cpu->download(b, w.data());
+      double worst = 0;
+      for (int64_t i = 0; i < count; ++i)
+        worst = std::max(worst, std::fabs(loadAsDouble(b.dtype, g.data(), i) - loadAsDouble(b.dtype, w.data(), i)));
+      // The same arithmetic; the CPU's sine and cosine may differ in the last bits.
+      EXPECT_LE(worst, dt == LOOM_BF16 ? 1e-2 : 1e-5) << b.name << " (" << dtypeName(dt) << ")";
     }
   }
 }

@@ -266,6 +266,34 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
       i = j - 1;
       continue;
     }
+    if (rotaryCacheTogether(instrs, i)) { // a decoding layer's rotary embeddings and cache write
+      steps.push_back({where, label, 0, buildRotaryCache(instrs, i), nullptr, nullptr});
+      for (size_t k = 1; k < 3; ++k)
+        steps.push_back({cat("instruction ", program, "[", i + k, "] '", instrs[i + k].op, "'"), instrs[i + k].op, 0,
+                         [](cudaStream_t) {}, nullptr, nullptr});
+      i += 2;
+      continue;
+    }
+    if (instrs[i].op == "matmul" && decodeGemvShape(instrs[i])) { // decoding's products (of one input: one launch)
+      std::vector<const Instruction *> group{&instrs[i]};
+      auto together = [&](size_t j) {
+        for (const Instruction *g : group)
+          if (!productsTogether(*g, instrs[j]))
+            return false;
+        return true;
+      };
+      while (i + group.size() < instrs.size() && group.size() < 4 && together(i + group.size()))
+        group.push_back(&instrs[i + group.size()]);
+      double flops = 0;
+      for (const Instruction *g : group)
+        flops += denseFlops(*g);
+      steps.push_back({where, label, flops, buildProducts(group), nullptr, nullptr});
+      for (size_t k = 1; k < group.size(); ++k)
+        steps.push_back({cat("instruction ", program, "[", i + k, "] 'matmul'"), label, 0, [](cudaStream_t) {},
+                         nullptr, nullptr});
+      i += group.size() - 1;
+      continue;
+    }
     if (instrs[i].op == "adamw") { // a run of updates with one set of hyperparameters: one launch
       std::vector<const Instruction *> group{&instrs[i]};
       // The compiler's generated kernel updates the run that names it

@@ -32,6 +32,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <tuple>
@@ -227,6 +228,10 @@ private:
   Launch buildRotary(const Instruction &ins);
   Launch buildKvWrite(const Instruction &ins);
   Launch buildPagedAttention(const Instruction &ins);
+  /// rotary(q), rotary(k) and the kv_write of k and v (CudaServe.cu): one
+  /// launch where instrs[i..i+2] are that and fit it.
+  bool rotaryCacheTogether(const std::vector<Instruction> &instrs, size_t i);
+  Launch buildRotaryCache(const std::vector<Instruction> &instrs, size_t i);
   // CudaLayout.cu
   Launch buildSliceOrConcat(const Instruction &ins);
   /// Whether two slices take the same input along the same axis (one
@@ -248,6 +253,20 @@ private:
   size_t l2FlushBytes = 0;
   int l2FlushValue = 0;
   Launch buildGemm(const Instruction &ins);
+  // CudaDecodeGemm.cu
+  /// A bf16 product of at most 8 rows by [N, K] weights (transpose_b) with
+  /// a matmul epilogue the decoding kernel has; nullopt otherwise.
+  struct GemvShape {
+    int64_t rows = 0, n = 0, k = 0;
+    int epi = 0;
+  };
+  std::optional<GemvShape> decodeGemvShape(const Instruction &ins);
+  /// Products of one input that may run as one launch (a, then b).
+  bool productsTogether(const Instruction &a, const Instruction &b);
+  Launch buildDecodeGemv(const std::vector<const Instruction *> &group);
+  /// The products (one, or a run of one input): the decoding kernel or
+  /// cuBLASLt, whichever runs faster here, timed now.
+  Launch buildProducts(const std::vector<const Instruction *> &group);
   // CudaAttention.cu
   Launch buildAttention(const Instruction &ins, bool grad);
   using AttentionKey = std::tuple<int64_t, int64_t, int64_t>;

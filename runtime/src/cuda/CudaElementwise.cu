@@ -80,8 +80,8 @@ __global__ void rotaryKernel(DPtr x, DPtr y, int64_t pairs, int64_t s, int64_t w
     int64_t at = p * 2, i = (at % d) / 2;
     // Serving: each row's own position; otherwise its index in the sequence.
     int64_t pos = positions ? positions[at / w] : (at / w) % s;
-    float angle = sign * pos * static_cast<float>(pow(theta, -2.0 * i / d));
-    float cs = cosf(angle), sn = sinf(angle), x0 = x[at], x1 = x[at + 1];
+    float cs, sn, x0 = x[at], x1 = x[at + 1];
+    rotaryAngle(sign * pos, i, d, theta, cs, sn);
     y.st(at, x0 * cs - x1 * sn);
     y.st(at + 1, x0 * sn + x1 * cs);
   }

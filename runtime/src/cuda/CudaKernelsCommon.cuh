@@ -149,6 +149,13 @@ __device__ inline void store8(DPtr p, int64_t i, const float v[8]) {
   }
 }
 
+/// The cosine and sine a rotary embedding turns pair i of a head of d
+/// dimensions by at position `pos` (negative: the inverse turn).
+__device__ inline void rotaryAngle(float pos, int64_t i, int64_t d, double theta, float &cs, float &sn) {
+  float angle = pos * static_cast<float>(pow(theta, -2.0 * i / d));
+  cs = cosf(angle), sn = sinf(angle);
+}
+
 /// Device-side error report: [code, position, value].
 __device__ inline void raise(long long *err, long long code, long long pos, long long value) {
   if (atomicCAS(reinterpret_cast<unsigned long long *>(err), 0ull, static_cast<unsigned long long>(code)) == 0ull) {

@@ -60,6 +60,47 @@ __global__ void kvWriteNarrowKernel(const uint16_t *k, const uint16_t *v, const 
   }
 }
 
+/// A decoding layer's rotary embeddings of q and k and its cache write in
+/// one launch: a thread per pair of q, of k (rotated, stored to k's result
+/// and to the token's cache row) or of v (copied to the cache row). The
+/// same arithmetic as the rotary kernel's.
+__global__ void rotaryCacheKernel(DPtr q, DPtr qOut, int64_t wq, DPtr k, DPtr kOut, int64_t wk, DPtr v, int64_t wv,
+                                  int64_t d, double theta, const int32_t *positions, const int32_t *slots, DPtr kc,
+                                  DPtr vc, int64_t n, int64_t rows, long long *err) {
+  const int64_t qPairs = n * wq / 2, kPairs = n * wk / 2, vPairs = n * wv / 2;
+  GRID_LOOP(p, qPairs + kPairs + vPairs) {
+    if (p < qPairs + kPairs) {
+      const bool isQ = p < qPairs;
+      const int64_t w = isQ ? wq : wk, at = (isQ ? p : p - qPairs) * 2, t = at / w, i = (at % d) / 2;
+      DPtr x = isQ ? q : k, y = isQ ? qOut : kOut;
+      float cs, sn, x0 = x[at], x1 = x[at + 1];
+      rotaryAngle(float(positions[t]), i, d, theta, cs, sn);
+      float y0 = x0 * cs - x1 * sn, y1 = x0 * sn + x1 * cs;
+      y.st(at, y0);
+      y.st(at + 1, y1);
+      if (isQ)
+        continue;
+      int64_t slot = slots[t];
+      if (slot < 0)
+        continue; // padding
+      if (slot >= rows) {
+        if (at % w == 0)
+          raise(err, kBadSlot, t, slot);
+        continue;
+      }
+      // Through the result's rounding, as the cache write copies it.
+      kc.st(slot * wk + at % w, y[at]);
+      kc.st(slot * wk + at % w + 1, y[at + 1]);
+    } else {
+      const int64_t at = (p - qPairs - kPairs) * 2, t = at / wv, slot = slots[t];
+      if (slot < 0 || slot >= rows)
+        continue; // padding; a bad slot is reported by k's pairs
+      vc.st(slot * wv + at % wv, v[at]);
+      vc.st(slot * wv + at % wv + 1, v[at + 1]);
+    }
+  }
+}
+
 constexpr int kAttnThreads = 256;
 constexpr int kMaxGroup = 8; // query heads per key/value head held in registers
 
@@ -365,6 +406,60 @@ Launch CudaBackendImpl::buildKvWrite(const Instruction &ins) {
     kvWriteNarrowKernel<<<blocksFor(n * (rowBytes / 2)), kThreads, 0, s>>>(
         reinterpret_cast<const uint16_t *>(pk), reinterpret_cast<const uint16_t *>(pv), ps,
         reinterpret_cast<uint16_t *>(pkc), reinterpret_cast<uint16_t *>(pvc), n, rowBytes / 2, rows, err);
+  };
+}
+
+bool CudaBackendImpl::rotaryCacheTogether(const std::vector<Instruction> &instrs, size_t i) {
+  if (i + 2 >= instrs.size())
+    return false;
+  const Instruction &rq = instrs[i], &rk = instrs[i + 1], &kw = instrs[i + 2];
+  if (rq.op != "rotary" || rk.op != "rotary" || kw.op != "kv_write" || rq.in.size() != 2 || rk.in.size() != 2 ||
+      rq.in[1] != rk.in[1] || kw.in.size() != 3 || kw.out.size() != 2 || kw.in[0] != rk.out[0])
+    return false;
+  for (const Instruction *r : {&rq, &rk})
+    if (flag(*r, "inverse") || num(*r, "theta", 10000.0) != num(rq, "theta", 10000.0))
+      return false;
+  const Buffer &q = buf(rq.in[0]), &k = buf(rk.in[0]), &v = buf(kw.in[1]), &kc = buf(kw.out[0]),
+               &pos = buf(rq.in[1]), &slots = buf(kw.in[2]);
+  int64_t hq = int64_t(num(rq, "num_heads", 1)), hk = int64_t(num(rk, "num_heads", 1));
+  if (q.shape.size() != 3 || k.shape.size() != 3 || v.shape != k.shape || q.shape[1] != k.shape[1] || hq < 1 ||
+      hk < 1 || q.shape[2] % hq || k.shape[2] % hk || q.shape[2] / hq != k.shape[2] / hk || (q.shape[2] / hq) % 2 ||
+      kc.shape.size() != 2 || kc.shape[1] != k.shape[2] || buf(kw.out[1]).shape != kc.shape ||
+      pos.dtype != LOOM_I32 || slots.dtype != LOOM_I32 || count(pos.shape) != q.shape[1] ||
+      count(slots.shape) != q.shape[1] || buf(rq.out[0]).shape != q.shape || buf(rk.out[0]).shape != k.shape ||
+      buf(rk.out[0]).dtype != kc.dtype || v.dtype != kc.dtype || buf(kw.out[1]).dtype != kc.dtype)
+    return false;
+  // A result may take its own input's place (each thread reads its pair
+  // before writing it), but no other operand's.
+  auto overlap = [&](int64_t a, int64_t b) {
+    return buf(a).offset < buf(b).offset + buf(b).bytes && buf(b).offset < buf(a).offset + buf(a).bytes;
+  };
+  auto inPlace = [&](int64_t out, int64_t in) {
+    return buf(out).offset == buf(in).offset && buf(out).bytes == buf(in).bytes;
+  };
+  for (auto [out, own] : {std::pair<int64_t, int64_t>{rq.out[0], rq.in[0]}, {rk.out[0], rk.in[0]}})
+    for (int64_t in : {rq.in[0], rk.in[0], kw.in[1], rq.in[1], kw.in[2], kw.out[0], kw.out[1]})
+      if (overlap(out, in) && !(in == own && inPlace(out, in)))
+        return false;
+  if (overlap(rq.out[0], rk.out[0]))
+    return false;
+  return true;
+}
+
+Launch CudaBackendImpl::buildRotaryCache(const std::vector<Instruction> &instrs, size_t i) {
+  const Instruction &rq = instrs[i], &rk = instrs[i + 1], &kw = instrs[i + 2];
+  const Buffer &q = buf(rq.in[0]), &k = buf(rk.in[0]), &kc = buf(kw.out[0]);
+  int64_t n = q.shape[1], wq = q.shape[2], wk = k.shape[2], d = wq / int64_t(num(rq, "num_heads", 1));
+  double theta = num(rq, "theta", 10000.0);
+  DPtr pq = fp(rq.in[0]), qo = fp(rq.out[0]), pk = fp(rk.in[0]), ko = fp(rk.out[0]), pv = fp(kw.in[1]);
+  DPtr pkc = fp(kw.out[0]), pvc = fp(kw.out[1]);
+  const int32_t *positions = reinterpret_cast<const int32_t *>(ptr(buf(rq.in[1])));
+  const int32_t *slots = reinterpret_cast<const int32_t *>(ptr(buf(kw.in[2])));
+  int64_t rows = kc.shape[0], total = n * (wq + 2 * wk) / 2;
+  long long *err = errorWord;
+  return [=](cudaStream_t s) {
+    rotaryCacheKernel<<<blocksFor(total), kThreads, 0, s>>>(pq, qo, wq, pk, ko, wk, pv, wk, d, theta, positions,
+                                                            slots, pkc, pvc, n, rows, err);
   };
 }
 
