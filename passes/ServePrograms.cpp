@@ -87,10 +87,8 @@ public:
     hoistParameterCasts(forward);
     if (o.weightLayout != "nk" && o.weightLayout != "kn")
       return "the weight layout must be nk or kn, got '" + o.weightLayout + "'";
-    if (o.weightLayout == "nk") {
-      splitSlicedProducts(forward);
+    if (o.weightLayout == "nk")
       transposeWeights(forward);
-    }
     if (std::string e = findPattern(forward); !e.empty())
       return e;
 
@@ -150,111 +148,6 @@ private:
       drop[i] = true;
     }
     eraseMarked(forward, drop);
-  }
-
-  /// A product whose result (after its bias) is only read in slices along
-  /// its last axis, as GPT-2's fused q|k|v projection is, becomes one
-  /// product per slice over that slice of the weights (and bias), cut
-  /// once in `prepare`: decoding then writes q, k and v where they are
-  /// read instead of copying them out of one result each step.
-  void splitSlicedProducts(std::vector<rt::Instruction> &forward) {
-    std::set<int64_t> preparedIds;
-    for (const rt::Instruction &ins : prepare)
-      preparedIds.insert(ins.out[0]);
-    std::map<int64_t, std::vector<size_t>> readers;
-    for (size_t i = 0; i < forward.size(); ++i)
-      for (int64_t id : forward[i].in)
-        readers[id].push_back(i);
-    std::set<int64_t> viewed;
-    for (const rt::Buffer &b : r.buffers)
-      if (b.viewOf >= 0)
-        viewed.insert(b.viewOf);
-    auto only = [&](int64_t id) -> std::vector<size_t> {
-      if (viewed.count(id))
-        return {};
-      std::vector<size_t> list = readers[id];
-      std::sort(list.begin(), list.end());
-      list.erase(std::unique(list.begin(), list.end()), list.end());
-      return list;
-    };
-    std::vector<bool> drop(forward.size(), false);
-    std::map<size_t, std::vector<rt::Instruction>> replace;
-    for (size_t i = 0; i < forward.size(); ++i) {
-      const rt::Instruction &mm = forward[i];
-      if (mm.op != "matmul" || mm.in.size() != 2 || mm.out.size() != 1 || !mm.attrs.empty() ||
-          !preparedIds.count(mm.in[1]) || r.buffers[mm.in[1]].shape.size() != 2)
-        continue;
-      const int64_t weight = mm.in[1], n = r.buffers[weight].shape[1];
-      int64_t result = mm.out[0], bias = -1;
-      std::vector<size_t> next = only(result);
-      size_t biasAdd = 0;
-      if (next.size() == 1 && forward[next[0]].op == "add" && forward[next[0]].in.size() == 2) {
-        const rt::Instruction &add = forward[next[0]];
-        int64_t other = add.in[0] == result ? add.in[1] : add.in[0];
-        if (preparedIds.count(other) && r.buffers[other].shape == rt::Shape{n}) {
-          bias = other, biasAdd = next[0];
-          result = add.out[0];
-          next = only(result);
-        }
-      }
-      const rt::Buffer &res = r.buffers[result];
-      bool slices = !next.empty();
-      for (size_t j : next) {
-        const rt::Instruction &sl = forward[j];
-        int64_t axis = sl.attrs.value("axis", int64_t(-2));
-        slices = slices && sl.op == "slice" && sl.in.size() == 1 && sl.out.size() == 1 &&
-                 (axis == -1 || axis == int64_t(res.shape.size()) - 1) && sl.attrs.contains("start") &&
-                 sl.attrs.contains("size");
-      }
-      if (!slices)
-        continue;
-      std::vector<rt::Instruction> products;
-      for (size_t j : next) {
-        const rt::Instruction &sl = forward[j];
-        int64_t start = sl.attrs["start"].get<int64_t>(), size = sl.attrs["size"].get<int64_t>();
-        json cut = {{"axis", 1}, {"start", start}, {"size", size}};
-        const rt::Buffer w = r.buffers[weight];
-        int64_t part = addBuffer(w.name + "." + std::to_string(start), w.dtype, {w.shape[0], size},
-                                 rt::BufferRole::Cache);
-        prepare.push_back({"slice", {weight}, {part}, cut});
-        int64_t out = sl.out[0];
-        if (bias < 0) {
-          products.push_back({"matmul", {mm.in[0], part}, {out}, json::object()});
-          continue;
-        }
-        const rt::Buffer b = r.buffers[bias];
-        int64_t partBias = addBuffer(b.name + "." + std::to_string(start), b.dtype, {size}, rt::BufferRole::Cache);
-        cut["axis"] = 0;
-        prepare.push_back({"slice", {bias}, {partBias}, cut});
-        const rt::Buffer o = r.buffers[out];
-        int64_t product = addBuffer(o.name + ".product", o.dtype, o.shape, rt::BufferRole::Activation);
-        products.push_back({"matmul", {mm.in[0], part}, {product}, json::object()});
-        products.push_back({"add", {product, partBias}, {out}, json::object()});
-        drop[j] = true;
-      }
-      for (size_t j : next)
-        drop[j] = true;
-      if (bias >= 0)
-        drop[biasAdd] = true;
-      replace[i] = std::move(products);
-      // The whole copies are now only cut in `prepare`: temporaries there.
-      for (int64_t id : {weight, bias})
-        if (id >= 0 && only(id).size() == 1)
-          r.buffers[id].role = rt::BufferRole::Activation;
-    }
-    if (replace.empty())
-      return;
-    std::vector<rt::Instruction> out;
-    for (size_t i = 0; i < forward.size(); ++i) {
-      if (auto it = replace.find(i); it != replace.end()) {
-        for (rt::Instruction &ins : it->second)
-          out.push_back(std::move(ins));
-        continue;
-      }
-      if (!drop[i])
-        out.push_back(std::move(forward[i]));
-    }
-    forward = std::move(out);
   }
 
   /// The prepared copies that only products read as their right operand

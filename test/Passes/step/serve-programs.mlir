@@ -2,7 +2,6 @@
 // RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="serve=true max-batch=2 prefill-chunk=4 until=loom-serve-programs" | FileCheck %s
 // RUN: loom-opt %models/llama-tiny.mlir --loom-compile="serve=true max-batch=2 block-size=4 precision=bf16 until=loom-serve-programs" | FileCheck %s --check-prefix=LLAMA
 // RUN: loom-opt %models/llama-tiny.mlir --loom-compile="serve=true max-batch=2 precision=bf16 weight-layout=kn until=loom-serve-programs" | FileCheck %s --check-prefix=KN
-// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="serve=true max-batch=2 precision=bf16 until=loom-serve-programs" | FileCheck %s --check-prefix=QKV
 // RUN: not loom-opt %models/bert-tiny.mlir --loom-compile="serve=true until=loom-serve-programs" 2>&1 | FileCheck %s --check-prefix=BERT
 // RUN: not loom-opt %models/gpt-tiny.mlir --loom-compile="serve=true max-seq=64 until=loom-serve-programs" 2>&1 | FileCheck %s --check-prefix=LONG
 
@@ -67,21 +66,6 @@
 // KN-NOT: "transpose"
 // KN: loomrt.program "serve.1" {
 // KN: loomrt.instr "matmul" [{{[0-9]+}}, 5] -> [{{[0-9]+}}]{{$}}
-
-// GPT-2's q|k|v projection in bf16: the prepared weight and bias are cut
-// into q, k and v once, in `prepare`, and each step runs three products
-// with their biases instead of one product and three slices.
-// QKV: loomrt.program "prepare" {
-// QKV: loomrt.instr "slice" [[[WQKV:[0-9]+]]] -> [[[WQ:[0-9]+]]] {axis = 1 : i64, size = 64 : i64, start = 0 : i64}
-// QKV-NEXT: loomrt.instr "transpose" [[[WQ]]] -> [[[WQT:[0-9]+]]]
-// QKV-NEXT: loomrt.instr "slice" [[[BQKV:[0-9]+]]] -> [[[BQ:[0-9]+]]] {axis = 0 : i64, size = 64 : i64, start = 0 : i64}
-// QKV: loomrt.instr "slice" [[[WQKV]]] -> [{{[0-9]+}}] {axis = 1 : i64, size = 64 : i64, start = 128 : i64}
-// QKV: loomrt.program "serve.1" {
-// QKV: loomrt.instr "matmul" [[[X:[0-9]+]], [[WQT]]] -> [[[PQ:[0-9]+]]] {transpose_b = true}
-// QKV-NEXT: loomrt.instr "add" [[[PQ]], [[BQ]]]
-// QKV-NEXT: loomrt.instr "matmul" [[[X]], {{[0-9]+}}]
-// QKV-NOT: "slice"
-// QKV: loomrt.program "serve.16" {
 
 // BERT: cannot compile for serving: serving needs causal attention over q, k, v
 // LONG: cannot compile for serving: --max-seq 64 is longer than the model's 32 learned positions
