@@ -126,10 +126,13 @@ void pagedAttention(loom_dtype_t dt, double tol) {
       {16, 16, 64, {127}},                  // GPT-2 decoding one token
       {8, 2, 16, {5, 40, 0, 100}},          // grouped, four sequences decoding
       {32, 4, 64, {3, 4, 5, 6, 7, 8, 9}},   // TinyLlama's groups of 8, a prompt chunk
-      {6, 2, 16, {20, 33}},                 // groups of 3 (the general kernel)
+      {6, 2, 16, {20, 33}},                 // groups of 3 (the general kernel's, or one head a block)
       {4, 4, 128, {64, 127}},               // head dimension 128
-      // Enough (token, head) blocks to fill the GPU: the keys not split.
-      {16, 16, 64, {0, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 120, 127, 64, 32, 16, 17, 18, 19, 100}},
+      // Many tokens (a prompt chunk): the decoding kernel takes two and four
+      // query heads per block.
+      {32, 8, 64, {0, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 120, 127, 64, 32, 16, 17, 18, 19, 100}},
+      {32, 8, 64, {0,  1,  2,  3,  5,  8,  13, 21, 34, 55, 89, 120, 127, 64, 32, 16, 17, 18, 19, 100,
+                   99, 98, 97, 96, 95, 94, 93, 92, 91, 90, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79}},
   };
   std::mt19937 rng(11);
   for (const PagedCase &c : cases) {
@@ -154,10 +157,17 @@ void pagedAttention(loom_dtype_t dt, double tol) {
     }
     std::vector<int32_t> pos(c.positions.begin(), c.positions.end());
     const auto &bufs = p.rank.buffers;
-    compare(p,
-            {randomFloats(bufs[p.ins.in[0]], rng, 2.0f), randomFloats(bufs[p.ins.in[1]], rng),
-             randomFloats(bufs[p.ins.in[2]], rng), bytesOf(pos), bytesOf(table)},
-            tol);
+    std::vector<std::vector<char>> inputs = {randomFloats(bufs[p.ins.in[0]], rng, 2.0f),
+                                             randomFloats(bufs[p.ins.in[1]], rng),
+                                             randomFloats(bufs[p.ins.in[2]], rng), bytesOf(pos), bytesOf(table)};
+    // Each case through both kernels: the one the backend picks for its
+    // size, and each forced.
+    for (const char *kernel : {"", "vec", "decode"}) {
+      SCOPED_TRACE(std::string("LOOM_CUDA_PAGED=") + kernel);
+      setenv("LOOM_CUDA_PAGED", kernel, 1);
+      compare(p, inputs, tol);
+    }
+    unsetenv("LOOM_CUDA_PAGED");
   }
 }
 
@@ -351,6 +361,120 @@ TEST(CudaServe, RotaryAndCacheWrite) {
       EXPECT_LE(worst, dt == LOOM_BF16 ? 1e-2 : 1e-5) << b.name << " (" << dtypeName(dt) << ")";
     }
   }
+}
+
+/// A decoding product whose result only slices read (GPT-2's q, k and v
+/// with their bias): the decoding kernel writes each slice itself.
+TEST(CudaServe, DecodeProductSlices) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  setenv("LOOM_CUDA_GEMV", "1", 1);
+  for (int64_t rows : {1, 3}) {
+    const int64_t k = 1024, n = 3 * 256;
+    ProgramBuilder builder;
+    int64_t x = builder.add({1, rows, k}, LOOM_BF16), w = builder.add({n, k}, LOOM_BF16);
+    int64_t bias = builder.add({n}, LOOM_BF16), y = builder.add({1, rows, n}, LOOM_BF16);
+    std::vector<Instruction> prog = {
+        {"matmul", {x, w, bias}, {y}, {{"transpose_b", true}, {"epilogue", "bias"}}}};
+    std::vector<int64_t> outs;
+    for (int64_t start : {0, 256, 512}) {
+      outs.push_back(builder.add({1, rows, 256}, LOOM_BF16));
+      prog.push_back({"slice", {y}, {outs.back()}, {{"axis", 2}, {"start", start}, {"size", 256}}});
+    }
+    RankProgram r = builder.finish(prog);
+    auto cpu = makeCpuBackend(r, 2);
+    auto gpu = makeCudaBackend(r, 0);
+    std::mt19937 rng(31);
+    for (int64_t id : {x, w, bias}) {
+      std::vector<char> bytes = randomFloats(r.buffers[size_t(id)], rng);
+      cpu->upload(r.buffers[size_t(id)], bytes.data());
+      gpu->upload(r.buffers[size_t(id)], bytes.data());
+    }
+    for (Backend *be : {cpu.get(), gpu.get()}) {
+      be->prepare("forward", prog);
+      be->run("forward");
+    }
+    for (int64_t id : outs) {
+      const Buffer &b = r.buffers[size_t(id)];
+      std::vector<char> g(size_t(b.bytes)), want(size_t(b.bytes));
+      gpu->download(b, g.data());
+      cpu->download(b, want.data());
+      double num = 0, den = 0;
+      for (int64_t i = 0; i < numElements(b.shape).value(); ++i) {
+        double got = loadAsDouble(b.dtype, g.data(), i), ref = loadAsDouble(b.dtype, want.data(), i);
+        num += (got - ref) * (got - ref), den += ref * ref;
+      }
+      EXPECT_LE(std::sqrt(num / std::max(den, 1e-30)), 1e-2) << rows << " rows, " << b.name;
+    }
+  }
+  unsetenv("LOOM_CUDA_GEMV");
+}
+
+/// A norm whose result only decoding products read: the products
+/// normalise their input themselves (RMS norm before three products of one
+/// input, as Llama's q, k and v; layer norm before a product and its slices,
+/// as GPT-2's).
+TEST(CudaServe, DecodeNormProducts) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  setenv("LOOM_CUDA_GEMV", "1", 1);
+  for (bool rms : {true, false})
+    for (int64_t rows : {1, 5}) {
+      const int64_t k = 2048;
+      ProgramBuilder builder;
+      int64_t x = builder.add({1, rows, k}, LOOM_BF16), g = builder.add({k}, LOOM_BF16);
+      int64_t b = rms ? -1 : builder.add({k}, LOOM_BF16), xn = builder.add({1, rows, k}, LOOM_BF16);
+      std::vector<int64_t> inputs = {x, g}, outs;
+      if (!rms)
+        inputs.push_back(b);
+      std::vector<Instruction> prog = {{rms ? "rmsnorm" : "layernorm", rms ? std::vector<int64_t>{x, g}
+                                                                            : std::vector<int64_t>{x, g, b},
+                                        {xn}, {{"eps", 1e-5}}}};
+      if (rms) {
+        for (int64_t n : {512, 128, 128}) {
+          int64_t w = builder.add({n, k}, LOOM_BF16);
+          inputs.push_back(w);
+          outs.push_back(builder.add({1, rows, n}, LOOM_BF16));
+          prog.push_back({"matmul", {xn, w}, {outs.back()}, {{"transpose_b", true}}});
+        }
+      } else {
+        int64_t w = builder.add({768, k}, LOOM_BF16), bias = builder.add({768}, LOOM_BF16);
+        int64_t y = builder.add({1, rows, 768}, LOOM_BF16);
+        inputs.push_back(w), inputs.push_back(bias);
+        prog.push_back({"matmul", {xn, w, bias}, {y}, {{"transpose_b", true}, {"epilogue", "bias"}}});
+        for (int64_t start : {0, 256, 512}) {
+          outs.push_back(builder.add({1, rows, 256}, LOOM_BF16));
+          prog.push_back({"slice", {y}, {outs.back()}, {{"axis", 2}, {"start", start}, {"size", 256}}});
+        }
+      }
+      RankProgram r = builder.finish(prog);
+      auto cpu = makeCpuBackend(r, 2);
+      auto gpu = makeCudaBackend(r, 0);
+      std::mt19937 rng(41);
+      for (int64_t id : inputs) {
+        std::vector<char> bytes = randomFloats(r.buffers[size_t(id)], rng);
+        cpu->upload(r.buffers[size_t(id)], bytes.data());
+        gpu->upload(r.buffers[size_t(id)], bytes.data());
+      }
+      for (Backend *be : {cpu.get(), gpu.get()}) {
+        be->prepare("forward", prog);
+        be->run("forward");
+      }
+      for (int64_t id : outs) {
+        const Buffer &o = r.buffers[size_t(id)];
+        std::vector<char> got(size_t(o.bytes)), want(size_t(o.bytes));
+        gpu->download(o, got.data());
+        cpu->download(o, want.data());
+        double num = 0, den = 0;
+        for (int64_t i = 0; i < numElements(o.shape).value(); ++i) {
+          double a = loadAsDouble(o.dtype, got.data(), i), e = loadAsDouble(o.dtype, want.data(), i);
+          num += (a - e) * (a - e), den += e * e;
+        }
+        EXPECT_LE(std::sqrt(num / std::max(den, 1e-30)), 1e-2)
+            << (rms ? "rmsnorm" : "layernorm") << ", " << rows << " rows, " << o.name;
+      }
+    }
+  unsetenv("LOOM_CUDA_GEMV");
 }
 
 TEST(CudaServe, ArgmaxRows) {

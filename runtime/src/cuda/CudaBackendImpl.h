@@ -263,10 +263,26 @@ private:
   std::optional<GemvShape> decodeGemvShape(const Instruction &ins);
   /// Products of one input that may run as one launch (a, then b).
   bool productsTogether(const Instruction &a, const Instruction &b);
-  Launch buildDecodeGemv(const std::vector<const Instruction *> &group);
+  Launch buildDecodeGemv(const std::vector<const Instruction *> &group, const Instruction *norm = nullptr);
+  /// Whether instrs[i] is a layer or RMS norm whose result only the
+  /// decoding products in instrs[i + 1, end) read: they then normalise
+  /// their input themselves, and the norm's launch goes.
+  bool normFeedsProducts(const std::vector<Instruction> &instrs, size_t i, size_t end);
   /// The products (one, or a run of one input): the decoding kernel or
   /// cuBLASLt, whichever runs faster here, timed now.
-  Launch buildProducts(const std::vector<const Instruction *> &group);
+  Launch buildProducts(const std::vector<const Instruction *> &group, const Instruction *norm = nullptr);
+  /// Where instrs[i] is a decoding product whose result only the slices
+  /// after it read (q, k and v of one product), the end of those slices;
+  /// i otherwise. The decoding kernel then writes each slice itself.
+  size_t productSlicesEnd(const std::vector<Instruction> &instrs, size_t i);
+  Launch buildProductSlices(const std::vector<Instruction> &instrs, size_t i, size_t end,
+                            const Instruction *norm = nullptr);
+  /// A run of decoding products from instrs[i] (a product and its slices,
+  /// or products of one input): its end, or i where there is none.
+  size_t decodeGroupEnd(const std::vector<Instruction> &instrs, size_t i);
+  Launch buildDecodeGroup(const std::vector<Instruction> &instrs, size_t i, size_t end, const Instruction *norm);
+  /// `ours` or `theirs`, whichever is faster here (weights from memory).
+  Launch fasterProducts(Launch ours, Launch theirs, const std::string &what);
   // CudaAttention.cu
   Launch buildAttention(const Instruction &ins, bool grad);
   using AttentionKey = std::tuple<int64_t, int64_t, int64_t>;
