@@ -418,6 +418,7 @@ TEST(CudaServe, DecodeNormProducts) {
   if (!haveGpu())
     GTEST_SKIP() << "no CUDA device";
   setenv("LOOM_CUDA_GEMV", "1", 1);
+  setenv("LOOM_CUDA_GEMV_NORM", "1", 1); // RMS norms too (by default only layer norms fold)
   for (bool rms : {true, false})
     for (int64_t rows : {1, 5}) {
       const int64_t k = 2048;
@@ -475,6 +476,7 @@ TEST(CudaServe, DecodeNormProducts) {
       }
     }
   unsetenv("LOOM_CUDA_GEMV");
+  unsetenv("LOOM_CUDA_GEMV_NORM");
 }
 
 TEST(CudaServe, ArgmaxRows) {
