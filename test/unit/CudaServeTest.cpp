@@ -84,8 +84,44 @@ template <typename T> std::vector<char> bytesOf(const std::vector<T> &v) {
   return out;
 }
 
+/// The relative L2 distance between the GPU's and the CPU's copies of b.
+double relativeL2(Backend &gpu, Backend &cpu, const Buffer &b) {
+  std::vector<char> g(size_t(b.bytes)), c(size_t(b.bytes));
+  gpu.download(b, g.data());
+  cpu.download(b, c.data());
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < numElements(b.shape).value(); ++i) {
+    double got = loadAsDouble(b.dtype, g.data(), i), want = loadAsDouble(b.dtype, c.data(), i);
+    if (!std::isfinite(got))
+      return INFINITY;
+    num += (got - want) * (got - want), den += want * want;
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+/// `prog` over `r` on both backends, the buffers `inputs` random (the same
+/// bytes on each), prepared and run once.
+struct BothBackends {
+  std::unique_ptr<Backend> cpu, gpu;
+};
+BothBackends runBoth(const RankProgram &r, const std::vector<Instruction> &prog, const std::vector<int64_t> &inputs,
+                     std::mt19937 &rng) {
+  BothBackends b{makeCpuBackend(r, 2), makeCudaBackend(r, 0)};
+  for (int64_t id : inputs) {
+    std::vector<char> bytes = randomFloats(r.buffers[size_t(id)], rng);
+    b.cpu->upload(r.buffers[size_t(id)], bytes.data());
+    b.gpu->upload(r.buffers[size_t(id)], bytes.data());
+  }
+  for (Backend *be : {b.cpu.get(), b.gpu.get()}) {
+    be->prepare("forward", prog);
+    be->run("forward");
+  }
+  return b;
+}
+
 /// Runs the instruction on both backends with `inputs` (bytes per input)
-/// and expects every output within `tol` (relative L2).
+/// and expects every output within `tol` (relative L2; a non-finite value
+/// fails).
 void compare(OneInstruction &p, const std::vector<std::vector<char>> &inputs, double tol) {
   auto cpu = makeCpuBackend(p.rank, 2);
   auto gpu = makeCudaBackend(p.rank, 0);
@@ -100,17 +136,7 @@ void compare(OneInstruction &p, const std::vector<std::vector<char>> &inputs, do
   }
   for (int64_t id : p.ins.out) {
     const Buffer &b = p.rank.buffers[id];
-    int64_t n = numElements(b.shape).value();
-    std::vector<char> g(size_t(b.bytes)), c(size_t(b.bytes));
-    gpu->download(b, g.data());
-    cpu->download(b, c.data());
-    double num = 0, den = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      double got = loadAsDouble(b.dtype, g.data(), i), want = loadAsDouble(b.dtype, c.data(), i);
-      ASSERT_TRUE(std::isfinite(got)) << b.name << "[" << i << "]";
-      num += (got - want) * (got - want), den += want * want;
-    }
-    double err = std::sqrt(num / std::max(den, 1e-30));
+    double err = relativeL2(*gpu, *cpu, b);
     EXPECT_LE(err, tol) << b.name << " " << shapeStr(b.shape) << ": relative L2 error " << err;
   }
 }
@@ -280,34 +306,12 @@ TEST(CudaServe, DecodeProducts) {
       prog.push_back(ins);
     }
     RankProgram r = builder.finish(prog);
-    auto cpu = makeCpuBackend(r, 2);
-    auto gpu = makeCudaBackend(r, 0);
-    for (int64_t id : inputs) {
-      std::vector<char> bytes = randomFloats(r.buffers[size_t(id)], rng);
-      cpu->upload(r.buffers[size_t(id)], bytes.data());
-      gpu->upload(r.buffers[size_t(id)], bytes.data());
-    }
-    for (Backend *be : {cpu.get(), gpu.get()}) {
-      be->prepare("forward", prog);
-      be->run("forward");
-    }
+    BothBackends be = runBoth(r, prog, inputs, rng);
     for (const Instruction &ins : prog) {
       const Buffer &b = r.buffers[size_t(ins.out[0])];
-      int64_t n = numElements(b.shape).value();
-      std::vector<char> g(size_t(b.bytes)), w(size_t(b.bytes));
-      gpu->download(b, g.data());
-      cpu->download(b, w.data());
-      double num = 0, den = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        double got = loadAsDouble(b.dtype, g.data(), i), want = loadAsDouble(b.dtype, w.data(), i);
-        ASSERT_TRUE(std::isfinite(got)) << b.name << "[" << i << "]";
-        num += (got - want) * (got - want), den += want * want;
-      }
-      double err = std::sqrt(num / std::max(den, 1e-30));
       // bf16 results: their rounding; f32: the order of the sums.
-      EXPECT_LE(err, c.out == LOOM_BF16 ? 1e-2 : 1e-5)
-          << c.rows << " rows, K " << c.k << ", " << shapeStr(b.shape) << " " << ins.attrs.dump()
-          << ": relative L2 error " << err;
+      EXPECT_LE(relativeL2(*be.gpu, *be.cpu, b), c.out == LOOM_BF16 ? 1e-2 : 1e-5)
+          << c.rows << " rows, K " << c.k << ", " << shapeStr(b.shape) << " " << ins.attrs.dump();
     }
   }
   unsetenv("LOOM_CUDA_GEMV");
@@ -382,30 +386,10 @@ TEST(CudaServe, DecodeProductSlices) {
       prog.push_back({"slice", {y}, {outs.back()}, {{"axis", 2}, {"start", start}, {"size", 256}}});
     }
     RankProgram r = builder.finish(prog);
-    auto cpu = makeCpuBackend(r, 2);
-    auto gpu = makeCudaBackend(r, 0);
     std::mt19937 rng(31);
-    for (int64_t id : {x, w, bias}) {
-      std::vector<char> bytes = randomFloats(r.buffers[size_t(id)], rng);
-      cpu->upload(r.buffers[size_t(id)], bytes.data());
-      gpu->upload(r.buffers[size_t(id)], bytes.data());
-    }
-    for (Backend *be : {cpu.get(), gpu.get()}) {
-      be->prepare("forward", prog);
-      be->run("forward");
-    }
-    for (int64_t id : outs) {
-      const Buffer &b = r.buffers[size_t(id)];
-      std::vector<char> g(size_t(b.bytes)), want(size_t(b.bytes));
-      gpu->download(b, g.data());
-      cpu->download(b, want.data());
-      double num = 0, den = 0;
-      for (int64_t i = 0; i < numElements(b.shape).value(); ++i) {
-        double got = loadAsDouble(b.dtype, g.data(), i), ref = loadAsDouble(b.dtype, want.data(), i);
-        num += (got - ref) * (got - ref), den += ref * ref;
-      }
-      EXPECT_LE(std::sqrt(num / std::max(den, 1e-30)), 1e-2) << rows << " rows, " << b.name;
-    }
+    BothBackends be = runBoth(r, prog, {x, w, bias}, rng);
+    for (int64_t id : outs)
+      EXPECT_LE(relativeL2(*be.gpu, *be.cpu, r.buffers[size_t(id)]), 1e-2) << rows << " rows, slice " << id;
   }
   unsetenv("LOOM_CUDA_GEMV");
 }
@@ -449,31 +433,11 @@ TEST(CudaServe, DecodeNormProducts) {
         }
       }
       RankProgram r = builder.finish(prog);
-      auto cpu = makeCpuBackend(r, 2);
-      auto gpu = makeCudaBackend(r, 0);
       std::mt19937 rng(41);
-      for (int64_t id : inputs) {
-        std::vector<char> bytes = randomFloats(r.buffers[size_t(id)], rng);
-        cpu->upload(r.buffers[size_t(id)], bytes.data());
-        gpu->upload(r.buffers[size_t(id)], bytes.data());
-      }
-      for (Backend *be : {cpu.get(), gpu.get()}) {
-        be->prepare("forward", prog);
-        be->run("forward");
-      }
-      for (int64_t id : outs) {
-        const Buffer &o = r.buffers[size_t(id)];
-        std::vector<char> got(size_t(o.bytes)), want(size_t(o.bytes));
-        gpu->download(o, got.data());
-        cpu->download(o, want.data());
-        double num = 0, den = 0;
-        for (int64_t i = 0; i < numElements(o.shape).value(); ++i) {
-          double a = loadAsDouble(o.dtype, got.data(), i), e = loadAsDouble(o.dtype, want.data(), i);
-          num += (a - e) * (a - e), den += e * e;
-        }
-        EXPECT_LE(std::sqrt(num / std::max(den, 1e-30)), 1e-2)
-            << (rms ? "rmsnorm" : "layernorm") << ", " << rows << " rows, " << o.name;
-      }
+      BothBackends be = runBoth(r, prog, inputs, rng);
+      for (int64_t id : outs)
+        EXPECT_LE(relativeL2(*be.gpu, *be.cpu, r.buffers[size_t(id)]), 1e-2)
+            << (rms ? "rmsnorm" : "layernorm") << ", " << rows << " rows, output " << id;
     }
   unsetenv("LOOM_CUDA_GEMV");
   unsetenv("LOOM_CUDA_GEMV_NORM");
