@@ -42,12 +42,15 @@ struct ServePlan {
 
 /// What each operation of the model's forward pass (the planner's count,
 /// before the compiler fuses them) costs a decoding step beyond its reads,
-/// measured on an H200 (GPT-2 350M, batch 1, session of 2026-11-27,
-/// docs/benchmarks.md): 424 operations (225 launches once fused) took the
-/// step's program 1.017 ms from a CUDA graph and 1.382 ms without one,
-/// against 0.185 ms of weight reads at 80% of the memory bandwidth.
-/// Programs with NCCL calls are not captured as graphs (tp > 1).
-constexpr double kGraphLaunchSeconds = 1.96e-6, kEagerLaunchSeconds = 2.82e-6;
+/// measured on an H200 (docs/benchmarks.md). From a CUDA graph: GPT-2 350M
+/// at batch 1 (424 operations) took its step's program 0.93 ms against
+/// 0.185 ms of weight reads at 80% of the memory bandwidth (fourth session
+/// of 2026-11-27, with the decoding kernels); the same cost puts TinyLlama
+/// 1.1B within 2% of its measured 1.18 ms. Batch 32, whose products run
+/// through cuBLASLt below the bandwidth, is predicted about 20% short.
+/// Without a graph (programs with NCCL calls, tp > 1): 2.82 us, from the
+/// session before, when the graph cost was 1.96 us.
+constexpr double kGraphLaunchSeconds = 1.76e-6, kEagerLaunchSeconds = 2.82e-6;
 
 /// `objective` is "latency" or "throughput"; maxSeq the tokens a sequence
 /// holds (its cache), maxBatch the sequences decoding at once.
