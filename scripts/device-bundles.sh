@@ -50,6 +50,9 @@ multi() {
     c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 "${bf[@]}" --cluster h100:2 --force $plan,zero=0 \
         -o $out/gpt2-350m-bf16-${plan%%=*}2.loom
   done
+  # ZeRO-1 as the dp2 above (scripts/device-multigpu.sh SECTIONS=zero).
+  c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 "${bf[@]}" --cluster h100:2 --force dp=2,mb=1,zero=1 \
+      -o $out/gpt2-350m-bf16-zero2.loom
 }
 mpi() {
   # One process per GPU (scripts/device-mpi.sh): the 2-GPU plans of GPT-2 350M,

@@ -26,7 +26,7 @@ PY
 run() { # bundle steps log
   timeout 240 $B/loom-run "$1" --backend cuda --steps "$2" > "$3" 2>&1 || { echo "FAILED: $1"; tail -5 "$3"; }
 }
-# SECTIONS=bf16 runs the bf16 section only (default: all).
+# SECTIONS=bf16 or SECTIONS=zero runs that section only (default: all).
 if [ "${SECTIONS:-all}" = all ]; then
 echo "== gpt-tiny, batch 8: one GPU vs 2 GPUs"
 run $R/gpt-tiny-one.loom 20 /tmp/tiny-one.log
@@ -49,6 +49,7 @@ if [ "$gpus" -ge 4 ]; then
   done
 fi
 fi
+if [ "${SECTIONS:-all}" = all ] || [ "${SECTIONS:-all}" = bf16 ]; then
 echo "== bf16 (--precision bf16 --fuse): one GPU vs 2 GPUs, gpt-tiny then GPT-2 350M"
 run $R/gpt-tiny-bf16-one.loom 20 /tmp/tiny16-one.log
 run $R/gpt2-350m-bf16-one.loom 10 /tmp/350b-one.log
@@ -57,4 +58,21 @@ for p in dp2 tp2 pp2; do
   run "$R/gpt-tiny-bf16-$p.loom" 20 "/tmp/tiny16-$p.log" && compare /tmp/tiny16-one.log "/tmp/tiny16-$p.log" "gpt-tiny bf16 $p"
   run "$R/gpt2-350m-bf16-$p.loom" 10 "/tmp/350b-$p.log" && compare /tmp/350b-one.log "/tmp/350b-$p.log" "350M bf16 $p"
 done
+fi
+if [ "${SECTIONS:-all}" = all ] || [ "${SECTIONS:-all}" = zero ]; then
+  # ZeRO-1's collectives per tensor (today's default) and packed per bucket
+  # (LOOM_CUDA_ZERO_PACKED=1, one NCCL call a bucket, the reduce-scatter on
+  # the communication stream), against one GPU and plain dp2.
+  echo "== ZeRO-1 dp2, per tensor and packed: losses against one GPU, time against dp2 (bf16)"
+  [ -f /tmp/tiny-one.log ] || run $R/gpt-tiny-one.loom 20 /tmp/tiny-one.log
+  [ -f /tmp/350b-one.log ] || run $R/gpt2-350m-bf16-one.loom 10 /tmp/350b-one.log
+  [ -f /tmp/350b-dp2.log ] || run $R/gpt2-350m-bf16-dp2.loom 10 /tmp/350b-dp2.log
+  compare /tmp/350b-one.log /tmp/350b-dp2.log "350M bf16 dp2"
+  for packed in 0 1; do
+    LOOM_CUDA_ZERO_PACKED=$packed run $R/gpt-tiny-zero2.loom 20 /tmp/tiny-zero2-$packed.log &&
+      compare /tmp/tiny-one.log /tmp/tiny-zero2-$packed.log "gpt-tiny zero2 (packed=$packed)"
+    LOOM_CUDA_ZERO_PACKED=$packed run $R/gpt2-350m-bf16-zero2.loom 10 /tmp/350b-zero2-$packed.log &&
+      compare /tmp/350b-one.log /tmp/350b-zero2-$packed.log "350M bf16 zero2 (packed=$packed)"
+  done
+fi
 cp /tmp/*.log "${OUT:-/tmp}/" 2>/dev/null || true

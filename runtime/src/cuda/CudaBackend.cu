@@ -151,6 +151,7 @@ CudaBackendImpl::~CudaBackendImpl() {
   if (kernelsLibrary)
     cudaLibraryUnload(kernelsLibrary);
   cudaFree(workspace);
+  cudaFree(commWorkspace);
   cudaFree(argmaxOut);
   cudaFree(l2Flush);
   cudaFree(errorWord);
@@ -328,6 +329,13 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
     steps.back().capturable = buildCapturable;
     steps.back().replayable = std::move(buildReplayable);
     steps.back().replayed = std::move(buildReplayed);
+  }
+  if (commWorkspaceBytes > commWorkspaceAllocated) {
+    dropGraphs(); // they hold the old workspace's address
+    LOOM_CUDA_CHECK(cudaStreamSynchronize(commStream));
+    cudaFree(commWorkspace);
+    LOOM_CUDA_CHECK(cudaMalloc(&commWorkspace, commWorkspaceBytes));
+    commWorkspaceAllocated = commWorkspaceBytes;
   }
   if (workspaceBytes > workspaceAllocated) {
     dropGraphs(); // they hold the old workspace's address

@@ -373,6 +373,17 @@ private:
   long long *errorWord = nullptr;
   char *workspace = nullptr;
   size_t workspaceBytes = 0, workspaceAllocated = 0;
+  /// The communication stream's own workspace (ZeRO-1's packed
+  /// reduce-scatters run there, one after another, while compute goes on).
+  char *commWorkspace = nullptr;
+  size_t commWorkspaceBytes = 0, commWorkspaceAllocated = 0;
+  /// LOOM_CUDA_ZERO_PACKED=1: ZeRO-1's reduce-scatter and all-gather of a
+  /// bucket as one NCCL call each over packed slices (not yet run on GPUs).
+  static bool zeroPacked();
+#ifdef LOOM_HAVE_NCCL
+  Launch buildPackedReduceScatter(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm);
+  Launch buildPackedAllGather(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm);
+#endif
   int32_t *argmaxOut = nullptr; // argmaxRows' results on the device, argmaxCapacity of them
   int64_t argmaxCapacity = 0;
   std::vector<void *> allocations;

@@ -210,7 +210,150 @@ namespace {
 __global__ void toFloatKernel(const double *acc, float *out) { *out = static_cast<float>(*acc); }
 __global__ void sqrtFloatKernel(float *x) { *x = sqrtf(*x); }
 
+/// One tensor of a ZeRO-1 bucket: n elements, k = ceil(n / parts) a part,
+/// its parts at `offset` of each rank's span of the packed buffer.
+struct PackedTensor {
+  float *whole;  // the gradient (reduce-scatter) or the parameter (all-gather), n elements
+  float *shard;  // this rank's part, k elements
+  int64_t n, k, offset;
+};
+
+__device__ inline int tensorOf(const PackedTensor *t, int count, int64_t j) { // offsets ascend
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if (t[mid].offset <= j)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+/// packed[p][span]: part p of every tensor, zero past a tensor's end.
+__global__ void packPartsKernel(const PackedTensor *t, int count, int64_t span, int64_t parts, float *packed) {
+  GRID_LOOP(i, parts * span) {
+    int64_t p = i / span, j = i % span;
+    const PackedTensor &x = t[tensorOf(t, count, j)];
+    int64_t at = p * x.k + (j - x.offset);
+    packed[i] = at < x.n ? x.whole[at] : 0.0f;
+  }
+}
+
+/// Each tensor's shard from this rank's span.
+__global__ void unpackShardsKernel(const PackedTensor *t, int count, int64_t span, const float *mine) {
+  GRID_LOOP(j, span) {
+    const PackedTensor &x = t[tensorOf(t, count, j)];
+    x.shard[j - x.offset] = mine[j];
+  }
+}
+
+/// Each whole tensor from every rank's span (gathered[p][span]).
+__global__ void unpackWholesKernel(const PackedTensor *t, int count, int64_t span, int64_t parts,
+                                   const float *gathered) {
+  GRID_LOOP(i, parts * span) {
+    int64_t p = i / span, j = i % span;
+    const PackedTensor &x = t[tensorOf(t, count, j)];
+    int64_t at = p * x.k + (j - x.offset);
+    if (at < x.n)
+      x.whole[at] = gathered[i];
+  }
+}
+
+/// This rank's shards, packed into its span.
+__global__ void packShardsKernel(const PackedTensor *t, int count, int64_t span, float *mine) {
+  GRID_LOOP(j, span) {
+    const PackedTensor &x = t[tensorOf(t, count, j)];
+    mine[j] = x.shard[j - x.offset];
+  }
+}
+
 } // namespace
+
+bool CudaBackendImpl::zeroPacked() {
+  const char *e = std::getenv("LOOM_CUDA_ZERO_PACKED");
+  return e && std::string(e) == "1";
+}
+
+#ifdef LOOM_HAVE_NCCL
+// ZeRO-1's collectives over a bucket as one NCCL call each: every tensor's
+// parts packed so that rank p's parts of all of them are one contiguous
+// span (two kernel launches around the call, instead of a copy, a fill and
+// an NCCL call per tensor). The reduce-scatter runs on the communication
+// stream when the bundle marks it async (its event_wait comes before the
+// update reads the shards), in the communication stream's own workspace.
+
+Launch CudaBackendImpl::buildPackedReduceScatter(const Instruction &ins, int64_t index, int64_t parts,
+                                                 ncclComm_t comm) {
+  bool mean = ins.attrs.value("reduction", std::string("mean")) == "mean";
+  std::vector<PackedTensor> list;
+  int64_t span = 0;
+  for (size_t i = 0; i < ins.in.size(); ++i) {
+    int64_t n = count(buf(ins.in[i]).shape), k = count(buf(ins.out[i]).shape);
+    if (k * parts < n)
+      fail(LOOM_INVALID_BUNDLE, where, ": shard ", i, " holds ", k, " elements; ", parts, " of them cannot hold ", n);
+    list.push_back({f(ins.in[i]), f(ins.out[i]), n, k, span});
+    span += k;
+  }
+  const PackedTensor *table = deviceArray(list);
+  int count = int(list.size());
+  commWorkspaceBytes = std::max(commWorkspaceBytes, size_t((parts + 1) * span) * sizeof(float));
+  int64_t self = index;
+  auto run = [this, table, count, span, parts, self, comm, mean](cudaStream_t s) {
+    float *packed = reinterpret_cast<float *>(commWorkspace), *mine = packed + parts * span;
+    packPartsKernel<<<blocksFor(parts * span), kThreads, 0, s>>>(table, count, span, parts, packed);
+    if (comm)
+      LOOM_NCCL_CHECK(ncclReduceScatter(packed, mine, size_t(span), ncclFloat32, mean ? ncclAvg : ncclSum, comm, s));
+    else
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(mine, packed + self * span, span * sizeof(float), cudaMemcpyDeviceToDevice, s));
+    unpackShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, mine);
+  };
+  bool async = flag(ins, "async") && ins.attrs.contains("event") && ins.attrs["event"].is_number_integer();
+  cudaEvent_t ready = nullptr;
+  LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+  readyEvents.push_back(ready);
+  cudaStream_t cs = commStream;
+  if (!async) // on the compute stream, after what the communication stream has in flight (its workspace)
+    return [=](cudaStream_t s) {
+      LOOM_CUDA_CHECK(cudaEventRecord(ready, cs));
+      LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, ready, 0));
+      run(s);
+    };
+  cudaEvent_t done = commEvent(ins.attrs["event"].get<int64_t>());
+  buildTraceStream = commStream, buildTrack = "communication";
+  return [=](cudaStream_t s) {
+    LOOM_CUDA_CHECK(cudaEventRecord(ready, s));
+    LOOM_CUDA_CHECK(cudaStreamWaitEvent(cs, ready, 0));
+    run(cs);
+    LOOM_CUDA_CHECK(cudaEventRecord(done, cs));
+  };
+}
+
+Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm) {
+  std::vector<PackedTensor> list;
+  int64_t span = 0;
+  for (size_t i = 0; i < ins.in.size(); ++i) {
+    int64_t k = count(buf(ins.in[i]).shape), n = count(buf(ins.out[i]).shape);
+    if (k * parts < n)
+      fail(LOOM_INVALID_BUNDLE, where, ": shard ", i, " holds ", k, " elements; ", parts, " of them cannot make ", n);
+    list.push_back({f(ins.out[i]), f(ins.in[i]), n, k, span});
+    span += k;
+  }
+  const PackedTensor *table = deviceArray(list);
+  int count = int(list.size());
+  reserve(size_t((parts + 1) * span) * sizeof(float));
+  int64_t self = index;
+  return [this, table, count, span, parts, self, comm](cudaStream_t s) {
+    float *gathered = reinterpret_cast<float *>(workspace), *mine = gathered + parts * span;
+    packShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, mine);
+    if (comm)
+      LOOM_NCCL_CHECK(ncclAllGather(mine, gathered, size_t(span), ncclFloat32, comm, s));
+    else
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(gathered + self * span, mine, span * sizeof(float), cudaMemcpyDeviceToDevice, s));
+    unpackWholesKernel<<<blocksFor(parts * span), kThreads, 0, s>>>(table, count, span, parts, gathered);
+  };
+}
+#endif
 
 cudaEvent_t CudaBackendImpl::commEvent(int64_t id) {
   cudaEvent_t &e = commEvents[id];
@@ -299,6 +442,14 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
       if (have < k)
         LOOM_CUDA_CHECK(cudaMemsetAsync(out + have, 0, (k - have) * sizeof(float), s));
     };
+  }
+  if (op == "reduce_scatter" && zeroPacked()) {
+    auto [index, parts] = place();
+    return buildPackedReduceScatter(ins, index, parts, commOf(group));
+  }
+  if (op == "all_gather" && !ins.attrs.contains("axis") && zeroPacked()) {
+    auto [index, parts] = place();
+    return buildPackedAllGather(ins, index, parts, commOf(group));
   }
   if (op == "reduce_scatter") {
     auto [index, partCount] = place();
