@@ -267,6 +267,17 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
       i = j - 1;
       continue;
     }
+    if (i + 1 < instrs.size() && shardsTogether(instrs[i], instrs[i + 1])) { // ZeRO-1's shards, packed (opt-in)
+      size_t j = i + 1;
+      while (j < instrs.size() && shardsTogether(instrs[i], instrs[j]))
+        ++j;
+      steps.push_back({where, label, 0, buildShardsOf(instrs, i, j), nullptr, nullptr});
+      for (size_t k = i + 1; k < j; ++k)
+        steps.push_back({cat("instruction ", program, "[", k, "] 'shard_of'"), label, 0, [](cudaStream_t) {},
+                         nullptr, nullptr});
+      i = j - 1;
+      continue;
+    }
     if (rotaryCacheTogether(instrs, i)) { // a decoding layer's rotary embeddings and cache write
       steps.push_back({where, label, 0, buildRotaryCache(instrs, i), nullptr, nullptr});
       for (size_t k = 1; k < 3; ++k)

@@ -380,6 +380,9 @@ private:
   /// LOOM_CUDA_ZERO_PACKED=1: ZeRO-1's reduce-scatter and all-gather of a
   /// bucket as one NCCL call each over packed slices (not yet run on GPUs).
   static bool zeroPacked();
+  /// With zeroPacked(): consecutive shard_of of one group as one launch.
+  bool shardsTogether(const Instruction &a, const Instruction &b);
+  Launch buildShardsOf(const std::vector<Instruction> &instrs, size_t begin, size_t end);
 #ifdef LOOM_HAVE_NCCL
   Launch buildPackedReduceScatter(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm);
   Launch buildPackedAllGather(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm);

@@ -260,6 +260,15 @@ __global__ void unpackWholesKernel(const PackedTensor *t, int count, int64_t spa
   }
 }
 
+/// shard_of over a run of tensors: each shard its part `index` of its tensor.
+__global__ void shardsOfKernel(const PackedTensor *t, int count, int64_t span, int64_t index) {
+  GRID_LOOP(j, span) {
+    const PackedTensor &x = t[tensorOf(t, count, j)];
+    int64_t at = index * x.k + (j - x.offset);
+    x.shard[j - x.offset] = at < x.n ? x.whole[at] : 0.0f;
+  }
+}
+
 /// This rank's shards, packed into its span.
 __global__ void packShardsKernel(const PackedTensor *t, int count, int64_t span, float *mine) {
   GRID_LOOP(j, span) {
@@ -273,6 +282,35 @@ __global__ void packShardsKernel(const PackedTensor *t, int count, int64_t span,
 bool CudaBackendImpl::zeroPacked() {
   const char *e = std::getenv("LOOM_CUDA_ZERO_PACKED");
   return e && std::string(e) == "1";
+}
+
+bool CudaBackendImpl::shardsTogether(const Instruction &a, const Instruction &b) {
+  return zeroPacked() && a.op == "shard_of" && b.op == "shard_of" && a.in.size() == 1 && b.in.size() == 1 &&
+         a.out.size() == 1 && b.out.size() == 1 &&
+         a.attrs.value("group", std::string("dp")) == b.attrs.value("group", std::string("dp")) &&
+         buf(a.in[0]).dtype == LOOM_F32 && buf(b.in[0]).dtype == LOOM_F32 && buf(a.out[0]).dtype == LOOM_F32 &&
+         buf(b.out[0]).dtype == LOOM_F32;
+}
+
+Launch CudaBackendImpl::buildShardsOf(const std::vector<Instruction> &instrs, size_t begin, size_t end) {
+  const std::string group = instrs[begin].attrs.value("group", std::string("dp"));
+  auto g = rank.groups.find(group);
+  if (g == rank.groups.end())
+    fail(LOOM_INVALID_BUNDLE, where, ": names group '", group, "', which this rank does not have");
+  int64_t index = std::find(g->second.begin(), g->second.end(), rank.rank) - g->second.begin();
+  std::vector<PackedTensor> list;
+  int64_t span = 0;
+  for (size_t i = begin; i < end; ++i) {
+    const Instruction &ins = instrs[i];
+    int64_t n = count(buf(ins.in[0]).shape), k = count(buf(ins.out[0]).shape);
+    list.push_back({f(ins.in[0]), f(ins.out[0]), n, k, span});
+    span += k;
+  }
+  const PackedTensor *table = deviceArray(list);
+  int count = int(list.size());
+  return [=](cudaStream_t s) {
+    shardsOfKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, index);
+  };
 }
 
 #ifdef LOOM_HAVE_NCCL
