@@ -26,7 +26,7 @@ PY
 run() { # bundle steps log
   timeout 240 $B/loom-run "$1" --backend cuda --steps "$2" > "$3" 2>&1 || { echo "FAILED: $1"; tail -5 "$3"; }
 }
-# SECTIONS=bf16 or SECTIONS=zero runs that section only (default: all).
+# SECTIONS=bf16, zero or graphs runs that section only (default: all).
 if [ "${SECTIONS:-all}" = all ]; then
 echo "== gpt-tiny, batch 8: one GPU vs 2 GPUs"
 run $R/gpt-tiny-one.loom 20 /tmp/tiny-one.log
@@ -73,6 +73,17 @@ if [ "${SECTIONS:-all}" = all ] || [ "${SECTIONS:-all}" = zero ]; then
       compare /tmp/tiny-one.log /tmp/tiny-zero2-$packed.log "gpt-tiny zero2 (packed=$packed)"
     LOOM_CUDA_ZERO_PACKED=$packed run $R/gpt2-350m-bf16-zero2.loom 10 /tmp/350b-zero2-$packed.log &&
       compare /tmp/350b-one.log /tmp/350b-zero2-$packed.log "350M bf16 zero2 (packed=$packed)"
+  done
+fi
+if [ "${SECTIONS:-all}" = all ] || [ "${SECTIONS:-all}" = graphs ]; then
+  # Programs with NCCL calls captured as CUDA graphs (LOOM_CUDA_GRAPHS_NCCL=1), against eager.
+  echo "== bf16 dp2 and tp2 with their NCCL calls in CUDA graphs, against one GPU"
+  [ -f /tmp/350b-one.log ] || run $R/gpt2-350m-bf16-one.loom 10 /tmp/350b-one.log
+  for p in dp2 tp2; do
+    [ -f /tmp/350b-$p.log ] || run $R/gpt2-350m-bf16-$p.loom 10 /tmp/350b-$p.log
+    compare /tmp/350b-one.log /tmp/350b-$p.log "350M bf16 $p (eager)"
+    LOOM_CUDA_GRAPHS_NCCL=1 run $R/gpt2-350m-bf16-$p.loom 10 /tmp/350b-$p-graphs.log &&
+      compare /tmp/350b-one.log /tmp/350b-$p-graphs.log "350M bf16 $p (graphs)"
   done
 fi
 cp /tmp/*.log "${OUT:-/tmp}/" 2>/dev/null || true

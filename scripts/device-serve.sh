@@ -41,6 +41,9 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   echo "== Loom: GPT-2 350M batch 1, tensor-parallel over two GPUs (NCCL)"
   NCCL_NVLS_ENABLE=0 $B/loom-run $R/gpt2-350m-serve-b1-tp2.loom --backend cuda --prompt $T/b1.txt --max-new 128 \
       --repeat 3 | grep -E "^time|^per-token|^throughput|^engine" | sed 's/^/tp2 batch 1: /' || status=1
+  echo "== the same, its programs captured as CUDA graphs with their NCCL calls (LOOM_CUDA_GRAPHS_NCCL=1)"
+  LOOM_CUDA_GRAPHS_NCCL=1 NCCL_NVLS_ENABLE=0 $B/loom-run $R/gpt2-350m-serve-b1-tp2.loom --backend cuda --prompt $T/b1.txt \
+      --max-new 128 --repeat 3 | grep -E "^per-token|^engine" | sed 's/^/tp2 graphs batch 1: /' || status=1
   echo "== Loom: TinyLlama 1.1B batch 1, tensor-parallel over two GPUs (NCCL)"
   NCCL_NVLS_ENABLE=0 $B/loom-run $R/llama-1.1b-serve-b1-tp2.loom --backend cuda --prompt $T/l1.txt --max-new 128 \
       --repeat 3 | grep -E "^time|^per-token|^throughput|^engine" | sed 's/^/tp2 batch 1: /' || status=1

@@ -380,6 +380,12 @@ private:
   /// LOOM_CUDA_ZERO_PACKED=1: ZeRO-1's reduce-scatter and all-gather of a
   /// bucket as one NCCL call each over packed slices (not yet run on GPUs).
   static bool zeroPacked();
+  /// LOOM_CUDA_GRAPHS_NCCL=1: programs with NCCL calls captured as CUDA
+  /// graphs too (not yet run on GPUs).
+  static bool ncclGraphs();
+  /// Whether the program being built records `event` before the current
+  /// instruction (recordedBefore) or waits for it after.
+  bool eventInProgram(int64_t event, bool recordedBefore);
   /// With zeroPacked(): consecutive shard_of of one group as one launch.
   bool shardsTogether(const Instruction &a, const Instruction &b);
   Launch buildShardsOf(const std::vector<Instruction> &instrs, size_t begin, size_t end);

@@ -351,12 +351,14 @@ Launch CudaBackendImpl::buildPackedReduceScatter(const Instruction &ins, int64_t
   LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
   readyEvents.push_back(ready);
   cudaStream_t cs = commStream;
-  if (!async) // on the compute stream, after what the communication stream has in flight (its workspace)
+  if (!async) { // on the compute stream, after what the communication stream has in flight (its workspace)
+    buildCapturable = false; // it waits for an event of a stream outside any capture
     return [=](cudaStream_t s) {
       LOOM_CUDA_CHECK(cudaEventRecord(ready, cs));
       LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, ready, 0));
       run(s);
     };
+  }
   cudaEvent_t done = commEvent(ins.attrs["event"].get<int64_t>());
   buildTraceStream = commStream, buildTrack = "communication";
   return [=](cudaStream_t s) {
@@ -400,8 +402,29 @@ cudaEvent_t CudaBackendImpl::commEvent(int64_t id) {
   return e;
 }
 
+bool CudaBackendImpl::ncclGraphs() {
+  const char *e = std::getenv("LOOM_CUDA_GRAPHS_NCCL");
+  return e && std::string(e) == "1";
+}
+
+bool CudaBackendImpl::eventInProgram(int64_t event, bool recordedBefore) {
+  const std::vector<Instruction> &list = instructions.at(building.first);
+  size_t here = building.second;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const Instruction &ins = list[i];
+    if (!ins.attrs.is_object() || ins.attrs.value("event", int64_t(-1)) != event)
+      continue;
+    if (recordedBefore ? i < here && ins.op != "event_wait" : i > here && ins.op == "event_wait")
+      return true;
+  }
+  return false;
+}
+
 Launch CudaBackendImpl::buildEventWait(const Instruction &ins) {
-  buildCapturable = false;
+  // In a graph only where this program recorded the event (the capture
+  // joins the communication stream back); otherwise eager.
+  buildCapturable = ncclGraphs() && ins.attrs.contains("event") && ins.attrs["event"].is_number_integer() &&
+                    eventInProgram(ins.attrs["event"].get<int64_t>(), /*recordedBefore=*/true);
   if (!ins.attrs.contains("event") || !ins.attrs["event"].is_number_integer())
     fail(LOOM_INVALID_BUNDLE, where, ": event_wait needs an integer attribute 'event'");
   cudaEvent_t e = commEvent(ins.attrs["event"].get<int64_t>());
@@ -409,7 +432,15 @@ Launch CudaBackendImpl::buildEventWait(const Instruction &ins) {
 }
 
 Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
-  buildCapturable = false; // NCCL and the second stream stay outside graphs for now
+  // NCCL calls stay outside graphs unless LOOM_CUDA_GRAPHS_NCCL=1 (not yet
+  // run on GPUs): then collectives are captured, an async one only where
+  // this program waits for its event (the capture must join the
+  // communication stream back), and pipeline sends and receives not (a
+  // send's staging copy keeps host state).
+  buildCapturable = ncclGraphs() && ins.op != "send" && ins.op != "recv";
+  if (buildCapturable && flag(ins, "async"))
+    buildCapturable = ins.attrs.contains("event") && ins.attrs["event"].is_number_integer() &&
+                      eventInProgram(ins.attrs["event"].get<int64_t>(), /*recordedBefore=*/false);
 #ifndef LOOM_HAVE_NCCL
   fail(LOOM_UNSUPPORTED, where, ": this runtime was built without NCCL; use --backend cpu");
 #else
