@@ -39,6 +39,7 @@ public:
       if (!get || !counted.insert(get.getName().str()).second)
         return;
       layer.params += elements(v);
+      layer.paramTensors += 1;
       if (sharded)
         layer.shardedParams += elements(v);
     };

@@ -414,15 +414,25 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
                               : 0;
 
   // Gradients: fp32 all-reduce over dp (ZeRO-1: reduce-scatter, then all-gather bf16 weights).
-  double stageParams = 0;
-  for (const StagePlan &s : plan.stages)
+  double stageParams = 0, stageTensors = 0;
+  for (const StagePlan &s : plan.stages) {
     stageParams = std::max(stageParams, s.weightBytes / perParam);
+    double tensors = 0;
+    for (auto [first, count] : s.chunks)
+      for (int64_t i = first; i < first + count && i < numLayers; ++i)
+        tensors += spec.layers[i].paramTensors;
+    stageTensors = std::max(stageTensors, tensors);
+  }
   double dpComm = 0;
-  if (d > 1)
+  bool zeroApart = d > 1 && plan.zero && !options.zeroPackedCollectives;
+  if (zeroApart) // as the runtime runs ZeRO-1 today: exposed, f32 both ways, a call per tensor
+    dpComm = reduceScatterTime(4 * stageParams, d, dpLink) + allGatherTime(4 * stageParams, d, dpLink) +
+             2 * stageTensors * options.zeroCallSeconds;
+  else if (d > 1)
     dpComm = plan.zero ? reduceScatterTime(4 * stageParams, d, dpLink) +
                              allGatherTime(2 * stageParams, d, dpLink)
                        : allReduceTime(4 * stageParams, d, dpLink);
-  if (options.overlapGradientReduce && options.overlapCollectives) {
+  if (!zeroApart && options.overlapGradientReduce && options.overlapCollectives) {
     // Buckets go out while the last microbatch's backward runs; the last
     // bucket (about 1/16 of the gradients) is always exposed.
     double window = 0;

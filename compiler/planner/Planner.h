@@ -41,6 +41,8 @@ struct LayerSpec {
   double seq = 0, hidden = 0, heads = 0;
   /// Bytes of an output kept in fp32 for the loss (logits), split by tp.
   double lossBytes = 0;
+  /// Parameter tensors (ZeRO-1 collects each on its own in today's CUDA runtime).
+  double paramTensors = 0;
   /// Instructions (kernel launches) of the layer's forward pass; backward
   /// launches about 1.4 times as many (the gradient rules' kernels).
   double instructions = 0;
@@ -69,6 +71,16 @@ struct CostOptions {
   /// Gradient all-reduce in buckets during the last microbatch's backward
   /// (Loom's runtime); false: after it, fully exposed (Megatron-LM 2021).
   bool overlapGradientReduce = true;
+  /// ZeRO-1 as the CUDA runtime runs it by default (docs/parallelism.md):
+  /// each gradient's reduce-scatter alone on the compute stream after
+  /// backward, then the update's all-gather of f32 parameters, each tensor
+  /// through a copy and its own NCCL call (`zeroCallSeconds` each way: 11
+  /// us makes GPT-2 350M's dp2 ZeRO-1 step on two H200s 57.0 ms, as issue
+  /// #18 measured it, against 47.5 without ZeRO-1). True: a bucket's collectives packed into one call and the
+  /// reduce-scatter overlapped with backward, as with plain data
+  /// parallelism (LOOM_CUDA_ZERO_PACKED=1, not yet measured).
+  bool zeroPackedCollectives = false;
+  double zeroCallSeconds = 11e-6;
   /// The search weighs ZB-H1 (backward split into input- and weight-gradient
   /// tasks) for pipelined plans; false: only the schedules of Megatron-LM 2021.
   bool zeroBubbleSchedule = true;
