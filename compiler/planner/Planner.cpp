@@ -276,8 +276,13 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
       lt_.tpComm = reductions * allReduceTime(b * l.boundaryBytes * width, lt, tpLink);
     }
     weightBytes[i] = (l.shardedParams / lt + (l.params - l.shardedParams)) * perParam;
+    // With flash attention (the runtime's; not materializedAttention) no
+    // layer keeps its score matrix, the 5as/ht of Korthikanti's formula:
+    // without recomputation it keeps what selective recomputation keeps.
+    Recompute kept = plan.recompute == Recompute::None && !options.materializedAttention ? Recompute::Selective
+                                                                                         : plan.recompute;
     if (l.isTransformer)
-      actBytes[i] = b * transformerActivationBytes(l.seq, l.hidden, l.heads, lt, plan.recompute);
+      actBytes[i] = b * transformerActivationBytes(l.seq, l.hidden, l.heads, lt, kept);
     else
       actBytes[i] = b * l.activationBytes[static_cast<int>(plan.recompute)] / lt;
     actBytes[i] += b * 2 * l.lossBytes / lt; // logits and their gradient, fp32
