@@ -6,6 +6,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "passes/Fusion.h"
+#include "passes/StepState.h"
 
 #include <algorithm>
 #include <map>
@@ -172,12 +173,7 @@ int64_t activationEpilogues(rt::RankProgram &r, const std::set<int64_t> &kept) {
   auto plainMatmul = [](const rt::Instruction &ins) {
     return ins.op == "matmul" && strAttr(ins, "epilogue").empty() && ins.in.size() == 2 && ins.out.size() == 1;
   };
-  auto flag = [](const rt::Instruction &ins, const char *name) {
-    if (!ins.attrs.is_object())
-      return false;
-    auto it = ins.attrs.find(name);
-    return it != ins.attrs.end() && it->is_boolean() && it->get<bool>();
-  };
+  auto flag = mlir::loom::flagAttr;
   // Forward: bias_gelu.
   pass([&](const std::string &name, List &list, std::vector<bool> &erased, Readers &readers, size_t i) {
     if (i + 1 >= list.size())

@@ -161,15 +161,13 @@ private:
       prepared[prepare[i].out[0]] = i;
     std::map<int64_t, std::vector<size_t>> products;
     std::set<int64_t> otherwise;
-    auto flag = [](const rt::Instruction &ins, const char *name) {
-      return ins.attrs.is_object() && ins.attrs.value(name, false);
-    };
     for (size_t i = 0; i < forward.size(); ++i) {
       const rt::Instruction &ins = forward[i];
       for (size_t k = 0; k < ins.in.size(); ++k) {
         if (!prepared.count(ins.in[k]))
           continue;
-        bool plain = ins.op == "matmul" && k == 1 && !flag(ins, "transpose_a") && !flag(ins, "transpose_b");
+        bool plain =
+            ins.op == "matmul" && k == 1 && !flagAttr(ins, "transpose_a") && !flagAttr(ins, "transpose_b");
         if (plain)
           products[ins.in[k]].push_back(i);
         else
@@ -178,9 +176,8 @@ private:
       for (int64_t id : ins.out)
         otherwise.insert(id);
     }
-    for (const rt::Buffer &b : r.buffers)
-      if (b.viewOf >= 0)
-        otherwise.insert(b.viewOf);
+    for (int64_t id : viewedBuffers(r))
+      otherwise.insert(id);
     std::vector<rt::Instruction> ordered;
     std::map<size_t, rt::Instruction> transposes; // after the cast of this index
     for (const auto &[id, readers] : products) {

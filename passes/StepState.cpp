@@ -593,6 +593,13 @@ std::set<int64_t> mlir::loom::keptBuffers(const rt::RankProgram &r) {
   return kept;
 }
 
+bool mlir::loom::flagAttr(const rt::Instruction &ins, const char *name) {
+  if (!ins.attrs.is_object())
+    return false;
+  auto it = ins.attrs.find(name);
+  return it != ins.attrs.end() && it->is_boolean() && it->get<bool>();
+}
+
 std::set<int64_t> mlir::loom::viewedBuffers(const rt::RankProgram &r) {
   std::set<int64_t> viewed;
   for (const rt::Buffer &b : r.buffers)

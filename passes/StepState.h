@@ -157,6 +157,9 @@ struct Grid {
 std::set<int64_t> keptBuffers(const ::loom::rt::RankProgram &r);
 /// Buffers some other buffer is a view of.
 std::set<int64_t> viewedBuffers(const ::loom::rt::RankProgram &r);
+/// Whether the instruction's boolean attribute `name` is set (false when
+/// absent or not a boolean).
+bool flagAttr(const ::loom::rt::Instruction &ins, const char *name);
 /// Removes the instructions `drop` marks, keeping the order of the rest.
 void eraseMarked(std::vector<::loom::rt::Instruction> &list, const std::vector<bool> &drop);
 /// The pipeline stages that compute each parameter's gradient (several for
