@@ -64,13 +64,10 @@ bool CudaBackendImpl::outputIntact(const AttentionSave &save, const std::pair<st
     range("forward", save.at.second + 1, SIZE_MAX), range("backward", 0, use.second);
   else
     return false;
-  const Buffer &o = rank.buffers[save.out];
   for (const Instruction *ins : between)
-    for (int64_t id : ins->out) {
-      const Buffer &w = rank.buffers[id];
-      if (w.offset < o.offset + o.bytes && o.offset < w.offset + w.bytes)
+    for (int64_t id : ins->out)
+      if (overlaps(id, save.out))
         return false;
-    }
   return true;
 }
 

@@ -245,89 +245,82 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
       if (flag(instrs[i], "transpose_b"))
         label += " Tb";
     }
-    if (isFloatCast(rank, instrs[i]) && i + 1 < instrs.size() && isFloatCast(rank, instrs[i + 1])) {
-      size_t j = i;
-      while (j < instrs.size() && isFloatCast(rank, instrs[j]))
-        ++j;
-      steps.push_back({where, label, 0, buildCasts(instrs, i, j), nullptr, nullptr});
-      for (size_t k = i + 1; k < j; ++k) // converted in the first's launch
-        steps.push_back({cat("instruction ", program, "[", k, "] 'cast'"), label, 0, [](cudaStream_t) {},
-                         nullptr, nullptr});
-      i = j - 1;
-      continue;
-    }
-    if (i + 1 < instrs.size() && slicesTogether(instrs[i], instrs[i + 1])) { // q, k and v of one product
-      size_t j = i + 1;
-      while (j < instrs.size() && j - i < 8 && slicesTogether(instrs[i], instrs[j]))
-        ++j;
-      steps.push_back({where, label, 0, buildSlices(instrs, i, j), nullptr, nullptr});
-      for (size_t k = i + 1; k < j; ++k) // copied in the first's launch
-        steps.push_back({cat("instruction ", program, "[", k, "] 'slice'"), label, 0, [](cudaStream_t) {}, nullptr,
-                         nullptr});
-      i = j - 1;
-      continue;
-    }
-    if (i + 1 < instrs.size() && shardsTogether(instrs[i], instrs[i + 1])) { // ZeRO-1's shards, packed (opt-in)
-      size_t j = i + 1;
-      while (j < instrs.size() && shardsTogether(instrs[i], instrs[j]))
-        ++j;
-      steps.push_back({where, label, 0, buildShardsOf(instrs, i, j), nullptr, nullptr});
-      for (size_t k = i + 1; k < j; ++k)
-        steps.push_back({cat("instruction ", program, "[", k, "] 'shard_of'"), label, 0, [](cudaStream_t) {},
-                         nullptr, nullptr});
-      i = j - 1;
-      continue;
-    }
-    if (rotaryCacheTogether(instrs, i)) { // a decoding layer's rotary embeddings and cache write
-      steps.push_back({where, label, 0, buildRotaryCache(instrs, i), nullptr, nullptr});
-      for (size_t k = 1; k < 3; ++k)
-        steps.push_back({cat("instruction ", program, "[", i + k, "] '", instrs[i + k].op, "'"), instrs[i + k].op, 0,
-                         [](cudaStream_t) {}, nullptr, nullptr});
-      i += 2;
-      continue;
-    }
-    // Decoding's products: a run of them (of one input, or a product and
-    // its slices) in one launch, with the norm before them where only they
-    // read it.
-    // Layer norms only by default: on an H200 this took GPT-2 350M from
-    // 1.00 to 0.97-1.00 ms a token, where folding TinyLlama's RMS norms
-    // cost it 0.1 ms (every block recomputes its rows' statistics).
-    // LOOM_CUDA_GEMV_NORM=0 keeps every norm apart, =1 folds both kinds.
-    const char *normEnv = std::getenv("LOOM_CUDA_GEMV_NORM");
-    std::string normMode = normEnv ? normEnv : "";
-    bool norm = normMode != "0" &&
-                (instrs[i].op == "layernorm" || (instrs[i].op == "rmsnorm" && normMode == "1")) &&
-                decodeGroupEnd(instrs, i + 1) > i + 1 && normFeedsProducts(instrs, i, decodeGroupEnd(instrs, i + 1));
-    if (size_t end = decodeGroupEnd(instrs, norm ? i + 1 : i); end > (norm ? i + 1 : i)) {
-      size_t from = norm ? i + 1 : i;
-      double flops = 0;
-      for (size_t k = from; k < end; ++k)
-        flops += instrs[k].op == "matmul" ? denseFlops(instrs[k]) : 0;
-      steps.push_back({where, norm ? instrs[i].op + "+" + instrs[from].op : label, flops,
-                       buildDecodeGroup(instrs, from, end, norm ? &instrs[i] : nullptr), nullptr, nullptr});
+    // A run [i, end) in one launch: the first step launches it, the others
+    // keep their places (their names in errors and profiles) and launch
+    // nothing.
+    auto together = [&](size_t end, Launch launch, const std::string &op, double flops = 0) {
+      steps.push_back({where, op, flops, std::move(launch), nullptr, nullptr});
       for (size_t k = i + 1; k < end; ++k)
         steps.push_back({cat("instruction ", program, "[", k, "] '", instrs[k].op, "'"), instrs[k].op, 0,
                          [](cudaStream_t) {}, nullptr, nullptr});
       i = end - 1;
+    };
+    auto runOf = [&](size_t most, auto same) { // the end of the run from i of instructions like instrs[i]
+      size_t j = i + 1;
+      while (j < instrs.size() && j - i < most && same(instrs[j]))
+        ++j;
+      return j;
+    };
+    const size_t unbounded = instrs.size();
+    if (isFloatCast(rank, instrs[i]) && i + 1 < instrs.size() && isFloatCast(rank, instrs[i + 1])) {
+      size_t end = runOf(unbounded, [&](const Instruction &x) { return isFloatCast(rank, x); });
+      together(end, buildCasts(instrs, i, end), label);
+      continue;
+    }
+    if (i + 1 < instrs.size() && slicesTogether(instrs[i], instrs[i + 1])) { // q, k and v of one product
+      size_t end = runOf(8, [&](const Instruction &x) { return slicesTogether(instrs[i], x); });
+      together(end, buildSlices(instrs, i, end), label);
+      continue;
+    }
+    if (i + 1 < instrs.size() && shardsTogether(instrs[i], instrs[i + 1])) { // ZeRO-1's shards, packed (opt-in)
+      size_t end = runOf(unbounded, [&](const Instruction &x) { return shardsTogether(instrs[i], x); });
+      together(end, buildShardsOf(instrs, i, end), label);
+      continue;
+    }
+    if (rotaryCacheTogether(instrs, i)) { // a decoding layer's rotary embeddings and cache write
+      together(i + 3, buildRotaryCache(instrs, i), label);
+      continue;
+    }
+    // Decoding's products: a run of them (of one input, or a product and
+    // its slices) in one launch, with the norm before them where only they
+    // read it. Layer norms only by default: on an H200 this took GPT-2 350M
+    // from 1.00 to 0.97-1.00 ms a token, where folding TinyLlama's RMS norms
+    // cost it 0.1 ms (every block recomputes its rows' statistics).
+    // LOOM_CUDA_GEMV_NORM=0 keeps every norm apart, =1 folds both kinds.
+    if (instrs[i].op == "layernorm" || instrs[i].op == "rmsnorm") {
+      const char *env = std::getenv("LOOM_CUDA_GEMV_NORM");
+      std::string mode = env ? env : "";
+      size_t end = decodeGroupEnd(instrs, i + 1);
+      if (mode != "0" && (instrs[i].op == "layernorm" || mode == "1") && end > i + 1 &&
+          normFeedsProducts(instrs, i, end)) {
+        double flops = 0;
+        for (size_t k = i + 1; k < end; ++k)
+          flops += instrs[k].op == "matmul" ? denseFlops(instrs[k]) : 0;
+        together(end, buildDecodeGroup(instrs, i + 1, end, &instrs[i]), instrs[i].op + "+" + instrs[i + 1].op, flops);
+        continue;
+      }
+    }
+    if (size_t end = decodeGroupEnd(instrs, i); end > i) {
+      double flops = 0;
+      for (size_t k = i; k < end; ++k)
+        flops += instrs[k].op == "matmul" ? denseFlops(instrs[k]) : 0;
+      together(end, buildDecodeGroup(instrs, i, end, nullptr), label, flops);
       continue;
     }
     if (instrs[i].op == "adamw") { // a run of updates with one set of hyperparameters: one launch
-      std::vector<const Instruction *> group{&instrs[i]};
       // The compiler's generated kernel updates the run that names it
       // (its weight decays may differ); ours, a run of equal attributes.
       bool gen = generatedAdamw(instrs[i]);
       auto kernelOf = [](const Instruction &ins) {
         return ins.attrs.is_object() ? ins.attrs.value("kernel", std::string()) : std::string();
       };
-      while (i + group.size() < instrs.size() &&
-             (gen ? instrs[i + group.size()].op == "adamw" && kernelOf(instrs[i + group.size()]) == kernelOf(instrs[i])
-                  : sameAdamw(instrs[i], instrs[i + group.size()])))
-        group.push_back(&instrs[i + group.size()]);
-      steps.push_back({where, label, 0, gen ? buildGeneratedAdamw(group) : buildAdamw(group), nullptr, nullptr});
-      for (size_t k = 1; k < group.size(); ++k) // the rest ran in the first's launch
-        steps.push_back({cat("instruction ", program, "[", i + k, "] 'adamw'"), label, 0,
-                         [](cudaStream_t) {}, nullptr, nullptr});
-      i += group.size() - 1;
+      size_t end = runOf(unbounded, [&](const Instruction &x) {
+        return gen ? x.op == "adamw" && kernelOf(x) == kernelOf(instrs[i]) : sameAdamw(instrs[i], x);
+      });
+      std::vector<const Instruction *> group;
+      for (size_t k = i; k < end; ++k)
+        group.push_back(&instrs[k]);
+      together(end, gen ? buildGeneratedAdamw(group) : buildAdamw(group), label);
       continue;
     }
     buildCapturable = true, buildReplayable = nullptr, buildReplayed = nullptr;

@@ -40,6 +40,15 @@
 
 namespace loom::rt::cuda {
 
+/// One tensor of a ZeRO-1 bucket (CudaCollectives.cu): n elements, k =
+/// ceil(n / parts) a part, its parts at `offset` of each rank's span of the
+/// packed buffer.
+struct PackedTensor {
+  float *whole; // the gradient (reduce-scatter) or the parameter (all-gather, shard_of), n elements
+  float *shard; // this rank's part, k elements
+  int64_t n, k, offset;
+};
+
 /// Every CUDA and cuBLAS call is checked and becomes an Error naming the call.
 void checkCuda(cudaError_t e, const char *what, const char *file, int line);
 void checkCublas(cublasStatus_t s, const char *what, const char *file, int line);
@@ -135,6 +144,13 @@ private:
     return unsigned(std::min<int64_t>((n / pack + kThreads - 1) / kThreads, 65535 * 8));
   }
   const Buffer &buf(int64_t id) const { return rank.buffers[id]; }
+  /// Whether instrs[from..] read buffer `id`'s storage (it or a view).
+  bool readAfter(const std::vector<Instruction> &instrs, size_t from, int64_t id);
+  /// Whether two buffers share bytes of the arena.
+  bool overlaps(int64_t a, int64_t b) const {
+    const Buffer &p = buf(a), &q = buf(b);
+    return p.offset < q.offset + q.bytes && q.offset < p.offset + p.bytes;
+  }
   static int64_t count(const Shape &s) { return numElements(s).value_or(0); }
 
   /// Workspace bytes the program needs at most (one shared workspace).
@@ -249,6 +265,9 @@ private:
   /// Evicts the L2 cache (writes twice its size) on the stream: timing a
   /// product as decoding runs it, its weights coming from memory.
   void flushL2();
+  /// Milliseconds `launch` takes on the stream, the mean of three runs
+  /// (after the caller's warm-up); fromMemory flushes the L2 cache first.
+  float timeOnStream(const std::function<void()> &launch, bool fromMemory);
   void *l2Flush = nullptr;
   size_t l2FlushBytes = 0;
   int l2FlushValue = 0;
@@ -386,6 +405,14 @@ private:
   /// Whether the program being built records `event` before the current
   /// instruction (recordedBefore) or waits for it after.
   bool eventInProgram(int64_t event, bool recordedBefore);
+  /// The device table of (whole, shard) buffer pairs, packed one after
+  /// another; `span` receives the shards' total length.
+  const PackedTensor *packedTensors(const std::vector<std::pair<int64_t, int64_t>> &wholeAndShard, int64_t parts,
+                                    int64_t &span);
+  /// An async collective (one with an event): `work` on the communication
+  /// stream once the compute stream reaches it, recording the event.
+  bool asyncCollective(const Instruction &ins);
+  Launch onCommStream(const Instruction &ins, Launch work);
   /// With zeroPacked(): consecutive shard_of of one group as one launch.
   bool shardsTogether(const Instruction &a, const Instruction &b);
   Launch buildShardsOf(const std::vector<Instruction> &instrs, size_t begin, size_t end);

@@ -210,14 +210,6 @@ namespace {
 __global__ void toFloatKernel(const double *acc, float *out) { *out = static_cast<float>(*acc); }
 __global__ void sqrtFloatKernel(float *x) { *x = sqrtf(*x); }
 
-/// One tensor of a ZeRO-1 bucket: n elements, k = ceil(n / parts) a part,
-/// its parts at `offset` of each rank's span of the packed buffer.
-struct PackedTensor {
-  float *whole;  // the gradient (reduce-scatter) or the parameter (all-gather), n elements
-  float *shard;  // this rank's part, k elements
-  int64_t n, k, offset;
-};
-
 __device__ inline int tensorOf(const PackedTensor *t, int count, int64_t j) { // offsets ascend
   int lo = 0, hi = count - 1;
   while (lo < hi) {
@@ -292,22 +284,54 @@ bool CudaBackendImpl::shardsTogether(const Instruction &a, const Instruction &b)
          buf(b.out[0]).dtype == LOOM_F32;
 }
 
+const PackedTensor *
+CudaBackendImpl::packedTensors(const std::vector<std::pair<int64_t, int64_t>> &wholeAndShard, int64_t parts,
+                               int64_t &span) {
+  std::vector<PackedTensor> list;
+  span = 0;
+  for (size_t i = 0; i < wholeAndShard.size(); ++i) {
+    auto [whole, shard] = wholeAndShard[i];
+    int64_t n = count(buf(whole).shape), k = count(buf(shard).shape);
+    if (k * parts < n)
+      fail(LOOM_INVALID_BUNDLE, where, ": shard ", i, " holds ", k, " elements; ", parts, " of them cannot hold ", n);
+    list.push_back({f(whole), f(shard), n, k, span});
+    span += k;
+  }
+  return deviceArray(list);
+}
+
+Launch CudaBackendImpl::onCommStream(const Instruction &ins, Launch work) {
+  // Overlapped with the compute that follows: the bundle guarantees nothing
+  // touches the operands until the event's event_wait.
+  cudaEvent_t done = commEvent(ins.attrs["event"].get<int64_t>()), ready;
+  LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+  readyEvents.push_back(ready);
+  cudaStream_t cs = commStream;
+  buildTraceStream = commStream, buildTrack = "communication";
+  return [=](cudaStream_t s) {
+    LOOM_CUDA_CHECK(cudaEventRecord(ready, s));
+    LOOM_CUDA_CHECK(cudaStreamWaitEvent(cs, ready, 0));
+    work(cs);
+    LOOM_CUDA_CHECK(cudaEventRecord(done, cs));
+  };
+}
+
+bool CudaBackendImpl::asyncCollective(const Instruction &ins) {
+  return flag(ins, "async") && ins.attrs.contains("event") && ins.attrs["event"].is_number_integer();
+}
+
 Launch CudaBackendImpl::buildShardsOf(const std::vector<Instruction> &instrs, size_t begin, size_t end) {
   const std::string group = instrs[begin].attrs.value("group", std::string("dp"));
   auto g = rank.groups.find(group);
   if (g == rank.groups.end())
     fail(LOOM_INVALID_BUNDLE, where, ": names group '", group, "', which this rank does not have");
   int64_t index = std::find(g->second.begin(), g->second.end(), rank.rank) - g->second.begin();
-  std::vector<PackedTensor> list;
+  std::vector<std::pair<int64_t, int64_t>> pairs;
+  for (size_t i = begin; i < end; ++i)
+    pairs.push_back({instrs[i].in[0], instrs[i].out[0]});
   int64_t span = 0;
-  for (size_t i = begin; i < end; ++i) {
-    const Instruction &ins = instrs[i];
-    int64_t n = count(buf(ins.in[0]).shape), k = count(buf(ins.out[0]).shape);
-    list.push_back({f(ins.in[0]), f(ins.out[0]), n, k, span});
-    span += k;
-  }
-  const PackedTensor *table = deviceArray(list);
-  int count = int(list.size());
+  const PackedTensor *table = packedTensors(pairs, int64_t(g->second.size()), span);
+  int count = int(pairs.size());
   return [=](cudaStream_t s) {
     shardsOfKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, index);
   };
@@ -324,17 +348,12 @@ Launch CudaBackendImpl::buildShardsOf(const std::vector<Instruction> &instrs, si
 Launch CudaBackendImpl::buildPackedReduceScatter(const Instruction &ins, int64_t index, int64_t parts,
                                                  ncclComm_t comm) {
   bool mean = ins.attrs.value("reduction", std::string("mean")) == "mean";
-  std::vector<PackedTensor> list;
+  std::vector<std::pair<int64_t, int64_t>> pairs;
+  for (size_t i = 0; i < ins.in.size(); ++i)
+    pairs.push_back({ins.in[i], ins.out[i]});
   int64_t span = 0;
-  for (size_t i = 0; i < ins.in.size(); ++i) {
-    int64_t n = count(buf(ins.in[i]).shape), k = count(buf(ins.out[i]).shape);
-    if (k * parts < n)
-      fail(LOOM_INVALID_BUNDLE, where, ": shard ", i, " holds ", k, " elements; ", parts, " of them cannot hold ", n);
-    list.push_back({f(ins.in[i]), f(ins.out[i]), n, k, span});
-    span += k;
-  }
-  const PackedTensor *table = deviceArray(list);
-  int count = int(list.size());
+  const PackedTensor *table = packedTensors(pairs, parts, span);
+  int count = int(pairs.size());
   commWorkspaceBytes = std::max(commWorkspaceBytes, size_t((parts + 1) * span) * sizeof(float));
   int64_t self = index;
   auto run = [this, table, count, span, parts, self, comm, mean](cudaStream_t s) {
@@ -346,41 +365,29 @@ Launch CudaBackendImpl::buildPackedReduceScatter(const Instruction &ins, int64_t
       LOOM_CUDA_CHECK(cudaMemcpyAsync(mine, packed + self * span, span * sizeof(float), cudaMemcpyDeviceToDevice, s));
     unpackShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, mine);
   };
-  bool async = flag(ins, "async") && ins.attrs.contains("event") && ins.attrs["event"].is_number_integer();
+  if (asyncCollective(ins))
+    return onCommStream(ins, run);
+  // On the compute stream, after what the communication stream has in
+  // flight (its workspace is the communication stream's).
   cudaEvent_t ready = nullptr;
   LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
   readyEvents.push_back(ready);
   cudaStream_t cs = commStream;
-  if (!async) { // on the compute stream, after what the communication stream has in flight (its workspace)
-    buildCapturable = false; // it waits for an event of a stream outside any capture
-    return [=](cudaStream_t s) {
-      LOOM_CUDA_CHECK(cudaEventRecord(ready, cs));
-      LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, ready, 0));
-      run(s);
-    };
-  }
-  cudaEvent_t done = commEvent(ins.attrs["event"].get<int64_t>());
-  buildTraceStream = commStream, buildTrack = "communication";
+  buildCapturable = false; // it waits for an event of a stream outside any capture
   return [=](cudaStream_t s) {
-    LOOM_CUDA_CHECK(cudaEventRecord(ready, s));
-    LOOM_CUDA_CHECK(cudaStreamWaitEvent(cs, ready, 0));
-    run(cs);
-    LOOM_CUDA_CHECK(cudaEventRecord(done, cs));
+    LOOM_CUDA_CHECK(cudaEventRecord(ready, cs));
+    LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, ready, 0));
+    run(s);
   };
 }
 
 Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm) {
-  std::vector<PackedTensor> list;
+  std::vector<std::pair<int64_t, int64_t>> pairs;
+  for (size_t i = 0; i < ins.in.size(); ++i)
+    pairs.push_back({ins.out[i], ins.in[i]});
   int64_t span = 0;
-  for (size_t i = 0; i < ins.in.size(); ++i) {
-    int64_t k = count(buf(ins.in[i]).shape), n = count(buf(ins.out[i]).shape);
-    if (k * parts < n)
-      fail(LOOM_INVALID_BUNDLE, where, ": shard ", i, " holds ", k, " elements; ", parts, " of them cannot make ", n);
-    list.push_back({f(ins.out[i]), f(ins.in[i]), n, k, span});
-    span += k;
-  }
-  const PackedTensor *table = deviceArray(list);
-  int count = int(list.size());
+  const PackedTensor *table = packedTensors(pairs, parts, span);
+  int count = int(pairs.size());
   reserve(size_t((parts + 1) * span) * sizeof(float));
   int64_t self = index;
   return [this, table, count, span, parts, self, comm](cudaStream_t s) {
@@ -439,8 +446,7 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
   // send's staging copy keeps host state).
   buildCapturable = ncclGraphs() && ins.op != "send" && ins.op != "recv";
   if (buildCapturable && flag(ins, "async"))
-    buildCapturable = ins.attrs.contains("event") && ins.attrs["event"].is_number_integer() &&
-                      eventInProgram(ins.attrs["event"].get<int64_t>(), /*recordedBefore=*/false);
+    buildCapturable = asyncCollective(ins) && eventInProgram(ins.attrs["event"].get<int64_t>(), /*recordedBefore=*/false);
 #ifndef LOOM_HAVE_NCCL
   fail(LOOM_UNSUPPORTED, where, ": this runtime was built without NCCL; use --backend cpu");
 #else
@@ -477,22 +483,7 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
         LOOM_NCCL_CHECK(ncclAllReduce(out, out, size_t(cnt), type, red, comm, s));
       LOOM_NCCL_CHECK(ncclGroupEnd());
     };
-    bool async = flag(ins, "async") && ins.attrs.contains("event") && ins.attrs["event"].is_number_integer();
-    if (!async)
-      return reduce;
-    // On the communication stream, overlapped with the compute that follows:
-    // the bundle guarantees nothing touches the bucket until its event_wait.
-    cudaEvent_t done = commEvent(ins.attrs["event"].get<int64_t>()), ready;
-    LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-    readyEvents.push_back(ready);
-    cudaStream_t cs = commStream;
-    buildTraceStream = commStream, buildTrack = "communication";
-    return [=](cudaStream_t s) {
-      LOOM_CUDA_CHECK(cudaEventRecord(ready, s));
-      LOOM_CUDA_CHECK(cudaStreamWaitEvent(cs, ready, 0));
-      reduce(cs);
-      LOOM_CUDA_CHECK(cudaEventRecord(done, cs));
-    };
+    return asyncCollective(ins) ? onCommStream(ins, reduce) : reduce;
   }
   // ZeRO-1: slice `index` of k = ceil(n / parts) elements of each tensor.
   auto place = [&]() {

@@ -334,15 +334,10 @@ bool CudaBackendImpl::normFeedsProducts(const std::vector<Instruction> &instrs, 
   for (size_t j = i + 1; j < end; ++j)
     for (int64_t out : instrs[j].out)
       for (int64_t in : nm.in)
-        if (buf(out).offset < buf(in).offset + buf(in).bytes && buf(in).offset < buf(out).offset + buf(out).bytes)
+        if (overlaps(out, in))
           return false;
   // Nothing after them reads the norm's result (or a view of it).
-  for (size_t j = end; j < instrs.size(); ++j)
-    for (int64_t id : instrs[j].in)
-      for (int depth = 0; id >= 0 && depth < 64; ++depth, id = buf(id).viewOf)
-        if (id == nm.out[0])
-          return false;
-  return true;
+  return !readAfter(instrs, end, nm.out[0]);
 }
 
 Launch CudaBackendImpl::buildDecodeGemv(const std::vector<const Instruction *> &group, const Instruction *norm) {
@@ -374,27 +369,9 @@ Launch CudaBackendImpl::buildDecodeGemv(const std::vector<const Instruction *> &
 Launch CudaBackendImpl::fasterProducts(Launch ours, Launch theirs, const std::string &what) {
   if (gemvMode() == 1)
     return ours;
-  // Timed as decoding runs them: the weights from memory, three runs each.
-  cudaEvent_t e0, e1;
-  LOOM_CUDA_CHECK(cudaEventCreate(&e0));
-  LOOM_CUDA_CHECK(cudaEventCreate(&e1));
-  auto time = [&](const Launch &l) {
-    l(stream); // warm: modules loaded, plans made
-    float total = 0;
-    for (int r = 0; r < 3; ++r) {
-      flushL2();
-      float ms = 0;
-      LOOM_CUDA_CHECK(cudaEventRecord(e0, stream));
-      l(stream);
-      LOOM_CUDA_CHECK(cudaEventRecord(e1, stream));
-      LOOM_CUDA_CHECK(cudaEventSynchronize(e1));
-      LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-      total += ms;
-    }
-    return total / 3;
-  };
-  float mine = time(ours), cublas = time(theirs);
-  cudaEventDestroy(e0), cudaEventDestroy(e1);
+  // Timed as decoding runs them: the weights from memory.
+  ours(stream), theirs(stream); // warm: modules loaded, plans made
+  float mine = timeOnStream([&] { ours(stream); }, true), cublas = timeOnStream([&] { theirs(stream); }, true);
   static const bool verbose = std::getenv("LOOM_CUDA_GEMV_VERBOSE") != nullptr;
   if (verbose)
     std::fprintf(stderr, "loom: decode product %s: ours %.2f us, cuBLASLt %.2f us\n", what.c_str(), mine * 1e3,
@@ -424,17 +401,23 @@ Launch CudaBackendImpl::buildProducts(const std::vector<const Instruction *> &gr
                             group.size() == 1 ? " product)" : " products)"));
 }
 
+bool CudaBackendImpl::readAfter(const std::vector<Instruction> &instrs, size_t from, int64_t id) {
+  int64_t storage = storageOf(rank, id);
+  for (size_t j = from; j < instrs.size(); ++j)
+    for (int64_t in : instrs[j].in)
+      if (storageOf(rank, in) == storage)
+        return true;
+  return false;
+}
+
 size_t CudaBackendImpl::productSlicesEnd(const std::vector<Instruction> &instrs, size_t i) {
   std::optional<GemvShape> s = decodeGemvShape(instrs[i]);
   if (!s || (s->epi & kEpiResidual))
     return i;
   const Instruction &mm = instrs[i];
   const Buffer &y = buf(mm.out[0]);
-  auto overlap = [&](const Buffer &p, const Buffer &q) {
-    return p.offset < q.offset + q.bytes && q.offset < p.offset + p.bytes;
-  };
   size_t end = i + 1;
-  std::vector<const Buffer *> outs;
+  std::vector<int64_t> outs;
   while (end < instrs.size() && end - i <= size_t(kMaxSegments)) {
     const Instruction &sl = instrs[end];
     if (sl.op != "slice" || sl.in.size() != 1 || sl.in[0] != mm.out[0] || sl.out.size() != 1)
@@ -445,31 +428,21 @@ size_t CudaBackendImpl::productSlicesEnd(const std::vector<Instruction> &instrs,
     if ((axis != -1 && axis != int64_t(y.shape.size()) - 1) || start < 0 || size < 1 || start + size > s->n ||
         o.dtype != y.dtype || count(o.shape) != s->rows * size)
       break;
-    for (int64_t in : mm.in)
-      if (overlap(o, buf(in)))
+    for (int64_t id : mm.in)
+      if (overlaps(sl.out[0], id))
         return i;
-    for (const Buffer *b : outs)
-      if (overlap(o, *b))
+    for (int64_t id : outs)
+      if (overlaps(sl.out[0], id))
         return i;
-    outs.push_back(&o);
+    outs.push_back(sl.out[0]);
     ++end;
   }
   if (end == i + 1)
     return i;
   // The product's result (or a view of it) must be read by these slices
   // only: it is never written. An output of the program is read later.
-  auto isResult = [&](int64_t id) {
-    for (int depth = 0; id >= 0 && depth < 64; ++depth, id = buf(id).viewOf)
-      if (id == mm.out[0])
-        return true;
-    return false;
-  };
-  if (y.role != BufferRole::Activation)
+  if (y.role != BufferRole::Activation || readAfter(instrs, end, mm.out[0]))
     return i;
-  for (size_t j = end; j < instrs.size(); ++j)
-    for (int64_t id : instrs[j].in)
-      if (isResult(id))
-        return i;
   return end;
 }
 
@@ -540,17 +513,13 @@ bool CudaBackendImpl::productsTogether(const Instruction &a, const Instruction &
     return false;
   // b must not read what a writes (its input is a's input; its epilogue's
   // operands must be other tensors), nor write where a reads or writes.
-  auto overlap = [&](int64_t x, int64_t y) {
-    const Buffer &p = buf(x), &q = buf(y);
-    return p.offset < q.offset + q.bytes && q.offset < p.offset + p.bytes;
-  };
   for (int64_t id : b.in)
-    if (overlap(id, a.out[0]))
+    if (overlaps(id, a.out[0]))
       return false;
   for (int64_t id : a.in)
-    if (overlap(b.out[0], id))
+    if (overlaps(b.out[0], id))
       return false;
-  return !overlap(b.out[0], a.out[0]);
+  return !overlaps(b.out[0], a.out[0]);
 }
 
 } // namespace loom::rt::cuda

@@ -115,9 +115,6 @@ CudaBackendImpl::planGemm(const GemmTypes &t, bool ta, bool tb, int64_t m, int64
   // Time the candidates (the result buffer is overwritten by the real run).
   float best = INFINITY, alpha = 1.0f, beta = residual ? 1.0f : 0.0f;
   const void *cIn = residual ? residual : c;
-  cudaEvent_t e0, e1;
-  LOOM_CUDA_CHECK(cudaEventCreate(&e0));
-  LOOM_CUDA_CHECK(cudaEventCreate(&e1));
   for (int i = 0; i < returned; ++i) {
     if (found[i].state != CUBLAS_STATUS_SUCCESS)
       continue;
@@ -127,28 +124,36 @@ CudaBackendImpl::planGemm(const GemmTypes &t, bool ta, bool tb, int64_t m, int64
     };
     if (launch() != CUBLAS_STATUS_SUCCESS)
       continue;
-    float ms = 0;
-    for (int r = 0; r < 3; ++r) {
-      if (fewRows)
-        flushL2();
-      float one = 0;
-      LOOM_CUDA_CHECK(cudaEventRecord(e0, stream));
-      launch();
-      LOOM_CUDA_CHECK(cudaEventRecord(e1, stream));
-      LOOM_CUDA_CHECK(cudaEventSynchronize(e1));
-      LOOM_CUDA_CHECK(cudaEventElapsedTime(&one, e0, e1));
-      ms += one;
-    }
+    float ms = timeOnStream([&] { launch(); }, fewRows);
     if (ms < best)
       best = ms, plan->algo = found[i].algo;
   }
-  cudaEventDestroy(e0), cudaEventDestroy(e1);
   if (best == INFINITY && epilogue)
     return nullptr;
   if (best == INFINITY)
     fail(LOOM_INTERNAL, where, ": no cuBLASLt algorithm ran a ", m, "x", n, "x", k, " product");
   gemmPlans[key] = plan;
   return plan;
+}
+
+float CudaBackendImpl::timeOnStream(const std::function<void()> &launch, bool fromMemory) {
+  cudaEvent_t e0, e1;
+  LOOM_CUDA_CHECK(cudaEventCreate(&e0));
+  LOOM_CUDA_CHECK(cudaEventCreate(&e1));
+  float total = 0;
+  for (int r = 0; r < 3; ++r) {
+    if (fromMemory)
+      flushL2();
+    float ms = 0;
+    LOOM_CUDA_CHECK(cudaEventRecord(e0, stream));
+    launch();
+    LOOM_CUDA_CHECK(cudaEventRecord(e1, stream));
+    LOOM_CUDA_CHECK(cudaEventSynchronize(e1));
+    LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    total += ms;
+  }
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
+  return total / 3;
 }
 
 void CudaBackendImpl::flushL2() {

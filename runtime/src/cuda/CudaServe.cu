@@ -557,17 +557,14 @@ bool CudaBackendImpl::rotaryCacheTogether(const std::vector<Instruction> &instrs
     return false;
   // A result may take its own input's place (each thread reads its pair
   // before writing it), but no other operand's.
-  auto overlap = [&](int64_t a, int64_t b) {
-    return buf(a).offset < buf(b).offset + buf(b).bytes && buf(b).offset < buf(a).offset + buf(a).bytes;
-  };
   auto inPlace = [&](int64_t out, int64_t in) {
     return buf(out).offset == buf(in).offset && buf(out).bytes == buf(in).bytes;
   };
   for (auto [out, own] : {std::pair<int64_t, int64_t>{rq.out[0], rq.in[0]}, {rk.out[0], rk.in[0]}})
     for (int64_t in : {rq.in[0], rk.in[0], kw.in[1], rq.in[1], kw.in[2], kw.out[0], kw.out[1]})
-      if (overlap(out, in) && !(in == own && inPlace(out, in)))
+      if (overlaps(out, in) && !(in == own && inPlace(out, in)))
         return false;
-  if (overlap(rq.out[0], rk.out[0]))
+  if (overlaps(rq.out[0], rk.out[0]))
     return false;
   return true;
 }
