@@ -36,6 +36,7 @@
 #include <set>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace loom::rt::cuda {
@@ -56,6 +57,30 @@ void checkCublas(cublasStatus_t s, const char *what, const char *file, int line)
 #define LOOM_CUBLAS_CHECK(expr) ::loom::rt::cuda::checkCublas((expr), #expr, __FILE__, __LINE__)
 
 inline int blocksFor(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535 * 8)); }
+
+/// Whether kernels written for it (waitPrevious() first) are launched as
+/// programmatic dependents of the kernel before them: on devices of compute
+/// capability 9 and up, unless LOOM_CUDA_PDL=0.
+bool dependentLaunches();
+
+/// Launches `kernel` as a programmatic dependent of the stream's previous
+/// kernel where `dependent` and dependentLaunches() say so; as a plain
+/// launch otherwise.
+template <typename... P, typename... A>
+void launchAfter(bool dependent, void (*kernel)(P...), dim3 grid, dim3 block, size_t shared, cudaStream_t s,
+                 A &&...args) {
+  if (!dependent || !dependentLaunches()) {
+    kernel<<<grid, block, shared, s>>>(std::forward<A>(args)...);
+    return;
+  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid, config.blockDim = block, config.dynamicSmemBytes = shared, config.stream = s;
+  config.attrs = attr, config.numAttrs = 1;
+  LOOM_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<A>(args)...));
+}
 
 /// Row-major strides of a shape; those of `in` broadcast to `out` (0 along
 /// broadcast dims); and the index map kernels walk `shape` with.

@@ -138,10 +138,14 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) decodeGemvKernel(const Ge
     w[o] = seg[o] < 0 ? nullptr : args.seg[s].w + (j - args.seg[s].first) * K;
   }
   const int first = (warp * 32 + lane) * 8, stride = 256 * kWarpsPerBlock;
+  startDependents();
   int4 v[kOutputs];
 #pragma unroll
   for (int o = 0; o < kOutputs; ++o)
     v[o] = w[o] && first < K ? loadStreaming(w[o] + first) : make_int4(0, 0, 0, 0);
+  // The weights' first loads are in flight; x (and the norm's input) are
+  // the previous kernel's results.
+  waitPrevious();
   if (NORM) {
     if (args.norm == kNormLayer) {
       rowSums<R>(args, [](int, float x) { return x; }, mean, scratch);
@@ -295,7 +299,7 @@ Launch launchGemv(const GemvArgs &args) {
     default: return norm ? decodeGemvKernel<8, true> : decodeGemvKernel<8, false>;
     }
   }();
-  return [=](cudaStream_t s) { kernel<<<grid, block, 0, s>>>(args); };
+  return [=](cudaStream_t s) { launchAfter(true, kernel, grid, block, 0, s, args); };
 }
 
 } // namespace

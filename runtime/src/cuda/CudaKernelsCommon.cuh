@@ -189,6 +189,24 @@ __global__ void splitCrossEntropyGradKernel(DPtr logits, const void *targets, bo
                                             const float *stats, const float *dloss, DPtr dl, int64_t rows,
                                             int64_t v, int64_t start);
 
+/// Programmatic dependent launch (Hopper; launchAfter() in
+/// CudaBackendImpl.h): a kernel so launched may begin while the kernel
+/// before it in the stream is still ending. Before waitPrevious() it may
+/// touch only what no kernel writes while a program runs (weights, its
+/// arguments); startDependents() lets the next such kernel's blocks begin
+/// once every block of this one has called it.
+__device__ inline void waitPrevious() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ inline void startDependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 } // namespace loom::rt::cuda
 
 #endif
