@@ -37,13 +37,19 @@ $B/loom-run $R/gpt2-350m-serve-b1.loom --backend cuda --prompt $T/b1.txt --max-n
     | grep -E "^serving|^time|^per-token|^throughput|^engine" | sed 's/^/batch 1: /' || status=1
 $B/loom-run $R/gpt2-350m-serve.loom --backend cuda --prompt $T/b32.txt --max-new 128 --repeat 3 \
     | grep -E "^serving|^time|^per-token|^throughput|^engine" | sed 's/^/batch 32: /' || status=1
+echo "== the same, batch 1, kernels launched plainly (LOOM_CUDA_PDL=0; the default lets decoding's start early)"
+LOOM_CUDA_PDL=0 $B/loom-run $R/gpt2-350m-serve-b1.loom --backend cuda --prompt $T/b1.txt --max-new 128 --repeat 3 \
+    | grep -E "^per-token|^engine" | sed 's/^/batch 1, no PDL: /' || status=1
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-  echo "== Loom: GPT-2 350M batch 1, tensor-parallel over two GPUs (NCCL)"
+  echo "== GPT-2 350M tensor-parallel over two GPUs: the cache against the full forward pass on one"
+  NCCL_NVLS_ENABLE=0 $B/loom-run $R/gpt2-350m-serve-b1-tp2.loom --backend cuda --prompt $T/short.txt --max-new 24 \
+      --reference $R/gpt2-350m-fwd.loom | grep -E "^reference" || status=1
+  echo "== Loom: GPT-2 350M batch 1, tensor-parallel over two GPUs (NCCL, captured in the step's CUDA graph)"
   NCCL_NVLS_ENABLE=0 $B/loom-run $R/gpt2-350m-serve-b1-tp2.loom --backend cuda --prompt $T/b1.txt --max-new 128 \
       --repeat 3 | grep -E "^time|^per-token|^throughput|^engine" | sed 's/^/tp2 batch 1: /' || status=1
-  echo "== the same, its programs captured as CUDA graphs with their NCCL calls (LOOM_CUDA_GRAPHS_NCCL=1)"
-  LOOM_CUDA_GRAPHS_NCCL=1 NCCL_NVLS_ENABLE=0 $B/loom-run $R/gpt2-350m-serve-b1-tp2.loom --backend cuda --prompt $T/b1.txt \
-      --max-new 128 --repeat 3 | grep -E "^per-token|^engine" | sed 's/^/tp2 graphs batch 1: /' || status=1
+  echo "== the same, NCCL calls outside graphs (LOOM_CUDA_GRAPHS_NCCL=0)"
+  LOOM_CUDA_GRAPHS_NCCL=0 NCCL_NVLS_ENABLE=0 $B/loom-run $R/gpt2-350m-serve-b1-tp2.loom --backend cuda --prompt $T/b1.txt \
+      --max-new 128 --repeat 3 | grep -E "^per-token|^engine" | sed 's/^/tp2 eager NCCL batch 1: /' || status=1
   echo "== Loom: TinyLlama 1.1B batch 1, tensor-parallel over two GPUs (NCCL)"
   NCCL_NVLS_ENABLE=0 $B/loom-run $R/llama-1.1b-serve-b1-tp2.loom --backend cuda --prompt $T/l1.txt --max-new 128 \
       --repeat 3 | grep -E "^time|^per-token|^throughput|^engine" | sed 's/^/tp2 batch 1: /' || status=1
