@@ -36,6 +36,10 @@ public:
   virtual char *hostData(const Buffer &) { return nullptr; }
   /// The CUDA device whose memory holds the arena; -1 for host memory.
   virtual int cudaDevice() const { return -1; }
+  /// Bytes in use on that device, by every allocation on it (the arena,
+  /// workspaces, cuBLAS, cuDNN, NCCL and the CUDA context: cudaMemGetInfo);
+  /// -1 for host memory.
+  virtual int64_t deviceBytesInUse() const { return -1; }
   /// Address of a buffer in the arena, host or device memory (the C API's
   /// views of outputs).
   virtual char *arenaData(const Buffer &b) { return hostData(b); }

@@ -40,6 +40,8 @@ public:
   void bindInputFromDevice(const std::string &name, const void *data, size_t bytes, int device);
   /// The CUDA device that holds the arena; -1 for host memory.
   int cudaDevice() const { return backend->cudaDevice(); }
+  /// Bytes in use on that device (Backend::deviceBytesInUse); -1 on the host.
+  int64_t deviceBytesInUse() const { return backend->deviceBytesInUse(); }
   /// The address of an output in the arena, host or device memory.
   char *outputData(const std::string &name) const;
   void readOutput(const std::string &name, void *data, size_t bytes) const;

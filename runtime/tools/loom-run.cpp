@@ -401,6 +401,11 @@ int train(std::vector<std::unique_ptr<Session>> &ranks,
                 1e3 * timedSeconds / timedSteps, numRanks * batch * seq * timedSteps / timedSeconds,
                 languageModel ? "tokens" : "examples",
                 (long long)timedSteps, (long long)warmupSteps);
+  // What the plan costs in GPU memory, beside what the compiler planned.
+  for (size_t k = 0; k < ranks.size(); ++k)
+    if (int64_t used = ranks[k]->deviceBytesInUse(); used >= 0)
+      std::printf("device memory: rank %zu, GPU %d: %.2f GiB in use (arena %.2f GiB)\n", k, ranks[k]->cudaDevice(),
+                  used / 1073741824.0, ranks[k]->rank().arenaBytes / 1073741824.0);
   return 0;
 }
 

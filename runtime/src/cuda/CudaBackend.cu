@@ -44,6 +44,13 @@ bool dependentLaunches() {
   return on;
 }
 
+int64_t CudaBackendImpl::deviceBytesInUse() const {
+  size_t free = 0, total = 0;
+  if (cudaSetDevice(device) != cudaSuccess || cudaMemGetInfo(&free, &total) != cudaSuccess)
+    return -1;
+  return int64_t(total - free);
+}
+
 void checkCuda(cudaError_t e, const char *what, const char *file, int line) {
   if (e != cudaSuccess)
     fail(e == cudaErrorMemoryAllocation ? LOOM_INVALID_ARGUMENT : LOOM_INTERNAL, file, ":", line,

@@ -116,6 +116,7 @@ public:
   void uploadBeforeRun(const Buffer &b, const void *src) override;
   void download(const Buffer &b, void *dst) const override;
   int cudaDevice() const override { return device; }
+  int64_t deviceBytesInUse() const override;
   char *arenaData(const Buffer &b) override { return ptr(b); }
   void uploadFromDevice(const Buffer &b, const void *src, int srcDevice) override;
   void argmaxRows(const Buffer &b, int64_t rows, int64_t cols, int32_t *out) override; // CudaServe.cu
