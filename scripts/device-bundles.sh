@@ -11,6 +11,8 @@
 #   serve   serving bundles and their forward references (scripts/device-serve.sh)
 #   mpi     one process per GPU under mpirun and Slurm (scripts/device-mpi.sh)
 #   resnet  ResNet-50 training, f32 and --target cuda, batch 32 (scripts/device-resnet.sh)
+#   plans   two-GPU plans of GPT-2 350M and GPT 1.3B, forced and the planner's pick, each
+#           with its prediction (scripts/device-plans.sh)
 # The named sets replace what was there: the carried tree must stay under 64 MiB
 # (bundles carry no weights; every set together is a few MiB).
 set -euo pipefail
@@ -175,10 +177,33 @@ c test/runtime/Inputs/rows.mlir --batch 16 --target cuda -o $out/rows-bf16-fused
 c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --weight-decay 0.1 --clip 1.0 --precision bf16 --fuse \
     -o $out/gpt2-350m-bf16-fused-train.loom
 }
+plans() {
+  # Issue #18: the planner's pick for two GPUs against forced plans, GPT-2 350M
+  # and GPT 1.3B, bf16 (--target cuda), global batch 16, AdamW; each plan's
+  # prediction (loomc plan, calibrated by the H200 profile) beside its bundle
+  # (scripts/device-plans.sh runs them and prints predicted against measured).
+  prof=bench/data/profile-h200-gpt2-350m-bf16.json
+  "$B/compiler/loomc" models gpt --layers 24 --hidden 2048 --heads 16 --seq 1024 --vocab 50304 \
+      -o .deps/gpt-1.3b.mlir
+  model() { [ "$1" = gpt-1.3b ] && echo .deps/gpt-1.3b.mlir || echo models/$1.mlir; }
+  for m in gpt2-350m gpt-1.3b; do
+    # One GPU at the same batch per GPU as dp2 (8 sequences).
+    c $(model $m) --batch 8 --train --lr 3e-4 --target cuda -o $out/$m-plan-one.loom
+    for plan in pick dp=2,mb=1,zero=0 dp=2,mb=2,zero=0 dp=2,mb=1,zero=1 tp=2,mb=1,zero=0 tp=2,mb=2,zero=0 \
+                pp=2,mb=4,schedule=1f1b,zero=0 pp=2,mb=8,schedule=1f1b,zero=0 pp=2,mb=8,schedule=zb-h1,zero=0; do
+      name=$(echo "$plan" | tr '=,' '-_')
+      force=(); [ "$plan" = pick ] || force=(--force "$plan")
+      "$B/compiler/loomc" plan $(model $m) --cluster h200:2 --batch 16 --profile $prof "${force[@]}" \
+          --json "$out/$m-plan-$name.json" > "$out/$m-plan-$name.txt"
+      c $(model $m) --batch 16 --train --lr 3e-4 --target cuda --cluster h200:2 --plan "$out/$m-plan-$name.json" \
+          -o "$out/$m-plan-$name.loom"
+    done
+  done
+}
 for set_name in "${sets[@]}"; do
   case $set_name in
-    single | multi | scale | trace | serve | mpi | resnet) "$set_name" ;;
-    *) echo "device-bundles.sh: unknown set '$set_name' (single, multi, scale, trace, serve, mpi, resnet)" >&2; exit 2 ;;
+    single | multi | scale | trace | serve | mpi | resnet | plans) "$set_name" ;;
+    *) echo "device-bundles.sh: unknown set '$set_name' (single, multi, scale, trace, serve, mpi, resnet, plans)" >&2; exit 2 ;;
   esac
 done
 du -sh "$out"

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# On a GPU machine with 2 GPUs (issue #18): trains GPT-2 350M and GPT 1.3B
+# with the planner's pick and with forced plans (bf16, global batch 16), one
+# GPU beside them, then PyTorch DDP and FSDP2 on the same model and cards, and
+# prints each plan's prediction against its measurement: step time and GPU
+# memory, and whether the pick is within 5% of the fastest plan measured.
+# Needs .deps (scripts/device-deps.sh, then scripts/device-bundles.sh plans).
+# MODELS="gpt2-350m" runs one model; SKIP_TORCH=1 leaves PyTorch out.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0
+LOOM_BUILD_DIR=build-device scripts/build.sh -DLOOM_BUILD_COMPILER=OFF -DLOOM_BUILD_TESTS=OFF 2>&1 | tail -1
+B=build-device/runtime
+R=.deps/bundles
+out=${OUT:-/tmp}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sort | uniq -c
+status=0
+for m in ${MODELS:-gpt2-350m gpt-1.3b}; do
+  [ -d "$R/$m-plan-one.loom" ] || { echo "no $R/$m-plan-one.loom: run scripts/device-bundles.sh plans"; exit 1; }
+  echo "== $m, bf16, AdamW, 10 steps (mean of the 7 after 3 warm-up)"
+  timeout 300 $B/loom-run "$R/$m-plan-one.loom" --backend cuda --steps 10 > "$out/$m-plan-one.log" 2>&1 ||
+    { echo "FAILED: one GPU"; tail -3 "$out/$m-plan-one.log"; status=1; }
+  for txt in "$R/$m"-plan-*.txt; do
+    name=$(basename "$txt" .txt)
+    timeout 300 $B/loom-run "$R/$name.loom" --backend cuda --steps 10 > "$out/$name.log" 2>&1 ||
+      { echo "FAILED: $name"; tail -3 "$out/$name.log"; status=1; }
+  done
+  python3 - "$R" "$out" "$m" <<'PY' || status=1
+import glob, os, re, sys
+R, out, m = sys.argv[1:]
+def measured(log):
+    text = open(log).read() if os.path.exists(log) else ""
+    ms = re.findall(r"^trained: ([\d.]+) ms per step", text, re.M)
+    mem = [float(x) for x in re.findall(r"^device memory: rank \d+, GPU \d+: ([\d.]+) GiB in use", text, re.M)]
+    arena = [float(x) for x in re.findall(r"\(arena ([\d.]+) GiB\)", text)]
+    return (float(ms[0]) if ms else None), (max(mem) if mem else None), (max(arena) if arena else None)
+one = measured(f"{out}/{m}-plan-one.log")[0]
+rows = []
+for txt in sorted(glob.glob(f"{R}/{m}-plan-*.txt")):
+    name = os.path.basename(txt)[len(m) + 6:-4]
+    plan = open(txt).read()
+    pred = re.findall(r"predicted step\s+([\d.]+) ms", plan)
+    pmem = re.findall(r"peak memory\s+([\d.]+) GiB", plan)
+    field = lambda key: (re.findall(r"^  " + key + r"\s+(.*)$", plan, re.M) or ["?"])[0].strip()
+    shape = (f"dp{field('data parallel')} tp{field('tensor parallel')}, pipeline {field('pipeline')}, "
+             f"recomputation {field('recomputation')}")
+    ms, mem, arena = measured(f"{out}/{m}-plan-{name}.log")
+    rows.append((name, shape, float(pred[0]) if pred else None, ms, float(pmem[0]) if pmem else None, mem, arena))
+err = lambda p, q: f"{(p - q) / q * 100:+.1f}%" if p is not None and q else "n/a"
+f = lambda x, fmt: fmt % x if x is not None else "n/a"
+print(f"one GPU, batch 8: {f(one, '%.1f')} ms/step")
+print(f"{'plan':34s} {'predicted':>9s} {'measured':>9s} {'error':>7s} {'vs 1 GPU':>8s}   "
+      f"{'memory pred.':>12s} {'in use':>7s} {'arena':>6s} {'error':>7s}")
+for name, shape, pred, ms, pmem, mem, arena in rows:
+    speed = f"{2 * one / ms:.2f}x" if one and ms else "n/a"  # twice the tokens of the one-GPU step
+    print(f"{name:34s} {f(pred, '%9.1f')} {f(ms, '%9.1f')} {err(pred, ms):>7s} {speed:>8s}   "
+          f"{f(pmem, '%10.1f G')} {f(mem, '%5.1f G')} {f(arena, '%4.1f G')} {err(pmem, arena):>7s}")
+done = [r for r in rows if r[3] is not None]
+if done:
+    fastest = min(done, key=lambda r: r[3])
+    pick = next((r for r in done if r[0] == "pick"), None)
+    print(f"fastest measured: {fastest[0]} ({fastest[3]:.1f} ms); "
+          + (f"the pick ({pick[1]}) {pick[3]:.1f} ms, {(pick[3] / fastest[3] - 1) * 100:.1f}% slower "
+             f"({'within' if pick[3] <= 1.05 * fastest[3] else 'NOT within'} 5%)" if pick else "the pick did not run"))
+PY
+  if [ -z "${SKIP_TORCH:-}" ]; then
+    case $m in gpt2-350m) dims="--layers 24 --hidden 1024 --heads 16" ;; *) dims="--layers 24 --hidden 2048 --heads 16" ;; esac
+    echo "== PyTorch on the same model and cards, global batch 16 (bf16 autocast)"
+    timeout 400 torchrun --nproc_per_node=2 bench/torch_ddp.py $dims --batch 16 --steps 10 \
+        --modes ddp-bf16,fsdp2-bf16 2>&1 | grep -vE "^W[0-9]|OMP_NUM_THREADS|^\*+$" || status=1
+  fi
+done
+exit $status
