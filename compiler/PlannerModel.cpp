@@ -1,11 +1,13 @@
 //===- PlannerModel.cpp - The planner's view of a model -------------------===//
 
 #include "compiler/PlannerModel.h"
+#include "compiler/BackwardReads.h"
 #include "compiler/ModelSummary.h"
 #include "dialects/loom/IR/LoomOps.h"
 #include "mlir/Dialect/Func/IR/FuncOps.h"
 #include "passes/Passes.h"
 
+#include <map>
 #include <numeric>
 #include <set>
 
@@ -36,7 +38,7 @@ public:
     auto isParam = [](Value v) { return v.getDefiningOp<GetOp>() != nullptr; };
     auto countParam = [&](Value v, bool sharded) {
       auto get = v.getDefiningOp<GetOp>();
-      if (!get || !counted.insert(get.getName().str()).second)
+      if (!get || !params.try_emplace(get.getName().str(), elements(v), sharded).second)
         return;
       layer.params += elements(v);
       layer.paramTensors += 1;
@@ -79,14 +81,12 @@ public:
       countParam(v, false);
     for (auto [i, r] : llvm::enumerate(op.getResults()))
       split[r] = i < rule.results.size() ? rule.results[i] : TpState{};
+    keepForBackward(op, split);
 
     if (auto mm = dyn_cast<MatmulOp>(op)) {
       auto wt = cast<RankedTensorType>(mm.getRhs().getType());
-      if (isParam(mm.getRhs()) && wt.getRank() == 2) {
+      if (isParam(mm.getRhs()) && wt.getRank() == 2)
         layer.shardedFlops += flops;
-        if (rule.entersRegion && mm.getTransposeB()) // vocabulary-parallel head
-          layer.lossBytes = elements(mm.getResult()) * 4; // logits kept in fp32 for the loss
-      }
       return;
     }
     if (auto attn = dyn_cast<AttentionOp>(op)) {
@@ -110,34 +110,97 @@ public:
     if (auto t = dyn_cast<RankedTensorType>(out.getType()))
       if (t.getRank() >= 1)
         layer.hidden = static_cast<double>(t.getShape().back());
-    inputBytes = in ? 2 * elements(in) : 0;
+    layer.checkpointElements = in ? elements(in) : 0;
   }
 
   pl::LayerSpec finish() {
+    countDeferredGradients();
     layer.tpDivisor = noRule || divisor == 0 ? 1 : divisor;
-    layer.activationBytes[0] = layer.activationBytes[1] = keptBytes;
-    layer.activationBytes[2] = inputBytes > 0 ? inputBytes : keptBytes;
     return layer;
   }
-  bool empty() const { return layer.flops == 0 && layer.params == 0 && keptBytes == 0; }
+  bool empty() const { return layer.flops == 0 && layer.params == 0 && layer.keptElements == 0; }
+  /// Parameters read: elements, and whether tensor parallelism splits them here.
+  const std::map<std::string, std::pair<double, bool>> &parameters() const { return params; }
 
 private:
   void traffic(Operation &op) {
     double moved = 0;
     for (Value v : op.getOperands())
       moved += elements(v);
-    for (Value r : op.getResults()) {
+    for (Value r : op.getResults())
       moved += elements(r);
-      keptBytes += 2 * elements(r);
-    }
     layer.memoryTraffic += 2 * moved;
   }
 
+  /// What the op's gradient rule reads stays from the forward to the
+  /// backward: an activation once per storage (a reshape is a view of its
+  /// operand), a parameter as its working copy. ZB-H1's deferred weight
+  /// gradients keep what they read, forward values and result gradients.
+  void keepForBackward(Operation &op, const Layouts &split) {
+    BackwardReadSet reads = backwardReads(&op);
+    if (reads.largestGrad > layer.largestGradElements) {
+      layer.largestGradElements = reads.largestGrad;
+      layer.largestGradSharded = op.getNumResults() > 0 && split.lookup(op.getResult(0)).split;
+    }
+    auto storage = [](Value v) {
+      while (auto reshape = v.getDefiningOp<ReshapeOp>())
+        v = reshape.getX();
+      return v;
+    };
+    auto add = [&](DenseSet<Value> &seen, Value v, double &all, double &sharded) {
+      if (!seen.insert(v).second)
+        return;
+      all += elements(v);
+      if (split.lookup(v).split)
+        sharded += elements(v);
+    };
+    for (Value v : reads.values) {
+      if (auto get = v.getDefiningOp<GetOp>()) {
+        auto it = params.find(get.getName().str());
+        if (it == params.end() || !copied.insert(it->first).second)
+          continue;
+        layer.backwardReadParams += it->second.first;
+        if (it->second.second)
+          layer.backwardReadShardedParams += it->second.first;
+        continue;
+      }
+      add(kept, storage(v), layer.keptElements, layer.keptShardedElements);
+    }
+    for (Value v : reads.weightGradValues)
+      if (!v.getDefiningOp<GetOp>())
+        add(deferred, storage(v), layer.deferredElements, layer.deferredShardedElements);
+    for (Value r : op.getResults())
+      resultSplit[r] = split.lookup(r).split;
+    for (Value v : reads.weightGradOf)
+      gradientsRead.insert(v);
+    for (auto [operand, result] : reads.sameGradient)
+      sameGradient[operand] = result;
+  }
+
+  /// The result gradients that the weight-gradient products read, each
+  /// buffer once: an add hands its result's gradient on to its operands.
+  void countDeferredGradients() {
+    DenseSet<Value> counted;
+    for (Value v : gradientsRead) {
+      for (auto it = sameGradient.find(v); it != sameGradient.end(); it = sameGradient.find(v))
+        v = it->second;
+      if (!counted.insert(v).second)
+        continue;
+      layer.deferredElements += elements(v);
+      if (resultSplit.lookup(v))
+        layer.deferredShardedElements += elements(v);
+    }
+  }
+
   pl::LayerSpec layer;
-  std::set<std::string> counted;
+  std::map<std::string, std::pair<double, bool>> params;
+  std::set<std::string> copied;
+  DenseSet<Value> kept, deferred;
+  SetVector<Value> gradientsRead;
+  DenseMap<Value, Value> sameGradient;
+  DenseMap<Value, bool> resultSplit;
   int64_t divisor = 0;
   bool noRule = false;
-  double keptBytes = 0, inputBytes = 0;
 };
 
 class SpecBuilder {
@@ -194,6 +257,7 @@ public:
       pending.setBoundary(boundary ? boundary : lastValue, input);
       pl::LayerSpec spec = pending.finish();
       spec.name = layers.empty() ? "embedding" : "between." + std::to_string(layers.size());
+      outside.push_back({layers.size(), pending.parameters()});
       layers.push_back(spec);
     }
     pending = LayerBuilder("pending");
@@ -204,8 +268,23 @@ public:
       pending.setBoundary(lastValue, Value());
       pl::LayerSpec spec = pending.finish();
       spec.name = "head";
+      outside.push_back({layers.size(), pending.parameters()});
       layers.push_back(spec);
     }
+  }
+
+  /// Marks the parameters that more than one layer reads (a tied embedding
+  /// and LM head). Only layers outside loom.repeat can share: each
+  /// application of a block has parameters of its own.
+  void markTiedParameters() {
+    std::map<std::string, int> readers;
+    for (const auto &[index, params] : outside)
+      for (const auto &[name, info] : params)
+        ++readers[name];
+    for (const auto &[index, params] : outside)
+      for (const auto &[name, info] : params)
+        if (readers[name] > 1)
+          layers[index].tied.push_back({name, info.first, info.second});
   }
 
   std::vector<pl::LayerSpec> layers;
@@ -213,6 +292,8 @@ public:
 private:
   ModuleOp module;
   LayerBuilder pending{"pending"};
+  /// The layers outside loom.repeat, with the parameters each reads.
+  std::vector<std::pair<size_t, std::map<std::string, std::pair<double, bool>>>> outside;
   Value lastValue;
 };
 
@@ -233,6 +314,7 @@ FailureOr<pl::ModelSpec> mlir::loom::buildModelSpec(ModuleOp original, StringRef
   if (failed(builder.walk(entry.getBody(), split)))
     return failure();
   builder.finishHead();
+  builder.markTiedParameters();
 
   pl::ModelSpec spec;
   spec.name = name.str();

@@ -7,7 +7,9 @@
 // rules: a linear on a replicated input is column-parallel, a linear on a
 // column-split input is row-parallel and ends in an all-reduce, attention
 // splits by heads, the embedding and the LM head split the vocabulary.
-// Ops with no rule (convolutions, say) leave their layer replicated.
+// Ops with no rule (convolutions, say) leave their layer replicated. What a
+// layer keeps for its backward is what its ops' gradient rules read
+// (compiler/BackwardReads.h).
 //
 //===----------------------------------------------------------------------===//
 #ifndef LOOM_COMPILER_PLANNERMODEL_H

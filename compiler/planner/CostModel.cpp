@@ -106,24 +106,33 @@ double microbatchesInFlight(Schedule s, int64_t p, int64_t m, int64_t v, int64_t
   return double(m);
 }
 
-double bytesPerParameter(int zeroStage, int64_t dp) {
-  double optimizer = 12.0;
-  if (zeroStage >= 1)
-    optimizer /= double(std::max<int64_t>(dp, 1));
-  return 2.0 + 4.0 + optimizer;
+const char *precisionName(Precision p) { return p == Precision::F32 ? "f32" : "bf16"; }
+
+bool parsePrecision(const std::string &text, Precision &out) {
+  if (text == "bf16")
+    out = Precision::Bf16;
+  else if (text == "f32")
+    out = Precision::F32;
+  else
+    return false;
+  return true;
 }
 
-double transformerActivationBytes(double s, double h, double a, int64_t t, Recompute r) {
-  double tp = double(std::max<int64_t>(t, 1));
-  switch (r) {
-  case Recompute::None:
-    return s * h * (10.0 + 24.0 / tp + 5.0 * a * s / (h * tp));
-  case Recompute::Selective:
-    return s * h * (10.0 + 24.0 / tp);
-  case Recompute::Full:
-    return 2.0 * s * h;
-  }
-  return 0;
+double activationWidth(Precision p) { return p == Precision::F32 ? 4.0 : 2.0; }
+
+ParameterBytes parameterBytes(Precision precision, int zeroStage, int64_t dp, int64_t microbatches) {
+  ParameterBytes bytes;
+  double adam = 8.0; // f32 m and v
+  if (zeroStage >= 1)
+    adam /= double(std::max<int64_t>(dp, 1));
+  bytes.persistent = 4.0 + adam;
+  bool bf16 = precision == Precision::Bf16;
+  bytes.workingCopy = bf16 ? 2.0 : 0.0;
+  // passes/Bf16StepCasts.cpp leaves a gradient in bf16 where the optimizer
+  // is its only reader: no all-reduce, no sum over microbatches.
+  bytes.gradient = bf16 && dp <= 1 && microbatches <= 1 ? 2.0 : 4.0;
+  bytes.newGradient = activationWidth(precision);
+  return bytes;
 }
 
 } // namespace loom::planner

@@ -1,9 +1,8 @@
 //===- CostModel.h - Time and memory formulas of the planner ----*- C++ -*-===//
 //
 // Plain formulas, each unit-tested against hand-computed values:
-// alpha-beta collectives, pipeline bubbles, optimizer-state memory under
-// ZeRO, and the activation memory of a transformer layer (Korthikanti et al.,
-// "Reducing Activation Recomputation in Large Transformer Models", 2022).
+// alpha-beta collectives, pipeline bubbles, microbatches in flight, and the
+// bytes per parameter of a compiled training step (precision, ZeRO-1).
 //
 //===----------------------------------------------------------------------===//
 #ifndef LOOM_COMPILER_PLANNER_COSTMODEL_H
@@ -56,16 +55,34 @@ double bubbleFraction(Schedule s, int64_t p, int64_t m, int64_t v, double forwar
 /// min(m, p) on every stage (later stages use that room to defer W).
 double microbatchesInFlight(Schedule s, int64_t p, int64_t m, int64_t v, int64_t stage);
 
-/// Bytes per parameter for weights, gradients and Adam state under mixed
-/// precision: 2 (bf16 weights) + 4 (fp32 gradients) + 12 (fp32 master, m, v).
-/// ZeRO-1 divides the 12 bytes of optimizer state by the data-parallel degree.
-double bytesPerParameter(int zeroStage, int64_t dp);
+/// Element types of a compiled training step (loomc compile --precision):
+/// bf16 computes in bf16 from f32 master parameters, f32 keeps everything in f32.
+enum class Precision { Bf16, F32 };
+const char *precisionName(Precision p);
+bool parsePrecision(const std::string &text, Precision &out);
+/// Bytes per activation element the compiled step keeps: 2 (bf16) or 4 (f32).
+double activationWidth(Precision p);
 
-/// Activation bytes a transformer layer keeps for backward, per sequence of
-/// s tokens (16-bit activations), with tensor parallelism t (no sequence
-/// parallelism): none: s h (10 + 24/t + 5 a s / (h t)); selective: s h (10 +
-/// 24/t); full: 2 s h (only the layer input).
-double transformerActivationBytes(double s, double h, double a, int64_t t, Recompute r);
+/// Bytes per parameter as the compiled training step holds them: the
+/// memory plan (passes/PlanMemory.cpp) puts persistent buffers in front of
+/// the arena and packs the rest (activations, gradients, bf16 weight copies)
+/// by lifetime into the space after them.
+struct ParameterBytes {
+  /// The f32 parameters (bf16: the master copy) and AdamW's f32 m and v,
+  /// which ZeRO-1 shards over dp: 4 + 8 (or 8 / dp).
+  double persistent = 0;
+  /// The bf16 copy the step computes with (bf16 only): cast in the forward,
+  /// kept while the backward still reads it.
+  double workingCopy = 0;
+  /// The gradient, from the backward that makes it to the update: f32 where
+  /// microbatches accumulate it or dp all-reduces it (and under f32), bf16
+  /// where only the optimizer reads it.
+  double gradient = 0;
+  /// A weight gradient as the backward makes it, in the activations' type,
+  /// before a step of several microbatches adds it to the f32 accumulator.
+  double newGradient = 0;
+};
+ParameterBytes parameterBytes(Precision precision, int zeroStage, int64_t dp, int64_t microbatches);
 
 } // namespace loom::planner
 

@@ -1,6 +1,7 @@
 //===- Planner.cpp - Choose and explain a parallel plan -------------------===//
 
 #include "compiler/planner/Planner.h"
+#include "compiler/planner/MemoryModel.h"
 
 #include <algorithm>
 #include <chrono>
@@ -232,8 +233,9 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
 
   // Per-layer costs for one microbatch.
   std::vector<LayerTimes> times(numLayers);
-  std::vector<double> weightBytes(numLayers), actBytes(numLayers);
-  double perParam = bytesPerParameter(plan.zero, d);
+  std::vector<double> layerParams(numLayers);
+  std::vector<LayerMemory> memory(numLayers);
+  double keptWidth = activationWidth(options.precision);
   for (int64_t i = 0; i < numLayers; ++i) {
     const LayerSpec &l = spec.layers[i];
     int64_t lt = (t > 1 && l.tpDivisor % t == 0) ? t : 1; // no rule: replicate
@@ -275,17 +277,27 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
       int reductions = l.tpAllReduces * (plan.recompute == Recompute::Full ? 3 : 2);
       lt_.tpComm = reductions * allReduceTime(b * l.boundaryBytes * width, lt, tpLink);
     }
-    weightBytes[i] = (l.shardedParams / lt + (l.params - l.shardedParams)) * perParam;
-    // With flash attention (the runtime's; not materializedAttention) no
-    // layer keeps its score matrix, the 5as/ht of Korthikanti's formula:
-    // without recomputation it keeps what selective recomputation keeps.
-    Recompute kept = plan.recompute == Recompute::None && !options.materializedAttention ? Recompute::Selective
-                                                                                         : plan.recompute;
-    if (l.isTransformer)
-      actBytes[i] = b * transformerActivationBytes(l.seq, l.hidden, l.heads, lt, kept);
-    else
-      actBytes[i] = b * l.activationBytes[static_cast<int>(plan.recompute)] / lt;
-    actBytes[i] += b * 2 * l.lossBytes / lt; // logits and their gradient, fp32
+    layerParams[i] = l.shardedParams / lt + (l.params - l.shardedParams);
+    LayerMemory &mem = memory[i];
+    mem.params = layerParams[i];
+    mem.backwardReadParams = l.backwardReadShardedParams / lt + (l.backwardReadParams - l.backwardReadShardedParams);
+    for (const TiedParam &tie : l.tied)
+      mem.tied.push_back({tie.name, tie.sharded ? tie.elements / lt : tie.elements});
+    double kept = b * keptWidth * (l.keptShardedElements / lt + (l.keptElements - l.keptShardedElements));
+    // Attention that writes its scores (Megatron-LM 2021's; not the
+    // runtime's flash attention) keeps them unless recomputed: Korthikanti
+    // et al.'s 5as^2 bytes at 16 bits (softmax output, dropout mask and output).
+    if (options.materializedAttention && l.isTransformer && plan.recompute == Recompute::None)
+      kept += b * 5.0 * l.heads * l.seq * l.seq / lt * keptWidth / 2;
+    mem.backwardBytes = b * keptWidth * l.largestGradElements / (l.largestGradSharded ? lt : 1);
+    mem.deferredBytes = b * keptWidth * (l.deferredShardedElements / lt + (l.deferredElements - l.deferredShardedElements));
+    mem.recomputed = plan.recompute == Recompute::Full && l.checkpointElements > 0;
+    if (mem.recomputed) { // keeps its input; its backward rebuilds the rest first
+      mem.keptBytes = b * keptWidth * l.checkpointElements;
+      mem.backwardBytes += kept;
+    } else {
+      mem.keptBytes = kept;
+    }
   }
 
   // Stages: contiguous chunks (p x v of them, dealt round-robin to stages for
@@ -296,15 +308,6 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
   std::vector<double> prefixTime(numLayers + 1, 0);
   for (int64_t i = 0; i < numLayers; ++i)
     prefixTime[i + 1] = prefixTime[i] + times[i].total();
-  double cap = dev.memoryBytes - options.reservedBytes;
-  auto chunkMemory = [&](int64_t first, int64_t count, int64_t chunk) {
-    int64_t stage = chunk % p;
-    double inFlight = microbatchesInFlight(plan.schedule, p, m, v, stage);
-    double mem = 0;
-    for (int64_t i = first; i < first + count; ++i)
-      mem += weightBytes[i] + actBytes[i] * inFlight;
-    return mem;
-  };
   auto pack = [&](double limit, std::vector<int64_t> &bounds) {
     bounds.assign(1, 0);
     int64_t at = 0;
@@ -373,6 +376,8 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
   }
 
   plan.stages.assign(p, StagePlan());
+  std::vector<double> paramsPerStage(p, 0);
+  std::vector<std::vector<std::vector<LayerMemory>>> stageChunks(p);
   for (int64_t c = 0; c < chunks; ++c) {
     StagePlan &s = plan.stages[c % p];
     int64_t first = bounds[c], count = bounds[c + 1] - bounds[c];
@@ -380,19 +385,33 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
       s.firstLayer = first;
     s.numLayers += count;
     s.chunks.push_back({first, count});
+    stageChunks[c % p].emplace_back(memory.begin() + first, memory.begin() + first + count);
     for (int64_t i = first; i < first + count; ++i) {
       s.forwardTime += times[i].forward + times[i].tpComm / 2;
       s.backwardTime += times[i].backward + times[i].recompute + times[i].tpComm / 2;
       s.weightGradTime += times[i].weightGrad;
-      s.weightBytes += weightBytes[i];
+      paramsPerStage[c % p] += layerParams[i];
     }
-    s.memoryBytes += chunkMemory(first, count, c);
   }
+  ParameterBytes perParam = parameterBytes(options.precision, plan.zero, d, m);
   double slowest = 0, slowestCompute = 0, slowestTp = 0, slowestForward = 0, slowestWeight = 0;
   for (int64_t st = 0; st < p; ++st) {
     StagePlan &s = plan.stages[st];
-    s.activationBytes = s.memoryBytes - s.weightBytes;
-    s.memoryBytes += options.reservedBytes;
+    StageSchedule held;
+    held.inFlight = microbatchesInFlight(plan.schedule, p, m, v, st);
+    held.microbatched = m > 1;
+    if (plan.schedule == Schedule::ZeroBubbleH1) {
+      // 1F1B's microbatches waiting for their backward, and as many more as
+      // its p allow waiting for their weight gradients.
+      double waiting = microbatchesInFlight(Schedule::OneFOneB, p, m, v, st);
+      held.deferred = held.inFlight - waiting;
+      held.inFlight = waiting;
+      held.weightTaskApart = true;
+    }
+    StageMemory mem = stageMemory(stageChunks[st], perParam, held);
+    s.weightBytes = mem.persistentBytes;
+    s.activationBytes = mem.peakBytes;
+    s.memoryBytes = s.weightBytes + s.activationBytes + options.reservedBytes;
     double stageTime = s.forwardTime + s.backwardTime;
     if (stageTime > slowest) {
       slowest = stageTime;
@@ -419,9 +438,9 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
                               : 0;
 
   // Gradients: fp32 all-reduce over dp (ZeRO-1: reduce-scatter, then all-gather bf16 weights).
-  double stageParams = 0, stageTensors = 0;
+  // (The time model counts a tied tensor once per layer that reads it.)
+  double stageParams = *std::max_element(paramsPerStage.begin(), paramsPerStage.end()), stageTensors = 0;
   for (const StagePlan &s : plan.stages) {
-    stageParams = std::max(stageParams, s.weightBytes / perParam);
     double tensors = 0;
     for (auto [first, count] : s.chunks)
       for (int64_t i = first; i < first + count && i < numLayers; ++i)

@@ -22,6 +22,13 @@
 
 namespace loom::planner {
 
+/// A parameter tensor read by more than one layer.
+struct TiedParam {
+  std::string name;
+  double elements = 0;
+  bool sharded = false; // split by tensor parallelism in this layer
+};
+
 /// One layer as the planner sees it, per example (one sequence), forward.
 struct LayerSpec {
   std::string name;
@@ -34,13 +41,29 @@ struct LayerSpec {
   double boundaryBytes = 0;   // the activation passed to the next layer (16-bit)
   int tpAllReduces = 0;       // all-reduces of boundaryBytes per forward with tp > 1
   int64_t tpDivisor = 1;      // tp must divide this for the layer to shard (heads, ...)
-  /// Activation bytes kept for backward at tp = 1 by recomputation mode; for
-  /// transformer layers the planner uses the exact Megatron formula instead.
-  double activationBytes[3] = {0, 0, 0};
+  /// Memory as the compiled step holds it, in elements per example at tp =
+  /// 1 (the planner multiplies by the precision's width); "sharded": the part
+  /// tensor parallelism splits. Kept: the forward values the layer's
+  /// gradient rules read, which live from the forward to the backward.
+  double keptElements = 0, keptShardedElements = 0;
+  /// What a microbatch whose weight gradients ZB-H1 defers holds until
+  /// then: the forward values and result gradients the weight-gradient
+  /// products read.
+  double deferredElements = 0, deferredShardedElements = 0;
+  /// The layer's input, all that full recomputation keeps of it; 0 for layers
+  /// outside loom.repeat, which recomputation leaves as they are.
+  double checkpointElements = 0;
+  /// The largest gradient the layer's backward makes (the logits' for the head).
+  double largestGradElements = 0;
+  bool largestGradSharded = false;
+  /// Parameters whose bf16 copy the backward reads (matrices; not the
+  /// embedding table or biases), so the copy lives until then.
+  double backwardReadParams = 0, backwardReadShardedParams = 0;
+  /// Parameter tensors that another layer reads too (a tied embedding and LM
+  /// head): one tensor and one gradient where both layers share a stage.
+  std::vector<TiedParam> tied;
   bool isTransformer = false;
   double seq = 0, hidden = 0, heads = 0;
-  /// Bytes of an output kept in fp32 for the loss (logits), split by tp.
-  double lossBytes = 0;
   /// Parameter tensors (ZeRO-1 collects each on its own in today's CUDA runtime).
   double paramTensors = 0;
   /// Instructions (kernel launches) of the layer's forward pass; backward
@@ -85,6 +108,9 @@ struct CostOptions {
   /// tasks) for pipelined plans; false: only the schedules of Megatron-LM 2021.
   bool zeroBubbleSchedule = true;
   double reservedBytes = 3.0 * (1ull << 30); // CUDA context, NCCL and cuBLAS workspaces
+  /// The compiled step's element types (loomc compile --precision), for its
+  /// memory; the step time's activation width is `activationBytes`.
+  Precision precision = Precision::Bf16;
   /// Bytes per activation element moved by memory-bound kernels: 2 for bf16
   /// (the default), 4 when the runtime keeps activations in f32.
   double activationBytes = 2;
@@ -132,6 +158,9 @@ struct StagePlan {
   double forwardTime = 0, backwardTime = 0; // per microbatch, seconds
   /// The weight-gradient part of backwardTime (ZB-H1's deferred W task).
   double weightGradTime = 0;
+  /// Per device: weightBytes (parameters and optimizer state, in front of
+  /// the arena) + activationBytes (the peak of what the memory plan packs
+  /// behind them: activations, gradients, bf16 weight copies) + reserved.
   double memoryBytes = 0;
   double weightBytes = 0, activationBytes = 0;
 };

@@ -241,7 +241,7 @@ cl::opt<std::string> planCluster("cluster", cl::desc("Cluster preset (h100:8, h1
 cl::opt<int64_t> planBatch("batch", cl::desc("Global batch in examples (sequences) per step"),
                            cl::init(0), cl::sub(planCmd));
 cl::opt<std::string> planForce("force", cl::desc("Fix parts of the plan: dp=,tp=,pp=,vpp=,mb=,"
-                                                 "mbs=,schedule=gpipe|1f1b|interleaved,"
+                                                 "mbs=,schedule=gpipe|1f1b|interleaved|zb-h1,"
                                                  "recompute=none|selective|full,zero=0|1"),
                                cl::init(""), cl::sub(planCmd));
 cl::opt<std::string> planJson("json", cl::desc("Write the plan as JSON (for loomc inspect and "
@@ -250,6 +250,11 @@ cl::opt<std::string> planJson("json", cl::desc("Write the plan as JSON (for loom
 cl::opt<std::string> planProfile("profile", cl::desc("Calibration profile written by loom-run "
                                                      "--profile"),
                                  cl::value_desc("file"), cl::init(""), cl::sub(planCmd));
+cl::opt<std::string> planPrecision("precision",
+                                   cl::desc("The training step's precision, as for loomc compile: bf16 (the "
+                                            "default; f32 master parameters) or f32; sets the memory "
+                                            "predicted, not the step time (--profile calibrates that)"),
+                                   cl::init("bf16"), cl::sub(planCmd));
 cl::opt<bool> planMaterialized("materialized-attention",
                                cl::desc("Model attention that writes its scores to memory (no "
                                         "flash attention), as Megatron-LM did in 2021"),
@@ -404,6 +409,11 @@ int runCompile() {
     return fail("give --plan or --force, not both");
   if (compileBatch < 1)
     return fail("--batch must be at least 1");
+  ::loom::planner::Precision precision;
+  if (!::loom::planner::parsePrecision(compilePrecision, precision))
+    return fail("--precision must be f32 or bf16, got '" + compilePrecision + "'");
+  if (cuda && compilePrecision.getNumOccurrences() == 0)
+    precision = ::loom::planner::Precision::Bf16;
 
   auto model = parseModelFile(compileInput);
   if (!model)
@@ -460,7 +470,9 @@ int runCompile() {
     auto spec = mlir::loom::buildModelSpec(*module, llvm::sys::path::stem(compileInput));
     if (failed(spec))
       return 1;
-    ::loom::planner::Planner planner(*spec, cluster);
+    ::loom::planner::CostOptions costs;
+    costs.precision = precision; // the memory predicted is the bundle's
+    ::loom::planner::Planner planner(*spec, cluster, costs);
     ::loom::planner::PlanResult result = planner.search(compileBatch, force);
     if (!result.found)
       return fail(result.error);
@@ -474,9 +486,7 @@ int runCompile() {
   options.seed = compileSeed;
   options.weightsFile = compileWeights;
   options.train = compileTrain;
-  if (compilePrecision != "f32" && compilePrecision != "bf16")
-    return fail("--precision must be f32 or bf16, got '" + compilePrecision + "'");
-  options.bf16 = compilePrecision == "bf16" || (cuda && compilePrecision.getNumOccurrences() == 0);
+  options.bf16 = precision == ::loom::planner::Precision::Bf16;
   options.noWeights = compileNoWeights;
   options.fuse = compileFuse || cuda;
   if (!compileLayout.empty() && compileLayout != "nchw" && compileLayout != "nhwc")
@@ -608,6 +618,8 @@ int runPlan() {
     return fail(error);
   ::loom::planner::CostOptions costs;
   costs.materializedAttention = planMaterialized;
+  if (!::loom::planner::parsePrecision(planPrecision, costs.precision))
+    return fail("--precision must be f32 or bf16, got '" + planPrecision + "'");
   if (!planProfile.empty() && !::loom::planner::loadProfile(planProfile, costs, cluster, error))
     return fail(error);
 

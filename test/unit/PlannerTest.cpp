@@ -1,7 +1,9 @@
 //===- PlannerTest.cpp - Cost model formulas and the plan search ----------===//
 
 #include "bench/MegatronComparison.h"
+#include "compiler/bundle/BundleWriter.h"
 #include "compiler/planner/CostModel.h"
+#include "compiler/planner/MemoryModel.h"
 #include "compiler/planner/PlanFile.h"
 #include "compiler/planner/Planner.h"
 
@@ -44,23 +46,52 @@ TEST(CostModel, MicrobatchesInFlight) {
   EXPECT_EQ(microbatchesInFlight(Schedule::ZeroBubbleH1, 8, 2, 1, 0), 2);
 }
 
-TEST(CostModel, ZeroMemoryTable) {
-  // Mixed-precision Adam: 2 (bf16 weights) + 4 (fp32 grads) + 12 (fp32 master, m, v).
-  EXPECT_DOUBLE_EQ(bytesPerParameter(0, 8), 18.0);
-  EXPECT_DOUBLE_EQ(bytesPerParameter(1, 1), 18.0);
-  EXPECT_DOUBLE_EQ(bytesPerParameter(1, 4), 2 + 4 + 3.0);
-  EXPECT_DOUBLE_EQ(bytesPerParameter(1, 64), 2 + 4 + 12.0 / 64);
+TEST(CostModel, ParameterBytesAsTheCompilerKeepsThem) {
+  // f32 parameters (bf16: the master copy) and AdamW's m and v in front of
+  // the arena; ZeRO-1 shards m and v only.
+  ParameterBytes plain = parameterBytes(Precision::Bf16, 0, 8, 1);
+  EXPECT_DOUBLE_EQ(plain.persistent, 12.0);
+  EXPECT_DOUBLE_EQ(plain.workingCopy, 2.0);
+  EXPECT_DOUBLE_EQ(plain.gradient, 4.0); // all-reduced over dp in f32
+  EXPECT_DOUBLE_EQ(plain.newGradient, 2.0);
+  EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 1, 4, 1).persistent, 4 + 8.0 / 4);
+  EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 1, 1, 1).persistent, 12.0);
+  // One replica, one microbatch: only the optimizer reads the gradient, in bf16.
+  EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 0, 1, 1).gradient, 2.0);
+  EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 0, 1, 4).gradient, 4.0); // an accumulator
+  ParameterBytes f32 = parameterBytes(Precision::F32, 0, 1, 1);
+  EXPECT_DOUBLE_EQ(f32.persistent, 12.0);
+  EXPECT_DOUBLE_EQ(f32.workingCopy, 0.0);
+  EXPECT_DOUBLE_EQ(f32.gradient, 4.0);
+  EXPECT_DOUBLE_EQ(f32.newGradient, 4.0);
 }
 
-TEST(CostModel, MegatronActivationTable) {
-  double s = 2048, h = 4096, a = 32, sh = s * h;
-  // Korthikanti et al. 2022, Table 2 (no sequence parallelism).
-  EXPECT_DOUBLE_EQ(transformerActivationBytes(s, h, a, 1, Recompute::None), sh * (34 + 5 * a * s / h));
-  EXPECT_DOUBLE_EQ(transformerActivationBytes(s, h, a, 8, Recompute::None),
-                   sh * (10 + 24.0 / 8 + 5 * a * s / (h * 8)));
-  EXPECT_DOUBLE_EQ(transformerActivationBytes(s, h, a, 1, Recompute::Selective), sh * 34);
-  EXPECT_DOUBLE_EQ(transformerActivationBytes(s, h, a, 4, Recompute::Selective), sh * (10 + 6));
-  EXPECT_DOUBLE_EQ(transformerActivationBytes(s, h, a, 8, Recompute::Full), 2 * sh);
+TEST(MemoryModel, GradientsTakeTheMemoryActivationsFree) {
+  // Two layers keeping 100 bytes each, with 10 parameters (f32 gradients:
+  // 40 bytes) each. With one microbatch the peak is where the backward
+  // starts: the gradients take what the backward frees, not more memory.
+  LayerMemory l;
+  l.params = 10, l.keptBytes = 100;
+  ParameterBytes bytes = parameterBytes(Precision::F32, 0, 2, 1);
+  StageSchedule one;
+  StageMemory m = stageMemory({{l, l}}, bytes, one);
+  EXPECT_DOUBLE_EQ(m.persistentBytes, 20 * 12.0);
+  EXPECT_DOUBLE_EQ(m.peakBytes, 200);
+  // With 50 parameters a layer the gradients (400) outgrow the activations:
+  // the peak is at the end of the backward.
+  LayerMemory wide = l;
+  wide.params = 50;
+  EXPECT_DOUBLE_EQ(stageMemory({{wide, wide}}, bytes, one).peakBytes, 400);
+  // Summed over microbatches, the accumulators (80) live throughout and a
+  // second microbatch in flight holds its 200.
+  StageSchedule two;
+  two.inFlight = 2, two.microbatched = true;
+  EXPECT_DOUBLE_EQ(stageMemory({{l, l}}, bytes, two).peakBytes, 200 + 200 + 80);
+  // A tensor both layers read (tied embeddings): stored and summed once.
+  LayerMemory tied = wide;
+  tied.tied = {{"wte", 50}};
+  EXPECT_DOUBLE_EQ(stageMemory({{tied, tied}}, bytes, one).persistentBytes, 50 * 12.0);
+  EXPECT_DOUBLE_EQ(stageMemory({{tied, tied}}, bytes, one).peakBytes, 100 + 200);
 }
 
 TEST(Constraints, ParseAndReject) {
@@ -84,7 +115,8 @@ TEST(Constraints, ParseAndReject) {
 }
 
 namespace {
-/// A uniform GPT-like stack built by hand: embedding, L layers, head.
+/// A uniform GPT-like stack built by hand: embedding, L layers, head (tied
+/// to the embedding), with what buildModelSpec finds for Loom's GPT.
 ModelSpec handModel(int layers, double h, double s, double a, double V) {
   ModelSpec m;
   m.name = "hand";
@@ -95,6 +127,8 @@ ModelSpec handModel(int layers, double h, double s, double a, double V) {
   emb.boundaryBytes = 2 * s * h;
   emb.tpAllReduces = 1;
   emb.tpDivisor = int64_t(V);
+  emb.largestGradElements = emb.deferredElements = s * h;
+  emb.tied = {{"wte", V * h, true}};
   m.layers.push_back(emb);
   for (int i = 0; i < layers; ++i) {
     LayerSpec l;
@@ -109,14 +143,25 @@ ModelSpec handModel(int layers, double h, double s, double a, double V) {
     l.tpDivisor = int64_t(a);
     l.isTransformer = true;
     l.seq = s, l.hidden = h, l.heads = a;
+    // Kept: both norms' inputs and outputs, q|k|v, the attention output, the
+    // MLP's pre-activation and activation; 12 of the 16 s h split by tp.
+    l.keptElements = l.deferredElements = 16 * s * h;
+    l.keptShardedElements = l.deferredShardedElements = 12 * s * h;
+    l.checkpointElements = s * h;
+    l.largestGradElements = 4 * s * h, l.largestGradSharded = true;
+    l.backwardReadParams = l.backwardReadShardedParams = 12 * h * h;
     m.layers.push_back(l);
   }
   LayerSpec head;
   head.name = "head";
   head.params = head.shardedParams = V * h;
   head.flops = head.shardedFlops = 2 * s * h * V;
-  head.lossBytes = 4 * s * V;
   head.tpDivisor = int64_t(V);
+  head.keptElements = head.deferredElements = s * h + s * V; // the last norm's output, the logits
+  head.keptShardedElements = head.deferredShardedElements = s * V;
+  head.largestGradElements = s * V, head.largestGradSharded = true;
+  head.backwardReadParams = head.backwardReadShardedParams = V * h;
+  head.tied = {{"wte", V * h, true}};
   m.layers.push_back(head);
   double n = 0, f = 0;
   for (auto &l : m.layers)
@@ -196,11 +241,11 @@ TEST(Planner, ZeroBubbleH1CutsTheBubble) {
   EXPECT_NEAR(ratio, (s.forwardTime + s.backwardTime - 2 * s.weightGradTime) /
                          (s.forwardTime + s.backwardTime), 0.05);
   EXPECT_LT(zb.best.stepTime, plain.best.stepTime);
-  // Stage 0 holds p microbatches under both; the later stages hold p under
-  // ZB-H1 (1F1B: p - stage), which costs more where a stage's activations
-  // are larger than stage 0's (here the last, with the fp32 logits).
-  ASSERT_EQ(zb.best.stages[0].numLayers, plain.best.stages[0].numLayers);
-  EXPECT_DOUBLE_EQ(zb.best.stages[0].activationBytes, plain.best.stages[0].activationBytes);
+  // Each stage holds 1F1B's microbatches waiting for their backward, and the
+  // later ones as many more waiting for their weight gradients (the last
+  // p - 1), with what those read: recomputed, not just the layer inputs.
+  ASSERT_EQ(zb.best.stages[3].numLayers, plain.best.stages[3].numLayers);
+  EXPECT_GT(zb.best.stages[3].activationBytes, 2 * plain.best.stages[3].activationBytes);
   EXPECT_GE(zb.best.peakMemoryBytes, plain.best.peakMemoryBytes);
   // Unforced, the planner picks ZB-H1 over 1F1B for this pp = 4 plan.
   c.schedule.reset();
@@ -230,11 +275,13 @@ TEST(Planner, ZeroOneShrinksOptimizerMemory) {
   Plan z0 = planner.search(64, c).best;
   c.zero = 1;
   Plan z1 = planner.search(64, c).best;
-  double params = 0;
+  double params = -50304.0 * 2048; // the tied embedding is one tensor
   for (auto &l : planner.model().layers)
     params += l.params;
-  EXPECT_NEAR(z0.stages[0].weightBytes - z1.stages[0].weightBytes, params * 12 * (1 - 1.0 / 8),
+  // ZeRO-1 shards AdamW's m and v; each rank keeps all f32 parameters.
+  EXPECT_NEAR(z0.stages[0].weightBytes - z1.stages[0].weightBytes, params * 8 * (1 - 1.0 / 8),
               1e-6 * params);
+  EXPECT_NEAR(z1.stages[0].weightBytes, params * (4 + 8.0 / 8), 1e-6 * params);
 }
 
 TEST(Planner, ZeroOnePricedAsTheRuntimeRunsIt) {
@@ -441,4 +488,62 @@ TEST(PlanFile, FieldsCheckedBeforeUse) {
                            {"stage": 1, "layer_chunks": [[1, 1], [3, 1]]}]})",
                             "p.json", plan, error)) << error;
   EXPECT_EQ(loom::planner::planChunkUnits(plan), (std::vector<int64_t>{1, 1, 1, 1}));
+}
+
+/// The planner's memory per device against the compiler's memory plan for
+/// the same plan (issue #18): a small GPT with a tied embedding, compiled in
+/// process, within 10% on every stage (bench/plan_memory.py measures GPT-2
+/// 350M, a 1.3B GPT and Llama 1.1B). The model before (the tied table
+/// counted twice, the gradients beside the activations, 18 bytes a
+/// parameter) was 13-75% over for these bf16 plans.
+TEST(Planner, MemoryPredictionHoldsToTheCompilersPlan) {
+  mlir::MLIRContext context;
+  context.loadDialect<mlir::loom::LoomDialect, mlir::func::FuncDialect>();
+  mlir::loom::ModelConfig config;
+  config.family = "gpt";
+  config.layers = 4, config.hidden = 256, config.heads = 4, config.seq = 256, config.vocab = 4096;
+  std::string text, error = mlir::loom::applyDefaults(config);
+  ASSERT_TRUE(error.empty() && mlir::loom::writeModel(config, text, error)) << error;
+  auto module = mlir::parseSourceString<mlir::ModuleOp>(text, &context);
+  ASSERT_TRUE(module);
+  auto spec = mlir::loom::buildModelSpec(*module, "gpt-small");
+  ASSERT_TRUE(mlir::succeeded(spec));
+  const int64_t batch = 8;
+  for (Precision precision : {Precision::F32, Precision::Bf16})
+    for (const char *force : {"dp=2,mb=1,zero=0", "dp=2,mb=1,zero=1", "dp=2,mb=1,zero=0,recompute=full",
+                              "tp=2,mb=1", "pp=2,mb=4,schedule=1f1b", "pp=2,mb=4,schedule=zb-h1"}) {
+      SCOPED_TRACE(std::string(precisionName(precision)) + " " + force);
+      CostOptions costs;
+      costs.precision = precision;
+      Planner planner(*spec, cluster("h100:2"), costs);
+      Constraints c;
+      ASSERT_TRUE(parseConstraints(force, c, error)) << error;
+      PlanResult r = planner.search(batch, c);
+      ASSERT_TRUE(r.found) << r.error;
+      const Plan &p = r.best;
+
+      mlir::loom::BundleOptions options; // as loomc compile sets them from the plan
+      options.batch = batch, options.train = true, options.fuse = true;
+      options.bf16 = precision == Precision::Bf16;
+      options.dataParallel = p.dp, options.tensorParallel = p.tp, options.pipelineParallel = p.pp;
+      options.virtualStages = p.vpp, options.microbatches = p.microbatches;
+      options.schedule = scheduleName(p.schedule);
+      options.zero1 = p.zero == 1;
+      if (p.pp > 1)
+        options.chunkUnits = planChunkUnits(planToJson(p, *spec, planner.cluster(), batch));
+      if (p.recompute == Recompute::Full)
+        options.training.recompute.insert("all");
+      auto manifest = mlir::loom::lowerForward(*module, options);
+      ASSERT_TRUE(mlir::succeeded(manifest));
+      std::vector<double> arena(p.pp, 0);
+      for (const auto &rank : manifest->ranks) {
+        int64_t stage = rank.coords.count("pp") ? rank.coords.at("pp") : 0;
+        arena[stage] = std::max(arena[stage], double(rank.arenaBytes));
+      }
+      for (int64_t st = 0; st < p.pp; ++st) {
+        double predicted = p.stages[st].weightBytes + p.stages[st].activationBytes;
+        EXPECT_NEAR(predicted / arena[st], 1.0, 0.10)
+            << "stage " << st << ": predicted " << predicted << " bytes, the memory plan's arena " << arena[st];
+      }
+    }
 }
