@@ -75,7 +75,11 @@ void buildUpdate(rt::RankProgram &rank, const TrainOptions &t, std::vector<rt::I
   if (!skip.empty())
     normAttrs["skip"] = skip;
   update.push_back({"global_norm", allGrads, {norm.id}, normAttrs});
+  // ZeRO-1's slices are taken first, all together, so the updates after
+  // them are one run (the CUDA backend launches a run of shard_of, and a
+  // run of updates, as one kernel each; interleaved, each was its own).
   std::vector<int64_t> gatherIn, gatherOut;
+  std::vector<rt::Instruction> updates;
   for (size_t index = 0; index < rank.params.size(); ++index) {
     const rt::Parameter &p = rank.params[index];
     if (p.grad < 0)
@@ -102,13 +106,14 @@ void buildUpdate(rt::RankProgram &rank, const TrainOptions &t, std::vector<rt::I
     if (t.optimizer == "adamw") {
       int64_t m = state(p.name + ".adam_m", stateShape), v = state(p.name + ".adam_v", stateShape);
       attrs["beta1"] = t.beta1, attrs["beta2"] = t.beta2, attrs["eps"] = t.eps;
-      update.push_back({"adamw", {param, grad, m, v, step, norm.id}, {param, m, v}, attrs});
+      updates.push_back({"adamw", {param, grad, m, v, step, norm.id}, {param, m, v}, attrs});
     } else {
       int64_t m = state(p.name + ".momentum", stateShape);
       attrs["momentum"] = t.momentum;
-      update.push_back({"sgd", {param, grad, m, step, norm.id}, {param, m}, attrs});
+      updates.push_back({"sgd", {param, grad, m, step, norm.id}, {param, m}, attrs});
     }
   }
+  update.insert(update.end(), updates.begin(), updates.end());
   if (!gatherIn.empty()) // every updated slice back to every rank, as one collective
     update.push_back({"all_gather", gatherIn, gatherOut, json{{"group", "dp"}}});
   rank.programs["update"] = std::move(update);
