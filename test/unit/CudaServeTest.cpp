@@ -282,39 +282,49 @@ TEST(CudaServe, DecodeProducts) {
       {5, 64, {{300, "bias_residual"}}, LOOM_F32},
       {1, 2048, {{1000, "bias"}}, LOOM_F32},
       {2, 512, {{256, ""}, {64, ""}, {64, "residual"}}, LOOM_BF16}, // q, k and v: one launch
+      // More output groups than blocks the GPU holds at once (the looping
+      // kernel's blocks take several), K not a whole number of steps.
+      {1, 2048, {{11264, ""}}, LOOM_BF16},
+      {2, 5632, {{4100, "residual"}}, LOOM_BF16},
+      {1, 1024, {{8192, ""}, {1024, "bias"}}, LOOM_F32},
   };
   setenv("LOOM_CUDA_GEMV", "1", 1);
   std::mt19937 rng(21);
-  for (const Case &c : cases) {
-    ProgramBuilder builder;
-    int64_t x = builder.add({1, c.rows, c.k}, LOOM_BF16, "x");
-    std::vector<Instruction> prog;
-    std::vector<int64_t> inputs = {x};
-    for (const Product &p : c.products) {
-      int64_t w = builder.add({p.n, c.k}, LOOM_BF16, "w");
-      Instruction ins{"matmul", {x, w}, {}, {{"transpose_b", true}}};
-      inputs.push_back(w);
-      if (p.epilogue.rfind("bias", 0) == 0)
-        ins.in.push_back(builder.add({p.n}, c.out, "bias"));
-      if (p.epilogue.find("residual") != std::string::npos)
-        ins.in.push_back(builder.add({1, c.rows, p.n}, c.out, "residual"));
-      for (size_t i = 2; i < ins.in.size(); ++i)
-        inputs.push_back(ins.in[i]);
-      if (!p.epilogue.empty())
-        ins.attrs["epilogue"] = p.epilogue;
-      ins.out.push_back(builder.add({1, c.rows, p.n}, c.out, "out"));
-      prog.push_back(ins);
-    }
-    RankProgram r = builder.finish(prog);
-    BothBackends be = runBoth(r, prog, inputs, rng);
-    for (const Instruction &ins : prog) {
-      const Buffer &b = r.buffers[size_t(ins.out[0])];
-      // bf16 results: their rounding; f32: the order of the sums.
-      EXPECT_LE(relativeL2(*be.gpu, *be.cpu, b), c.out == LOOM_BF16 ? 1e-2 : 1e-5)
-          << c.rows << " rows, K " << c.k << ", " << shapeStr(b.shape) << " " << ins.attrs.dump();
+  for (const char *loop : {"0", "1"}) { // the kernel with a block per output group, and the looping one
+    setenv("LOOM_CUDA_GEMV_LOOP", loop, 1);
+    for (const Case &c : cases) {
+      ProgramBuilder builder;
+      int64_t x = builder.add({1, c.rows, c.k}, LOOM_BF16, "x");
+      std::vector<Instruction> prog;
+      std::vector<int64_t> inputs = {x};
+      for (const Product &p : c.products) {
+        int64_t w = builder.add({p.n, c.k}, LOOM_BF16, "w");
+        Instruction ins{"matmul", {x, w}, {}, {{"transpose_b", true}}};
+        inputs.push_back(w);
+        if (p.epilogue.rfind("bias", 0) == 0)
+          ins.in.push_back(builder.add({p.n}, c.out, "bias"));
+        if (p.epilogue.find("residual") != std::string::npos)
+          ins.in.push_back(builder.add({1, c.rows, p.n}, c.out, "residual"));
+        for (size_t i = 2; i < ins.in.size(); ++i)
+          inputs.push_back(ins.in[i]);
+        if (!p.epilogue.empty())
+          ins.attrs["epilogue"] = p.epilogue;
+        ins.out.push_back(builder.add({1, c.rows, p.n}, c.out, "out"));
+        prog.push_back(ins);
+      }
+      RankProgram r = builder.finish(prog);
+      BothBackends be = runBoth(r, prog, inputs, rng);
+      for (const Instruction &ins : prog) {
+        const Buffer &b = r.buffers[size_t(ins.out[0])];
+        // bf16 results: their rounding; f32: the order of the sums.
+        EXPECT_LE(relativeL2(*be.gpu, *be.cpu, b), c.out == LOOM_BF16 ? 1e-2 : 1e-5)
+            << c.rows << " rows, K " << c.k << ", " << shapeStr(b.shape) << " " << ins.attrs.dump()
+            << (loop[0] == '1' ? " (LOOM_CUDA_GEMV_LOOP=1)" : "");
+      }
     }
   }
   unsetenv("LOOM_CUDA_GEMV");
+  unsetenv("LOOM_CUDA_GEMV_LOOP");
 }
 
 /// A decoding layer's rotary embeddings of q and k and its cache write, one

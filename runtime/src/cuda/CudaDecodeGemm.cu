@@ -25,6 +25,7 @@
 #include "runtime/src/cuda/CudaBackendImpl.h"
 #include "runtime/src/cuda/CudaKernelsCommon.cuh"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -72,6 +73,87 @@ __device__ inline int4 loadStreaming(const bf16 *p) {
 __device__ inline float geluTanh(float x) {
   const float c = 0.7978845608028654f; // sqrt(2 / pi)
   return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
+}
+
+/// Output o of output group `group` (kOutputs outputs a group, numbered
+/// over every segment): its segment (-1 past the last output) and its
+/// weights' row.
+__device__ inline void locate(const GemvArgs &args, int64_t group, int o, int &seg, const bf16 *&w) {
+  const int64_t j = group * kOutputs + o;
+  int s = 0;
+  while (s + 1 < args.segments && j >= args.seg[s + 1].first)
+    ++s;
+  seg = j < args.outputs ? s : -1;
+  w = seg < 0 ? nullptr : args.seg[s].w + (j - args.seg[s].first) * int64_t(args.k);
+}
+
+/// Output o of `group` for row r: the warps' sums added in order (the result
+/// does not depend on timing), the product's epilogue, the store.
+template <int R>
+__device__ inline void storeOutput(const GemvArgs &args, const float (*sums)[R][kOutputs], int seg, int64_t group,
+                                   int r, int o) {
+  const GemvSegment &g = args.seg[seg];
+  const int64_t n = group * kOutputs + o - g.first;
+  float y = 0;
+  for (int q = 0; q < kWarpsPerBlock; ++q)
+    y += sums[q][r][o];
+  if (g.epi & kEpiBias)
+    y += g.bias[n];
+  if (g.epi & kEpiGelu)
+    y = geluTanh(y);
+  if (g.epi & kEpiResidual)
+    y += g.residual[int64_t(r) * g.n + n];
+  g.out.st(int64_t(r) * g.n + n, y);
+}
+
+/// Sixteen bytes at element `at` of each output's weights row (zeros past K
+/// or for an output past the last).
+__device__ inline void loadWeights(const bf16 *const (&w)[kOutputs], int at, int K, int4 (&v)[kOutputs]) {
+#pragma unroll
+  for (int o = 0; o < kOutputs; ++o)
+    v[o] = w[o] && at < K ? loadStreaming(w[o] + at) : make_int4(0, 0, 0, 0);
+}
+
+/// Each warp's sums over its lanes, into sums[warp] (lane 0 stores).
+template <int R>
+__device__ inline void warpSumsTo(float (&acc)[R][kOutputs], float (*sums)[R][kOutputs]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int o = 0; o < kOutputs; ++o) {
+      float t = warpSum(acc[r][o]);
+      if (lane == 0)
+        sums[warp][r][o] = t;
+    }
+}
+
+/// One step of K for every row: this lane's eight elements of x (row r at
+/// k), each through f(r, e, value) (a folded norm), times the four
+/// outputs' weights in v, into acc.
+template <int R, typename F>
+__device__ inline void multiplyStep(const GemvArgs &args, int k, const int4 (&v)[kOutputs], float (&acc)[R][kOutputs],
+                                    F f) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (r >= args.rows)
+      break;
+    Pack<bf16> xv = load(args.x + int64_t(r) * args.k + k);
+    float xf[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      xf[e] = f(r, e, __bfloat162float(xv.v[e]));
+#pragma unroll
+    for (int o = 0; o < kOutputs; ++o) {
+      const __nv_bfloat162 *wh = reinterpret_cast<const __nv_bfloat162 *>(&v[o]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float2 wf = __bfloat1622float2(wh[e]);
+        acc[r][o] = fmaf(xf[2 * e], wf.x, acc[r][o]);
+        acc[r][o] = fmaf(xf[2 * e + 1], wf.y, acc[r][o]);
+      }
+    }
+  }
 }
 
 /// R: rows rounded up (1, 2, 4 or 8). A block computes kOutputs outputs:
@@ -129,20 +211,12 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) decodeGemvKernel(const Ge
   const bf16 *w[kOutputs];
   int seg[kOutputs];
 #pragma unroll
-  for (int o = 0; o < kOutputs; ++o) {
-    const int64_t j = int64_t(blockIdx.x) * kOutputs + o;
-    int s = 0;
-    while (s + 1 < args.segments && j >= args.seg[s + 1].first)
-      ++s;
-    seg[o] = j < args.outputs ? s : -1;
-    w[o] = seg[o] < 0 ? nullptr : args.seg[s].w + (j - args.seg[s].first) * K;
-  }
+  for (int o = 0; o < kOutputs; ++o)
+    locate(args, blockIdx.x, o, seg[o], w[o]);
   const int first = (warp * 32 + lane) * 8, stride = 256 * kWarpsPerBlock;
   startDependents();
   int4 v[kOutputs];
-#pragma unroll
-  for (int o = 0; o < kOutputs; ++o)
-    v[o] = w[o] && first < K ? loadStreaming(w[o] + first) : make_int4(0, 0, 0, 0);
+  loadWeights(w, first, K, v);
   // The weights' first loads are in flight; x (and the norm's input) are
   // the previous kernel's results.
   waitPrevious();
@@ -161,12 +235,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) decodeGemvKernel(const Ge
       inv[threadIdx.x] = rsqrtf(inv[threadIdx.x] / float(K) + args.eps);
     __syncthreads();
   }
-  float acc[R][kOutputs];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int o = 0; o < kOutputs; ++o)
-      acc[r][o] = 0.0f;
+  float acc[R][kOutputs] = {};
   for (int k = first; k < K; k += stride) {
     float gk[8], bk[8];
     if (NORM) {
@@ -177,60 +246,68 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) decodeGemvKernel(const Ge
       for (int e = 0; e < 8; ++e)
         gk[e] = __bfloat162float(gv.v[e]), bk[e] = args.norm == kNormLayer ? __bfloat162float(bv.v[e]) : 0.0f;
     }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (r >= rows)
-        break;
-      Pack<bf16> xv = load(args.x + int64_t(r) * K + k);
-      float xf[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        xf[e] = __bfloat162float(xv.v[e]);
-        if (NORM)
-          xf[e] = __bfloat162float(__float2bfloat16_rn((xf[e] - mean[r]) * inv[r] * gk[e] + bk[e]));
-      }
-#pragma unroll
-      for (int o = 0; o < kOutputs; ++o) {
-        const __nv_bfloat162 *wh = reinterpret_cast<const __nv_bfloat162 *>(&v[o]);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float2 wf = __bfloat1622float2(wh[e]);
-          acc[r][o] = fmaf(xf[2 * e], wf.x, acc[r][o]);
-          acc[r][o] = fmaf(xf[2 * e + 1], wf.y, acc[r][o]);
-        }
-      }
-    }
-    if (k + stride < K)
-#pragma unroll
-      for (int o = 0; o < kOutputs; ++o)
-        v[o] = w[o] ? loadStreaming(w[o] + k + stride) : make_int4(0, 0, 0, 0);
+    multiplyStep<R>(args, k, v, acc, [&](int r, int e, float x) {
+      return NORM ? __bfloat162float(__float2bfloat16_rn((x - mean[r]) * inv[r] * gk[e] + bk[e])) : x;
+    });
+    loadWeights(w, k + stride, K, v);
   }
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int o = 0; o < kOutputs; ++o) {
-      float t = warpSum(acc[r][o]);
-      if (lane == 0)
-        sums[warp][r][o] = t;
-    }
+  warpSumsTo<R>(acc, sums);
   __syncthreads();
   if (threadIdx.x >= R * kOutputs)
     return;
   const int r = threadIdx.x / kOutputs, o = threadIdx.x % kOutputs;
   if (r >= rows || seg[o] < 0)
     return;
-  const GemvSegment &g = args.seg[seg[o]];
-  const int64_t n = int64_t(blockIdx.x) * kOutputs + o - g.first;
-  float y = 0;
-  for (int q = 0; q < kWarpsPerBlock; ++q) // in order: the result does not depend on timing
-    y += sums[q][r][o];
-  if (g.epi & kEpiBias)
-    y += g.bias[n];
-  if (g.epi & kEpiGelu)
-    y = geluTanh(y);
-  if (g.epi & kEpiResidual)
-    y += g.residual[int64_t(r) * g.n + n];
-  g.out.st(int64_t(r) * g.n + n, y);
+  storeOutput<R>(args, sums, seg[o], blockIdx.x, r, o);
+}
+
+/// The same products with a block per multiprocessor slot that goes over
+/// output groups (blockIdx.x, then every gridDim.x), loading the next
+/// group's first weights before it adds up the warps' sums of this one, so
+/// the weights keep streaming across groups instead of each block's start
+/// and end leaving the memory system idle. No norm (those products keep
+/// the kernel above). LOOM_CUDA_GEMV_LOOP=1 (written 2026-11-27, not yet
+/// run on a GPU).
+template <int R>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock) decodeGemvLoopKernel(const GemvArgs args) {
+  __shared__ float sums[2][kWarpsPerBlock][R][kOutputs]; // by the group's parity: one barrier a group
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, K = args.k;
+  const int first = (warp * 32 + lane) * 8, stride = 256 * kWarpsPerBlock;
+  const int64_t groups = (args.outputs + kOutputs - 1) / kOutputs;
+  const bf16 *w[kOutputs];
+  int seg[kOutputs];
+  int64_t group = blockIdx.x;
+#pragma unroll
+  for (int o = 0; o < kOutputs; ++o)
+    locate(args, group, o, seg[o], w[o]);
+  startDependents();
+  int4 v[kOutputs];
+  loadWeights(w, first, K, v);
+  waitPrevious(); // x and the epilogues' operands are earlier kernels'
+  for (int parity = 0; group < groups; group += gridDim.x, parity ^= 1) {
+    float acc[R][kOutputs] = {};
+    for (int k = first; k < K; k += stride) {
+      multiplyStep<R>(args, k, v, acc, [](int, int, float x) { return x; });
+      loadWeights(w, k + stride, K, v);
+    }
+    // The next group's first weights, in flight while this one is summed.
+    const bf16 *nextW[kOutputs];
+    int nextSeg[kOutputs];
+#pragma unroll
+    for (int o = 0; o < kOutputs; ++o)
+      locate(args, group + gridDim.x, o, nextSeg[o], nextW[o]);
+    loadWeights(nextW, first, K, v);
+    warpSumsTo<R>(acc, sums[parity]);
+    __syncthreads();
+    if (threadIdx.x < R * kOutputs) {
+      const int r = threadIdx.x / kOutputs, o = threadIdx.x % kOutputs;
+      if (r < args.rows && seg[o] >= 0)
+        storeOutput<R>(args, sums[parity], seg[o], group, r, o);
+    }
+#pragma unroll
+    for (int o = 0; o < kOutputs; ++o)
+      w[o] = nextW[o], seg[o] = nextSeg[o];
+  }
 }
 
 bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
@@ -284,9 +361,32 @@ std::optional<CudaBackendImpl::GemvShape> CudaBackendImpl::decodeGemvShape(const
 
 namespace {
 
+/// LOOM_CUDA_GEMV_LOOP=1: decodeGemvLoopKernel for the products without a norm.
+bool gemvLoop() {
+  const char *e = std::getenv("LOOM_CUDA_GEMV_LOOP");
+  return e && std::string(e) == "1";
+}
+
+/// As many blocks of `kernel` as every multiprocessor holds at once.
+int residentBlocks(const void *kernel) {
+  int device = 0, sms = 0, perSm = 0;
+  LOOM_CUDA_CHECK(cudaGetDevice(&device));
+  LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  LOOM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSm, kernel, 32 * kWarpsPerBlock, 0));
+  return std::max(1, sms * std::max(1, perSm));
+}
+
 Launch launchGemv(const GemvArgs &args) {
   int64_t blocks = (args.outputs + kOutputs - 1) / kOutputs;
   dim3 grid{unsigned(blocks)}, block{32 * kWarpsPerBlock};
+  if (args.norm == kNormNone && gemvLoop()) {
+    void (*loop)(GemvArgs) = args.rows == 1   ? decodeGemvLoopKernel<1>
+                             : args.rows == 2 ? decodeGemvLoopKernel<2>
+                             : args.rows <= 4 ? decodeGemvLoopKernel<4>
+                                              : decodeGemvLoopKernel<8>;
+    dim3 slots{unsigned(std::min<int64_t>(blocks, residentBlocks(reinterpret_cast<const void *>(loop))))};
+    return [=](cudaStream_t s) { launchAfter(true, loop, slots, block, 0, s, args); };
+  }
   // The norm's prologue is its own instantiation: the products without
   // one keep their registers (and so their occupancy).
   auto kernel = [&]() -> void (*)(GemvArgs) {
