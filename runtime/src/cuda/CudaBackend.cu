@@ -165,6 +165,8 @@ CudaBackendImpl::~CudaBackendImpl() {
     cudaEventDestroy(e);
   if (legacyStreamDone)
     cudaEventDestroy(legacyStreamDone);
+  if (sendsJoined)
+    cudaEventDestroy(sendsJoined);
   for (Staging &slot : staging) {
     cudaFree(slot.data);
     if (slot.sent)
@@ -355,6 +357,19 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
     steps.back().capturable = buildCapturable;
     steps.back().replayable = std::move(buildReplayable);
     steps.back().replayed = std::move(buildReplayed);
+  }
+  // Captured sends (LOOM_CUDA_GRAPHS_P2P=1): the capture must end with the
+  // sends' stream joined back into the compute stream.
+  if (p2pGraphs() && std::any_of(instrs.begin(), instrs.end(), [](const Instruction &x) { return x.op == "send"; })) {
+    if (!sendsJoined)
+      LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&sendsJoined, cudaEventDisableTiming));
+    cudaEvent_t joined = sendsJoined;
+    cudaStream_t sends = sendStream;
+    steps.push_back({cat(program, ": the join of its sends"), "send", 0, [joined, sends](cudaStream_t s) {
+                       LOOM_CUDA_CHECK(cudaEventRecord(joined, sends));
+                       LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, joined, 0));
+                     },
+                     nullptr, nullptr});
   }
   if (commWorkspaceBytes > commWorkspaceAllocated) {
     dropGraphs(); // they hold the old workspace's address

@@ -422,12 +422,18 @@ private:
   /// reduce-scatters run there, one after another, while compute goes on).
   char *commWorkspace = nullptr;
   size_t commWorkspaceBytes = 0, commWorkspaceAllocated = 0;
-  /// LOOM_CUDA_ZERO_PACKED=1: ZeRO-1's reduce-scatter and all-gather of a
-  /// bucket as one NCCL call each over packed slices (not yet run on GPUs).
+  /// ZeRO-1's reduce-scatter and all-gather of a bucket as one NCCL call
+  /// each over packed slices (the default; LOOM_CUDA_ZERO_PACKED=0: per tensor).
   static bool zeroPacked();
-  /// LOOM_CUDA_GRAPHS_NCCL=1: programs with NCCL calls captured as CUDA
-  /// graphs too (not yet run on GPUs).
+  /// Programs with NCCL calls captured as CUDA graphs too (the default;
+  /// LOOM_CUDA_GRAPHS_NCCL=0: eager).
   static bool ncclGraphs();
+  /// LOOM_CUDA_GRAPHS_P2P=1 (with ncclGraphs()): pipeline sends and receives
+  /// captured too, each program with sends ending on their join (opt-in:
+  /// written 2026-11-27 without a GPU).
+  static bool p2pGraphs();
+  /// Joins the sends' stream back into the compute stream (recorded there).
+  cudaEvent_t sendsJoined = nullptr;
   /// Whether the program being built records `event` before the current
   /// instruction (recordedBefore) or waits for it after.
   bool eventInProgram(int64_t event, bool recordedBefore);

@@ -421,6 +421,11 @@ bool CudaBackendImpl::ncclGraphs() {
   return !(e && std::string(e) == "0");
 }
 
+bool CudaBackendImpl::p2pGraphs() {
+  const char *e = std::getenv("LOOM_CUDA_GRAPHS_P2P");
+  return ncclGraphs() && e && std::string(e) == "1";
+}
+
 bool CudaBackendImpl::eventInProgram(int64_t event, bool recordedBefore) {
   const std::vector<Instruction> &list = instructions.at(building.first);
   size_t here = building.second;
@@ -447,11 +452,12 @@ Launch CudaBackendImpl::buildEventWait(const Instruction &ins) {
 
 Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
   // NCCL calls are captured in graphs unless LOOM_CUDA_GRAPHS_NCCL=0:
-  // collectives are captured, an async one only where
+  // collectives are captured (sends and receives too with
+  // LOOM_CUDA_GRAPHS_P2P=1), an async one only where
   // this program waits for its event (the capture must join the
   // communication stream back), and pipeline sends and receives not (a
   // send's staging copy keeps host state).
-  buildCapturable = ncclGraphs() && ins.op != "send" && ins.op != "recv";
+  buildCapturable = ncclGraphs() && ((ins.op != "send" && ins.op != "recv") || p2pGraphs());
   if (buildCapturable && flag(ins, "async"))
     buildCapturable = asyncCollective(ins) && eventInProgram(ins.attrs["event"].get<int64_t>(), /*recordedBefore=*/false);
 #ifndef LOOM_HAVE_NCCL
@@ -638,8 +644,11 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&slot.copied, cudaEventDisableTiming));
     Staging *copy = &slot; // a deque's elements stay where they are
     buildTraceStream = sendStream, buildTrack = "send";
+    // Captured, the program ends on its sends' join (prepare), so the
+    // staging copy's last send is done before the next run copies into it.
+    bool joined = p2pGraphs();
     return [=](cudaStream_t s) {
-      if (copy->used)
+      if (copy->used && !joined)
         LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, copy->sent, 0)); // its last send is done
       copy->used = true;
       LOOM_CUDA_CHECK(cudaMemcpyAsync(copy->data, src, bytes, cudaMemcpyDeviceToDevice, s));
