@@ -361,4 +361,43 @@ TEST(Init, SeededAndDistributed) {
   EXPECT_EQ(o, std::vector<float>({1, 1, 1}));
 }
 
+/// The initial values as one sequential splitmix64 stream makes them (what
+/// every bundle written with weights holds), against the runtime's values,
+/// computed in parallel chunks for large parameters: equal bit for bit, odd
+/// counts and chunk edges included.
+TEST(Init, ParallelChunksAreTheSequentialStream) {
+  auto sequential = [](const rt::ParamInit &init, int64_t count, uint64_t seed, const std::string &name) {
+    uint64_t h = 1469598103934665603ull ^ seed;
+    for (char c : name)
+      h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+    auto uniform = [&h] {
+      uint64_t z = (h += 0x9e3779b97f4a7c15ull);
+      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+      return ((z ^ (z >> 31)) >> 11) * (1.0 / 9007199254740992.0);
+    };
+    std::vector<float> out(static_cast<size_t>(count));
+    for (size_t i = 0; i < out.size(); i += init.kind == "normal" ? 2 : 1) {
+      if (init.kind == "uniform") {
+        out[i] = float((2 * uniform() - 1) * init.scale);
+        continue;
+      }
+      double u1 = 1.0 - uniform(), u2 = uniform();
+      double r = std::sqrt(-2.0 * std::log(u1)) * init.scale;
+      out[i] = float(r * std::cos(2 * M_PI * u2));
+      if (i + 1 < out.size())
+        out[i + 1] = float(r * std::sin(2 * M_PI * u2));
+    }
+    return out;
+  };
+  for (int64_t count : {int64_t(7), int64_t(3) << 20 | 1, int64_t(5) << 20}) {
+    for (const rt::ParamInit &init : {rt::ParamInit{"normal", 0.02}, rt::ParamInit{"uniform", 0.1}}) {
+      std::vector<float> want = sequential(init, count, 3, "h.0.w"), got = rt::initialValues(init, count, 3, "h.0.w");
+      ASSERT_EQ(want.size(), got.size());
+      EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)))
+          << init.kind << ", " << count << " values";
+    }
+  }
+}
+
 } // namespace
