@@ -299,6 +299,9 @@ TEST(CudaServe, DecodeProducts) {
       std::vector<int64_t> inputs = {x};
       for (const Product &p : c.products) {
         int64_t w = builder.add({p.n, c.k}, LOOM_BF16, "w");
+        // A parameter no instruction writes: the kernel loads it before
+        // the previous kernel ends (the other tests' weights are not).
+        builder.rank.buffers[size_t(w)].role = BufferRole::Param;
         Instruction ins{"matmul", {x, w}, {}, {{"transpose_b", true}}};
         inputs.push_back(w);
         if (p.epilogue.rfind("bias", 0) == 0)

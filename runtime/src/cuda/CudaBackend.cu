@@ -29,6 +29,12 @@
 
 namespace loom::rt::cuda {
 
+namespace {
+/// Compiled as every kernel of the backend is: its PTX version says whether
+/// the kernels' griddepcontrol instructions are there (sm_90 and up).
+__global__ void architectureProbeKernel() {}
+} // namespace
+
 bool dependentLaunches() {
   static const bool on = [] {
     // On by default: on an H200 (2026-11-27, same call) GPT-2 350M decoding
@@ -37,9 +43,14 @@ bool dependentLaunches() {
     const char *e = std::getenv("LOOM_CUDA_PDL");
     if (e && std::string(e) == "0")
       return false;
+    // The device must launch dependents (compute capability 9), and the
+    // kernels must wait for them: built for sm_90 or later, not JIT-compiled
+    // from an older architecture's PTX, where waitPrevious() is empty.
     int device = 0, major = 0;
+    cudaFuncAttributes probe{};
     return cudaGetDevice(&device) == cudaSuccess &&
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9 &&
+           cudaFuncGetAttributes(&probe, architectureProbeKernel) == cudaSuccess && probe.ptxVersion >= 90;
   }();
   return on;
 }
@@ -365,7 +376,7 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
       LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&sendsJoined, cudaEventDisableTiming));
     cudaEvent_t joined = sendsJoined;
     cudaStream_t sends = sendStream;
-    steps.push_back({cat(program, ": the join of its sends"), "send", 0, [joined, sends](cudaStream_t s) {
+    steps.push_back({cat(program, ": the join of its sends"), "join", 0, [joined, sends](cudaStream_t s) {
                        LOOM_CUDA_CHECK(cudaEventRecord(joined, sends));
                        LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, joined, 0));
                      },
@@ -423,7 +434,7 @@ void CudaBackendImpl::run(const std::string &program) {
       g.eagerRuns = 0;
     }
   } else if (graphable && g.eagerRuns > 0) {
-    done = captureAndLaunch(steps, g);
+    done = captureAndLaunch(program, steps, g);
   }
   if (!done) {
     launchEager(steps);

@@ -325,6 +325,10 @@ private:
   /// A run of decoding products from instrs[i] (a product and its slices,
   /// or products of one input): its end, or i where there is none.
   size_t decodeGroupEnd(const std::vector<Instruction> &instrs, size_t i);
+  /// Whether no instruction of the program being built writes buffer id (a
+  /// parameter or a prepared weight): a programmatic dependent launch may
+  /// read it before the kernel before it ends.
+  bool readOnlyHere(int64_t id);
   Launch buildDecodeGroup(const std::vector<Instruction> &instrs, size_t i, size_t end, const Instruction *norm);
   /// `ours` or `theirs`, whichever is faster here (weights from memory).
   Launch fasterProducts(Launch ours, Launch theirs, const std::string &what);
@@ -511,7 +515,7 @@ private:
   void waitForStreams(const std::string &program, std::vector<Step> &steps);
   /// Captures the program's launches into a graph and launches it; false
   /// (nothing launched, graphs off for this program) where capture fails.
-  bool captureAndLaunch(std::vector<Step> &steps, Graph &g);
+  bool captureAndLaunch(const std::string &program, std::vector<Step> &steps, Graph &g);
   double denseFlops(const Instruction &ins) const { return denseInstructionFlops(rank, ins); }
   std::map<std::string, std::vector<Step>> programs;
 

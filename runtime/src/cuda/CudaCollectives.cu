@@ -645,10 +645,13 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     Staging *copy = &slot; // a deque's elements stay where they are
     buildTraceStream = sendStream, buildTrack = "send";
     // Captured, the program ends on its sends' join (prepare), so the
-    // staging copy's last send is done before the next run copies into it.
-    bool joined = p2pGraphs();
+    // staging copy's last send is done before the next run copies into it
+    // (a wait for an event recorded outside a capture cannot be captured);
+    // eager runs still wait, in case a run failed before its end.
     return [=](cudaStream_t s) {
-      if (copy->used && !joined)
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      LOOM_CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
+      if (copy->used && capturing == cudaStreamCaptureStatusNone)
         LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, copy->sent, 0)); // its last send is done
       copy->used = true;
       LOOM_CUDA_CHECK(cudaMemcpyAsync(copy->data, src, bytes, cudaMemcpyDeviceToDevice, s));

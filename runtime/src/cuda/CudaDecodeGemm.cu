@@ -59,6 +59,9 @@ struct GemvArgs {
   int norm = kNormNone;
   const bf16 *gamma = nullptr, *beta = nullptr;
   float eps = 0;
+  // Whether the weights may be read before the previous kernel ends (a
+  // programmatic dependent launch): no kernel of the program writes them.
+  bool preload = false;
 };
 
 /// Sixteen bytes of weights, not kept in L1 (each is read once; x stays).
@@ -215,6 +218,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) decodeGemvKernel(const Ge
     locate(args, blockIdx.x, o, seg[o], w[o]);
   const int first = (warp * 32 + lane) * 8, stride = 256 * kWarpsPerBlock;
   startDependents();
+  if (!args.preload)
+    waitPrevious();
   int4 v[kOutputs];
   loadWeights(w, first, K, v);
   // The weights' first loads are in flight; x (and the norm's input) are
@@ -281,6 +286,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) decodeGemvLoopKernel(cons
   for (int o = 0; o < kOutputs; ++o)
     locate(args, group, o, seg[o], w[o]);
   startDependents();
+  if (!args.preload)
+    waitPrevious();
   int4 v[kOutputs];
   loadWeights(w, first, K, v);
   waitPrevious(); // x and the epilogues' operands are earlier kernels'
@@ -451,6 +458,9 @@ Launch CudaBackendImpl::buildDecodeGemv(const std::vector<const Instruction *> &
     fail(LOOM_INTERNAL, where, ": not a product for the decoding kernel");
   args.x = reinterpret_cast<const bf16 *>(ptr(buf(group.front()->in[0])));
   args.rows = int(first->rows), args.k = int(first->k);
+  args.preload = true;
+  for (const Instruction *ins : group)
+    args.preload = args.preload && readOnlyHere(ins->in[1]);
   for (const Instruction *ins : group) {
     std::optional<GemvShape> s = decodeGemvShape(*ins);
     if (!s || s->rows != first->rows || s->k != first->k || ins->in[0] != group.front()->in[0])
@@ -505,6 +515,17 @@ Launch CudaBackendImpl::buildProducts(const std::vector<const Instruction *> &gr
                             group.size() == 1 ? " product)" : " products)"));
 }
 
+bool CudaBackendImpl::readOnlyHere(int64_t id) {
+  BufferRole role = buf(id).role;
+  if (role != BufferRole::Param && role != BufferRole::Cache)
+    return false;
+  for (const Instruction &ins : instructions.at(building.first))
+    for (int64_t out : ins.out)
+      if (overlaps(out, id))
+        return false;
+  return true;
+}
+
 bool CudaBackendImpl::readAfter(const std::vector<Instruction> &instrs, size_t from, int64_t id) {
   int64_t storage = storageOf(rank, id);
   for (size_t j = from; j < instrs.size(); ++j)
@@ -557,6 +578,7 @@ Launch CudaBackendImpl::buildProductSlices(const std::vector<Instruction> &instr
   GemvArgs args;
   args.x = reinterpret_cast<const bf16 *>(ptr(buf(mm.in[0])));
   args.rows = int(s.rows), args.k = int(s.k);
+  args.preload = readOnlyHere(mm.in[1]);
   const bf16 *w = reinterpret_cast<const bf16 *>(ptr(buf(mm.in[1])));
   for (size_t j = i + 1; j < end; ++j) {
     int64_t start = int64_t(num(instrs[j], "start", 0)), size = int64_t(num(instrs[j], "size", 0));

@@ -8,6 +8,7 @@
 
 #include "runtime/src/cuda/CudaBackendImpl.h"
 
+#include <cstdio>
 #include <cstdlib>
 
 namespace loom::rt::cuda {
@@ -50,7 +51,7 @@ void CudaBackendImpl::launchEager(std::vector<Step> &steps) {
   }
 }
 
-bool CudaBackendImpl::captureAndLaunch(std::vector<Step> &steps, Graph &g) {
+bool CudaBackendImpl::captureAndLaunch(const std::string &program, std::vector<Step> &steps, Graph &g) {
   if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
     cudaGetLastError();
     g.disabled = true;
@@ -74,7 +75,11 @@ bool CudaBackendImpl::captureAndLaunch(std::vector<Step> &steps, Graph &g) {
     cudaGraphDestroy(graph);
   if (g.exec)
     cudaGraphExecDestroy(g.exec), g.exec = nullptr;
-  cudaGetLastError(); // the failed capture's error is not the program's
+  cudaError_t why = cudaGetLastError(); // the failed capture's error is not the program's
+  // Said once a program: it stays eager, slower but correct.
+  std::fprintf(stderr, "loom: warning: rank %lld: capturing program '%s' as a CUDA graph failed (%s); it runs "
+               "without one\n", (long long)rank.rank, program.c_str(),
+               cudaGetErrorString(why != cudaSuccess ? why : e != cudaSuccess ? e : cudaErrorUnknown));
   g.disabled = true;
   return false;
 }
