@@ -2,11 +2,11 @@
 
 #include "loom/rt/Init.h"
 #include "loom/rt/Error.h"
+#include "runtime/src/ThreadPool.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <thread>
 
 namespace loom::rt {
 
@@ -25,23 +25,15 @@ uint64_t mix(uint64_t z) {
 /// The k-th uniform in [0, 1).
 double uniformAt(uint64_t state, uint64_t k) { return (mix(state + (k + 1) * kGamma) >> 11) * (1.0 / 9007199254740992.0); }
 
-/// fn(begin, end) over [0, n) in chunks on this machine's threads where n
-/// is large (a billion-parameter model initialises in seconds, not a minute).
+/// fn(begin, end) over [0, n), on this machine's threads where n is large
+/// (a billion-parameter model initialises in seconds, not a minute).
 template <typename F> void parallelChunks(int64_t n, F fn) {
-  const int64_t minChunk = int64_t(1) << 20;
-  int64_t threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 64);
-  int64_t parts = std::min<int64_t>(threads, (n + minChunk - 1) / minChunk);
-  if (parts <= 1) {
+  if (n < (int64_t(1) << 20)) { // a pool's start costs more than small tensors take
     fn(int64_t(0), n);
     return;
   }
-  std::vector<std::thread> pool;
-  int64_t step = (n + parts - 1) / parts;
-  for (int64_t b = step; b < n; b += step)
-    pool.emplace_back(fn, b, std::min(n, b + step));
-  fn(int64_t(0), std::min(n, step));
-  for (std::thread &t : pool)
-    t.join();
+  ThreadPool pool(0);
+  pool.parallelFor(n, /*cost=*/20, [&](int64_t begin, int64_t end) { fn(begin, end); });
 }
 
 /// store(i, value) for each of the parameter's `count` initial values.

@@ -296,6 +296,12 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
         ++j;
       return j;
     };
+    auto productFlops = [&](size_t begin, size_t end) { // of the products in [begin, end)
+      double flops = 0;
+      for (size_t k = begin; k < end; ++k)
+        flops += instrs[k].op == "matmul" ? denseFlops(instrs[k]) : 0;
+      return flops;
+    };
     const size_t unbounded = instrs.size();
     if (isFloatCast(rank, instrs[i]) && i + 1 < instrs.size() && isFloatCast(rank, instrs[i + 1])) {
       size_t end = runOf(unbounded, [&](const Instruction &x) { return isFloatCast(rank, x); });
@@ -328,18 +334,13 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
       size_t end = decodeGroupEnd(instrs, i + 1);
       if (mode != "0" && (instrs[i].op == "layernorm" || mode == "1") && end > i + 1 &&
           normFeedsProducts(instrs, i, end)) {
-        double flops = 0;
-        for (size_t k = i + 1; k < end; ++k)
-          flops += instrs[k].op == "matmul" ? denseFlops(instrs[k]) : 0;
-        together(end, buildDecodeGroup(instrs, i + 1, end, &instrs[i]), instrs[i].op + "+" + instrs[i + 1].op, flops);
+        together(end, buildDecodeGroup(instrs, i + 1, end, &instrs[i]), instrs[i].op + "+" + instrs[i + 1].op,
+                 productFlops(i + 1, end));
         continue;
       }
     }
     if (size_t end = decodeGroupEnd(instrs, i); end > i) {
-      double flops = 0;
-      for (size_t k = i; k < end; ++k)
-        flops += instrs[k].op == "matmul" ? denseFlops(instrs[k]) : 0;
-      together(end, buildDecodeGroup(instrs, i, end, nullptr), label, flops);
+      together(end, buildDecodeGroup(instrs, i, end, nullptr), label, productFlops(i, end));
       continue;
     }
     if (instrs[i].op == "adamw") { // a run of updates with one set of hyperparameters: one launch

@@ -441,10 +441,13 @@ private:
   /// Whether the program being built records `event` before the current
   /// instruction (recordedBefore) or waits for it after.
   bool eventInProgram(int64_t event, bool recordedBefore);
-  /// The device table of (whole, shard) buffer pairs, packed one after
-  /// another; `span` receives the shards' total length.
-  const PackedTensor *packedTensors(const std::vector<std::pair<int64_t, int64_t>> &wholeAndShard, int64_t parts,
-                                    int64_t &span);
+  /// This rank's index in a named group and the group's size.
+  std::pair<int64_t, int64_t> placeIn(const std::string &group);
+  /// The device table of whole tensors and their shards (wholes[i] and
+  /// shards[i]), packed one after another; `span` receives the shards'
+  /// total length.
+  const PackedTensor *packedTensors(const std::vector<int64_t> &wholes, const std::vector<int64_t> &shards,
+                                    int64_t parts, int64_t &span);
   /// An async collective (one with an event): `work` on the communication
   /// stream once the compute stream reaches it, recording the event.
   bool asyncCollective(const Instruction &ins);

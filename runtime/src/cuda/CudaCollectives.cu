@@ -287,13 +287,22 @@ bool CudaBackendImpl::shardsTogether(const Instruction &a, const Instruction &b)
          buf(b.out[0]).dtype == LOOM_F32;
 }
 
-const PackedTensor *
-CudaBackendImpl::packedTensors(const std::vector<std::pair<int64_t, int64_t>> &wholeAndShard, int64_t parts,
-                               int64_t &span) {
+std::pair<int64_t, int64_t> CudaBackendImpl::placeIn(const std::string &group) {
+  auto g = rank.groups.find(group);
+  if (g == rank.groups.end())
+    fail(LOOM_INVALID_BUNDLE, where, ": names group '", group, "', which this rank does not have");
+  int64_t index = std::find(g->second.begin(), g->second.end(), rank.rank) - g->second.begin();
+  return {index, int64_t(g->second.size())};
+}
+
+const PackedTensor *CudaBackendImpl::packedTensors(const std::vector<int64_t> &wholes,
+                                                   const std::vector<int64_t> &shards, int64_t parts, int64_t &span) {
+  if (wholes.size() != shards.size())
+    fail(LOOM_INVALID_BUNDLE, where, ": ", wholes.size(), " tensors but ", shards.size(), " shards");
   std::vector<PackedTensor> list;
   span = 0;
-  for (size_t i = 0; i < wholeAndShard.size(); ++i) {
-    auto [whole, shard] = wholeAndShard[i];
+  for (size_t i = 0; i < wholes.size(); ++i) {
+    int64_t whole = wholes[i], shard = shards[i];
     int64_t n = count(buf(whole).shape), k = count(buf(shard).shape);
     if (k * parts < n)
       fail(LOOM_INVALID_BUNDLE, where, ": shard ", i, " holds ", k, " elements; ", parts, " of them cannot hold ", n);
@@ -324,17 +333,14 @@ bool CudaBackendImpl::asyncCollective(const Instruction &ins) {
 }
 
 Launch CudaBackendImpl::buildShardsOf(const std::vector<Instruction> &instrs, size_t begin, size_t end) {
-  const std::string group = instrs[begin].attrs.value("group", std::string("dp"));
-  auto g = rank.groups.find(group);
-  if (g == rank.groups.end())
-    fail(LOOM_INVALID_BUNDLE, where, ": names group '", group, "', which this rank does not have");
-  int64_t index = std::find(g->second.begin(), g->second.end(), rank.rank) - g->second.begin();
-  std::vector<std::pair<int64_t, int64_t>> pairs;
+  auto [self, parts] = placeIn(instrs[begin].attrs.value("group", std::string("dp")));
+  int64_t index = self; // a plain variable: lambdas capture it (C++17)
+  std::vector<int64_t> wholes, shards;
   for (size_t i = begin; i < end; ++i)
-    pairs.push_back({instrs[i].in[0], instrs[i].out[0]});
+    wholes.push_back(instrs[i].in[0]), shards.push_back(instrs[i].out[0]);
   int64_t span = 0;
-  const PackedTensor *table = packedTensors(pairs, int64_t(g->second.size()), span);
-  int count = int(pairs.size());
+  const PackedTensor *table = packedTensors(wholes, shards, parts, span);
+  int count = int(wholes.size());
   return [=](cudaStream_t s) {
     shardsOfKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, index);
   };
@@ -351,12 +357,9 @@ Launch CudaBackendImpl::buildShardsOf(const std::vector<Instruction> &instrs, si
 Launch CudaBackendImpl::buildPackedReduceScatter(const Instruction &ins, int64_t index, int64_t parts,
                                                  ncclComm_t comm) {
   bool mean = ins.attrs.value("reduction", std::string("mean")) == "mean";
-  std::vector<std::pair<int64_t, int64_t>> pairs;
-  for (size_t i = 0; i < ins.in.size(); ++i)
-    pairs.push_back({ins.in[i], ins.out[i]});
   int64_t span = 0;
-  const PackedTensor *table = packedTensors(pairs, parts, span);
-  int count = int(pairs.size());
+  const PackedTensor *table = packedTensors(ins.in, ins.out, parts, span); // gradients, their shards
+  int count = int(ins.in.size());
   commWorkspaceBytes = std::max(commWorkspaceBytes, size_t((parts + 1) * span) * sizeof(float));
   int64_t self = index;
   auto run = [this, table, count, span, parts, self, comm, mean](cudaStream_t s) {
@@ -385,12 +388,9 @@ Launch CudaBackendImpl::buildPackedReduceScatter(const Instruction &ins, int64_t
 }
 
 Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm) {
-  std::vector<std::pair<int64_t, int64_t>> pairs;
-  for (size_t i = 0; i < ins.in.size(); ++i)
-    pairs.push_back({ins.out[i], ins.in[i]});
   int64_t span = 0;
-  const PackedTensor *table = packedTensors(pairs, parts, span);
-  int count = int(pairs.size());
+  const PackedTensor *table = packedTensors(ins.out, ins.in, parts, span); // parameters, their updated shards
+  int count = int(ins.in.size());
   reserve(size_t((parts + 1) * span) * sizeof(float));
   int64_t self = index;
   return [this, table, count, span, parts, self, comm](cudaStream_t s) {
@@ -499,11 +499,7 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     return asyncCollective(ins) ? onCommStream(ins, reduce) : reduce;
   }
   // ZeRO-1: slice `index` of k = ceil(n / parts) elements of each tensor.
-  auto place = [&]() {
-    const std::vector<int64_t> &members = rank.groups.at(group);
-    int64_t index = std::find(members.begin(), members.end(), rank.rank) - members.begin();
-    return std::make_pair(index, int64_t(members.size()));
-  };
+  auto place = [&]() { return placeIn(group); };
   if (op == "shard_of") {
     auto [index, parts] = place();
     float *in = f(ins.in[0]), *out = f(ins.out[0]);
