@@ -12,7 +12,7 @@
 #   mpi     one process per GPU under mpirun and Slurm (scripts/device-mpi.sh)
 #   resnet  ResNet-50 training, f32 and --target cuda, batch 32 (scripts/device-resnet.sh)
 #   plans   two-GPU plans of GPT-2 350M and GPT 1.3B, forced and the planner's pick, each
-#           with its prediction (scripts/device-plans.sh)
+#           with its prediction (scripts/device-plans.sh; MODELS=gpt2-350m for one model)
 # The named sets replace what was there: the carried tree must stay under 64 MiB
 # (bundles carry no weights; every set together is a few MiB).
 set -euo pipefail
@@ -117,8 +117,9 @@ serve() {
       -o $out/gpt2-350m-serve-b1-tp2.loom
   c models/llama-1.1b.mlir --serve --target cuda --max-batch 1 --max-seq 256 --cluster h100:2 --force tp=2 \
       -o $out/llama-1.1b-serve-b1-tp2.loom
-  # One reference step of GPT-2 350M with the cache against its full forward pass.
+  # GPT-2 350M's and TinyLlama's decoding with the cache against their full forward pass.
   c models/gpt2-350m.mlir --target cuda -o $out/gpt2-350m-fwd.loom
+  c models/llama-1.1b.mlir --target cuda -o $out/llama-1.1b-fwd.loom
 }
 resnet() {
   # ResNet-50 (224x224, 1000 classes) and the same network on 64x64 images
@@ -186,7 +187,7 @@ plans() {
   "$B/compiler/loomc" models gpt --layers 24 --hidden 2048 --heads 16 --seq 1024 --vocab 50304 \
       -o .deps/gpt-1.3b.mlir
   model() { [ "$1" = gpt-1.3b ] && echo .deps/gpt-1.3b.mlir || echo models/$1.mlir; }
-  for m in gpt2-350m gpt-1.3b; do
+  for m in ${MODELS:-gpt2-350m gpt-1.3b}; do
     # One GPU at the same batch per GPU as dp2 (8 sequences).
     c $(model $m) --batch 8 --train --lr 3e-4 --target cuda -o $out/$m-plan-one.loom
     for plan in pick dp=2,mb=1,zero=0 dp=2,mb=2,zero=0 dp=2,mb=1,zero=1 tp=2,mb=1,zero=0 tp=2,mb=2,zero=0 \

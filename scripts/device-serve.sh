@@ -32,6 +32,10 @@ head -c 200 $T/b1.txt | cut -d' ' -f1-8 > $T/short.txt
 echo "== GPT-2 350M: the cache against the full forward pass over 24 new tokens"
 $B/loom-run $R/gpt2-350m-serve-b1.loom --backend cuda --prompt $T/short.txt --max-new 24 \
     --reference $R/gpt2-350m-fwd.loom | grep -E "^reference" || status=1
+head -c 200 $T/l1.txt | cut -d' ' -f1-8 > $T/lshort.txt
+echo "== TinyLlama 1.1B: the cache against the full forward pass over 24 new tokens"
+$B/loom-run $R/llama-1.1b-serve-b1.loom --backend cuda --prompt $T/lshort.txt --max-new 24 \
+    --reference $R/llama-1.1b-fwd.loom | grep -E "^reference" || status=1
 echo "== Loom: GPT-2 350M, prompt 128, 128 new tokens"
 $B/loom-run $R/gpt2-350m-serve-b1.loom --backend cuda --prompt $T/b1.txt --max-new 128 --repeat 3 \
     | grep -E "^serving|^time|^per-token|^throughput|^engine" | sed 's/^/batch 1: /' || status=1
@@ -40,11 +44,9 @@ $B/loom-run $R/gpt2-350m-serve.loom --backend cuda --prompt $T/b32.txt --max-new
 echo "== the same, batch 1, kernels launched plainly (LOOM_CUDA_PDL=0; the default lets decoding's start early)"
 LOOM_CUDA_PDL=0 $B/loom-run $R/gpt2-350m-serve-b1.loom --backend cuda --prompt $T/b1.txt --max-new 128 --repeat 3 \
     | grep -E "^per-token|^engine" | sed 's/^/batch 1, no PDL: /' || status=1
-echo "== batch 1 with the looping decoding products (LOOM_CUDA_GEMV_LOOP=1, opt-in until measured)"
-LOOM_CUDA_GEMV_LOOP=1 $B/loom-run $R/gpt2-350m-serve-b1.loom --backend cuda --prompt $T/b1.txt --max-new 128 --repeat 3 \
-    | grep -E "^per-token|^engine" | sed 's/^/GPT-2 batch 1, looping products: /' || status=1
-LOOM_CUDA_GEMV_LOOP=1 $B/loom-run $R/llama-1.1b-serve-b1.loom --backend cuda --prompt $T/l1.txt --max-new 128 --repeat 3 \
-    | grep -E "^per-token|^engine" | sed 's/^/TinyLlama batch 1, looping products: /' || status=1
+echo "== batch 1 with RMS norms apart (LOOM_CUDA_GEMV_NORM=layer; the default folds them into the products)"
+LOOM_CUDA_GEMV_NORM=layer $B/loom-run $R/llama-1.1b-serve-b1.loom --backend cuda --prompt $T/l1.txt --max-new 128 --repeat 3 \
+    | grep -E "^per-token|^engine" | sed 's/^/TinyLlama batch 1, RMS norms apart: /' || status=1
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   echo "== GPT-2 350M tensor-parallel over two GPUs: the cache against the full forward pass on one"
   NCCL_NVLS_ENABLE=0 $B/loom-run $R/gpt2-350m-serve-b1-tp2.loom --backend cuda --prompt $T/short.txt --max-new 24 \

@@ -25,6 +25,8 @@
 #include "runtime/src/Communicator.h"
 #include "runtime/src/cpu/CpuBackend.h"
 
+#include <cuda_profiler_api.h>
+
 #include <cstdlib>
 
 namespace loom::rt::cuda {
@@ -324,15 +326,16 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
     }
     // Decoding's products: a run of them (of one input, or a product and
     // its slices) in one launch, with the norm before them where only they
-    // read it. Layer norms only by default: on an H200 this took GPT-2 350M
-    // from 1.00 to 0.97-1.00 ms a token, where folding TinyLlama's RMS norms
-    // cost it 0.1 ms (every block recomputes its rows' statistics).
-    // LOOM_CUDA_GEMV_NORM=0 keeps every norm apart, =1 folds both kinds.
+    // read it. Layer norms: on an H200 this took GPT-2 350M from 1.00 to
+    // 0.97-1.00 ms a token. RMS norms fold in one pass (their statistics
+    // summed beside the products); folded with a first pass over x in every
+    // block, as layer norms are, they cost TinyLlama 0.1 ms a token.
+    // LOOM_CUDA_GEMV_NORM=0 keeps every norm apart, =layer folds layer norms only.
     if (instrs[i].op == "layernorm" || instrs[i].op == "rmsnorm") {
       const char *env = std::getenv("LOOM_CUDA_GEMV_NORM");
       std::string mode = env ? env : "";
-      size_t end = decodeGroupEnd(instrs, i + 1);
-      if (mode != "0" && (instrs[i].op == "layernorm" || mode == "1") && end > i + 1 &&
+      size_t end = decodeGroupEnd(instrs, i + 1, /*normFolded=*/true);
+      if (mode != "0" && (instrs[i].op == "layernorm" || mode != "layer") && end > i + 1 &&
           normFeedsProducts(instrs, i, end)) {
         together(end, buildDecodeGroup(instrs, i + 1, end, &instrs[i]), instrs[i].op + "+" + instrs[i + 1].op,
                  productFlops(i + 1, end));
@@ -410,10 +413,31 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
   l2Flush = nullptr;
 }
 
+namespace {
+/// LOOM_CUDA_PROFILE_RUN=PROGRAM:N brackets the N-th run (from 1) of PROGRAM
+/// with cudaProfilerStart/Stop, so `ncu --profile-from-start off` (or nsys's
+/// `--capture-range=cudaProfilerApi`) sees one step and not the preparation's
+/// timings: e.g. `serve.1:20` is a serving bundle's 20th one-token step.
+bool profileThisRun(const std::string &program, int run) {
+  static const std::pair<std::string, int> wanted = [] {
+    const char *env = std::getenv("LOOM_CUDA_PROFILE_RUN");
+    std::string text = env ? env : "";
+    size_t colon = text.rfind(':');
+    if (colon == std::string::npos)
+      return std::pair<std::string, int>(text, 1);
+    return std::pair<std::string, int>(text.substr(0, colon), std::atoi(text.c_str() + colon + 1));
+  }();
+  return !wanted.first.empty() && wanted.first == program && wanted.second == run;
+}
+} // namespace
+
 void CudaBackendImpl::run(const std::string &program) {
   LOOM_CUDA_CHECK(cudaSetDevice(device));
   auto &steps = programs.at(program);
   Graph &g = graphs[program];
+  bool profilerRange = profileThisRun(program, ++g.runs);
+  if (profilerRange)
+    LOOM_CUDA_CHECK(cudaProfilerStart());
   bool graphable = graphsWanted() && !profiling && !tracing && !g.disabled && g.capturable;
   if (tracing) { // the streams are idle (the last run synchronised them): the base is now
     if (!traceBase)
@@ -442,6 +466,10 @@ void CudaBackendImpl::run(const std::string &program) {
     ++g.eagerRuns;
   }
   waitForStreams(program, steps);
+  if (profilerRange) {
+    LOOM_CUDA_CHECK(cudaDeviceSynchronize());
+    LOOM_CUDA_CHECK(cudaProfilerStop());
+  }
   if (world && world->aborted)
     fail(LOOM_INVALID_ARGUMENT, program, ": stopped with every rank: ", world->abortReason());
   if (profiling)

@@ -273,6 +273,8 @@ private:
   /// rotary(q), rotary(k) and the kv_write of k and v (CudaServe.cu): one
   /// launch where instrs[i..i+2] are that and fit it.
   bool rotaryCacheTogether(const std::vector<Instruction> &instrs, size_t i);
+  /// Whether anything but that kv_write reads rotary(k)'s result.
+  bool rotaryKeysRead(const std::vector<Instruction> &instrs, size_t i);
   Launch buildRotaryCache(const std::vector<Instruction> &instrs, size_t i);
   // CudaLayout.cu
   Launch buildSliceOrConcat(const Instruction &ins);
@@ -319,15 +321,19 @@ private:
   /// Where instrs[i] is a decoding product whose result only the slices
   /// after it read (q, k and v of one product), the end of those slices;
   /// i otherwise. The decoding kernel then writes each slice itself.
-  size_t productSlicesEnd(const std::vector<Instruction> &instrs, size_t i);
+  /// `normFolded`: the product's input is a norm's result the kernel does
+  /// not read (it normalises the norm's input, which normFeedsProducts
+  /// checks), so the slices may take that result's place.
+  size_t productSlicesEnd(const std::vector<Instruction> &instrs, size_t i, bool normFolded = false);
   Launch buildProductSlices(const std::vector<Instruction> &instrs, size_t i, size_t end,
                             const Instruction *norm = nullptr);
   /// A run of decoding products from instrs[i] (a product and its slices,
   /// or products of one input): its end, or i where there is none.
-  size_t decodeGroupEnd(const std::vector<Instruction> &instrs, size_t i);
+  size_t decodeGroupEnd(const std::vector<Instruction> &instrs, size_t i, bool normFolded = false);
   /// Whether no instruction of the program being built writes buffer id (a
-  /// parameter or a prepared weight): a programmatic dependent launch may
-  /// read it before the kernel before it ends.
+  /// parameter, a prepared weight or an input the host uploads before the
+  /// program runs): a programmatic dependent launch may read it before the
+  /// kernel before it ends.
   bool readOnlyHere(int64_t id);
   Launch buildDecodeGroup(const std::vector<Instruction> &instrs, size_t i, size_t end, const Instruction *norm);
   /// `ours` or `theirs`, whichever is faster here (weights from memory).
@@ -503,6 +509,7 @@ private:
     bool capturable = false;   // every step's launch may be captured (set at prepare)
     std::vector<size_t> hooks; // the steps with host state to check or update on replay
     int eagerRuns = 0;
+    int runs = 0; // every run, for LOOM_CUDA_PROFILE_RUN
     bool disabled = false;
     cudaGraphExec_t exec = nullptr;
   };

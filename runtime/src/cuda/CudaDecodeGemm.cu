@@ -91,15 +91,17 @@ __device__ inline void locate(const GemvArgs &args, int64_t group, int o, int &s
 }
 
 /// Output o of `group` for row r: the warps' sums added in order (the result
-/// does not depend on timing), the product's epilogue, the store.
+/// does not depend on timing), times `scale` (a folded RMS norm's inverse
+/// deviation), the product's epilogue, the store.
 template <int R>
 __device__ inline void storeOutput(const GemvArgs &args, const float (*sums)[R][kOutputs], int seg, int64_t group,
-                                   int r, int o) {
+                                   int r, int o, float scale = 1.0f) {
   const GemvSegment &g = args.seg[seg];
   const int64_t n = group * kOutputs + o - g.first;
   float y = 0;
   for (int q = 0; q < kWarpsPerBlock; ++q)
     y += sums[q][r][o];
+  y *= scale;
   if (g.epi & kEpiBias)
     y += g.bias[n];
   if (g.epi & kEpiGelu)
@@ -200,11 +202,16 @@ __device__ inline void rowSums(const GemvArgs &args, F f, float *total, float (*
 /// R: rows rounded up (1, 2, 4 or 8). A block computes kOutputs outputs:
 /// its warps split K (sixteen bytes of each output's weights per lane and
 /// step, every output's load in flight at once), then add their sums in
-/// shared memory. With a norm, each block first computes its rows' mean
-/// and inverse deviation from the norm's input (while its first weights
-/// load) and normalises x as it reads it, rounded to bf16 as the norm's
-/// own result would be.
-template <int R, bool NORM>
+/// shared memory. NORM folds the norm whose result the products read:
+/// - kNormRms in one pass. The inverse deviation is one number a row, so it
+///   multiplies the sums at the end: the block multiplies the weights by
+///   gamma * x and adds up x * x from the same loads, and each output is
+///   scaled by rsqrt(sum / K + eps) (no rounding of the norm's result to
+///   bf16 between; within the products' tolerance of it).
+/// - kNormLayer: each block first computes its rows' mean and inverse
+///   deviation (while its first weights load) and normalises x as it reads
+///   it, rounded to bf16 as the norm's own result would be.
+template <int R, int NORM>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock) decodeGemvKernel(const GemvArgs args) {
   __shared__ float sums[kWarpsPerBlock][R][kOutputs];
   __shared__ float scratch[kWarpsPerBlock][R];
@@ -225,15 +232,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) decodeGemvKernel(const Ge
   // The weights' first loads are in flight; x (and the norm's input) are
   // the previous kernel's results.
   waitPrevious();
-  if (NORM) {
-    if (args.norm == kNormLayer) {
-      rowSums<R>(args, [](int, float x) { return x; }, mean, scratch);
-      if (threadIdx.x < R)
-        mean[threadIdx.x] /= float(K);
-      __syncthreads();
-    } else if (threadIdx.x < R) {
-      mean[threadIdx.x] = 0.0f;
-    }
+  if (NORM == kNormLayer) {
+    rowSums<R>(args, [](int, float x) { return x; }, mean, scratch);
+    if (threadIdx.x < R)
+      mean[threadIdx.x] /= float(K);
     __syncthreads();
     rowSums<R>(args, [&](int r, float x) { return (x - mean[r]) * (x - mean[r]); }, inv, scratch);
     if (threadIdx.x < R)
@@ -241,80 +243,48 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) decodeGemvKernel(const Ge
     __syncthreads();
   }
   float acc[R][kOutputs] = {};
+  float squares[R] = {}; // kNormRms: this thread's part of each row's sum of squares
   for (int k = first; k < K; k += stride) {
     float gk[8], bk[8];
-    if (NORM) {
+    if (NORM != kNormNone) {
       Pack<bf16> gv = load(args.gamma + k), bv;
-      if (args.norm == kNormLayer)
+      if (NORM == kNormLayer)
         bv = load(args.beta + k);
 #pragma unroll
       for (int e = 0; e < 8; ++e)
-        gk[e] = __bfloat162float(gv.v[e]), bk[e] = args.norm == kNormLayer ? __bfloat162float(bv.v[e]) : 0.0f;
+        gk[e] = __bfloat162float(gv.v[e]), bk[e] = NORM == kNormLayer ? __bfloat162float(bv.v[e]) : 0.0f;
     }
     multiplyStep<R>(args, k, v, acc, [&](int r, int e, float x) {
-      return NORM ? __bfloat162float(__float2bfloat16_rn((x - mean[r]) * inv[r] * gk[e] + bk[e])) : x;
+      if (NORM == kNormRms) {
+        squares[r] = fmaf(x, x, squares[r]);
+        return x * gk[e];
+      }
+      return NORM == kNormLayer ? __bfloat162float(__float2bfloat16_rn((x - mean[r]) * inv[r] * gk[e] + bk[e])) : x;
     });
     loadWeights(w, k + stride, K, v);
   }
   warpSumsTo<R>(acc, sums);
+  if (NORM == kNormRms)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float t = warpSum(squares[r]);
+      if (lane == 0)
+        scratch[warp][r] = t;
+    }
   __syncthreads();
   if (threadIdx.x >= R * kOutputs)
     return;
   const int r = threadIdx.x / kOutputs, o = threadIdx.x % kOutputs;
   if (r >= rows || seg[o] < 0)
     return;
-  storeOutput<R>(args, sums, seg[o], blockIdx.x, r, o);
-}
-
-/// The same products with a block per multiprocessor slot that goes over
-/// output groups (blockIdx.x, then every gridDim.x), loading the next
-/// group's first weights before it adds up the warps' sums of this one, so
-/// the weights keep streaming across groups instead of each block's start
-/// and end leaving the memory system idle. No norm (those products keep
-/// the kernel above). LOOM_CUDA_GEMV_LOOP=1 (written 2026-11-27, not yet
-/// run on a GPU).
-template <int R>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock) decodeGemvLoopKernel(const GemvArgs args) {
-  __shared__ float sums[2][kWarpsPerBlock][R][kOutputs]; // by the group's parity: one barrier a group
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, K = args.k;
-  const int first = (warp * 32 + lane) * 8, stride = 256 * kWarpsPerBlock;
-  const int64_t groups = (args.outputs + kOutputs - 1) / kOutputs;
-  const bf16 *w[kOutputs];
-  int seg[kOutputs];
-  int64_t group = blockIdx.x;
-#pragma unroll
-  for (int o = 0; o < kOutputs; ++o)
-    locate(args, group, o, seg[o], w[o]);
-  startDependents();
-  if (!args.preload)
-    waitPrevious();
-  int4 v[kOutputs];
-  loadWeights(w, first, K, v);
-  waitPrevious(); // x and the epilogues' operands are earlier kernels'
-  for (int parity = 0; group < groups; group += gridDim.x, parity ^= 1) {
-    float acc[R][kOutputs] = {};
-    for (int k = first; k < K; k += stride) {
-      multiplyStep<R>(args, k, v, acc, [](int, int, float x) { return x; });
-      loadWeights(w, k + stride, K, v);
-    }
-    // The next group's first weights, in flight while this one is summed.
-    const bf16 *nextW[kOutputs];
-    int nextSeg[kOutputs];
-#pragma unroll
-    for (int o = 0; o < kOutputs; ++o)
-      locate(args, group + gridDim.x, o, nextSeg[o], nextW[o]);
-    loadWeights(nextW, first, K, v);
-    warpSumsTo<R>(acc, sums[parity]);
-    __syncthreads();
-    if (threadIdx.x < R * kOutputs) {
-      const int r = threadIdx.x / kOutputs, o = threadIdx.x % kOutputs;
-      if (r < args.rows && seg[o] >= 0)
-        storeOutput<R>(args, sums[parity], seg[o], group, r, o);
-    }
-#pragma unroll
-    for (int o = 0; o < kOutputs; ++o)
-      w[o] = nextW[o], seg[o] = nextSeg[o];
+  float scale = 1.0f;
+  if (NORM == kNormRms) {
+    float t = 0;
+    for (int q = 0; q < kWarpsPerBlock; ++q) // in order: every block gets the same number
+      t += scratch[q][r];
+    scale = rsqrtf(t / float(K) + args.eps);
   }
+  storeOutput<R>(args, sums, seg[o], blockIdx.x, r, o, scale);
 }
 
 bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
@@ -368,50 +338,24 @@ std::optional<CudaBackendImpl::GemvShape> CudaBackendImpl::decodeGemvShape(const
 
 namespace {
 
-/// LOOM_CUDA_GEMV_LOOP=1: decodeGemvLoopKernel for the products without a norm.
-bool gemvLoop() {
-  const char *e = std::getenv("LOOM_CUDA_GEMV_LOOP");
-  return e && std::string(e) == "1";
-}
-
-/// As many blocks of `kernel` as every multiprocessor holds at once.
-int residentBlocks(const void *kernel) {
-  int device = 0, sms = 0, perSm = 0;
-  LOOM_CUDA_CHECK(cudaGetDevice(&device));
-  LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  LOOM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSm, kernel, 32 * kWarpsPerBlock, 0));
-  return std::max(1, sms * std::max(1, perSm));
+/// decodeGemvKernel for `rows` rows (rounded up to 1, 2, 4 or 8).
+template <int NORM> void (*gemvKernelFor(int rows))(GemvArgs) {
+  return rows == 1   ? decodeGemvKernel<1, NORM>
+         : rows == 2 ? decodeGemvKernel<2, NORM>
+         : rows <= 4 ? decodeGemvKernel<4, NORM>
+                     : decodeGemvKernel<8, NORM>;
 }
 
 Launch launchGemv(const GemvArgs &args) {
   int64_t blocks = (args.outputs + kOutputs - 1) / kOutputs;
   dim3 grid{unsigned(blocks)}, block{32 * kWarpsPerBlock};
-  if (args.norm == kNormNone && gemvLoop()) {
-    void (*loop)(GemvArgs) = args.rows == 1   ? decodeGemvLoopKernel<1>
-                             : args.rows == 2 ? decodeGemvLoopKernel<2>
-                             : args.rows <= 4 ? decodeGemvLoopKernel<4>
-                                              : decodeGemvLoopKernel<8>;
-    dim3 slots{unsigned(std::min<int64_t>(blocks, residentBlocks(reinterpret_cast<const void *>(loop))))};
-    return [=](cudaStream_t s) { launchAfter(true, loop, slots, block, 0, s, args); };
-  }
   // The norm's prologue is its own instantiation: the products without
   // one keep their registers (and so their occupancy).
-  auto kernel = [&]() -> void (*)(GemvArgs) {
-    bool norm = args.norm != kNormNone;
-    switch (args.rows) {
-    case 1: return norm ? decodeGemvKernel<1, true> : decodeGemvKernel<1, false>;
-    case 2: return norm ? decodeGemvKernel<2, true> : decodeGemvKernel<2, false>;
-    case 3:
-    case 4: return norm ? decodeGemvKernel<4, true> : decodeGemvKernel<4, false>;
-    default: return norm ? decodeGemvKernel<8, true> : decodeGemvKernel<8, false>;
-    }
-  }();
+  void (*kernel)(GemvArgs) = args.norm == kNormRms     ? gemvKernelFor<kNormRms>(args.rows)
+                             : args.norm == kNormLayer ? gemvKernelFor<kNormLayer>(args.rows)
+                                                       : gemvKernelFor<kNormNone>(args.rows);
   return [=](cudaStream_t s) { launchAfter(true, kernel, grid, block, 0, s, args); };
 }
-
-} // namespace
-
-namespace {
 
 /// The norm's part of the arguments: x becomes the norm's input;
 /// `at(i)` is the address of the norm's operand i.
@@ -517,7 +461,7 @@ Launch CudaBackendImpl::buildProducts(const std::vector<const Instruction *> &gr
 
 bool CudaBackendImpl::readOnlyHere(int64_t id) {
   BufferRole role = buf(id).role;
-  if (role != BufferRole::Param && role != BufferRole::Cache)
+  if (role != BufferRole::Param && role != BufferRole::Cache && role != BufferRole::Input)
     return false;
   for (const Instruction &ins : instructions.at(building.first))
     for (int64_t out : ins.out)
@@ -535,7 +479,7 @@ bool CudaBackendImpl::readAfter(const std::vector<Instruction> &instrs, size_t f
   return false;
 }
 
-size_t CudaBackendImpl::productSlicesEnd(const std::vector<Instruction> &instrs, size_t i) {
+size_t CudaBackendImpl::productSlicesEnd(const std::vector<Instruction> &instrs, size_t i, bool normFolded) {
   std::optional<GemvShape> s = decodeGemvShape(instrs[i]);
   if (!s || (s->epi & kEpiResidual))
     return i;
@@ -553,8 +497,8 @@ size_t CudaBackendImpl::productSlicesEnd(const std::vector<Instruction> &instrs,
     if ((axis != -1 && axis != int64_t(y.shape.size()) - 1) || start < 0 || size < 1 || start + size > s->n ||
         o.dtype != y.dtype || count(o.shape) != s->rows * size)
       break;
-    for (int64_t id : mm.in)
-      if (overlaps(sl.out[0], id))
+    for (size_t a = normFolded ? 1 : 0; a < mm.in.size(); ++a)
+      if (overlaps(sl.out[0], mm.in[a]))
         return i;
     for (int64_t id : outs)
       if (overlaps(sl.out[0], id))
@@ -604,10 +548,10 @@ Launch CudaBackendImpl::buildProductSlices(const std::vector<Instruction> &instr
                             " slices)"));
 }
 
-size_t CudaBackendImpl::decodeGroupEnd(const std::vector<Instruction> &instrs, size_t i) {
+size_t CudaBackendImpl::decodeGroupEnd(const std::vector<Instruction> &instrs, size_t i, bool normFolded) {
   if (i >= instrs.size() || instrs[i].op != "matmul" || !decodeGemvShape(instrs[i]))
     return i;
-  if (size_t end = productSlicesEnd(instrs, i); end > i)
+  if (size_t end = productSlicesEnd(instrs, i, normFolded); end > i)
     return end;
   size_t end = i + 1;
   auto together = [&](size_t j) {

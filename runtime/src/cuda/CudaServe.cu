@@ -61,9 +61,10 @@ __global__ void kvWriteNarrowKernel(const uint16_t *k, const uint16_t *v, const 
 }
 
 /// A decoding layer's rotary embeddings of q and k and its cache write in
-/// one launch: a thread per pair of q, of k (rotated, stored to k's result
-/// and to the token's cache row) or of v (copied to the cache row). The
-/// same arithmetic as the rotary kernel's.
+/// one launch: a thread per pair of q, of k (rotated, stored to the token's
+/// cache row and to k's result unless kOut is null: nothing else reads it)
+/// or of v (copied to the cache row). The same arithmetic as the rotary
+/// kernel's.
 __global__ void rotaryCacheKernel(DPtr q, DPtr qOut, int64_t wq, DPtr k, DPtr kOut, int64_t wk, DPtr v, int64_t wv,
                                   int64_t d, double theta, const int32_t *positions, const int32_t *slots, DPtr kc,
                                   DPtr vc, int64_t n, int64_t rows, long long *err) {
@@ -78,8 +79,10 @@ __global__ void rotaryCacheKernel(DPtr q, DPtr qOut, int64_t wq, DPtr k, DPtr kO
       float cs, sn, x0 = x[at], x1 = x[at + 1];
       rotaryAngle(float(positions[t]), i, d, theta, cs, sn);
       float y0 = x0 * cs - x1 * sn, y1 = x0 * sn + x1 * cs;
-      y.st(at, y0);
-      y.st(at + 1, y1);
+      if (y) { // k's result is left out where only the cache write read it
+        y.st(at, y0);
+        y.st(at + 1, y1);
+      }
       if (isQ)
         continue;
       int64_t slot = slots[t];
@@ -90,9 +93,9 @@ __global__ void rotaryCacheKernel(DPtr q, DPtr qOut, int64_t wq, DPtr k, DPtr kO
           raise(err, kBadSlot, t, slot);
         continue;
       }
-      // Through the result's rounding, as the cache write copies it.
-      kc.st(slot * wk + at % w, y[at]);
-      kc.st(slot * wk + at % w + 1, y[at + 1]);
+      // The cache has k's result's type: the same rounding as copying it.
+      kc.st(slot * wk + at % w, y0);
+      kc.st(slot * wk + at % w + 1, y1);
     } else {
       const int64_t at = (p - qPairs - kPairs) * 2, t = at / wv, slot = slots[t];
       if (slot < 0 || slot >= rows)
@@ -345,25 +348,34 @@ constexpr int kDecodeUnroll = 4; // keys a lane loads before using them
 /// keys' running maximum, sum of exponentials and weighted values (online
 /// softmax), so keys and values are loaded together, kDecodeUnroll keys per
 /// lane at a time, with nothing between the loads and the block table but
-/// shared memory. The block's key slots are combined at the end in shared
-/// memory, in order.
+/// shared memory. The key slots of a warp are combined by shuffles, the
+/// warps' in shared memory, in order.
+///
+/// Launched as a programmatic dependent, the block reads the positions and
+/// the block table (the step's inputs: `early`, no kernel of the program
+/// writes them) and its first round of keys and values that earlier steps
+/// wrote (positions below pos + 1 - stepTokens: this step's tokens of the
+/// sequence are at most its last stepTokens positions) before the previous
+/// kernel ends; q and the newest rows come after.
 template <typename T, int GQ>
 __global__ void __launch_bounds__(kDecodeThreads)
     pagedDecodeKernel(DPtr q, const T *kc, const T *vc, const int32_t *positions, const int32_t *table, DPtr o,
                       int heads, int kvHeads, int D, int blockSize, int perSeq, int64_t numBlocks, float scale,
-                      long long *err) {
+                      int stepTokens, bool early, long long *err) {
   constexpr int N = Pack<T>::N;
   extern __shared__ float smem[];
   startDependents();
-  waitPrevious(); // q and the cache are earlier kernels'
+  if (!early)
+    waitPrevious();
   const int token = blockIdx.x, kh = blockIdx.y;
   const int h0 = kh * (heads / kvHeads) + blockIdx.z * GQ; // the block's first query head
   const int lanesPerKey = D / N, keysPerWarp = 32 / lanesPerKey;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane / lanesPerKey, c = lane % lanesPerKey;
   const int slots = (blockDim.x / 32) * keysPerWarp, slot = warp * keysPerWarp + sub;
+  const int warps = blockDim.x / 32;
   int *tbl = reinterpret_cast<int *>(smem);
-  float *stats = smem + ((perSeq + 3) / 4) * 4; // [slots][GQ] maxima, then sums, then [slots][GQ][D] values
-  float *sums = stats + slots * GQ, *values = sums + slots * GQ;
+  float *stats = smem + ((perSeq + 3) / 4) * 4; // [warps][GQ] maxima, then sums, then [warps][GQ][D] values
+  float *sums = stats + warps * GQ, *values = sums + warps * GQ;
   const int32_t *blocks = table + int64_t(token) * perSeq;
   const int pos = positions[token];
   if (pos < 0 || pos >= perSeq * blockSize) {
@@ -381,13 +393,37 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
     tbl[b] = e;
   }
+  __syncthreads();
+  const int64_t W = int64_t(kvHeads) * D;
+  float kv[kDecodeUnroll][N], vv[kDecodeUnroll][N];
+  // Loads this lane's keys and values of the round at `base` whose
+  // positions are in [lo, hi); the others are left as they are.
+  auto loadRound = [&](int base, int lo, int hi) {
+#pragma unroll
+    for (int u = 0; u < kDecodeUnroll; ++u) {
+      const int p = base + u * slots + slot;
+      if (p >= lo && p < hi) {
+        const int64_t row = (int64_t(tbl[p / blockSize]) * blockSize + p % blockSize) * W + int64_t(kh) * D + c * N;
+        Pack<T>::load(kc + row, kv[u]);
+        Pack<T>::load(vc + row, vv[u]);
+      }
+    }
+  };
+#pragma unroll
+  for (int u = 0; u < kDecodeUnroll; ++u)
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      kv[u][j] = 0.0f, vv[u][j] = 0.0f;
+  const int written = early ? max(0, keys - stepTokens) : 0; // keys earlier steps wrote
+  loadRound(0, 0, written);
+  waitPrevious(); // q and this step's cache rows are earlier kernels'
+  loadRound(0, written, keys);
   float qv[GQ][N];
 #pragma unroll
   for (int g = 0; g < GQ; ++g)
 #pragma unroll
     for (int j = 0; j < N; ++j)
       qv[g][j] = q[(int64_t(token) * heads + h0 + g) * D + c * N + j] * scale;
-  __syncthreads();
   float mx[GQ], total[GQ], acc[GQ][N];
 #pragma unroll
   for (int g = 0; g < GQ; ++g) {
@@ -396,23 +432,16 @@ __global__ void __launch_bounds__(kDecodeThreads)
     for (int j = 0; j < N; ++j)
       acc[g][j] = 0.0f;
   }
-  const int64_t W = int64_t(kvHeads) * D;
   // Rounds are uniform across a warp (its lanes shuffle together); a lane
   // past the last key computes on zeros and keeps nothing.
   for (int base = 0; base < keys; base += slots * kDecodeUnroll) {
-    float kv[kDecodeUnroll][N], vv[kDecodeUnroll][N];
+    if (base > 0) {
 #pragma unroll
-    for (int u = 0; u < kDecodeUnroll; ++u) {
-      const int p = base + u * slots + slot;
-      if (p < keys) {
-        const int64_t row = (int64_t(tbl[p / blockSize]) * blockSize + p % blockSize) * W + int64_t(kh) * D + c * N;
-        Pack<T>::load(kc + row, kv[u]);
-        Pack<T>::load(vc + row, vv[u]);
-      } else {
+      for (int u = 0; u < kDecodeUnroll; ++u)
 #pragma unroll
         for (int j = 0; j < N; ++j)
           kv[u][j] = 0.0f, vv[u][j] = 0.0f;
-      }
+      loadRound(base, 0, keys);
     }
 #pragma unroll
     for (int u = 0; u < kDecodeUnroll; ++u) {
@@ -436,26 +465,39 @@ __global__ void __launch_bounds__(kDecodeThreads)
       }
     }
   }
-  // Each key slot's statistics and values, then their combination.
+  // A warp's key slots (lanes lanesPerKey apart) combined by shuffles...
+  for (int off = lanesPerKey; off < 32; off *= 2)
 #pragma unroll
-  for (int g = 0; g < GQ; ++g) {
-    if (c == 0)
-      stats[slot * GQ + g] = mx[g], sums[slot * GQ + g] = total[g];
+    for (int g = 0; g < GQ; ++g) {
+      const float om = __shfl_xor_sync(0xffffffffu, mx[g], off), ot = __shfl_xor_sync(0xffffffffu, total[g], off);
+      const float m = fmaxf(mx[g], om);
+      const float a = mx[g] == -INFINITY ? 0.0f : __expf(mx[g] - m), b = om == -INFINITY ? 0.0f : __expf(om - m);
 #pragma unroll
-    for (int j = 0; j < N; ++j)
-      values[(slot * GQ + g) * D + c * N + j] = acc[g][j];
-  }
+      for (int j = 0; j < N; ++j)
+        acc[g][j] = acc[g][j] * a + __shfl_xor_sync(0xffffffffu, acc[g][j], off) * b;
+      total[g] = total[g] * a + ot * b, mx[g] = m;
+    }
+  // ...then the warps' in shared memory.
+  if (sub == 0)
+#pragma unroll
+    for (int g = 0; g < GQ; ++g) {
+      if (c == 0)
+        stats[warp * GQ + g] = mx[g], sums[warp * GQ + g] = total[g];
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+        values[(warp * GQ + g) * D + c * N + j] = acc[g][j];
+    }
   __syncthreads();
   for (int i = threadIdx.x; i < GQ * D; i += blockDim.x) {
     const int g = i / D, d = i % D;
     float m = -INFINITY;
-    for (int s = 0; s < slots; ++s)
+    for (int s = 0; s < warps; ++s)
       m = fmaxf(m, stats[s * GQ + g]);
     float t = 0.0f, out = 0.0f;
-    for (int s = 0; s < slots; ++s) {
+    for (int s = 0; s < warps; ++s) {
       const float ms = stats[s * GQ + g];
       if (ms == -INFINITY)
-        continue; // a slot without keys
+        continue; // a warp without keys
       const float w = __expf(ms - m);
       t += w * sums[s * GQ + g];
       out += w * values[(s * GQ + g) * D + d];
@@ -570,17 +612,25 @@ bool CudaBackendImpl::rotaryCacheTogether(const std::vector<Instruction> &instrs
       buf(rk.out[0]).dtype != kc.dtype || v.dtype != kc.dtype || buf(kw.out[1]).dtype != kc.dtype)
     return false;
   // A result may take its own input's place (each thread reads its pair
-  // before writing it), but no other operand's.
+  // before writing it), but no other operand's. k's result is not written
+  // where only the cache write reads it (the memory planner may have put it
+  // where q was read).
   auto inPlace = [&](int64_t out, int64_t in) {
     return buf(out).offset == buf(in).offset && buf(out).bytes == buf(in).bytes;
   };
-  for (auto [out, own] : {std::pair<int64_t, int64_t>{rq.out[0], rq.in[0]}, {rk.out[0], rk.in[0]}})
+  std::vector<std::pair<int64_t, int64_t>> written{{rq.out[0], rq.in[0]}};
+  if (rotaryKeysRead(instrs, i))
+    written.push_back({rk.out[0], rk.in[0]});
+  for (auto [out, own] : written)
     for (int64_t in : {rq.in[0], rk.in[0], kw.in[1], rq.in[1], kw.in[2], kw.out[0], kw.out[1]})
       if (overlaps(out, in) && !(in == own && inPlace(out, in)))
         return false;
-  if (overlaps(rq.out[0], rk.out[0]))
-    return false;
-  return true;
+  return written.size() == 1 || !overlaps(rq.out[0], rk.out[0]);
+}
+
+bool CudaBackendImpl::rotaryKeysRead(const std::vector<Instruction> &instrs, size_t i) {
+  int64_t k = instrs[i + 1].out[0];
+  return buf(k).role != BufferRole::Activation || readAfter(instrs, i + 3, k);
 }
 
 Launch CudaBackendImpl::buildRotaryCache(const std::vector<Instruction> &instrs, size_t i) {
@@ -588,7 +638,8 @@ Launch CudaBackendImpl::buildRotaryCache(const std::vector<Instruction> &instrs,
   const Buffer &q = buf(rq.in[0]), &k = buf(rk.in[0]), &kc = buf(kw.out[0]);
   int64_t n = q.shape[1], wq = q.shape[2], wk = k.shape[2], d = wq / int64_t(num(rq, "num_heads", 1));
   double theta = num(rq, "theta", 10000.0);
-  DPtr pq = fp(rq.in[0]), qo = fp(rq.out[0]), pk = fp(rk.in[0]), ko = fp(rk.out[0]), pv = fp(kw.in[1]);
+  DPtr pq = fp(rq.in[0]), qo = fp(rq.out[0]), pk = fp(rk.in[0]), pv = fp(kw.in[1]);
+  DPtr ko = rotaryKeysRead(instrs, i) ? fp(rk.out[0]) : DPtr{};
   DPtr pkc = fp(kw.out[0]), pvc = fp(kw.out[1]);
   const int32_t *positions = reinterpret_cast<const int32_t *>(ptr(buf(rq.in[1])));
   const int32_t *slots = reinterpret_cast<const int32_t *>(ptr(buf(kw.in[2])));
@@ -662,19 +713,22 @@ Launch CudaBackendImpl::buildPagedAttention(const Instruction &ins) {
   };
   const float *f32 = nullptr;
   const __nv_bfloat16 *b16 = nullptr;
-  // The decoding kernel for grouped query heads in steps of few (token,
-  // query head) pairs, where a key's slices fill whole warps; the kernel
-  // above otherwise. On an H200 the decoding kernel took TinyLlama (groups
-  // of 8) from 1.38-1.39 to 1.31-1.32 ms a token; for GPT-2's ungrouped
-  // heads it was no faster at one sequence and slower at 32 (17.4 against
-  // 21.1 thousand tokens/s). LOOM_CUDA_PAGED=vec or =decode chooses one.
+  // The decoding kernel in steps of few (token, query head) pairs, where a
+  // key's slices fill whole warps; the kernel above otherwise. On an H200
+  // the decoding kernel took TinyLlama (groups of 8) from 1.38-1.39 to
+  // 1.31-1.32 ms a token; for GPT-2's ungrouped heads it was no faster at
+  // one sequence until it loaded earlier steps' keys before the previous
+  // kernel's end (then 0.843-0.860 ms a token against 0.866-0.871), and
+  // slower at 32 sequences (17.4 against 21.1 thousand tokens/s), which
+  // the size rule leaves to the kernel above. LOOM_CUDA_PAGED=vec or
+  // =decode chooses one.
   int sms = 0;
   LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const char *choice = std::getenv("LOOM_CUDA_PAGED");
   std::string paged = choice ? choice : "";
   int lanesPerKey = D / pack;
   bool decode = vec && lanesPerKey <= 32 && 32 % lanesPerKey == 0 &&
-                (paged == "decode" || (paged != "vec" && group > 1 && n * heads < 2 * int64_t(sms)));
+                (paged == "decode" || (paged != "vec" && n * heads < 2 * int64_t(sms)));
   if (decode) {
     // Query heads per block: as many as keep about two blocks per
     // multiprocessor (each block reads its key/value head's rows once).
@@ -684,8 +738,12 @@ Launch CudaBackendImpl::buildPagedAttention(const Instruction &ins) {
         gq = g;
         break;
       }
-    int slots = (kDecodeThreads / 32) * (32 / lanesPerKey);
-    size_t smem = ((size_t(perSeq) + 3) / 4 * 4 + size_t(slots) * gq * (2 + D)) * sizeof(float);
+    size_t smem = ((size_t(perSeq) + 3) / 4 * 4 + size_t(kDecodeThreads / 32) * gq * (2 + D)) * sizeof(float);
+    // The positions and block table are read before the previous kernel
+    // ends where they are the step's inputs (kernels of the program write
+    // neither), as are the cache rows earlier steps wrote.
+    bool early = small && readOnlyHere(ins.in[3]) && readOnlyHere(ins.in[4]);
+    int stepTokens = int(n);
     if (smem <= 48 * 1024) {
       dim3 dgrid{unsigned(n), unsigned(kvHeads), unsigned(group / gq)};
       auto launch = [&](auto tag, auto kernel) -> Launch {
@@ -693,7 +751,7 @@ Launch CudaBackendImpl::buildPagedAttention(const Instruction &ins) {
         return [=](cudaStream_t s) {
           launchAfter(small, kernel, dgrid, dim3(kDecodeThreads), smem, s, pq, static_cast<const T *>(pk),
                       static_cast<const T *>(pv), pp, pt, po, heads, kvHeads, D, blockSize, perSeq, numBlocks, scale,
-                      err);
+                      stepTokens, early, err);
         };
       };
       switch (gq * 2 + bf) {
