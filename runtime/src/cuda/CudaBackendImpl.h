@@ -409,6 +409,7 @@ private:
     int64_t bytes = 0;
     cudaEvent_t copied = nullptr, sent = nullptr;
     bool used = false;
+    bool sentInGraph = false; // `sent` last recorded in a capture: an eager run may not wait for it
   };
   std::deque<Staging> staging;
   int64_t startOf(const Instruction &ins, int64_t localRows, int64_t &parts) const {

@@ -643,13 +643,17 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     // Captured, the program ends on its sends' join (prepare), so the
     // staging copy's last send is done before the next run copies into it
     // (a wait for an event recorded outside a capture cannot be captured);
-    // eager runs still wait, in case a run failed before its end.
+    // eager runs still wait, in case a run failed before its end, unless the
+    // last send was captured: its graph ended on the join, and CUDA refuses
+    // a wait outside a capture for an event recorded in one (an eager run
+    // after a replay, as GPT-2 350M's pp2 step made on 2 H200s).
     return [=](cudaStream_t s) {
       cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
       LOOM_CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
-      if (copy->used && capturing == cudaStreamCaptureStatusNone)
+      if (copy->used && !copy->sentInGraph && capturing == cudaStreamCaptureStatusNone)
         LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, copy->sent, 0)); // its last send is done
       copy->used = true;
+      copy->sentInGraph = capturing != cudaStreamCaptureStatusNone;
       LOOM_CUDA_CHECK(cudaMemcpyAsync(copy->data, src, bytes, cudaMemcpyDeviceToDevice, s));
       LOOM_CUDA_CHECK(cudaEventRecord(copy->copied, s));
       LOOM_CUDA_CHECK(cudaStreamWaitEvent(sendStream, copy->copied, 0));
