@@ -151,12 +151,19 @@ double checkAgainstForward(Session &ref, const std::vector<std::vector<int32_t>>
         row[v] = float(loadAsDouble(out.dtype, raw.data(), (int64_t(seq.size()) - 1) * V + v));
       int32_t want = int32_t(std::max_element(row.begin(), row.end()) - row.begin());
       if (res.tokens[j] != want) {
-        // Two logits within the output's rounding of each other are a tie
-        // that summation order decides (bf16: 8 bits of mantissa); the check
-        // goes on along the cache's sequence.
+        // Two logits within a few roundings of each other are a tie that
+        // summation order decides; the check goes on along the cache's
+        // sequence. bf16 (8 bits of mantissa): 1/32 relative, four to eight
+        // units in the last place. The decoding kernels and the forward pass's
+        // products round in different places (a norm folded into the
+        // products is not rounded to bf16 between, and which of cuBLASLt and
+        // our kernel runs a product is timed when a program is prepared):
+        // on TinyLlama's 22 random-weight layers their bf16 logits differ
+        // by up to 0.12, and a 2-unit gap between the best two (3.516
+        // against 3.484) was seen to flip from one run to the next.
         float got = row[size_t(res.tokens[j])], best = row[size_t(want)];
-        double ulp = out.dtype == LOOM_BF16 ? 1.0 / 128 : 1e-5;
-        if (best - got > ulp * std::max(1.0f, std::fabs(best)))
+        double tolerance = out.dtype == LOOM_BF16 ? 1.0 / 32 : 1e-5;
+        if (best - got > tolerance * std::max(1.0f, std::fabs(best)))
           fail(LOOM_INTERNAL, "request ", q, " new token ", j, ": the cache gave ", res.tokens[j],
                " but re-running the forward pass gives ", want, " (logits ", got, " vs ", best, ")");
         ++ties;
@@ -361,7 +368,8 @@ int generate(std::vector<std::unique_ptr<Session>> &ranks, const GenerateOptions
                 "largest logit difference %.3g\n",
                 checked - ties, o.reference.c_str(), worst);
     if (ties)
-      std::printf("reference: %zu more where the two logits tie within the output's rounding\n", ties);
+      std::printf("reference: %zu more where the two best logits tie (within the tolerance of their rounding)\n",
+                  ties);
   }
   return 0;
 }
