@@ -62,14 +62,15 @@ ServePlan planServing(const ModelSpec &spec, const Cluster &cluster, int64_t max
     }
     c.fits = true;
     c.launches = launches;
-    double perLaunch = t == 1 ? kGraphLaunchSeconds : kEagerLaunchSeconds;
     // A step at batch b: the weights once, the cached rows of b sequences
     // at half their length on average, the launches, and each all-reduce of
-    // b rows of the hidden width in bf16.
+    // b rows of the hidden width in bf16 (its measured cost in a graph and
+    // a ring's bytes over the link).
     auto step = [&](double b) {
       double reads = weights + cachePerToken * b * double(maxSeq) / 2;
-      double comm = t > 1 ? allReduces * allReduceTime(2.0 * b * hidden, t, link) : 0;
-      return reads / memRate + launches * perLaunch + comm;
+      double bytes = 2.0 * b * hidden;
+      double comm = t > 1 ? allReduces * (kGraphAllReduceSeconds + 2.0 * (t - 1) / t * bytes / link.bandwidth) : 0;
+      return reads / memRate + launches * kGraphLaunchSeconds + comm;
     };
     c.latencySeconds = step(1);
     c.batchStepSeconds = step(double(maxBatch));

@@ -42,15 +42,22 @@ struct ServePlan {
 
 /// What each operation of the model's forward pass (the planner's count,
 /// before the compiler fuses them) costs a decoding step beyond its reads,
-/// measured on an H200 (docs/benchmarks.md). From a CUDA graph: GPT-2 350M
-/// at batch 1 (424 operations) took its step's program 0.93 ms against
-/// 0.185 ms of weight reads at 80% of the memory bandwidth (fourth session
-/// of 2026-11-27, with the decoding kernels); the same cost puts TinyLlama
-/// 1.1B within 2% of its measured 1.18 ms. Batch 32, whose products run
-/// through cuBLASLt below the bandwidth, is predicted about 20% short.
-/// Without a graph (programs with NCCL calls, tp > 1): 2.82 us, from the
-/// session before, when the graph cost was 1.96 us.
-constexpr double kGraphLaunchSeconds = 1.76e-6, kEagerLaunchSeconds = 2.82e-6;
+/// measured on an H200 (docs/benchmarks.md), the step's program captured
+/// as a CUDA graph (NCCL's calls too, since the fifth session of
+/// 2026-11-27). Fitted to GPT-2 350M at batch 1 (424 operations; the
+/// step's program 0.812 ms against 0.196 ms of reads at 80% of the memory
+/// bandwidth, sixth session of 2026-11-27). The independent check,
+/// TinyLlama 1.1B, is predicted 14% long (1.096 ms against 0.962): the
+/// runtime folds its norms and rotary into fewer kernels than GPT-2's per
+/// operation, and its large products overlap their launches. Batch 32,
+/// whose products run through cuBLASLt below the bandwidth, was predicted
+/// about 20% short.
+constexpr double kGraphLaunchSeconds = 1.45e-6;
+/// One tensor-parallel all-reduce of a decoding step's rows beyond its
+/// bytes (NCCL inside the step's graph, two H200s over NVLink): fitted to
+/// GPT-2 350M tp2's program, 1.345 ms (48 all-reduces); TinyLlama tp2 is
+/// then predicted 1.387 ms against 1.325 measured. Measured at tp 2 only.
+constexpr double kGraphAllReduceSeconds = 13.2e-6;
 
 /// `objective` is "latency" or "throughput"; maxSeq the tokens a sequence
 /// holds (its cache), maxBatch the sequences decoding at once.
