@@ -41,20 +41,25 @@ for txt in sorted(glob.glob(f"{R}/{m}-plan-*.txt")):
     plan = open(txt).read()
     pred = re.findall(r"predicted step\s+([\d.]+) ms", plan)
     pmem = re.findall(r"peak memory\s+([\d.]+) GiB", plan)
+    # The largest stage's weights + activations: what the arena holds (the
+    # peak adds a reserve for the CUDA context, workspaces and NCCL).
+    stages = [float(w) + float(a) for w, a in re.findall(r"\(([\d.]+) GiB \+ ([\d.]+) GiB\)", plan)]
     field = lambda key: (re.findall(r"^  " + key + r"\s+(.*)$", plan, re.M) or ["?"])[0].strip()
     shape = (f"dp{field('data parallel')} tp{field('tensor parallel')}, pipeline {field('pipeline')}, "
              f"recomputation {field('recomputation')}")
     ms, mem, arena = measured(f"{out}/{m}-plan-{name}.log")
-    rows.append((name, shape, float(pred[0]) if pred else None, ms, float(pmem[0]) if pmem else None, mem, arena))
+    rows.append((name, shape, float(pred[0]) if pred else None, ms, float(pmem[0]) if pmem else None, mem, arena,
+                 max(stages) if stages else None))
 err = lambda p, q: f"{(p - q) / q * 100:+.1f}%" if p is not None and q else "n/a"
 f = lambda x, fmt: fmt % x if x is not None else "n/a"
 print(f"one GPU, batch 8: {f(one, '%.1f')} ms/step")
 print(f"{'plan':34s} {'predicted':>9s} {'measured':>9s} {'error':>7s} {'vs 1 GPU':>8s}   "
-      f"{'memory pred.':>12s} {'in use':>7s} {'arena':>6s} {'error':>7s}")
-for name, shape, pred, ms, pmem, mem, arena in rows:
+      f"{'arena pred.':>11s} {'arena':>6s} {'error':>7s}   {'peak pred.':>10s} {'in use':>7s} {'error':>7s}")
+for name, shape, pred, ms, pmem, mem, arena, parena in rows:
     speed = f"{2 * one / ms:.2f}x" if one and ms else "n/a"  # twice the tokens of the one-GPU step
     print(f"{name:34s} {f(pred, '%9.1f')} {f(ms, '%9.1f')} {err(pred, ms):>7s} {speed:>8s}   "
-          f"{f(pmem, '%10.1f G')} {f(mem, '%5.1f G')} {f(arena, '%4.1f G')} {err(pmem, arena):>7s}")
+          f"{f(parena, '%9.1f G')} {f(arena, '%4.1f G')} {err(parena, arena):>7s}   "
+          f"{f(pmem, '%8.1f G')} {f(mem, '%5.1f G')} {err(pmem, mem):>7s}")
 done = [r for r in rows if r[3] is not None]
 if done:
     fastest = min(done, key=lambda r: r[3])
