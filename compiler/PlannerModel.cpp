@@ -96,6 +96,7 @@ public:
       auto q = cast<RankedTensorType>(attn.getQ().getType());
       layer.seq = static_cast<double>(q.getDimSize(1));
       layer.heads = static_cast<double>(attn.getNumHeads());
+      layer.kvWidth = static_cast<double>(cast<RankedTensorType>(attn.getK().getType()).getShape().back());
       divisor = std::gcd(divisor, attn.getNumHeads());
       divisor = std::gcd(divisor, attn.getKvHeads());
       return;

@@ -64,6 +64,9 @@ struct LayerSpec {
   std::vector<TiedParam> tied;
   bool isTransformer = false;
   double seq = 0, hidden = 0, heads = 0;
+  /// The width of the attention's keys (and values): key/value heads times
+  /// the head dimension, below `hidden` under grouped-query attention.
+  double kvWidth = 0;
   /// Parameter tensors (ZeRO-1 collects each on its own in today's CUDA runtime).
   double paramTensors = 0;
   /// Instructions (kernel launches) of the layer's forward pass; backward

@@ -38,8 +38,8 @@ ServePlan planServing(const ModelSpec &spec, const Cluster &cluster, int64_t max
       }
       // bf16 weights, the split part over t.
       weights += 2.0 * (l.params - l.shardedParams + l.shardedParams / double(t));
-      if (l.isTransformer) // a key and a value row of the layer's width per token, bf16, split by heads
-        cachePerToken += 2.0 * 2.0 * l.hidden / double(t);
+      if (l.isTransformer) // a key and a value row per token (the key/value heads' width), bf16, split by heads
+        cachePerToken += 2.0 * 2.0 * (l.kvWidth > 0 ? l.kvWidth : l.hidden) / double(t);
       launches += l.instructions;
       if (t > 1)
         allReduces += l.tpAllReduces;

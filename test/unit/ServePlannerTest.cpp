@@ -86,3 +86,19 @@ TEST(ServePlanner, RefusesWithTheReason) {
   EXPECT_FALSE(none.found);
   EXPECT_NE(none.error.find("tp 2: needs"), std::string::npos) << none.error;
 }
+
+TEST(ServePlanner, GroupedQueryAttentionCachesItsKeyValueHeadsOnly) {
+  // TinyLlama's attention: 32 query heads, 4 key/value heads, so each token
+  // caches a key and a value row an eighth of the hidden width.
+  const double h = 2048, batch = 32, seq = 256;
+  ModelSpec mha = decoder(22, h, 32000), gqa = mha;
+  for (LayerSpec &l : gqa.layers)
+    if (l.isTransformer)
+      l.kvWidth = h / 8;
+  ServePlan a = planServing(mha, node(1), int64_t(batch), int64_t(seq), "latency");
+  ServePlan b = planServing(gqa, node(1), int64_t(batch), int64_t(seq), "latency");
+  ASSERT_TRUE(a.found && b.found) << a.error << b.error;
+  double mhaCache = 22 * 2 * 2 * h * batch * seq; // k and v, bf16, every layer
+  EXPECT_NEAR(a.candidates[0].memoryBytes - b.candidates[0].memoryBytes, mhaCache * 7 / 8, 1.0);
+  EXPECT_LT(b.candidates[0].batchStepSeconds, a.candidates[0].batchStepSeconds); // fewer cached rows read
+}
