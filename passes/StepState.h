@@ -173,12 +173,6 @@ bool isFloatRole(const ::loom::rt::Buffer &b);
 /// densely (loom-compact-ranks).
 void compactRank(::loom::rt::RankProgram &rank);
 
-/// Packs the activation buffers of a rank into the arena by lifetime and
-/// fills offsets, arena size and peak; persistent buffers (parameters,
-/// inputs, outputs) come first (loom-plan-memory). Fails where the arena
-/// would not fit in int64.
-LogicalResult planMemory(::loom::rt::RankProgram &rank, const std::vector<std::string> &programs);
-
 /// A buffer's element type as MLIR's, and back (none for other types).
 Type elementType(MLIRContext *ctx, ::loom_dtype_t dtype);
 std::optional<::loom_dtype_t> dtypeOf(Type type);
