@@ -65,6 +65,19 @@ public:
   }
 
   std::string str() const { return os.str(); }
+  /// Every model's @loss: its forward pass, then the cross-entropy of the
+  /// logits against the labels; closes the module and returns the text.
+  std::string lossAndEnd(const std::string &input, const std::string &inputType, const std::string &labels,
+                         const std::string &labelsType, const std::string &logitsType) {
+    blank();
+    open("func.func @loss(%" + input + ": " + inputType + ", %" + labels + ": " + labelsType + ") -> tensor<f32> {");
+    op("logits", "call @forward(%" + input + ") : (" + inputType + ") -> " + logitsType);
+    op("loss", "loom.cross_entropy %logits, %" + labels + " : " + logitsType + ", " + labelsType);
+    line("return %loss : tensor<f32>");
+    close();
+    close();
+    return str();
+  }
 
   std::string dtype;
 
@@ -198,14 +211,7 @@ std::string writeGpt(const ModelConfig &c) {
   w.op("logits", "loom.matmul %xf, %wte {transpose_b} : " + X + ", " + w.t({v, h}));
   w.line("return %logits : " + logits);
   w.close();
-  w.blank();
-  w.open("func.func @loss(%tokens: " + tokens + ", %targets: " + tokens + ") -> tensor<f32> {");
-  w.op("logits", "call @forward(%tokens) : (" + tokens + ") -> " + logits);
-  w.op("loss", "loom.cross_entropy %logits, %targets : " + logits + ", " + tokens);
-  w.line("return %loss : tensor<f32>");
-  w.close();
-  w.close();
-  return w.str();
+  return w.lossAndEnd("tokens", tokens, "targets", tokens, logits);
 }
 
 //===----------------------------------------------------------------------===//
@@ -289,14 +295,7 @@ std::string writeLlama(const ModelConfig &c) {
   w.op("logits", "loom.matmul %xf, %head {transpose_b} : " + X + ", " + w.t({v, h}));
   w.line("return %logits : " + logits);
   w.close();
-  w.blank();
-  w.open("func.func @loss(%tokens: " + tokens + ", %targets: " + tokens + ") -> tensor<f32> {");
-  w.op("logits", "call @forward(%tokens) : (" + tokens + ") -> " + logits);
-  w.op("loss", "loom.cross_entropy %logits, %targets : " + logits + ", " + tokens);
-  w.line("return %loss : tensor<f32>");
-  w.close();
-  w.close();
-  return w.str();
+  return w.lossAndEnd("tokens", tokens, "targets", tokens, logits);
 }
 
 //===----------------------------------------------------------------------===//
@@ -402,14 +401,7 @@ std::string writeBert(const ModelConfig &c) {
   w.op("logits", "loom.add %l0, %bias : " + logits + ", " + w.t({v}));
   w.line("return %logits : " + logits);
   w.close();
-  w.blank();
-  w.open("func.func @loss(%tokens: " + tokens + ", %targets: " + tokens + ") -> tensor<f32> {");
-  w.op("logits", "call @forward(%tokens) : (" + tokens + ") -> " + logits);
-  w.op("loss", "loom.cross_entropy %logits, %targets : " + logits + ", " + tokens);
-  w.line("return %loss : tensor<f32>");
-  w.close();
-  w.close();
-  return w.str();
+  return w.lossAndEnd("tokens", tokens, "targets", tokens, logits);
 }
 
 //===----------------------------------------------------------------------===//
@@ -456,15 +448,7 @@ std::string writeMlp(const ModelConfig &c) {
   w.op("logits", "loom.add %l0, %bo : " + K + ", " + w.t({k}));
   w.line("return %logits : " + K);
   w.close();
-  w.blank();
-  std::string labels = w.ids({kDyn});
-  w.open("func.func @loss(%input: " + I + ", %labels: " + labels + ") -> tensor<f32> {");
-  w.op("logits", "call @forward(%input) : (" + I + ") -> " + K);
-  w.op("loss", "loom.cross_entropy %logits, %labels : " + K + ", " + labels);
-  w.line("return %loss : tensor<f32>");
-  w.close();
-  w.close();
-  return w.str();
+  return w.lossAndEnd("input", I, "labels", w.ids({kDyn}), K);
 }
 
 //===----------------------------------------------------------------------===//
@@ -592,15 +576,7 @@ std::string writeResnet(const ModelConfig &c) {
   w.op("logits", "loom.add %l0, %fc_b : " + K + ", " + w.t({k}));
   w.line("return %logits : " + K);
   w.close();
-  w.blank();
-  std::string labels = w.ids({kDyn});
-  w.open("func.func @loss(%images: " + I + ", %labels: " + labels + ") -> tensor<f32> {");
-  w.op("logits", "call @forward(%images) : (" + I + ") -> " + K);
-  w.op("loss", "loom.cross_entropy %logits, %labels : " + K + ", " + labels);
-  w.line("return %loss : tensor<f32>");
-  w.close();
-  w.close();
-  return w.str();
+  return w.lossAndEnd("images", I, "labels", w.ids({kDyn}), K);
 }
 
 bool positive(int64_t v) { return v > 0; }
