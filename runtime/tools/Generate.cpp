@@ -21,6 +21,8 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -118,6 +120,36 @@ std::vector<Result> runOnce(serve::Engine &engine, const std::vector<std::vector
     if (r.finish == serve::Finish::Error)
       fail(LOOM_INTERNAL, "generation failed: ", r.error);
   return results;
+}
+
+/// The bytes of weights a one-token step of `program` reads: every
+/// parameter or prepared weight it reads and no instruction of it writes,
+/// once (the embedding's table only for the rows it looks up, unless a
+/// product reads the whole table too, as a tied head does).
+double weightBytesPerStep(const RankProgram &r, const std::string &program) {
+  auto it = r.programs.find(program);
+  if (it == r.programs.end())
+    return 0;
+  std::set<int64_t> written;
+  for (const Instruction &ins : it->second)
+    for (int64_t id : ins.out)
+      written.insert(storageOf(r, id));
+  std::map<int64_t, double> bytes; // by storage: the most any instruction reads of it
+  for (const Instruction &ins : it->second)
+    for (size_t k = 0; k < ins.in.size(); ++k) {
+      int64_t s = storageOf(r, ins.in[k]);
+      const Buffer &b = r.buffers[size_t(s)];
+      if ((b.role != BufferRole::Param && b.role != BufferRole::Cache) || written.count(s))
+        continue;
+      double read = double(b.bytes);
+      if (ins.op == "embedding" && k == 0 && b.shape.size() == 2 && b.shape[0] > 0 && ins.in.size() > 1)
+        read = double(b.bytes) / double(b.shape[0]) * double(numElements(r.buffers[size_t(ins.in[1])].shape).value_or(0));
+      bytes[s] = std::max(bytes[s], read);
+    }
+  double total = 0;
+  for (auto &[_, b] : bytes)
+    total += b;
+  return total;
 }
 
 /// Greedy decoding by re-running the forward pass over the whole sequence
@@ -342,6 +374,14 @@ int generate(std::vector<std::unique_ptr<Session>> &ranks, const GenerateOptions
   std::printf("time to first token: p50 %.3f ms, p99 %.3f ms\n", percentile(firsts, 0.5), percentile(firsts, 0.99));
   std::printf("per-token latency: mean %.3f ms, p50 %.3f ms, p99 %.3f ms\n", mean, percentile(gaps, 0.5),
               percentile(gaps, 0.99));
+  // What a decoding step reads of the weights, against its time: the
+  // fraction of the memory's bandwidth a batch-1 step reaches.
+  double weights = 0;
+  for (auto &s : ranks)
+    weights = std::max(weights, weightBytesPerStep(s->rank(), cfg.programs.front().name));
+  if (weights > 0 && mean > 0)
+    std::printf("weights read a decoding step: %.1f MB a rank, %.2f TB/s at the mean per-token latency\n",
+                weights / 1e6, weights / (mean * 1e-3) / 1e12);
   std::printf("throughput: %.1f tokens/s (%zu new tokens of %zu requests in %.3f s, %d timed run%s after 1 "
               "warm-up)\n",
               total > 0 ? double(generated) / total : 0.0, generated, prompts.size() * size_t(o.repeat), total,
