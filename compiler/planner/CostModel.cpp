@@ -24,59 +24,48 @@ double reduceScatterTime(double bytes, int64_t n, const Link &link) {
 
 double p2pTime(double bytes, const Link &link) { return bytes / link.bandwidth + link.latency; }
 
-const char *scheduleName(Schedule s) {
-  switch (s) {
-  case Schedule::GPipe:
-    return "gpipe";
-  case Schedule::OneFOneB:
-    return "1f1b";
-  case Schedule::Interleaved:
-    return "interleaved";
-  case Schedule::ZeroBubbleH1:
-    return "zb-h1";
-  }
+namespace {
+
+/// One table per option: its names, both ways.
+template <typename E> struct Named {
+  const char *name;
+  E value;
+};
+constexpr Named<Schedule> kSchedules[] = {{"gpipe", Schedule::GPipe},
+                                          {"1f1b", Schedule::OneFOneB},
+                                          {"interleaved", Schedule::Interleaved},
+                                          {"zb-h1", Schedule::ZeroBubbleH1}};
+constexpr Named<Recompute> kRecomputes[] = {
+    {"none", Recompute::None}, {"selective", Recompute::Selective}, {"full", Recompute::Full}};
+constexpr Named<Precision> kPrecisions[] = {{"f32", Precision::F32}, {"bf16", Precision::Bf16}};
+
+template <typename E, size_t N> const char *nameIn(const Named<E> (&table)[N], E value) {
+  for (const Named<E> &n : table)
+    if (n.value == value)
+      return n.name;
   return "?";
 }
+
+template <typename E, size_t N> bool parseIn(const Named<E> (&table)[N], const std::string &text, E &out) {
+  for (const Named<E> &n : table)
+    if (text == n.name) {
+      out = n.value;
+      return true;
+    }
+  return false;
+}
+
+} // namespace
+
+const char *scheduleName(Schedule s) { return nameIn(kSchedules, s); }
 
 const char *scheduleChoices() { return "gpipe, 1f1b, interleaved or zb-h1"; }
 
-const char *recomputeName(Recompute r) {
-  switch (r) {
-  case Recompute::None:
-    return "none";
-  case Recompute::Selective:
-    return "selective";
-  case Recompute::Full:
-    return "full";
-  }
-  return "?";
-}
+const char *recomputeName(Recompute r) { return nameIn(kRecomputes, r); }
 
-bool parseSchedule(const std::string &text, Schedule &out) {
-  if (text == "gpipe")
-    out = Schedule::GPipe;
-  else if (text == "1f1b")
-    out = Schedule::OneFOneB;
-  else if (text == "interleaved")
-    out = Schedule::Interleaved;
-  else if (text == "zb-h1")
-    out = Schedule::ZeroBubbleH1;
-  else
-    return false;
-  return true;
-}
+bool parseSchedule(const std::string &text, Schedule &out) { return parseIn(kSchedules, text, out); }
 
-bool parseRecompute(const std::string &text, Recompute &out) {
-  if (text == "none")
-    out = Recompute::None;
-  else if (text == "selective")
-    out = Recompute::Selective;
-  else if (text == "full")
-    out = Recompute::Full;
-  else
-    return false;
-  return true;
-}
+bool parseRecompute(const std::string &text, Recompute &out) { return parseIn(kRecomputes, text, out); }
 
 double bubbleFraction(Schedule s, int64_t p, int64_t m, int64_t v, double forwardShare,
                       double weightShare) {
@@ -106,17 +95,9 @@ double microbatchesInFlight(Schedule s, int64_t p, int64_t m, int64_t v, int64_t
   return double(m);
 }
 
-const char *precisionName(Precision p) { return p == Precision::F32 ? "f32" : "bf16"; }
+const char *precisionName(Precision p) { return nameIn(kPrecisions, p); }
 
-bool parsePrecision(const std::string &text, Precision &out) {
-  if (text == "bf16")
-    out = Precision::Bf16;
-  else if (text == "f32")
-    out = Precision::F32;
-  else
-    return false;
-  return true;
-}
+bool parsePrecision(const std::string &text, Precision &out) { return parseIn(kPrecisions, text, out); }
 
 double activationWidth(Precision p) { return p == Precision::F32 ? 4.0 : 2.0; }
 

@@ -292,6 +292,8 @@ std::pair<int64_t, int64_t> CudaBackendImpl::placeIn(const std::string &group) {
   if (g == rank.groups.end())
     fail(LOOM_INVALID_BUNDLE, where, ": names group '", group, "', which this rank does not have");
   int64_t index = std::find(g->second.begin(), g->second.end(), rank.rank) - g->second.begin();
+  if (index == int64_t(g->second.size()))
+    fail(LOOM_INVALID_BUNDLE, where, ": group '", group, "' does not hold rank ", rank.rank);
   return {index, int64_t(g->second.size())};
 }
 

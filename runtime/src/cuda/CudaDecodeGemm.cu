@@ -161,11 +161,8 @@ __device__ inline void multiplyStep(const GemvArgs &args, int k, const int4 (&v)
   }
 }
 
-/// R: rows rounded up (1, 2, 4 or 8). A block computes kOutputs outputs:
-/// its warps split K (sixteen bytes of each output's weights per lane and
-/// step, every output's load in flight at once), then add their sums in
-/// shared memory.
-/// The block's sum over K of f(x[r][k]) for each row r, into total[r].
+/// The block's sum over K of f(x[r][k]) for each row r, into total[r]
+/// (a folded layer norm's statistics).
 template <int R, typename F>
 __device__ inline void rowSums(const GemvArgs &args, F f, float *total, float (*scratch)[R]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

@@ -192,9 +192,12 @@ __global__ void splitCrossEntropyGradKernel(DPtr logits, const void *targets, bo
 /// Programmatic dependent launch (Hopper; launchAfter() in
 /// CudaBackendImpl.h): a kernel so launched may begin while the kernel
 /// before it in the stream is still ending. Before waitPrevious() it may
-/// touch only what no kernel writes while a program runs (weights, its
-/// arguments); startDependents() lets the next such kernel's blocks begin
-/// once every block of this one has called it.
+/// read only what no kernel of the running program writes: weights, the
+/// inputs the host uploaded before the program, its arguments
+/// (CudaBackendImpl::readOnlyHere decides), and what earlier runs wrote
+/// that this one does not touch (the decoding attention's older cache
+/// rows); startDependents() lets the next such kernel's blocks begin once
+/// every block of this one has called it.
 __device__ inline void waitPrevious() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
