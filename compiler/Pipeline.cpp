@@ -51,6 +51,8 @@ void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o,
     add(createJoinSliceGradients());
     add(createPackedQkvAttention());
     add(createBf16StepCasts());
+    if (o.zero1 && o.bf16)
+      add(createZeroGatherCopies());
   }
   if (o.fuse)
     add(createFuseElementwise());

@@ -230,6 +230,20 @@ def Bf16StepCasts : Pass<"loom-bf16-step-casts", "::mlir::ModuleOp"> {
   }];
 }
 
+def ZeroGatherCopies : Pass<"loom-zero-gather-copies", "::mlir::ModuleOp"> {
+  let summary = "ZeRO-1 keeps master slices and all-gathers the bf16 weights";
+  let description = [{
+    Mixed-precision ZeRO-1 steps: each rank keeps its slice of every f32
+    master weight (role cache) and updates it in place; the forward starts
+    by all-gathering the slices into the bf16 copies in buckets on the
+    communication stream, each waited for before the first read of one of
+    its weights, instead of the update gathering f32 masters and the
+    forward casting them. A `prepare` program takes the slices from the
+    masters after weights are written, and `gather_parameters` puts whole
+    masters back before they are read (checkpoints).
+  }];
+}
+
 def FuseElementwise : Pass<"loom-fuse-elementwise", "::mlir::ModuleOp"> {
   let summary = "Elementwise chains into generated kernels, GEMM epilogues, named row kernels";
   let description = [{

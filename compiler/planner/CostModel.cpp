@@ -106,8 +106,11 @@ ParameterBytes parameterBytes(Precision precision, int zeroStage, int64_t dp, in
   double adam = 8.0; // f32 m and v
   if (zeroStage >= 1)
     adam /= double(std::max<int64_t>(dp, 1));
-  bytes.persistent = 4.0 + adam;
   bool bf16 = precision == Precision::Bf16;
+  // Mixed-precision ZeRO-1 keeps each rank's slice of the f32 masters
+  // beside the whole (passes/ZeroGatherCopies.cpp).
+  double masterSlice = bf16 && zeroStage >= 1 ? 4.0 / double(std::max<int64_t>(dp, 1)) : 0.0;
+  bytes.persistent = 4.0 + adam + masterSlice;
   bytes.workingCopy = bf16 ? 2.0 : 0.0;
   // passes/Bf16StepCasts.cpp leaves a gradient in bf16 where the optimizer
   // is its only reader: no all-reduce, no sum over microbatches.

@@ -75,15 +75,34 @@ Session::Session(const std::string &bundleDir, const SessionOptions &options)
          " has neither a 'forward' nor a 'step' program");
   for (const auto &[name, instrs] : r.programs)
     backend->prepare(name, instrs);
+  prepareDue = true;
+}
+
+void Session::prepareIfDue() {
+  // A serving bundle's engine runs its own "prepare" (ServeConfig::prepare).
+  if (prepareDue && !bundle.serve.enabled() && backend->has("prepare"))
+    backend->run("prepare");
+  prepareDue = false;
+}
+
+void Session::gatherParameters() const {
+  if (mastersStale && backend->has("gather_parameters"))
+    backend->run("gather_parameters");
+  mastersStale = false;
 }
 
 std::vector<char> Session::read(const Buffer &b) const {
+  if (b.role == BufferRole::Param)
+    gatherParameters();
   std::vector<char> out(b.bytes);
   backend->download(b, out.data());
   return out;
 }
 
-void Session::write(const Buffer &b, const void *src) { backend->upload(b, src); }
+void Session::write(const Buffer &b, const void *src) {
+  backend->upload(b, src);
+  prepareDue |= b.role == BufferRole::Param;
+}
 
 char *Session::data(const Buffer &b) const {
   char *p = backend->hostData(b);
@@ -105,7 +124,12 @@ bool Session::canTrain() const { return backend->has("backward") || backend->has
 void Session::runProgram(const std::string &name) {
   if (!backend->has(name))
     fail(LOOM_INVALID_ARGUMENT, "the bundle has no '", name, "' program");
+  if (name == "gather_parameters")
+    return gatherParameters();
+  if (name != "prepare")
+    prepareIfDue();
   backend->run(name);
+  mastersStale |= name == "update" && backend->has("gather_parameters");
 }
 
 float Session::loss() const {
@@ -123,14 +147,17 @@ float Session::trainStep() {
   if (!canTrain())
     fail(LOOM_INVALID_ARGUMENT, "this bundle was compiled for inference; compile with "
          "loomc compile --train to train");
+  prepareIfDue();
   if (backend->has("step")) { // pipelined: the schedule's forward and backward tasks
     backend->run("step");
   } else {
     backend->run("forward");
     backend->run("backward");
   }
-  if (backend->has("update"))
+  if (backend->has("update")) {
     backend->run("update");
+    mastersStale = backend->has("gather_parameters");
+  }
   return loss();
 }
 
@@ -145,6 +172,7 @@ int64_t Session::step() const {
 }
 
 void Session::saveCheckpoint(const std::string &path) const {
+  gatherParameters();
   std::vector<SafetensorsTensorRef> refs;
   std::vector<std::vector<char>> copies;
   copies.reserve(rank().params.size() + rank().state.size());
@@ -182,6 +210,7 @@ void Session::loadCheckpoint(const std::string &path) {
     backend->upload(rank().buffers[p.buffer], file.bytesOf(p.name));
   for (const NamedBuffer &nb : rank().state)
     backend->upload(rank().buffers[nb.buffer], file.bytesOf("state." + nb.name));
+  prepareDue = true, mastersStale = false;
 }
 
 static const Buffer &findNamed(const RankProgram &r, const std::vector<NamedBuffer> &list,
@@ -244,6 +273,7 @@ void Session::runForward() {
   if (!backend->has("forward"))
     fail(LOOM_UNSUPPORTED, "this bundle runs forward and backward together in its pipelined "
          "'step' program; train with it (loom-run --steps N) or compile without pipelining");
+  prepareIfDue();
   backend->run("forward");
 }
 
@@ -277,6 +307,7 @@ void Session::loadWeights(const std::string &path) {
       backend->upload(b, file.data.data() + e.offset);
     }
   }
+  prepareDue = true, mastersStale = false;
 }
 
 void Session::saveWeights(const std::string &path) const {
@@ -284,6 +315,7 @@ void Session::saveWeights(const std::string &path) const {
     if (p.shard.axis >= 0)
       fail(LOOM_UNSUPPORTED, "parameter '", p.name, "' is split over ranks; save a checkpoint "
            "per rank (loom-run --checkpoint) or gather the parts with insertShard");
+  gatherParameters();
   std::vector<SafetensorsTensorRef> refs;
   std::vector<std::vector<char>> copies;
   copies.reserve(rank().params.size());

@@ -58,6 +58,13 @@ public:
   void abortPeers(const std::string &message);
   /// Runs one program by name ("forward", "backward", "update").
   void runProgram(const std::string &name);
+  /// Mixed-precision ZeRO-1 bundles keep each rank's slice of the f32
+  /// masters up to date, not the whole (loom-zero-gather-copies): this runs
+  /// their `gather_parameters` program if a step ran since the last time, a
+  /// collective every rank of the data-parallel group must join. Saving
+  /// checkpoints and weights, and reading a parameter, call it; loom-run
+  /// calls it on every rank at once before saving.
+  void gatherParameters() const;
   float loss() const;
 
   void loadWeights(const std::string &path);
@@ -93,6 +100,12 @@ private:
   std::shared_ptr<Communicator> comm;
   std::shared_ptr<NcclWorld> nccl;
   std::unique_ptr<Backend> backend;
+  /// Weights were written (initialised, loaded, poked): the bundle's
+  /// `prepare` program runs before the next step or forward.
+  mutable bool prepareDue = false;
+  /// A step updated the master slices since gather_parameters last ran.
+  mutable bool mastersStale = false;
+  void prepareIfDue();
 };
 
 } // namespace loom::rt

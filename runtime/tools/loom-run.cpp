@@ -387,6 +387,8 @@ int train(std::vector<std::unique_ptr<Session>> &ranks,
            "; lower --lr or raise --clip when compiling");
     if (saveEvery > 0 && t % saveEvery == 0) {
       ::mkdir(checkpointDir.c_str(), 0755);
+      // ZeRO-1's master slices into whole masters, every rank at once (a collective).
+      onEveryRank(ranks, comm, [](Session &rank) { rank.gatherParameters(); });
       for (size_t k = 0; k < ranks.size(); ++k) // every rank holds its own parts and state
         ranks[k]->saveCheckpoint(checkpointFile(checkpointDir, k));
       std::printf("saved %s at step %lld\n",

@@ -136,6 +136,13 @@ Result train(const std::string &model, const Config &c) {
         out.error = "rank " + std::to_string(s->rank().rank) + " reports loss " +
                     std::to_string(s->loss()) + ", rank 0 " + std::to_string(out.losses.back());
   }
+  // ZeRO-1 with bf16 copies keeps slices of the masters: every rank puts
+  // its masters back together at once (a collective), then reads them.
+  std::vector<std::thread> gathers;
+  for (auto &s : ranks)
+    gathers.emplace_back([&s] { s->gatherParameters(); });
+  for (auto &t : gathers)
+    t.join();
   // Gather whole parameters from every rank's parts.
   for (auto &s : ranks)
     for (const rt::Parameter &p : s->rank().params) {
@@ -220,9 +227,12 @@ std::vector<Config> configs() {
       {"bf16-pp2-zbh1", 1, 1, 2, 1, 4, "zb-h1", false, true},
       {"bf16-dp2tp2pp2", 2, 2, 2, 1, 2, "1f1b", false, true},
       {"bf16-dp2tp2-zero1", 2, 2, 1, 1, 1, "1f1b", true, true},
+      {"bf16-dp2-zero1", 2, 1, 1, 1, 1, "1f1b", true, true},
+      {"bf16-dp2pp2-zero1", 2, 1, 2, 1, 2, "gpipe", true, true},
       // bf16 with --fuse: the epilogue rewrites in partitioned and pipelined programs.
       {"bf16-fuse-tp2", 1, 2, 1, 1, 1, "1f1b", false, true, true},
       {"bf16-fuse-dp2tp2pp2", 2, 2, 2, 1, 2, "1f1b", false, true, true},
+      {"bf16-fuse-dp2-zero1", 2, 1, 1, 1, 1, "1f1b", true, true, true},
   };
 }
 

@@ -269,6 +269,27 @@ __global__ void packShardsKernel(const PackedTensor *t, int count, int64_t span,
   }
 }
 
+/// packShardsKernel for a gather into bf16 copies: the f32 slices rounded
+/// to bf16 (nearest even), as a cast would.
+__global__ void packShardsBf16Kernel(const PackedTensor *t, int count, int64_t span, __nv_bfloat16 *mine) {
+  GRID_LOOP(j, span) {
+    const PackedTensor &x = t[tensorOf(t, count, j)];
+    mine[j] = __float2bfloat16_rn(x.shard[j - x.offset]);
+  }
+}
+
+/// unpackWholesKernel into bf16 wholes (`whole` holds a bf16 tensor's address).
+__global__ void unpackWholesBf16Kernel(const PackedTensor *t, int count, int64_t span, int64_t parts,
+                                       const __nv_bfloat16 *gathered) {
+  GRID_LOOP(i, parts * span) {
+    int64_t p = i / span, j = i % span;
+    const PackedTensor &x = t[tensorOf(t, count, j)];
+    int64_t at = p * x.k + (j - x.offset);
+    if (at < x.n)
+      reinterpret_cast<__nv_bfloat16 *>(x.whole)[at] = gathered[i];
+  }
+}
+
 } // namespace
 
 bool CudaBackendImpl::zeroPacked() {
@@ -390,20 +411,62 @@ Launch CudaBackendImpl::buildPackedReduceScatter(const Instruction &ins, int64_t
 }
 
 Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm) {
+  // f32 slices into f32 wholes (the masters), or into bf16 wholes: the
+  // weights' bf16 copies that mixed-precision ZeRO-1 gathers at the start
+  // of the forward (loom-zero-gather-copies), half the bytes, rounded as a
+  // cast rounds.
+  bool bf16 = !ins.out.empty() && buf(ins.out[0]).dtype == LOOM_BF16;
+  for (size_t i = 0; i < ins.out.size(); ++i)
+    if ((buf(ins.out[i]).dtype == LOOM_BF16) != bf16)
+      fail(LOOM_INVALID_BUNDLE, where, ": gathers into f32 and bf16 tensors at once; one dtype per all_gather");
+  std::vector<int64_t> wholes = ins.out;
   int64_t span = 0;
-  const PackedTensor *table = packedTensors(ins.out, ins.in, parts, span); // parameters, their updated shards
+  const PackedTensor *table = nullptr;
+  if (bf16) { // packedTensors reads f32 addresses: give it the bf16 wholes' as such
+    std::vector<PackedTensor> list;
+    for (size_t i = 0; i < ins.in.size() && i < ins.out.size(); ++i) {
+      int64_t n = count(buf(ins.out[i]).shape), k = count(buf(ins.in[i]).shape);
+      if (k * parts < n)
+        fail(LOOM_INVALID_BUNDLE, where, ": shard ", i, " holds ", k, " elements; ", parts, " of them cannot hold ", n);
+      list.push_back({reinterpret_cast<float *>(ptr(buf(ins.out[i]))), f(ins.in[i]), n, k, span});
+      span += k;
+    }
+    if (ins.in.size() != ins.out.size())
+      fail(LOOM_INVALID_BUNDLE, where, ": ", ins.out.size(), " tensors but ", ins.in.size(), " shards");
+    table = deviceArray(list);
+  } else {
+    table = packedTensors(wholes, ins.in, parts, span); // parameters, their updated shards
+  }
   int count = int(ins.in.size());
-  reserve(size_t((parts + 1) * span) * sizeof(float));
+  size_t width = bf16 ? 2 : 4, bytes = size_t((parts + 1) * span) * width;
+  bool async = asyncCollective(ins);
+  // On the communication stream it has that stream's own workspace.
+  if (async)
+    commWorkspaceBytes = std::max(commWorkspaceBytes, bytes);
+  else
+    reserve(bytes);
   int64_t self = index;
-  return [this, table, count, span, parts, self, comm](cudaStream_t s) {
-    float *gathered = reinterpret_cast<float *>(workspace), *mine = gathered + parts * span;
-    packShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, mine);
-    if (comm)
-      LOOM_NCCL_CHECK(ncclAllGather(mine, gathered, size_t(span), ncclFloat32, comm, s));
+  auto run = [this, table, count, span, parts, self, comm, bf16, width, async](cudaStream_t s) {
+    char *gathered = async ? commWorkspace : workspace;
+    char *mine = gathered + size_t(parts * span) * width;
+    if (bf16)
+      packShardsBf16Kernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span,
+                                                                 reinterpret_cast<__nv_bfloat16 *>(mine));
     else
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(gathered + self * span, mine, span * sizeof(float), cudaMemcpyDeviceToDevice, s));
-    unpackWholesKernel<<<blocksFor(parts * span), kThreads, 0, s>>>(table, count, span, parts, gathered);
+      packShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, reinterpret_cast<float *>(mine));
+    if (comm)
+      LOOM_NCCL_CHECK(ncclAllGather(mine, gathered, size_t(span), bf16 ? ncclBfloat16 : ncclFloat32, comm, s));
+    else
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(gathered + size_t(self * span) * width, mine, size_t(span) * width,
+                                      cudaMemcpyDeviceToDevice, s));
+    if (bf16)
+      unpackWholesBf16Kernel<<<blocksFor(parts * span), kThreads, 0, s>>>(
+          table, count, span, parts, reinterpret_cast<const __nv_bfloat16 *>(gathered));
+    else
+      unpackWholesKernel<<<blocksFor(parts * span), kThreads, 0, s>>>(table, count, span, parts,
+                                                                       reinterpret_cast<const float *>(gathered));
   };
+  return async ? onCommStream(ins, run) : Launch(run);
 }
 #endif
 
@@ -582,6 +645,10 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     };
   }
   if (op == "all_gather") { // pairs of slice and whole tensor, gathered as one NCCL group
+    for (int64_t id : ins.out)
+      if (buf(id).dtype != LOOM_F32)
+        fail(LOOM_UNSUPPORTED, where, ": gathers into ", dtypeName(buf(id).dtype), " tensor '", buf(id).name,
+             "', which only the packed ZeRO-1 collectives do; unset LOOM_CUDA_ZERO_PACKED=0");
     auto [index, parts] = place();
     ncclComm_t comm = commOf(group);
     std::vector<std::tuple<float *, float *, int64_t, int64_t, int64_t>> list; // in, out, k, n, offset
