@@ -221,12 +221,13 @@ def PackedQkvAttention : Pass<"loom-packed-qkv-attention", "::mlir::ModuleOp"> {
 def Bf16StepCasts : Pass<"loom-bf16-step-casts", "::mlir::ModuleOp"> {
   let summary = "Fewer and earlier bf16 casts in the training step";
   let description = [{
-    Four rewrites of mixed-precision training steps: a pipelined step casts
-    each weight once for every microbatch; the optimizer and the clipping
-    norm read bf16 gradients directly where nothing else reads their f32
-    copies; adds into f32 gradient sums read the bf16 values; the weights'
-    casts move to the start of the forward, where the runtime converts them
-    in one launch.
+    Five rewrites of training steps: a pipelined step casts each weight once
+    for every microbatch; the optimizer and the clipping norm read bf16
+    gradients directly where nothing else reads their f32 copies; adds into
+    f32 gradient sums read the bf16 values; a sum's first add becomes a cast
+    of that gradient into it, without the fill of zeros before it; the
+    weights' casts move to the start of the forward, where the runtime
+    converts them in one launch.
   }];
 }
 

@@ -114,6 +114,18 @@ __global__ void binaryVecKernel(int op, const T *A, const T *B, T *C, uint32_t n
     *reinterpret_cast<Pack<T> *>(C + i) = c;
   }
 }
+/// C = A + B with A and C f32 and B bf16, all of n elements (n a multiple
+/// of 4): gradient accumulation, an f32 sum adding a microbatch's bf16
+/// gradient (16-byte loads of A, 8-byte loads of B).
+__global__ void accumulateBf16Kernel(const float *A, const __nv_bfloat16 *B, float *C, uint32_t n) {
+  for (uint32_t i = (blockIdx.x * blockDim.x + threadIdx.x) * 4; i < n; i += gridDim.x * blockDim.x * 4) {
+    float4 a = *reinterpret_cast<const float4 *>(A + i);
+    uint2 raw = *reinterpret_cast<const uint2 *>(B + i);
+    const __nv_bfloat162 *b = reinterpret_cast<const __nv_bfloat162 *>(&raw);
+    float2 b0 = __bfloat1622float2(b[0]), b1 = __bfloat1622float2(b[1]);
+    *reinterpret_cast<float4 *>(C + i) = make_float4(a.x + b0.x, a.y + b0.y, a.z + b1.x, a.w + b1.y);
+  }
+}
 template <typename T> __global__ void unaryVecKernel(int op, const T *X, T *Y, uint32_t n, float f) {
   VEC_LOOP(i, T, n) {
     Pack<T> x = load(X + i), y;
@@ -180,6 +192,19 @@ Launch CudaBackendImpl::buildBinary(const Instruction &ins) {
       return [=](cudaStream_t s) {
         binaryVecKernel<<<vecBlocks(un, 4), kThreads, 0, s>>>(code, (const float *)a.p, (const float *)b.p, (float *)y.p, un, ua, ub);
       };
+    }
+    // An f32 sum plus a bf16 tensor of its size (gradient accumulation over
+    // microbatches): the general kernel converts each element by its dtype
+    // and reached about 0.9 TB/s on an H200.
+    int bfSide = !a.bf && b.bf ? 1 : a.bf && !b.bf ? 0 : -1;
+    auto aligned = [&](int64_t id, int bytes) { return reinterpret_cast<uintptr_t>(ptr(buf(id))) % bytes == 0; };
+    if (code == kAdd && bfSide >= 0 && !y.bf && na == cnt && nb == cnt && cnt % 4 == 0 && cnt < (int64_t(1) << 31) &&
+        aligned(ins.in[1 - bfSide], 16) && aligned(ins.out[0], 16) && aligned(ins.in[bfSide], 8)) {
+      const float *f = static_cast<const float *>((bfSide ? a : b).p);
+      const __nv_bfloat16 *h = static_cast<const __nv_bfloat16 *>((bfSide ? b : a).p);
+      float *out = static_cast<float *>(y.p);
+      uint32_t un = uint32_t(cnt);
+      return [=](cudaStream_t s) { accumulateBf16Kernel<<<vecBlocks(un, 4), kThreads, 0, s>>>(f, h, out, un); };
     }
     return [=](cudaStream_t s) { binaryContiguousKernel<<<blocksFor(cnt), kThreads, 0, s>>>(code, a, b, y, cnt, na, nb); };
   }

@@ -59,7 +59,11 @@
 // BUCKETS-NEXT: loomrt.instr "event_wait" [] -> [] {event = [[E1]] : i64}
 // BUCKETS-NEXT: loomrt.instr "add"
 // BUCKETS: loomrt.instr "event_wait"
-// BUCKETS: loomrt.program "gather_parameters"
+// The masters come back in buckets too (one all_gather would stage them all
+// in one workspace).
+// BUCKETS: loomrt.program "gather_parameters" {
+// BUCKETS-NEXT: loomrt.instr "all_gather" {{.*}} {group = "dp"}
+// BUCKETS-NEXT: loomrt.instr "all_gather" {{.*}} {group = "dp"}
 
 // f32 training has no copies to gather: the pass leaves it alone.
 // F32-NOT: loomrt.program "prepare"
