@@ -87,6 +87,7 @@ public:
       auto wt = cast<RankedTensorType>(mm.getRhs().getType());
       if (isParam(mm.getRhs()) && wt.getRank() == 2)
         layer.shardedFlops += flops;
+      layer.matmuls += 1;
       return;
     }
     if (auto attn = dyn_cast<AttentionOp>(op)) {

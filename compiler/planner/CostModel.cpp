@@ -109,7 +109,7 @@ ParameterBytes parameterBytes(Precision precision, int zeroStage, int64_t dp, in
   bool bf16 = precision == Precision::Bf16;
   // Mixed-precision ZeRO-1 keeps each rank's slice of the f32 masters
   // beside the whole (passes/ZeroGatherCopies.cpp).
-  double masterSlice = bf16 && zeroStage >= 1 ? 4.0 / double(std::max<int64_t>(dp, 1)) : 0.0;
+  double masterSlice = bf16 && zeroStage >= 1 && dp > 1 ? 4.0 / double(dp) : 0.0;
   bytes.persistent = 4.0 + adam + masterSlice;
   bytes.workingCopy = bf16 ? 2.0 : 0.0;
   // passes/Bf16StepCasts.cpp leaves a gradient in bf16 where the optimizer

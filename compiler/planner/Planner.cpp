@@ -155,8 +155,17 @@ Planner::Planner(ModelSpec model, Cluster cluster, CostOptions opts)
 
 void Planner::calibrateToMeasuredStep() {
   CostOptions &o = options;
-  if (o.profileStepSeconds <= 0 || o.profileModel != spec.name || o.profileRanks != 1 || o.profileBatch <= 0)
+  // The profiled model: the one planned, or the profile's own (its memory
+  // efficiency is the runtime's kernels on this device, which carry over).
+  const ModelSpec *profiled = o.profileModel == spec.name ? &spec
+                              : o.profileSpec && o.profileSpec->name == o.profileModel ? o.profileSpec.get()
+                                                                                       : nullptr;
+  if (o.profileStepSeconds <= 0 || !profiled || o.profileRanks != 1 || o.profileBatch <= 0) {
+    if (o.profileStepSeconds > 0 && !profiled)
+      o.calibration = "memory efficiency left at " + std::to_string(o.memoryEfficiency) + ": the profile measured " +
+                      o.profileModel + ", not " + spec.name + " (pass that model with --profile-model)";
     return;
+  }
   // The profiled configuration: one device, one microbatch of the whole batch.
   Plan one;
   one.microbatchSize = o.profileBatch;
@@ -166,7 +175,7 @@ void Planner::calibrateToMeasuredStep() {
     CostOptions c = o;
     c.profileStepSeconds = 0; // no recursion
     c.memoryEfficiency = efficiency;
-    return Planner(spec, single, c).evaluate(o.profileBatch, one).stepTime;
+    return Planner(*profiled, single, c).evaluate(o.profileBatch, one).stepTime;
   };
   // The step is matrix work C plus memory-bound work M / efficiency.
   double t1 = stepWith(1.0), t2 = stepWith(0.5);
@@ -186,6 +195,8 @@ void Planner::calibrateToMeasuredStep() {
   note << "memory efficiency " << efficiency << " (was " << o.memoryEfficiency << ") from the measured "
        << o.profileStepSeconds * 1e3 << " ms step of " << o.profileModel << " at batch " << o.profileBatch
        << " on one device";
+  if (profiled != &spec)
+    note << " (the model the profile measured)";
   o.memoryEfficiency = efficiency;
   o.calibration = note.str();
 }
@@ -245,11 +256,22 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     if (options.materializedAttention && l.isTransformer)
       scores = b * 4.0 * 2.0 * l.heads * l.seq * l.seq / lt * width; // write, read, write, read
     LayerTimes &lt_ = times[i];
-    double fwdCompute = flops / flopRate, fwdMemory = (traffic + scores) / memRate;
+    // The products' size against the profile's: smaller ones (microbatches,
+    // tensor-parallel widths) run slower, larger ones faster.
+    double sizeFactor = 1;
+    if (options.profileGemmFlops > 0 && l.matmuls > 0 && l.flops > l.attentionFlops) {
+      bool split = l.shardedFlops > l.attentionFlops;
+      double gemm = b * (l.flops - l.attentionFlops) / l.matmuls / (split ? lt : 1);
+      auto saturation = [&](double f) { return f / (f + options.matmulHalfRateFlops); };
+      sizeFactor = saturation(gemm) / saturation(options.profileGemmFlops);
+    }
+    double fwdCompute = flops / (flopRate * sizeFactor), fwdMemory = (traffic + scores) / memRate;
     // Launch cost per microbatch pass (tensor parallelism adds its collectives).
     // One device replays its programs as CUDA graphs (no host launches);
     // programs with collectives or transfers launch each instruction.
-    bool graphed = options.graphsOnOneDevice && d * t * p == 1;
+    // Collectives are captured too (LOOM_CUDA_GRAPHS_NCCL, the default since
+    // the fifth session of 2026-11-27); pipeline sends and receives are not.
+    bool graphed = options.graphsOnOneDevice && p == 1;
     double launches = graphed ? 0 : (l.instructions + (lt > 1 ? l.tpAllReduces : 0)) * options.launchSeconds;
     lt_.forward = fwdCompute + fwdMemory + launches;
     lt_.backward = 2 * fwdCompute + 2 * fwdMemory + 1.4 * launches;
@@ -462,7 +484,7 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     double window = 0;
     for (const StagePlan &s : plan.stages)
       window = std::max(window, s.backwardTime);
-    dpComm = std::max(dpComm / 16, dpComm - window);
+    dpComm = std::max(dpComm / 16, dpComm - std::min(window, dpComm) * options.commHiddenShare);
   }
   // Adam reads and writes ~30 bytes per parameter (fp32 master, m, v, grad; bf16 weight).
   double optimizer = 30.0 * stageParams / (plan.zero ? d : 1) / memRate;
@@ -738,7 +760,8 @@ bool loadProfile(const std::string &path, CostOptions &options, const Cluster &c
   }
   for (auto [key, field] : {std::pair{"matmul_efficiency", &options.matmulEfficiency},
                             {"memory_efficiency", &options.memoryEfficiency},
-                            {"link_efficiency", &options.linkEfficiency}}) {
+                            {"link_efficiency", &options.linkEfficiency},
+                            {"comm_hidden_share", &options.commHiddenShare}}) {
     if (!doc.contains(key))
       continue;
     if (!doc[key].is_number() || doc[key].get<double>() <= 0 || doc[key].get<double>() > 1) {
@@ -758,6 +781,17 @@ bool loadProfile(const std::string &path, CostOptions &options, const Cluster &c
     options.matmulEfficiency =
         std::min(1.0, doc["matmul_flops_per_s"].get<double>() / cluster.peakFlops(dtype));
     options.matmulDtype = dtype; // the rate is the achieved one, in the dtype it ran in
+    // The products' mean size in that run (loom-run --profile: FLOPs and count by op).
+    const json &mm = doc.value("ops", json::object()).value("matmul", json::object());
+    if (mm.is_object() && mm.value("count", 0.0) > 0 && mm.value("flops", 0.0) > 0)
+      options.profileGemmFlops = mm["flops"].get<double>() / mm["count"].get<double>();
+    if (doc.contains("matmul_half_rate_flops")) {
+      if (!doc["matmul_half_rate_flops"].is_number() || doc["matmul_half_rate_flops"].get<double>() <= 0) {
+        error = path + ": 'matmul_half_rate_flops' must be a positive number";
+        return false;
+      }
+      options.matmulHalfRateFlops = doc["matmul_half_rate_flops"].get<double>();
+    }
     if (dtype == "tf32" || dtype == "f32")
       options.activationBytes = 4; // the run kept activations in f32
     // A runtime whose collectives run in stream order exposes them all.

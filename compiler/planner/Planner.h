@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -72,6 +73,10 @@ struct LayerSpec {
   /// Instructions (kernel launches) of the layer's forward pass; backward
   /// launches about 1.4 times as many (the gradient rules' kernels).
   double instructions = 0;
+  /// Matrix products of a weight in the forward pass (their FLOPs are
+  /// `flops - attentionFlops`): the GEMM size each runs at, which sets its
+  /// efficiency (CostOptions::matmulHalfRateFlops).
+  double matmuls = 0;
 };
 
 struct ModelSpec {
@@ -121,6 +126,13 @@ struct CostOptions {
   /// Whether the runtime overlaps collectives with computation (data-parallel
   /// buckets during backward). A runtime profile may say it does not.
   bool overlapCollectives = true;
+  /// Of the data-parallel collectives that run beside the backward, the
+  /// share the backward hides (1: all of it, up to the backward's length).
+  /// NCCL's kernels take SMs and memory bandwidth from the backward's: on
+  /// two H200s GPT-2 350M's dp2 step is 7.6 ms longer than one GPU's and
+  /// GPT 1.3B's 18.7 ms, against all-reduces of 7.9 and 29.4 ms at the
+  /// measured link rate (a profile's "comm_hidden_share").
+  double commHiddenShare = 1.0;
   /// Host time per instruction launched (seconds), paid by every microbatch
   /// pass: it dominates when microbatches or tensor parallelism make the
   /// kernels small. 0 unless a runtime profile measured it.
@@ -130,6 +142,18 @@ struct CostOptions {
   bool graphsOnOneDevice = false;
   /// Optional calibration profile (loom-run --profile), overriding the above.
   std::string profile;
+  /// GEMMs run below their peak when small: a product of f FLOPs runs at
+  /// rate R f / (f + f0), f0 this. Fitted to GPT-2 350M's bf16 GEMMs on an
+  /// H200 at three sizes (loom-run --profile at 12.9, 29.9 and 59.7 GFLOP a
+  /// product: 432, 571 and 640 TFLOP/s; within 3%). Only a profile's rate
+  /// is scaled by it, to the size each plan runs its products at.
+  double matmulHalfRateFlops = 8.2e9;
+  /// The profile's mean FLOPs a matrix product (its matmul FLOPs over their
+  /// count): the size its matmul rate was measured at; 0: no size scaling.
+  double profileGemmFlops = 0;
+  /// The profiled model, where it is not the one planned (loomc plan
+  /// --profile-model): the step calibration runs on it.
+  std::shared_ptr<const ModelSpec> profileSpec;
   /// A training step of `profileModel` at `profileBatch` on one device,
   /// measured without per-instruction events (the profile's step_seconds).
   /// Planning that model, the memory efficiency is solved so the prediction

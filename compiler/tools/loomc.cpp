@@ -250,6 +250,11 @@ cl::opt<std::string> planJson("json", cl::desc("Write the plan as JSON (for loom
 cl::opt<std::string> planProfile("profile", cl::desc("Calibration profile written by loom-run "
                                                      "--profile"),
                                  cl::value_desc("file"), cl::init(""), cl::sub(planCmd));
+cl::opt<std::string> planProfileModel(
+    "profile-model",
+    cl::desc("The model file the --profile measured, where it is not the one planned: the step "
+             "calibration runs on it (default: models/<its name>.mlir or beside MODEL.mlir, where one exists)"),
+    cl::value_desc("file"), cl::init(""), cl::sub(planCmd));
 cl::opt<std::string> planPrecision("precision",
                                    cl::desc("The training step's precision, as for loomc compile: bf16 (the "
                                             "default; f32 master parameters) or f32; sets the memory "
@@ -630,6 +635,33 @@ int runPlan() {
   auto spec = mlir::loom::buildModelSpec(*module, llvm::sys::path::stem(planInput));
   if (failed(spec))
     return 1;
+  // The profiled model's own spec, where the profile measured another model.
+  if (!costs.profileModel.empty() && costs.profileModel != spec->name) {
+    std::string path = planProfileModel;
+    if (path.empty())
+      for (llvm::SmallString<256> candidate : {llvm::SmallString<256>("models"),
+                                               llvm::SmallString<256>(llvm::sys::path::parent_path(planInput))}) {
+        llvm::sys::path::append(candidate, costs.profileModel + ".mlir");
+        if (llvm::sys::fs::exists(candidate)) {
+          path = std::string(candidate);
+          break;
+        }
+      }
+    if (!path.empty()) {
+      auto profiled = parseModelFile(path);
+      if (!profiled)
+        return 1;
+      auto profiledSpec = mlir::loom::buildModelSpec(*profiled->module, llvm::sys::path::stem(path));
+      if (failed(profiledSpec))
+        return 1;
+      if (profiledSpec->name != costs.profileModel)
+        return fail("--profile-model " + path + " is " + profiledSpec->name + " but " + planProfile + " measured " +
+                    costs.profileModel);
+      costs.profileSpec = std::make_shared<::loom::planner::ModelSpec>(std::move(*profiledSpec));
+    }
+  } else if (!planProfileModel.empty()) {
+    llvm::errs() << "loomc plan: note: --profile-model is not needed: the profile measured this model\n";
+  }
   int64_t batch = planBatch > 0 ? planBatch : 8 * cluster.numDevices();
   ::loom::planner::Planner planner(*spec, cluster, costs);
   ::loom::planner::PlanResult result = planner.search(batch, constraints);

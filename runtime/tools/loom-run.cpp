@@ -170,6 +170,8 @@ void reportProfile(const Session &s, const std::string &path, double stepSeconds
                         {"matmul_flops_per_s", mmSeconds > 0 ? mmFlops / mmSeconds : 0.0},
                         {"matmul_dtype", mmDtype},
                         {"matmul_share", total > 0 ? mmSeconds / total : 0.0},
+                        // Both backends run async collectives (gradient buckets) beside compute.
+                        {"overlaps_collectives", true},
                         {"ops", nlohmann::json::object()}};
   for (auto &[op, t] : ops)
     doc["ops"][op] = {{"count", t.count}, {"seconds", t.seconds}, {"flops", t.flops}};

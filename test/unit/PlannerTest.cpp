@@ -54,7 +54,9 @@ TEST(CostModel, ParameterBytesAsTheCompilerKeepsThem) {
   EXPECT_DOUBLE_EQ(plain.workingCopy, 2.0);
   EXPECT_DOUBLE_EQ(plain.gradient, 4.0); // all-reduced over dp in f32
   EXPECT_DOUBLE_EQ(plain.newGradient, 2.0);
-  EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 1, 4, 1).persistent, 4 + 8.0 / 4);
+  // Mixed-precision ZeRO-1 also keeps this rank's slice of the f32 masters.
+  EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 1, 4, 1).persistent, 4 + 8.0 / 4 + 4.0 / 4);
+  EXPECT_DOUBLE_EQ(parameterBytes(Precision::F32, 1, 4, 1).persistent, 4 + 8.0 / 4);
   EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 1, 1, 1).persistent, 12.0);
   // One replica, one microbatch: only the optimizer reads the gradient, in bf16.
   EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 0, 1, 1).gradient, 2.0);
@@ -278,10 +280,11 @@ TEST(Planner, ZeroOneShrinksOptimizerMemory) {
   double params = -50304.0 * 2048; // the tied embedding is one tensor
   for (auto &l : planner.model().layers)
     params += l.params;
-  // ZeRO-1 shards AdamW's m and v; each rank keeps all f32 parameters.
-  EXPECT_NEAR(z0.stages[0].weightBytes - z1.stages[0].weightBytes, params * 8 * (1 - 1.0 / 8),
+  // ZeRO-1 shards AdamW's m and v; each rank keeps all f32 parameters, and
+  // (bf16 training) its slice of them that the optimizer steps.
+  EXPECT_NEAR(z0.stages[0].weightBytes - z1.stages[0].weightBytes, params * (8 * (1 - 1.0 / 8) - 4.0 / 8),
               1e-6 * params);
-  EXPECT_NEAR(z1.stages[0].weightBytes, params * (4 + 8.0 / 8), 1e-6 * params);
+  EXPECT_NEAR(z1.stages[0].weightBytes, params * (4 + 8.0 / 8 + 4.0 / 8), 1e-6 * params);
 }
 
 TEST(Planner, ZeroOnePricedAsTheRuntimeRunsIt) {
