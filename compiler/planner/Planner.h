@@ -102,15 +102,13 @@ struct CostOptions {
   /// Gradient all-reduce in buckets during the last microbatch's backward
   /// (Loom's runtime); false: after it, fully exposed (Megatron-LM 2021).
   bool overlapGradientReduce = true;
-  /// ZeRO-1 as the CUDA runtime runs it by default (docs/parallelism.md):
-  /// each gradient's reduce-scatter alone on the compute stream after
-  /// backward, then the update's all-gather of f32 parameters, each tensor
-  /// through a copy and its own NCCL call (`zeroCallSeconds` each way: 11
-  /// us makes GPT-2 350M's dp2 ZeRO-1 step on two H200s 57.0 ms, as issue
-  /// #18 measured it, against 47.5 without ZeRO-1). True: a bucket's collectives packed into one call and the
-  /// reduce-scatter overlapped with backward, as with plain data
-  /// parallelism (LOOM_CUDA_ZERO_PACKED=1, not yet measured).
-  bool zeroPackedCollectives = false;
+  /// ZeRO-1's collectives packed one call a bucket, the reduce-scatter
+  /// overlapped with the backward like plain data parallelism's buckets (the
+  /// CUDA runtime's default). False: each tensor through a copy and its own
+  /// NCCL call, exposed (LOOM_CUDA_ZERO_PACKED=0; `zeroCallSeconds` each
+  /// way: 11 us made GPT-2 350M's dp2 ZeRO-1 step on two H200s 57.0 ms, as
+  /// issue #18 measured it, against 47.5 without ZeRO-1).
+  bool zeroPackedCollectives = true;
   double zeroCallSeconds = 11e-6;
   /// The search weighs ZB-H1 (backward split into input- and weight-gradient
   /// tasks) for pipelined plans; false: only the schedules of Megatron-LM 2021.

@@ -288,14 +288,15 @@ TEST(Planner, ZeroOneShrinksOptimizerMemory) {
 }
 
 TEST(Planner, ZeroOnePricedAsTheRuntimeRunsIt) {
-  // GPT-2 350M on two H200s at batch 16 (issue #18): today's runtime runs
-  // ZeRO-1's collectives a tensor at a time, exposed (57.0 ms a step
-  // measured against 47.5 for plain dp2), so the planner must not pick it
-  // when memory does not ask for it; with the packed collectives
-  // (overlapped, one call a bucket) it costs about what dp2 does.
+  // GPT-2 350M on two H200s at batch 16 (issue #18). ZeRO-1 a tensor at a
+  // time (LOOM_CUDA_ZERO_PACKED=0) was 57.0 ms a step against 47.5 for
+  // plain dp2; packed, with the bf16 weights gathered at the forward's
+  // start, 50.6 against 48.0 (2026-11-27): dearer than dp2 either way,
+  // packed much less so, and never the pick when memory does not ask for it.
   ModelSpec gpt = handModel(24, 1024, 1024, 16, 50304);
   for (LayerSpec &l : gpt.layers)
     l.paramTensors = l.isTransformer ? 12 : 1;
+  double zeroTime[2] = {0, 0};
   for (bool packed : {false, true}) {
     CostOptions o;
     o.zeroPackedCollectives = packed;
@@ -306,15 +307,13 @@ TEST(Planner, ZeroOnePricedAsTheRuntimeRunsIt) {
     Plan plain = planner.search(16, c).best;
     c.zero = 1;
     Plan zero = planner.search(16, c).best;
-    if (!packed) {
-      EXPECT_GT(zero.stepTime, 1.1 * plain.stepTime);
-      PlanResult free = planner.search(16);
-      ASSERT_TRUE(free.found) << free.error;
-      EXPECT_EQ(free.best.zero, 0);
-    } else {
-      EXPECT_LT(zero.stepTime, 1.02 * plain.stepTime);
-    }
+    zeroTime[packed] = zero.stepTime;
+    EXPECT_GT(zero.stepTime, plain.stepTime);
+    PlanResult free = planner.search(16);
+    ASSERT_TRUE(free.found) << free.error;
+    EXPECT_EQ(free.best.zero, 0);
   }
+  EXPECT_LT(zeroTime[1], zeroTime[0]);
 }
 
 TEST(Planner, InfeasibleInputsSayWhy) {
