@@ -222,6 +222,20 @@ private:
   Choice choice;
 };
 
+/// A convolution shared by every instruction of its shape (a frontend
+/// graph holds no pointers).
+class SharedConvolution final : public Convolution {
+public:
+  explicit SharedConvolution(std::shared_ptr<Convolution> impl) : impl(std::move(impl)) {}
+  size_t workspaceBytes() const override { return impl->workspaceBytes(); }
+  std::string run(const void *a, const void *b, void *out, void *workspace, cudaStream_t stream) const override {
+    return impl->run(a, b, out, workspace, stream);
+  }
+
+private:
+  std::shared_ptr<Convolution> impl;
+};
+
 } // namespace
 
 std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pass, const void *a, const void *b,
@@ -238,7 +252,13 @@ std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pa
                 {g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.ho, g.wo, g.stride, g.pad, g.groups, int64_t(g.nhwc)}};
   static std::mutex mutex;
   static std::map<ChoiceKey, Choice> choices;
+  // bf16: the frontend graph where it timed faster than the legacy choice
+  // (null: the legacy one), shared by every convolution of the shape.
+  static std::map<ChoiceKey, std::shared_ptr<Convolution>> graphs;
   std::lock_guard<std::mutex> lock(mutex);
+  bool tryGraph = g.bf16 && !(std::getenv("LOOM_CUDNN_CONV_GRAPH") && std::string(std::getenv("LOOM_CUDNN_CONV_GRAPH")) == "0");
+  if (auto it = graphs.find(key); tryGraph && it != graphs.end() && it->second)
+    return std::make_unique<SharedConvolution>(it->second);
   if (auto it = choices.find(key); it != choices.end()) {
     why = conv->apply(it->second);
   } else {
@@ -259,6 +279,20 @@ std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pa
                    (long long)g.stride, (long long)g.pad, (long long)g.groups,
                    g.bf16 ? "bf16" : g.tf32 ? "f32, TF32" : "f32", g.nhwc ? "NHWC" : "NCHW", c.algo, int(c.math),
                    c.workspace, c.ms);
+    }
+    if (tryGraph) {
+      float graphMs = 0;
+      std::string graphWhy;
+      std::shared_ptr<Convolution> graph = buildGraphConvolution(g, pass, a, b, graphMs, graphWhy);
+      bool faster = graph && (!why.empty() || graphMs < conv->chosen().ms);
+      if (std::getenv("LOOM_CUDNN_VERBOSE"))
+        std::fprintf(stderr, "  as a frontend graph: %s\n",
+                     graph ? (std::to_string(graphMs) + " ms" + (faster ? ", kept" : "")).c_str() : graphWhy.c_str());
+      graphs[key] = faster ? graph : nullptr;
+      if (faster) {
+        why.clear();
+        return std::make_unique<SharedConvolution>(graph);
+      }
     }
   }
   if (!why.empty())

@@ -4,7 +4,9 @@
 // cuDNN's convolution API on NCHW or NHWC tensors, f32 or bf16 (f32
 // accumulation).
 // The fastest of cuDNN's algorithms is timed once per shape, pass and
-// device (cudnnFind*AlgorithmEx) and kept for the process. Host code only,
+// device (cudnnFind*AlgorithmEx) and kept for the process; bf16 ones are
+// also timed as frontend graphs (cuDNN's newer engines) and the faster way
+// kept. Host code only,
 // compiled apart from the CUDA sources: the backend (CudaConv.cu) asks
 // build() and launches what it returns.
 //
@@ -55,6 +57,14 @@ bool convolutionCompiledIn();
 /// no algorithm for it.
 std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pass, const void *a, const void *b,
                                               std::string &why);
+
+/// The convolution as a cuDNN frontend graph (CudnnConvGraph.cpp): its
+/// engines built and timed on a and b, the fastest kept, its time in `ms`;
+/// null with the reason in `why` (no frontend in this build, no engine, a
+/// grouped convolution). buildConvolution weighs it against the legacy
+/// API's choice for bf16 convolutions.
+std::unique_ptr<Convolution> buildGraphConvolution(const ConvGeometry &g, ConvPass pass, const void *a,
+                                                   const void *b, float &ms, std::string &why);
 
 /// One cuDNN handle per device, made on first use (a handle is bound to the
 /// device current when it is made) and kept for the process; null with the
