@@ -494,11 +494,10 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     // ZeRO-1 as the runtime runs it by default: the weights gathered where
     // the next forward waits for them (bf16 copies; f32 masters in the
     // update for f32 steps), and the buckets packed for each collective and
-    // unpacked after it: about 10 bytes a parameter around the
-    // reduce-scatter and 7 around the gather, at plain memory bandwidth.
+    // unpacked after it, at plain memory bandwidth.
     double width = options.precision == Precision::Bf16 ? 2 : 4;
     dpComm += allGatherTime(width * stageParams, d, dpLink) +
-              17.0 * stageParams / (dev.memoryBandwidth * 0.8);
+              options.zeroPackBytesPerParam * stageParams / (dev.memoryBandwidth * 0.8);
   }
   // Adam reads and writes ~30 bytes per parameter (fp32 master, m, v, grad; bf16 weight).
   double optimizer = 30.0 * stageParams / (plan.zero ? d : 1) / memRate;

@@ -109,6 +109,12 @@ struct CostOptions {
   /// way: 11 us made GPT-2 350M's dp2 ZeRO-1 step on two H200s 57.0 ms, as
   /// issue #18 measured it, against 47.5 without ZeRO-1).
   bool zeroPackedCollectives = true;
+  /// Bytes a parameter that packing ZeRO-1's buckets moves around its
+  /// collectives (the runtime packs each bucket's slices into one span and
+  /// unpacks them after: about 10 around the reduce-scatter, 7 around the
+  /// gather); 0 for a runtime whose gradients and weights live in
+  /// contiguous buffers (Megatron-LM's).
+  double zeroPackBytesPerParam = 17.0;
   double zeroCallSeconds = 11e-6;
   /// The search weighs ZB-H1 (backward split into input- and weight-gradient
   /// tasks) for pipelined plans; false: only the schedules of Megatron-LM 2021.
