@@ -240,15 +240,16 @@ __global__ void unpackShardsKernel(const PackedTensor *t, int count, int64_t spa
   }
 }
 
-/// Each whole tensor from every rank's span (gathered[p][span]).
-__global__ void unpackWholesKernel(const PackedTensor *t, int count, int64_t span, int64_t parts,
-                                   const float *gathered) {
+/// Each whole tensor from every rank's span (gathered[p][span]), of type T
+/// (f32 masters, or bf16 copies: `whole` then holds a bf16 tensor's address).
+template <typename T>
+__global__ void unpackWholesKernel(const PackedTensor *t, int count, int64_t span, int64_t parts, const T *gathered) {
   GRID_LOOP(i, parts * span) {
     int64_t p = i / span, j = i % span;
     const PackedTensor &x = t[tensorOf(t, count, j)];
     int64_t at = p * x.k + (j - x.offset);
     if (at < x.n)
-      x.whole[at] = gathered[i];
+      reinterpret_cast<T *>(x.whole)[at] = gathered[i];
   }
 }
 
@@ -261,32 +262,15 @@ __global__ void shardsOfKernel(const PackedTensor *t, int count, int64_t span, i
   }
 }
 
-/// This rank's shards, packed into its span.
-__global__ void packShardsKernel(const PackedTensor *t, int count, int64_t span, float *mine) {
+/// This rank's span from each tensor's shard, rounded to T (f32, or bf16
+/// as a cast rounds: the gather of mixed-precision ZeRO-1's bf16 copies).
+template <typename T> __device__ inline T packedAs(float v);
+template <> __device__ inline float packedAs(float v) { return v; }
+template <> __device__ inline __nv_bfloat16 packedAs(float v) { return __float2bfloat16_rn(v); }
+template <typename T> __global__ void packShardsKernel(const PackedTensor *t, int count, int64_t span, T *mine) {
   GRID_LOOP(j, span) {
     const PackedTensor &x = t[tensorOf(t, count, j)];
-    mine[j] = x.shard[j - x.offset];
-  }
-}
-
-/// packShardsKernel for a gather into bf16 copies: the f32 slices rounded
-/// to bf16 (nearest even), as a cast would.
-__global__ void packShardsBf16Kernel(const PackedTensor *t, int count, int64_t span, __nv_bfloat16 *mine) {
-  GRID_LOOP(j, span) {
-    const PackedTensor &x = t[tensorOf(t, count, j)];
-    mine[j] = __float2bfloat16_rn(x.shard[j - x.offset]);
-  }
-}
-
-/// unpackWholesKernel into bf16 wholes (`whole` holds a bf16 tensor's address).
-__global__ void unpackWholesBf16Kernel(const PackedTensor *t, int count, int64_t span, int64_t parts,
-                                       const __nv_bfloat16 *gathered) {
-  GRID_LOOP(i, parts * span) {
-    int64_t p = i / span, j = i % span;
-    const PackedTensor &x = t[tensorOf(t, count, j)];
-    int64_t at = p * x.k + (j - x.offset);
-    if (at < x.n)
-      reinterpret_cast<__nv_bfloat16 *>(x.whole)[at] = gathered[i];
+    mine[j] = packedAs<T>(x.shard[j - x.offset]);
   }
 }
 
@@ -450,8 +434,7 @@ Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t ind
     char *gathered = async ? commWorkspace : workspace;
     char *mine = gathered + size_t(parts * span) * width;
     if (bf16)
-      packShardsBf16Kernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span,
-                                                                 reinterpret_cast<__nv_bfloat16 *>(mine));
+      packShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, reinterpret_cast<__nv_bfloat16 *>(mine));
     else
       packShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, reinterpret_cast<float *>(mine));
     if (comm)
@@ -460,8 +443,8 @@ Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t ind
       LOOM_CUDA_CHECK(cudaMemcpyAsync(gathered + size_t(self * span) * width, mine, size_t(span) * width,
                                       cudaMemcpyDeviceToDevice, s));
     if (bf16)
-      unpackWholesBf16Kernel<<<blocksFor(parts * span), kThreads, 0, s>>>(
-          table, count, span, parts, reinterpret_cast<const __nv_bfloat16 *>(gathered));
+      unpackWholesKernel<<<blocksFor(parts * span), kThreads, 0, s>>>(table, count, span, parts,
+                                                                       reinterpret_cast<const __nv_bfloat16 *>(gathered));
     else
       unpackWholesKernel<<<blocksFor(parts * span), kThreads, 0, s>>>(table, count, span, parts,
                                                                        reinterpret_cast<const float *>(gathered));
