@@ -114,6 +114,12 @@ int64_t gatherCopies(rt::RankProgram &r, int64_t bucketBytes) {
     if (!params.count(master) || viewed.count(master) || r.buffers[master].dtype != LOOM_F32 ||
         r.buffers[master].viewOf >= 0 || s == shardOf.end() || update[s->second].in[0] != master)
       continue;
+    // Only this gather may write the master (else its slice would drift from it).
+    bool onlyGathered = true;
+    for (const Use &u : writers[master])
+      onlyGathered &= u.program == "update" && u.index == gatherAt;
+    if (!onlyGathered)
+      continue;
     std::vector<Use> casts;
     bool ok = true;
     for (const Use &u : readers[master]) {
@@ -207,6 +213,14 @@ int64_t gatherCopies(rt::RankProgram &r, int64_t bucketBytes) {
     }
     front.push_back(bucket);
     int64_t at = weights[first].firstRead;
+    // Before the product whose result that reader takes (a bias, say), so
+    // the wait does not stand between them and block the GEMM's epilogue.
+    if (at > 0 && body[at - 1].op == "matmul" && !body[at - 1].out.empty())
+      for (int64_t id : body[at].in)
+        if (root(id) == root(body[at - 1].out[0])) {
+          --at;
+          break;
+        }
     waitsBefore[at < 0 ? body.size() : size_t(at)].push_back({"event_wait", {}, {}, json{{"event", event}}});
   }
   std::vector<rt::Instruction> out = front;

@@ -263,14 +263,16 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
       bool split = l.shardedFlops > l.attentionFlops;
       double gemm = b * (l.flops - l.attentionFlops) / l.matmuls / (split ? lt : 1);
       auto saturation = [&](double f) { return f / (f + options.matmulHalfRateFlops); };
-      sizeFactor = saturation(gemm) / saturation(options.profileGemmFlops);
+      // Never past the dtype's peak.
+      sizeFactor = std::min(saturation(gemm) / saturation(options.profileGemmFlops),
+                            1.0 / std::max(options.matmulEfficiency, 1e-9));
     }
     double fwdCompute = flops / (flopRate * sizeFactor), fwdMemory = (traffic + scores) / memRate;
-    // Launch cost per microbatch pass (tensor parallelism adds its collectives).
-    // One device replays its programs as CUDA graphs (no host launches);
-    // programs with collectives or transfers launch each instruction.
-    // Collectives are captured too (LOOM_CUDA_GRAPHS_NCCL, the default since
-    // the fifth session of 2026-11-27); pipeline sends and receives are not.
+    // Launch cost per microbatch pass (tensor parallelism adds its
+    // collectives): programs replayed as CUDA graphs, collectives included
+    // (LOOM_CUDA_GRAPHS_NCCL, the default since the fifth session of
+    // 2026-11-27), launch nothing from the host; pipelined ones, whose sends
+    // and receives are not captured, launch each instruction.
     bool graphed = options.graphsOnOneDevice && p == 1;
     double launches = graphed ? 0 : (l.instructions + (lt > 1 ? l.tpAllReduces : 0)) * options.launchSeconds;
     lt_.forward = fwdCompute + fwdMemory + launches;

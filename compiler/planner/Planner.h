@@ -73,8 +73,8 @@ struct LayerSpec {
   /// Instructions (kernel launches) of the layer's forward pass; backward
   /// launches about 1.4 times as many (the gradient rules' kernels).
   double instructions = 0;
-  /// Matrix products of a weight in the forward pass (their FLOPs are
-  /// `flops - attentionFlops`): the GEMM size each runs at, which sets its
+  /// Matrix products (loom.matmul) of the forward pass, whose FLOPs are
+  /// `flops - attentionFlops`: the mean size they run at sets their
   /// efficiency (CostOptions::matmulHalfRateFlops).
   double matmuls = 0;
 };
@@ -102,9 +102,9 @@ struct CostOptions {
   /// Gradient all-reduce in buckets during the last microbatch's backward
   /// (Loom's runtime); false: after it, fully exposed (Megatron-LM 2021).
   bool overlapGradientReduce = true;
-  /// ZeRO-1's collectives packed one call a bucket, the reduce-scatter
-  /// overlapped with the backward like plain data parallelism's buckets (the
-  /// CUDA runtime's default). False: each tensor through a copy and its own
+  /// ZeRO-1's collectives packed one call a bucket, the reduce-scatter going
+  /// out in the backward's buckets (the CUDA runtime's default; measured,
+  /// the backward hides none of it, see Planner::evaluate). False: each tensor through a copy and its own
   /// NCCL call, exposed (LOOM_CUDA_ZERO_PACKED=0; `zeroCallSeconds` each
   /// way: 11 us made GPT-2 350M's dp2 ZeRO-1 step on two H200s 57.0 ms, as
   /// issue #18 measured it, against 47.5 without ZeRO-1).
@@ -141,8 +141,11 @@ struct CostOptions {
   /// pass: it dominates when microbatches or tensor parallelism make the
   /// kernels small. 0 unless a runtime profile measured it.
   double launchSeconds = 0;
-  /// The runtime replays one-device programs as CUDA graphs: no launch cost
-  /// there (multi-device programs, with NCCL calls, still launch each one).
+  /// The runtime replays programs as CUDA graphs (a profile's `cuda_graphs`):
+  /// no launch cost for plans without pipeline sends and receives, which
+  /// run eagerly. (With dp > 1 the backward also runs eagerly, its buckets
+  /// waited for in the update; its kernels are long enough to hide the
+  /// host's launches, and the fitted `commHiddenShare` absorbs the rest.)
   bool graphsOnOneDevice = false;
   /// Optional calibration profile (loom-run --profile), overriding the above.
   std::string profile;

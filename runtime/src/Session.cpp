@@ -92,14 +92,22 @@ void Session::gatherParameters() const {
 }
 
 std::vector<char> Session::read(const Buffer &b) const {
-  if (b.role == BufferRole::Param)
-    gatherParameters();
+  // Reading one parameter must not start a collective the other ranks do
+  // not join: the caller gathers on every rank first.
+  if (b.role == BufferRole::Param && mastersStale && backend->has("gather_parameters"))
+    fail(LOOM_INVALID_ARGUMENT, "parameter buffer '", b.name, "' is up to date only in slices over the "
+         "data-parallel ranks (mixed-precision ZeRO-1); call gatherParameters() on every rank first");
   std::vector<char> out(b.bytes);
   backend->download(b, out.data());
   return out;
 }
 
 void Session::write(const Buffer &b, const void *src) {
+  // The other masters would be sliced again from stale wholes.
+  if (b.role == BufferRole::Param && mastersStale && backend->has("gather_parameters"))
+    fail(LOOM_INVALID_ARGUMENT, "parameter buffer '", b.name, "' cannot be written while the masters are "
+         "up to date only in slices over the data-parallel ranks (mixed-precision ZeRO-1); call "
+         "gatherParameters() on every rank first");
   backend->upload(b, src);
   prepareDue |= b.role == BufferRole::Param;
 }

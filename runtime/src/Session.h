@@ -62,8 +62,9 @@ public:
   /// masters up to date, not the whole (loom-zero-gather-copies): this runs
   /// their `gather_parameters` program if a step ran since the last time, a
   /// collective every rank of the data-parallel group must join. Saving
-  /// checkpoints and weights, and reading a parameter, call it; loom-run
-  /// calls it on every rank at once before saving.
+  /// checkpoints and weights call it (so with such bundles every rank saves,
+  /// as loom-run does, gathering on every rank at once first); reading or
+  /// writing a parameter buffer before it is refused.
   void gatherParameters() const;
   float loss() const;
 

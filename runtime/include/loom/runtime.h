@@ -118,7 +118,9 @@ loom_status_t *loom_session_train_step(loom_session_t *session, float *out_loss)
 int64_t loom_session_step(const loom_session_t *session);
 /* Parameters, optimizer state and step in one file, written to a temporary
  * file and renamed, with a checksum; loading refuses a damaged or foreign
- * checkpoint without changing the session. */
+ * checkpoint without changing the session. With a mixed-precision ZeRO-1
+ * bundle (each rank keeps its slice of the f32 masters) saving checkpoints
+ * or weights first gathers the masters, a collective: every rank saves. */
 loom_status_t *loom_session_save_checkpoint(loom_session_t *session, const char *path);
 loom_status_t *loom_session_load_checkpoint(loom_session_t *session, const char *path);
 

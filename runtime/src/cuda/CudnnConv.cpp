@@ -257,6 +257,12 @@ std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pa
   static std::map<ChoiceKey, std::shared_ptr<Convolution>> graphs;
   std::lock_guard<std::mutex> lock(mutex);
   bool tryGraph = g.bf16 && !(std::getenv("LOOM_CUDNN_CONV_GRAPH") && std::string(std::getenv("LOOM_CUDNN_CONV_GRAPH")) == "0");
+  // Shapes neither way could run, with the reason: not timed again.
+  static std::map<ChoiceKey, std::string> failures;
+  if (auto it = failures.find(key); it != failures.end()) {
+    why = it->second;
+    return nullptr;
+  }
   if (auto it = graphs.find(key); tryGraph && it != graphs.end() && it->second)
     return std::make_unique<SharedConvolution>(it->second);
   if (auto it = choices.find(key); it != choices.end()) {
@@ -295,8 +301,11 @@ std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pa
       }
     }
   }
-  if (!why.empty())
+  if (!why.empty()) {
+    if (!choices.count(key))
+      failures[key] = why;
     return nullptr;
+  }
   return conv;
 }
 

@@ -123,42 +123,52 @@ std::string make(const ConvGeometry &g, ConvPass pass, const void *a, const void
   LOOM_FE_TRY(graph->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}));
   LOOM_FE_TRY(graph->check_support(handle));
   LOOM_FE_TRY(graph->build_plans(handle, fe::BuildPlanPolicy_t::ALL));
-  // Timed on the real operands into a scratch result.
-  void *scratch = nullptr, *ws = nullptr;
+  // Timed on the real operands into a scratch result. Device memory and
+  // events are released whatever fails (the frontend may also throw).
+  struct Device {
+    void *p = nullptr;
+    ~Device() { cudaFree(p); }
+  } scratch, ws;
+  struct Event {
+    cudaEvent_t e = nullptr;
+    ~Event() {
+      if (e)
+        cudaEventDestroy(e);
+    }
+  } start, stop;
   size_t tuneBytes = size_t(std::max<int64_t>(graph->get_autotune_workspace_size(), 1));
   size_t outBytes = outElements * (g.bf16 ? 2 : 4);
-  if (cudaMalloc(&scratch, std::max<size_t>(outBytes, 1)) != cudaSuccess ||
-      cudaMalloc(&ws, tuneBytes) != cudaSuccess) {
-    cudaFree(scratch);
+  if (cudaMalloc(&scratch.p, std::max<size_t>(outBytes, 1)) != cudaSuccess ||
+      cudaMalloc(&ws.p, tuneBytes) != cudaSuccess || cudaEventCreate(&start.e) != cudaSuccess ||
+      cudaEventCreate(&stop.e) != cudaSuccess) {
     cudaGetLastError();
     return "out of device memory for timing cuDNN's convolution engines";
   }
-  std::unordered_map<int64_t, void *> pack = {{kA, const_cast<void *>(a)}, {kB, const_cast<void *>(b)}, {kOut, scratch}};
+  std::unordered_map<int64_t, void *> pack = {{kA, const_cast<void *>(a)}, {kB, const_cast<void *>(b)}, {kOut, scratch.p}};
+  if (cudnnStatus_t st = cudnnSetStream(handle, nullptr); st != CUDNN_STATUS_SUCCESS)
+    return std::string("cudnnSetStream failed: ") + cudnnGetErrorString(st);
   std::string error;
-  cudnnSetStream(handle, nullptr);
-  if (auto e = graph->autotune(handle, pack, ws); e.is_bad())
+  if (auto e = graph->autotune(handle, pack, ws.p); e.is_bad())
     error = "autotune: " + e.get_message();
   int64_t bytes = 0;
   if (error.empty() && graph->get_workspace_size(bytes).is_bad())
     error = "the chosen engine's workspace size";
   if (error.empty()) { // the winner's time, as the legacy path's cudnnFind reports its own
-    cudaEvent_t start, stop;
-    cudaEventCreate(&start), cudaEventCreate(&stop);
     const int reps = 5;
-    cudaEventRecord(start, nullptr);
+    bool timed = cudaEventRecord(start.e, nullptr) == cudaSuccess;
     for (int i = 0; i < reps && error.empty(); ++i)
-      if (auto e = graph->execute(handle, pack, ws); e.is_bad())
+      if (auto e = graph->execute(handle, pack, ws.p); e.is_bad())
         error = e.get_message();
-    cudaEventRecord(stop, nullptr);
-    cudaEventSynchronize(stop);
-    cudaEventElapsedTime(&ms, start, stop);
+    timed &= cudaEventRecord(stop.e, nullptr) == cudaSuccess && cudaEventSynchronize(stop.e) == cudaSuccess &&
+             cudaEventElapsedTime(&ms, start.e, stop.e) == cudaSuccess;
+    if (error.empty() && !timed)
+      error = "timing the chosen engine failed";
     ms /= reps;
-    cudaEventDestroy(start), cudaEventDestroy(stop);
   }
-  cudaFree(scratch);
-  cudaFree(ws);
-  if (!error.empty())
+  if (!error.empty()) {
+    cudaGetLastError(); // a failed engine's error is not the next kernel's
     return error;
+  }
   out = graph;
   workspace = size_t(bytes);
   return "";
