@@ -42,24 +42,22 @@ int64_t placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &p
     ready.push_back({lastWrite.count(root(g)) ? lastWrite[root(g)] : -1, g});
   std::stable_sort(ready.begin(), ready.end());
   std::map<int64_t, std::vector<rt::Instruction>> after; // index -> buckets issued after it
-  std::vector<int64_t> bucket;
-  int64_t bytes = 0;
-  for (size_t i = 0; i < ready.size(); ++i) {
-    bucket.push_back(ready[i].second);
-    bytes += r.buffers[ready[i].second].bytes;
-    if (bytes >= bucketBytes || i + 1 == ready.size()) {
-      // On the communication stream; each bucket records event `lastEvent`.
-      json attrs = {{"reduction", "mean"}, {"group", "dp"}, {"async", true}, {"event", ++lastEvent}};
-      if (shards.empty()) {
-        after[ready[i].first].push_back({"all_reduce", bucket, bucket, attrs});
-      } else { // ZeRO-1: each rank keeps the mean of its slice of every gradient
-        std::vector<int64_t> outs;
-        for (int64_t g : bucket)
-          outs.push_back(shards.at(g));
-        after[ready[i].first].push_back({"reduce_scatter", bucket, outs, attrs});
-      }
-      bucket.clear();
-      bytes = 0;
+  std::vector<int64_t> sizes;
+  for (auto [index, g] : ready)
+    sizes.push_back(r.buffers[g].bytes);
+  for (auto [begin, end] : bucketRuns(sizes, bucketBytes)) {
+    std::vector<int64_t> bucket;
+    for (size_t i = begin; i < end; ++i)
+      bucket.push_back(ready[i].second);
+    // On the communication stream; each bucket records event `lastEvent`.
+    json attrs = {{"reduction", "mean"}, {"group", "dp"}, {"async", true}, {"event", ++lastEvent}};
+    if (shards.empty()) {
+      after[ready[end - 1].first].push_back({"all_reduce", bucket, bucket, attrs});
+    } else { // ZeRO-1: each rank keeps the mean of its slice of every gradient
+      std::vector<int64_t> outs;
+      for (int64_t g : bucket)
+        outs.push_back(shards.at(g));
+      after[ready[end - 1].first].push_back({"reduce_scatter", bucket, outs, attrs});
     }
   }
   std::vector<rt::Instruction> out;

@@ -608,6 +608,20 @@ std::set<int64_t> mlir::loom::viewedBuffers(const rt::RankProgram &r) {
   return viewed;
 }
 
+std::vector<std::pair<size_t, size_t>> mlir::loom::bucketRuns(const std::vector<int64_t> &bytes, int64_t bucketBytes) {
+  std::vector<std::pair<size_t, size_t>> runs;
+  int64_t held = 0;
+  size_t begin = 0;
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    held += bytes[i];
+    if (held >= bucketBytes || i + 1 == bytes.size()) {
+      runs.push_back({begin, i + 1});
+      begin = i + 1, held = 0;
+    }
+  }
+  return runs;
+}
+
 void mlir::loom::eraseMarked(std::vector<rt::Instruction> &list, const std::vector<bool> &drop) {
   std::vector<rt::Instruction> kept;
   for (size_t i = 0; i < list.size(); ++i)

@@ -162,6 +162,10 @@ std::set<int64_t> viewedBuffers(const ::loom::rt::RankProgram &r);
 bool flagAttr(const ::loom::rt::Instruction &ins, const char *name);
 /// Removes the instructions `drop` marks, keeping the order of the rest.
 void eraseMarked(std::vector<::loom::rt::Instruction> &list, const std::vector<bool> &drop);
+/// Consecutive runs of tensors of `bytes` each, as collectives take them in
+/// buckets: a run closes once it holds `bucketBytes` or more (and at the
+/// end). [begin, end) index pairs, in order.
+std::vector<std::pair<size_t, size_t>> bucketRuns(const std::vector<int64_t> &bytes, int64_t bucketBytes);
 /// The pipeline stages that compute each parameter's gradient (several for
 /// a tied embedding), from autodiff's per-chunk gradients.
 std::map<int64_t, std::set<int64_t>> paramStages(const StepRank &rank, int64_t pp);

@@ -166,14 +166,12 @@ int64_t gatherCopies(rt::RankProgram &r, int64_t bucketBytes) {
   }
   // In buckets: one all_gather of every master stages them all in one
   // workspace (GPT 1.3B: 7.8 GB on each of two GPUs).
-  for (size_t k = 0; k < masters.in.size();) {
-    rt::Instruction part{"all_gather", {}, {}, masters.attrs};
-    for (int64_t bytes = 0; k < masters.in.size() && (part.in.empty() || bytes < bucketBytes); ++k) {
-      part.in.push_back(masters.in[k]), part.out.push_back(masters.out[k]);
-      bytes += r.buffers[masters.out[k]].bytes;
-    }
-    gatherMasters.push_back(part);
-  }
+  std::vector<int64_t> masterBytes;
+  for (int64_t id : masters.out)
+    masterBytes.push_back(r.buffers[id].bytes);
+  for (auto [begin, end] : bucketRuns(masterBytes, bucketBytes))
+    gatherMasters.push_back({"all_gather", {masters.in.begin() + begin, masters.in.begin() + end},
+                             {masters.out.begin() + begin, masters.out.begin() + end}, masters.attrs});
   if (rest.in.empty())
     dropped["update"][gatherAt] = true;
   else
@@ -202,15 +200,13 @@ int64_t gatherCopies(rt::RankProgram &r, int64_t bucketBytes) {
         event = std::max(event, ins.attrs["event"].get<int64_t>());
   std::vector<rt::Instruction> front;
   std::map<size_t, std::vector<rt::Instruction>> waitsBefore; // body index -> waits
-  for (size_t i = 0; i < weights.size();) {
+  std::vector<int64_t> copyBytes;
+  for (const Weight &w : weights)
+    copyBytes.push_back(r.buffers[w.copy].bytes);
+  for (auto [first, end] : bucketRuns(copyBytes, bucketBytes)) {
     rt::Instruction bucket{"all_gather", {}, {}, json{{"group", group}, {"async", true}, {"event", ++event}}};
-    int64_t bytes = 0;
-    size_t first = i;
-    while (i < weights.size() && (bucket.in.empty() || bytes < bucketBytes)) {
+    for (size_t i = first; i < end; ++i)
       bucket.in.push_back(weights[i].slice), bucket.out.push_back(weights[i].copy);
-      bytes += r.buffers[weights[i].copy].bytes;
-      ++i;
-    }
     front.push_back(bucket);
     int64_t at = weights[first].firstRead;
     // Before the product whose result that reader takes (a bias, say), so

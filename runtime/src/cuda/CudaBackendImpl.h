@@ -45,7 +45,8 @@ namespace loom::rt::cuda {
 /// ceil(n / parts) a part, its parts at `offset` of each rank's span of the
 /// packed buffer.
 struct PackedTensor {
-  float *whole; // the gradient (reduce-scatter) or the parameter (all-gather, shard_of), n elements
+  float *whole; // the gradient (reduce-scatter) or the parameter (all-gather, shard_of), n elements;
+                // a bf16 copy's address for mixed-precision ZeRO-1's gathers
   float *shard; // this rank's part, k elements
   int64_t n, k, offset;
 };
@@ -452,9 +453,10 @@ private:
   std::pair<int64_t, int64_t> placeIn(const std::string &group);
   /// The device table of whole tensors and their shards (wholes[i] and
   /// shards[i]), packed one after another; `span` receives the shards'
-  /// total length.
+  /// total length. The shards are f32; the wholes too, or every one bf16
+  /// with `bf16Wholes` (its address then stands in PackedTensor::whole).
   const PackedTensor *packedTensors(const std::vector<int64_t> &wholes, const std::vector<int64_t> &shards,
-                                    int64_t parts, int64_t &span);
+                                    int64_t parts, int64_t &span, bool bf16Wholes = false);
   /// An async collective (one with an event): `work` on the communication
   /// stream once the compute stream reaches it, recording the event.
   bool asyncCollective(const Instruction &ins);

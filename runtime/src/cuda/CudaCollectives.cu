@@ -303,7 +303,8 @@ std::pair<int64_t, int64_t> CudaBackendImpl::placeIn(const std::string &group) {
 }
 
 const PackedTensor *CudaBackendImpl::packedTensors(const std::vector<int64_t> &wholes,
-                                                   const std::vector<int64_t> &shards, int64_t parts, int64_t &span) {
+                                                   const std::vector<int64_t> &shards, int64_t parts, int64_t &span,
+                                                   bool bf16Wholes) {
   if (wholes.size() != shards.size())
     fail(LOOM_INVALID_BUNDLE, where, ": ", wholes.size(), " tensors but ", shards.size(), " shards");
   std::vector<PackedTensor> list;
@@ -313,7 +314,10 @@ const PackedTensor *CudaBackendImpl::packedTensors(const std::vector<int64_t> &w
     int64_t n = count(buf(whole).shape), k = count(buf(shard).shape);
     if (k * parts < n)
       fail(LOOM_INVALID_BUNDLE, where, ": shard ", i, " holds ", k, " elements; ", parts, " of them cannot hold ", n);
-    list.push_back({f(whole), f(shard), n, k, span});
+    if (bf16Wholes && buf(whole).dtype != LOOM_BF16)
+      fail(LOOM_INVALID_BUNDLE, where, ": gathers into f32 and bf16 tensors at once; one dtype per all_gather");
+    float *w = bf16Wholes ? reinterpret_cast<float *>(ptr(buf(whole))) : f(whole);
+    list.push_back({w, f(shard), n, k, span});
     span += k;
   }
   return deviceArray(list);
@@ -400,27 +404,8 @@ Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t ind
   // of the forward (loom-zero-gather-copies), half the bytes, rounded as a
   // cast rounds.
   bool bf16 = !ins.out.empty() && buf(ins.out[0]).dtype == LOOM_BF16;
-  for (size_t i = 0; i < ins.out.size(); ++i)
-    if ((buf(ins.out[i]).dtype == LOOM_BF16) != bf16)
-      fail(LOOM_INVALID_BUNDLE, where, ": gathers into f32 and bf16 tensors at once; one dtype per all_gather");
-  std::vector<int64_t> wholes = ins.out;
   int64_t span = 0;
-  const PackedTensor *table = nullptr;
-  if (bf16) { // packedTensors reads f32 addresses: give it the bf16 wholes' as such
-    std::vector<PackedTensor> list;
-    for (size_t i = 0; i < ins.in.size() && i < ins.out.size(); ++i) {
-      int64_t n = count(buf(ins.out[i]).shape), k = count(buf(ins.in[i]).shape);
-      if (k * parts < n)
-        fail(LOOM_INVALID_BUNDLE, where, ": shard ", i, " holds ", k, " elements; ", parts, " of them cannot hold ", n);
-      list.push_back({reinterpret_cast<float *>(ptr(buf(ins.out[i]))), f(ins.in[i]), n, k, span});
-      span += k;
-    }
-    if (ins.in.size() != ins.out.size())
-      fail(LOOM_INVALID_BUNDLE, where, ": ", ins.out.size(), " tensors but ", ins.in.size(), " shards");
-    table = deviceArray(list);
-  } else {
-    table = packedTensors(wholes, ins.in, parts, span); // parameters, their updated shards
-  }
+  const PackedTensor *table = packedTensors(ins.out, ins.in, parts, span, bf16); // the wholes, their updated shards
   int count = int(ins.in.size());
   size_t width = bf16 ? 2 : 4, bytes = size_t((parts + 1) * span) * width;
   bool async = asyncCollective(ins);

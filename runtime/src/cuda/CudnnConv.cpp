@@ -256,7 +256,11 @@ std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pa
   // (null: the legacy one), shared by every convolution of the shape.
   static std::map<ChoiceKey, std::shared_ptr<Convolution>> graphs;
   std::lock_guard<std::mutex> lock(mutex);
-  bool tryGraph = g.bf16 && !(std::getenv("LOOM_CUDNN_CONV_GRAPH") && std::string(std::getenv("LOOM_CUDNN_CONV_GRAPH")) == "0");
+  static const bool graphsWanted = [] {
+    const char *e = std::getenv("LOOM_CUDNN_CONV_GRAPH");
+    return !(e && std::string(e) == "0");
+  }();
+  bool tryGraph = g.bf16 && graphsWanted;
   // Shapes neither way could run, with the reason: not timed again.
   static std::map<ChoiceKey, std::string> failures;
   if (auto it = failures.find(key); it != failures.end()) {

@@ -81,42 +81,33 @@ std::string make(const ConvGeometry &g, ConvPass pass, const void *a, const void
   fe::DataType_t io = g.bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::FLOAT;
   graph->set_io_data_type(io).set_intermediate_data_type(fe::DataType_t::FLOAT).set_compute_data_type(
       fe::DataType_t::FLOAT);
-  int64_t cg = g.c / g.groups;
-  auto tensor = [&](const char *name, Uid uid, std::vector<int64_t> dim, std::vector<int64_t> stride) {
-    return graph->tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(dim).set_stride(stride));
+  // The convolution's three tensors; each pass reads two (a, b) and writes
+  // the third (ConvPass: x, filter -> y; dy, filter -> dx; x, dy -> dfilter).
+  struct Layout {
+    const char *name;
+    std::vector<int64_t> dim, stride;
+    size_t elements() const { return size_t(dim[0] * dim[1] * dim[2] * dim[3]); }
   };
-  std::vector<int64_t> xDim{g.n, g.c, g.h, g.w}, yDim{g.n, g.o, g.ho, g.wo}, wDim{g.o, cg, g.kh, g.kw};
-  std::vector<int64_t> xStride = stridesOf(g.c, g.h, g.w, g.nhwc), yStride = stridesOf(g.o, g.ho, g.wo, g.nhwc),
-                       wStride = stridesOf(cg, g.kh, g.kw, g.nhwc);
+  int64_t cg = g.c / g.groups;
+  Layout x{"x", {g.n, g.c, g.h, g.w}, stridesOf(g.c, g.h, g.w, g.nhwc)},
+      y{"y", {g.n, g.o, g.ho, g.wo}, stridesOf(g.o, g.ho, g.wo, g.nhwc)},
+      w{"w", {g.o, cg, g.kh, g.kw}, stridesOf(cg, g.kh, g.kw, g.nhwc)};
+  const Layout &la = pass == ConvPass::GradInput ? y : x, &lb = pass == ConvPass::GradFilter ? y : w,
+               &lo = pass == ConvPass::Forward ? y : pass == ConvPass::GradInput ? x : w;
+  auto tensor = [&](const Layout &l, Uid uid) {
+    return graph->tensor(
+        fe::graph::Tensor_attributes().set_name(l.name).set_uid(uid).set_dim(l.dim).set_stride(l.stride));
+  };
+  auto ta = tensor(la, kA), tb = tensor(lb, kB);
   std::vector<int64_t> pad{g.pad, g.pad}, stride{g.stride, g.stride}, dilation{1, 1};
-  std::shared_ptr<fe::graph::Tensor_attributes> result;
-  size_t outElements = 0;
-  switch (pass) {
-  case ConvPass::Forward: {
-    auto x = tensor("x", kA, xDim, xStride), w = tensor("w", kB, wDim, wStride);
-    result = graph->conv_fprop(
-        x, w, fe::graph::Conv_fprop_attributes().set_padding(pad).set_stride(stride).set_dilation(dilation));
-    result->set_dim(yDim).set_stride(yStride);
-    outElements = size_t(g.n * g.o * g.ho * g.wo);
-    break;
-  }
-  case ConvPass::GradInput: {
-    auto dy = tensor("dy", kA, yDim, yStride), w = tensor("w", kB, wDim, wStride);
-    result = graph->conv_dgrad(
-        dy, w, fe::graph::Conv_dgrad_attributes().set_padding(pad).set_stride(stride).set_dilation(dilation));
-    result->set_dim(xDim).set_stride(xStride);
-    outElements = size_t(g.n * g.c * g.h * g.w);
-    break;
-  }
-  case ConvPass::GradFilter: {
-    auto x = tensor("x", kA, xDim, xStride), dy = tensor("dy", kB, yDim, yStride);
-    result = graph->conv_wgrad(
-        dy, x, fe::graph::Conv_wgrad_attributes().set_padding(pad).set_stride(stride).set_dilation(dilation));
-    result->set_dim(wDim).set_stride(wStride);
-    outElements = size_t(g.o * cg * g.kh * g.kw);
-    break;
-  }
-  }
+  std::shared_ptr<fe::graph::Tensor_attributes> result =
+      pass == ConvPass::Forward
+          ? graph->conv_fprop(ta, tb, fe::graph::Conv_fprop_attributes().set_padding(pad).set_stride(stride).set_dilation(dilation))
+      : pass == ConvPass::GradInput
+          ? graph->conv_dgrad(ta, tb, fe::graph::Conv_dgrad_attributes().set_padding(pad).set_stride(stride).set_dilation(dilation))
+          : graph->conv_wgrad(tb, ta, fe::graph::Conv_wgrad_attributes().set_padding(pad).set_stride(stride).set_dilation(dilation));
+  result->set_dim(lo.dim).set_stride(lo.stride);
+  size_t outElements = lo.elements();
   result->set_output(true).set_uid(kOut).set_data_type(io);
   LOOM_FE_TRY(graph->validate());
   LOOM_FE_TRY(graph->build_operation_graph(handle));
