@@ -146,6 +146,7 @@ const PoolCase kPoolCases[] = {
     {{2, 3, 8, 8}, 2, 2, 0},   // disjoint windows
     {{2, 3, 7, 7}, 3, 1, 1},   // stride 1, padded
     {{2, 2, 7, 7}, 7, 1, 0},   // one window over the image (a global average)
+    {{2, 16, 9, 9}, 3, 2, 1},  // NHWC: eight channels a thread (max pooling's byte-per-window pass)
 };
 
 void pooling(loom_dtype_t dt, double tol, bool nhwc = false) {
@@ -165,6 +166,8 @@ const Shape kBatchNormCases[] = {
     {16, 3, 40, 40}, // several blocks per channel, added in double
     {3, 5, 1, 1},    // 1x1 images (a norm over the batch only)
     {4, 70, 6, 6},   // NHWC: channels over several blocks of 32, the last one partial
+    {16, 8, 40, 40}, // NHWC: eight channels a thread, many slices of rows
+    {2, 320, 5, 5},  // NHWC: eight channels a thread over two channel tiles, the second partial
 };
 
 void batchNorms(loom_dtype_t dt, double tol, bool nhwc = false) {
@@ -266,4 +269,58 @@ TEST(CudaConv, BatchNormNhwcBf16) {
   if (!haveGpu())
     GTEST_SKIP() << "no CUDA device";
   batchNorms(LOOM_BF16, 1e-2, true);
+}
+
+// A run of SGD updates (what ResNet-50's update program is: 161 of them) in
+// one launch, against the CPU backend's one at a time: momentum, weight
+// decay and clipping by a given norm, bf16 gradients as --target cuda
+// trains, two steps so that the momentum carries.
+TEST(CudaConv, SgdRun) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  loom::rt::test::ProgramBuilder p;
+  int64_t step = p.add({1}, LOOM_F32, "step"), norm = p.add({1}, LOOM_F32, "norm");
+  nlohmann::json attrs = {{"lr", 0.1}, {"momentum", 0.9}, {"weight_decay", 1e-4}, {"clip", 1.0}};
+  std::vector<Instruction> program;
+  std::vector<int64_t> params, moments;
+  for (int64_t n : {5000, 3, 70000}) { // a chunk's tail, a tensor smaller than a chunk, many chunks
+    int64_t w = p.add({n}, LOOM_F32, "w"), g = p.add({n}, LOOM_BF16, "g"), m = p.add({n}, LOOM_F32, "m");
+    program.push_back(Instruction{"sgd", {w, g, m, step, norm}, {w, m}, attrs});
+    params.push_back(w), moments.push_back(m);
+  }
+  RankProgram r = p.finish(program);
+  auto cpu = makeCpuBackend(r, 2);
+  auto gpu = makeCudaBackend(r, 0);
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (const Buffer &b : r.buffers) {
+    int64_t n = numElements(b.shape).value();
+    std::vector<char> bytes(b.bytes);
+    for (int64_t i = 0; i < n; ++i) {
+      float v = b.id == step ? 1.0f : b.id == norm ? 2.5f : b.name[0] == 'm' ? 0.0f : dist(rng);
+      if (b.dtype == LOOM_BF16) {
+        uint16_t h = floatToBf16(v);
+        std::memcpy(bytes.data() + 2 * i, &h, 2);
+      } else {
+        std::memcpy(bytes.data() + 4 * i, &v, 4);
+      }
+    }
+    cpu->upload(b, bytes.data());
+    gpu->upload(b, bytes.data());
+  }
+  for (Backend *be : {cpu.get(), gpu.get()}) {
+    be->prepare("forward", program);
+    be->run("forward");
+    be->run("forward");
+  }
+  for (std::vector<int64_t> *ids : {&params, &moments})
+    for (int64_t id : *ids) {
+      const Buffer &b = r.buffers[id];
+      int64_t n = numElements(b.shape).value();
+      std::vector<float> got(n), want(n);
+      gpu->download(b, got.data());
+      cpu->download(b, want.data());
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_NEAR(got[i], want[i], 1e-6 * (1 + std::fabs(want[i]))) << b.name << "[" << i << "]";
+    }
 }

@@ -110,6 +110,13 @@ static bool sameAdamw(const Instruction &a, const Instruction &b) {
          a.in[4] == b.in[4] && a.in[5] == b.in[5];
 }
 
+/// SGD updates with one set of hyperparameters, step and norm (a run of them
+/// shares one launch).
+static bool sameSgd(const Instruction &a, const Instruction &b) {
+  return a.op == "sgd" && b.op == "sgd" && a.attrs == b.attrs && a.in.size() == 5 && b.in.size() == 5 &&
+         a.in[3] == b.in[3] && a.in[4] == b.in[4];
+}
+
 /// A cast between f32 and bf16 (those of a run share one launch).
 static bool isFloatCast(const RankProgram &rank, const Instruction &ins) {
   if (ins.op != "cast" || ins.in.size() != 1 || ins.out.size() != 1)
@@ -360,6 +367,14 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
       for (size_t k = i; k < end; ++k)
         group.push_back(&instrs[k]);
       together(end, gen ? buildGeneratedAdamw(group) : buildAdamw(group), label);
+      continue;
+    }
+    if (i + 1 < instrs.size() && sameSgd(instrs[i], instrs[i + 1])) { // a run of SGD updates: one launch
+      size_t end = runOf(unbounded, [&](const Instruction &x) { return sameSgd(instrs[i], x); });
+      std::vector<const Instruction *> group;
+      for (size_t k = i; k < end; ++k)
+        group.push_back(&instrs[k]);
+      together(end, buildSgdRun(group), label);
       continue;
     }
     buildCapturable = true, buildReplayable = nullptr, buildReplayed = nullptr;

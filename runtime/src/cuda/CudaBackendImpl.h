@@ -359,6 +359,7 @@ private:
   Launch buildCommunication(const Instruction &ins);
   Launch buildEventWait(const Instruction &ins);
   // CudaOptimizer.cu
+  Launch buildSgdRun(const std::vector<const Instruction *> &group);
   Launch buildAdamw(const std::vector<const Instruction *> &group);
   Launch buildGeneratedAdamw(const std::vector<const Instruction *> &group);
   /// Whether this adamw runs in the compiler's generated kernel.
@@ -378,8 +379,9 @@ private:
   Launch buildConv2d(const Instruction &ins);
   Launch buildIm2colConv2d(const Instruction &ins);
   Launch buildCudnnConv2d(const Instruction &ins); // conv2d and its two gradients
-  Launch buildBatchNorm(const Instruction &ins);
-  Launch buildBatchNormGrad(const Instruction &ins);
+  Launch buildBatchNormPass(const Instruction &ins, bool grad);
+  Launch buildBatchNorm(const Instruction &ins) { return buildBatchNormPass(ins, false); }
+  Launch buildBatchNormGrad(const Instruction &ins) { return buildBatchNormPass(ins, true); }
   Launch buildPool(const Instruction &ins);
   Launch buildPoolGrad(const Instruction &ins);
 

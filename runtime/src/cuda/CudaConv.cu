@@ -7,7 +7,10 @@
 // im2col workspace. Batch normalisation with the batch's statistics and its
 // gradient, and max and average pooling and their gradients, are our
 // kernels on f32 or bf16 (f32 math), in either layout, with the CPU
-// backend's semantics.
+// backend's semantics; channels last (what the GPU trains) they move eight
+// channels a thread in 16-byte accesses, batch norms over grids of one
+// wave with the slices' sums added without atomics, and max pooling's
+// gradient from a byte per window naming its largest value.
 //
 //===----------------------------------------------------------------------===//
 
@@ -72,67 +75,45 @@ __global__ void batchNormSumsKernel(DPtr x, DPtr dy, DPtr act, double *sums, int
   }
 }
 
-/// batchNormSumsKernel for channels last: a block of 32 x 8 threads reads 32
-/// neighbouring channels of 8 positions at a time (coalesced), each thread
-/// keeping its channel's sums, shifted by the channel's first value x[0, 0,
-/// 0, c]; the block adds its 8 rows of sums before one atomic per channel
-/// and sum. `rows` is N x H x W.
-constexpr int kNhwcRows = 8;
-__global__ void batchNormSumsNhwcKernel(DPtr x, DPtr dy, DPtr act, double *sums, int64_t rows, int64_t ch) {
-  __shared__ float shared[4][kNhwcRows][33];
-  int64_t c = blockIdx.x * 32 + threadIdx.x;
-  float s[4] = {0, 0, 0, 0};
-  if (c < ch) {
-    float shift = x[c];
-    for (int64_t r = blockIdx.y * int64_t(kNhwcRows) + threadIdx.y; r < rows; r += int64_t(gridDim.y) * kNhwcRows) {
-      addToSums(x, dy, act, r * ch + c, shift, s);
-    }
-  }
-  for (int t = 0; t < 4; ++t)
-    shared[t][threadIdx.y][threadIdx.x] = s[t];
-  __syncthreads();
-  if (threadIdx.y == 0 && c < ch)
-    for (int t = 0; t < (dy ? 4 : 2); ++t) {
-      float total = 0;
-      for (int r = 0; r < kNhwcRows; ++r)
-        total += shared[t][r][threadIdx.x];
-      atomicAdd(&sums[c * 4 + t], double(total));
-    }
-}
-
 /// A channel's mean and 1 / sqrt(var + eps) (the biased variance, as the
 /// CPU backend), and for the gradient g·Σdy / count and g·Σdy·x̂ / count.
 struct BatchNormStats {
   float mean, rstd, a, b;
 };
 
-/// From the sums: each channel's statistics, and for the gradient
-/// dgamma = Σdy·x̂ and dbeta = Σdy (dgamma null for the forward). The shift
-/// K is x[c * channelStride] (inner for NCHW, 1 for NHWC).
+/// Channel c's statistics from its sums s (Σ(x - K), Σ(x - K)², Σdy,
+/// Σdy(x - K)), and for the gradient dgamma = Σdy·x̂ and dbeta = Σdy (dgamma
+/// null for the forward). The shift K is x[c * channelStride] (inner for
+/// NCHW, 1 for NHWC).
+__device__ inline BatchNormStats statsFromSums(DPtr x, const double *s, DPtr gamma, DPtr dgamma, DPtr dbeta,
+                                               int64_t c, int64_t channelStride, int64_t count, double eps) {
+  double centred = s[0] / double(count); // mean - K
+  double var = fmax(s[1] / double(count) - centred * centred, 0.0), rstd = 1.0 / sqrt(var + eps);
+  BatchNormStats st{float(double(x[c * channelStride]) + centred), float(rstd), 0.0f, 0.0f};
+  if (dgamma) {
+    // Σdy(x - mean) = Σdy(x - K) - (mean - K)·Σdy
+    double sumDy = s[2], sumDyXh = rstd * (s[3] - centred * s[2]), g = gamma[c];
+    dgamma.st(c, float(sumDyXh));
+    dbeta.st(c, float(sumDy));
+    st.a = float(g * sumDy / double(count));
+    st.b = float(g * sumDyXh / double(count));
+  }
+  return st;
+}
+
+/// Every channel's statistics from the sums batchNormSumsKernel added.
 __global__ void batchNormStatsKernel(DPtr x, const double *sums, DPtr gamma, BatchNormStats *stats, DPtr dgamma,
                                      DPtr dbeta, int64_t ch, int64_t channelStride, int64_t count, double eps) {
   GRID_LOOP(c, ch) {
-    const double *s = sums + c * 4;
-    double centred = s[0] / double(count); // mean - K
-    double var = fmax(s[1] / double(count) - centred * centred, 0.0), rstd = 1.0 / sqrt(var + eps);
-    BatchNormStats st{float(double(x[c * channelStride]) + centred), float(rstd), 0.0f, 0.0f};
-    if (dgamma) {
-      // Σdy(x - mean) = Σdy(x - K) - (mean - K)·Σdy
-      double sumDy = s[2], sumDyXh = rstd * (s[3] - centred * s[2]), g = gamma[c];
-      dgamma.st(c, float(sumDyXh));
-      dbeta.st(c, float(sumDy));
-      st.a = float(g * sumDy / double(count));
-      st.b = float(g * sumDyXh / double(count));
-    }
-    stats[c] = st;
+    stats[c] = statsFromSums(x, sums + c * 4, gamma, dgamma, dbeta, c, channelStride, count, eps);
   }
 }
 
 /// y = (x - mean) · rstd · gamma + beta, then max(y, 0) with a fused ReLU.
 __global__ void batchNormApplyKernel(DPtr x, DPtr gamma, DPtr beta, const BatchNormStats *stats, DPtr y,
-                                     int64_t total, int64_t ch, int64_t inner, bool nhwc, bool relu) {
+                                     int64_t total, int64_t ch, int64_t inner, bool relu) {
   GRID_LOOP(i, total) {
-    int64_t c = nhwc ? i % ch : (i / inner) % ch;
+    int64_t c = (i / inner) % ch;
     BatchNormStats s = stats[c];
     float v = (x[i] - s.mean) * s.rstd * gamma[c] + beta[c];
     y.st(i, relu && !(v > 0.0f) ? 0.0f : v);
@@ -142,12 +123,241 @@ __global__ void batchNormApplyKernel(DPtr x, DPtr gamma, DPtr beta, const BatchN
 /// dx = rstd · (gamma · dy - g·Σdy / count - x̂ · g·Σdy·x̂ / count), the CPU
 /// backend's formula; with `act`, dy counts only where act > 0.
 __global__ void batchNormGradApplyKernel(DPtr x, DPtr gamma, DPtr dy, DPtr act, const BatchNormStats *stats,
-                                         DPtr dx, int64_t total, int64_t ch, int64_t inner, bool nhwc) {
+                                         DPtr dx, int64_t total, int64_t ch, int64_t inner) {
   GRID_LOOP(i, total) {
-    int64_t c = nhwc ? i % ch : (i / inner) % ch;
+    int64_t c = (i / inner) % ch;
     BatchNormStats s = stats[c];
     float xh = (x[i] - s.mean) * s.rstd, d = act && !(act[i] > 0.0f) ? 0.0f : dy[i];
     dx.st(i, s.rstd * (gamma[c] * d - s.a - xh * s.b));
+  }
+}
+
+//===--- Channels last ----------------------------------------------------===//
+//
+// A channels-last tensor is `rows` (N x H x W) rows of `ch` channels. Each
+// thread owns V neighbouring channels (V = 8: one 16-byte access of bf16,
+// two of f32, where the channels and pointers allow; else 1) and walks rows:
+// a block of 256 threads covers `lanes` groups of V channels by 256 / lanes
+// rows at a time, over its slice of rows (grid: channel tiles x slices). A
+// thread keeps its channels' sums, or their statistics, in registers for
+// every row it visits.
+
+struct NhwcTile {
+  int64_t rows, ch, rowsPerSlice;
+  int lanes; // a power of two up to 32
+};
+
+/// V values of p from element i (a multiple of V), either dtype.
+template <int V> __device__ inline void loadV(DPtr p, int64_t i, float out[V]) {
+  if constexpr (V == 8)
+    load8(p, i, out);
+  else
+    out[0] = p[i];
+}
+template <int V> __device__ inline void storeV(DPtr p, int64_t i, const float v[V]) {
+  if constexpr (V == 8)
+    store8(p, i, v);
+  else
+    p.st(i, v[0]);
+}
+
+/// This thread's first channel, and its slice's rows [begin, end) with the
+/// first row it visits.
+struct NhwcThread {
+  int64_t c, row, end;
+  int step;
+};
+template <int V> __device__ inline NhwcThread nhwcThread(const NhwcTile &t) {
+  NhwcThread th;
+  th.c = (int64_t(blockIdx.x) * t.lanes + threadIdx.x % t.lanes) * V;
+  th.step = kThreads / t.lanes;
+  int64_t begin = int64_t(blockIdx.y) * t.rowsPerSlice;
+  th.row = begin + threadIdx.x / t.lanes;
+  th.end = begin + t.rowsPerSlice < t.rows ? begin + t.rowsPerSlice : t.rows;
+  return th;
+}
+
+/// Each slice's sums of its rows per channel, as batchNormSumsKernel adds
+/// them (shifted by the channel's first value x[0, 0, 0, c]), into
+/// partials[slice][sum][channel]; batchNormStatsNhwcKernel adds the slices.
+/// With Grad, also Σdy and Σdy(x - K) (dy masked by `act` where given). A
+/// thread loads U rows before it adds them, so that several loads are in
+/// flight.
+template <int V, bool Grad>
+__global__ void __launch_bounds__(kThreads)
+    batchNormPartialsNhwcKernel(DPtr x, DPtr dy, DPtr act, float *partials, NhwcTile t) {
+  constexpr int U = Grad ? 2 : 4;
+  __shared__ float rowsOf[kThreads][V + 1];
+  NhwcThread th = nhwcThread<V>(t);
+  float s[4][V] = {};
+  if (th.c < t.ch) {
+    float shift[V];
+    loadV<V>(x, th.c, shift);
+    for (int64_t r = th.row; r < th.end; r += U * th.step) {
+      float xv[U][V], d[U][Grad ? V : 1];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        int64_t at = (r + u * th.step) * t.ch + th.c;
+        bool in = r + u * th.step < th.end;
+        if (in)
+          loadV<V>(x, at, xv[u]);
+        if constexpr (Grad) {
+          if (in) {
+            loadV<V>(dy, at, d[u]);
+            if (act) {
+              float a[V];
+              loadV<V>(act, at, a);
+#pragma unroll
+              for (int e = 0; e < V; ++e)
+                d[u][e] = a[e] > 0.0f ? d[u][e] : 0.0f;
+            }
+          }
+        }
+        if (!in) // rows past the slice add nothing
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            xv[u][e] = shift[e];
+            if constexpr (Grad)
+              d[u][e] = 0.0f;
+          }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          float v = xv[u][e] - shift[e];
+          s[0][e] += v;
+          s[1][e] += v * v;
+          if constexpr (Grad) {
+            s[2][e] += d[u][e];
+            s[3][e] += d[u][e] * v;
+          }
+        }
+    }
+  }
+  // Add the rows that share a channel: thread j < lanes·V finishes channel
+  // tile start + j.
+  int64_t channel = int64_t(blockIdx.x) * t.lanes * V + threadIdx.x;
+  for (int k = 0; k < (Grad ? 4 : 2); ++k) {
+#pragma unroll
+    for (int e = 0; e < V; ++e)
+      rowsOf[threadIdx.x][e] = s[k][e];
+    __syncthreads();
+    if (threadIdx.x < t.lanes * V && channel < t.ch) {
+      int g = threadIdx.x / V, e = threadIdx.x % V;
+      float total = 0;
+      for (int r = 0; r < kThreads / t.lanes; ++r)
+        total += rowsOf[r * t.lanes + g][e];
+      partials[(int64_t(blockIdx.y) * 4 + k) * t.ch + channel] = total;
+    }
+    __syncthreads();
+  }
+}
+
+/// Every channel's statistics from the slices' partial sums, added in
+/// double: a block of 32 channels x kStatsLanes threads, each thread adding
+/// every kStatsLanes-th slice.
+constexpr int kStatsLanes = 32;
+__global__ void batchNormStatsNhwcKernel(DPtr x, const float *partials, int64_t slices, DPtr gamma,
+                                         BatchNormStats *stats, DPtr dgamma, DPtr dbeta, int64_t ch, int64_t count,
+                                         double eps) {
+  __shared__ double part[4][kStatsLanes][33];
+  int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  int sums = dgamma ? 4 : 2;
+  double s[4] = {0, 0, 0, 0};
+  if (c < ch)
+#pragma unroll 4
+    for (int64_t slice = threadIdx.y; slice < slices; slice += kStatsLanes)
+      for (int k = 0; k < sums; ++k)
+        s[k] += partials[(slice * 4 + k) * ch + c];
+  for (int k = 0; k < 4; ++k)
+    part[k][threadIdx.y][threadIdx.x] = s[k];
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= ch)
+    return;
+  for (int k = 0; k < 4; ++k)
+    for (int y = 1; y < kStatsLanes; ++y)
+      s[k] += part[k][y][threadIdx.x];
+  stats[c] = statsFromSums(x, s, gamma, dgamma, dbeta, c, 1, count, eps);
+}
+
+/// This thread's channels' statistics, and gamma and beta (beta null for the gradient).
+template <int V> struct NhwcChannels {
+  float mean[V], rstd[V], a[V], b[V], g[V], beta[V];
+  __device__ NhwcChannels(const BatchNormStats *stats, DPtr gamma, DPtr bt, int64_t c) {
+    loadV<V>(gamma, c, g);
+    if (bt)
+      loadV<V>(bt, c, beta);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      BatchNormStats st = stats[c + e];
+      mean[e] = st.mean, rstd[e] = st.rstd, a[e] = st.a, b[e] = st.b;
+    }
+  }
+};
+
+/// batchNormApplyKernel for channels last, U rows in flight a thread.
+template <int V>
+__global__ void __launch_bounds__(kThreads) batchNormApplyNhwcKernel(DPtr x, DPtr gamma, DPtr beta,
+                                                                     const BatchNormStats *stats, DPtr y,
+                                                                     NhwcTile t, bool relu) {
+  constexpr int U = 4;
+  NhwcThread th = nhwcThread<V>(t);
+  if (th.c >= t.ch)
+    return;
+  NhwcChannels<V> k(stats, gamma, beta, th.c);
+  for (int64_t r = th.row; r < th.end; r += U * th.step) {
+    float v[U][V];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (r + u * th.step < th.end)
+        loadV<V>(x, (r + u * th.step) * t.ch + th.c, v[u]);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (r + u * th.step >= th.end)
+        break;
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        float o = (v[u][e] - k.mean[e]) * k.rstd[e] * k.g[e] + k.beta[e];
+        v[u][e] = relu && !(o > 0.0f) ? 0.0f : o;
+      }
+      storeV<V>(y, (r + u * th.step) * t.ch + th.c, v[u]);
+    }
+  }
+}
+
+/// batchNormGradApplyKernel for channels last, U rows in flight a thread.
+template <int V>
+__global__ void __launch_bounds__(kThreads) batchNormGradApplyNhwcKernel(DPtr x, DPtr gamma, DPtr dy, DPtr act,
+                                                                         const BatchNormStats *stats, DPtr dx,
+                                                                         NhwcTile t) {
+  constexpr int U = 2;
+  NhwcThread th = nhwcThread<V>(t);
+  if (th.c >= t.ch)
+    return;
+  NhwcChannels<V> k(stats, gamma, DPtr{}, th.c);
+  for (int64_t r = th.row; r < th.end; r += U * th.step) {
+    float xv[U][V], d[U][V], a[U][V];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (r + u * th.step < th.end) {
+        int64_t at = (r + u * th.step) * t.ch + th.c;
+        loadV<V>(x, at, xv[u]);
+        loadV<V>(dy, at, d[u]);
+        if (act)
+          loadV<V>(act, at, a[u]);
+      }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (r + u * th.step >= th.end)
+        break;
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        float xh = (xv[u][e] - k.mean[e]) * k.rstd[e], de = act && !(a[u][e] > 0.0f) ? 0.0f : d[u][e];
+        xv[u][e] = k.rstd[e] * (k.g[e] * de - k.a[e] - xh * k.b[e]);
+      }
+      storeV<V>(dx, (r + u * th.step) * t.ch + th.c, xv[u]);
+    }
   }
 }
 
@@ -228,6 +438,85 @@ __global__ void poolGradKernel(bool max, DPtr x, DPtr dy, DPtr dx, PoolShape p) 
           acc += g;
       }
     dx.st(i, acc);
+  }
+}
+
+/// Max pooling channels last, eight channels a thread (16-byte accesses).
+__global__ void maxPoolNhwcKernel(DPtr x, DPtr y, PoolShape p) {
+  int64_t groups = p.C / 8;
+  GRID_LOOP(i, p.N * p.Ho * p.Wo * groups) {
+    int64_t c = i % groups * 8, rest = i / groups, ow = rest % p.Wo, oh = rest / p.Wo % p.Ho, n = rest / (p.Wo * p.Ho);
+    float acc[8], v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      acc[e] = -INFINITY;
+    for (int64_t kh = 0; kh < p.k; ++kh)
+      for (int64_t kw = 0; kw < p.k; ++kw) {
+        int64_t ih = oh * p.stride - p.pad + kh, iw = ow * p.stride - p.pad + kw;
+        if (ih < 0 || ih >= p.H || iw < 0 || iw >= p.W)
+          continue;
+        load8(x, ((n * p.H + ih) * p.W + iw) * p.C + c, v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          acc[e] = fmaxf(acc[e], v[e]);
+      }
+    store8(y, i * 8, acc);
+  }
+}
+
+/// Max pooling's gradient channels last, in two passes: each window's
+/// first largest value in the CPU backend's scan order (rows, then columns;
+/// strictly greater replaces) as its offset kh·k + kw in the window (255:
+/// none, where every value is -inf or NaN), a byte per output element; then
+/// each input position gathers the gradients of the windows whose choice it
+/// is, in poolGradKernel's order. Eight channels a thread.
+__global__ void maxPoolArgNhwcKernel(DPtr x, uint8_t *arg, PoolShape p) {
+  int64_t groups = p.C / 8;
+  GRID_LOOP(i, p.N * p.Ho * p.Wo * groups) {
+    int64_t c = i % groups * 8, rest = i / groups, ow = rest % p.Wo, oh = rest / p.Wo % p.Ho, n = rest / (p.Wo * p.Ho);
+    float best[8], v[8];
+    uint8_t at[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      best[e] = -INFINITY, at[e] = 255;
+    for (int64_t kh = 0; kh < p.k; ++kh)
+      for (int64_t kw = 0; kw < p.k; ++kw) {
+        int64_t ih = oh * p.stride - p.pad + kh, iw = ow * p.stride - p.pad + kw;
+        if (ih < 0 || ih >= p.H || iw < 0 || iw >= p.W)
+          continue;
+        load8(x, ((n * p.H + ih) * p.W + iw) * p.C + c, v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          if (v[e] > best[e])
+            best[e] = v[e], at[e] = uint8_t(kh * p.k + kw);
+      }
+    *reinterpret_cast<uint2 *>(arg + i * 8) = *reinterpret_cast<const uint2 *>(at);
+  }
+}
+
+__global__ void maxPoolGradNhwcKernel(const uint8_t *arg, DPtr dy, DPtr dx, PoolShape p) {
+  int64_t groups = p.C / 8;
+  GRID_LOOP(i, p.N * p.H * p.W * groups) {
+    int64_t c = i % groups * 8, rest = i / groups, iw = rest % p.W, ih = rest / p.W % p.H, n = rest / (p.W * p.H);
+    int64_t loH = ih + p.pad - p.k + 1, loW = iw + p.pad - p.k + 1;
+    int64_t ohBegin = loH <= 0 ? 0 : (loH + p.stride - 1) / p.stride, ohEnd = (ih + p.pad) / p.stride + 1;
+    int64_t owBegin = loW <= 0 ? 0 : (loW + p.stride - 1) / p.stride, owEnd = (iw + p.pad) / p.stride + 1;
+    ohEnd = ohEnd < p.Ho ? ohEnd : p.Ho;
+    owEnd = owEnd < p.Wo ? owEnd : p.Wo;
+    float acc[8] = {}, g[8];
+    for (int64_t oh = ohBegin; oh < ohEnd; ++oh)
+      for (int64_t ow = owBegin; ow < owEnd; ++ow) {
+        int64_t o = ((n * p.Ho + oh) * p.Wo + ow) * p.C + c;
+        uint2 packed = *reinterpret_cast<const uint2 *>(arg + o);
+        const uint8_t *at = reinterpret_cast<const uint8_t *>(&packed);
+        int mine = int((ih - (oh * p.stride - p.pad)) * p.k + (iw - (ow * p.stride - p.pad)));
+        load8(dy, o, g);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          if (at[e] == mine)
+            acc[e] += g[e];
+      }
+    store8(dx, i * 8, acc);
   }
 }
 
@@ -344,12 +633,6 @@ Launch CudaBackendImpl::buildCudnnConv2d(const Instruction &ins) {
 }
 
 namespace {
-/// Blocks per channel for batchNormSumsKernel: enough for the GPU to be
-/// busy with few channels, each thread still adding a few dozen values.
-unsigned batchNormSlices(int64_t count) {
-  return unsigned(std::clamp<int64_t>((count + kThreads * 32 - 1) / (kThreads * 32), 1, 65535));
-}
-
 /// A batch norm's input as [n, ch, inner]: the channel is dimension 1, or
 /// the last with layout nhwc; relu: a ReLU fused after it (activation).
 struct BatchNormDims {
@@ -368,61 +651,104 @@ BatchNormDims batchNormDims(const Instruction &ins, const Shape &x, const std::s
   return {n, ch, numElements(x).value_or(0) / std::max<int64_t>(n * ch, 1), nhwc, relu};
 }
 
-/// The per-channel sums of x (and dy, masked by act) into `sums`, zeroed first.
-void launchBatchNormSums(const BatchNormDims &d, DPtr x, DPtr dy, DPtr act, double *sums, cudaStream_t s) {
-  LOOM_CUDA_CHECK(cudaMemsetAsync(sums, 0, size_t(d.ch) * 4 * sizeof(double), s));
-  if (d.nhwc) {
-    int64_t rows = d.n * d.inner;
-    unsigned slices = unsigned(std::clamp<int64_t>((rows + kNhwcRows * 32 - 1) / (kNhwcRows * 32), 1, 65535));
-    batchNormSumsNhwcKernel<<<dim3(unsigned((d.ch + 31) / 32), slices), dim3(32, kNhwcRows), 0, s>>>(
-        x, dy, act, sums, rows, d.ch);
-  } else {
-    batchNormSumsKernel<<<dim3(unsigned(d.ch), batchNormSlices(d.n * d.inner)), kThreads, 0, s>>>(
-        x, dy, act, sums, d.n, d.ch, d.inner);
-  }
+/// Whether a channels-last batch norm takes eight channels a thread: the
+/// channels and every pointer allow 16-byte accesses.
+bool nhwcWide(const BatchNormDims &d, std::initializer_list<DPtr> pointers) {
+  bool wide = d.ch % 8 == 0;
+  for (DPtr p : pointers)
+    wide = wide && (!p || reinterpret_cast<uintptr_t>(p.p) % 16 == 0);
+  return wide;
 }
+
+/// How a channels-last kernel is tiled: `lanes` groups of `vec` channels a
+/// block, and the rows cut into slices over the grid's second dimension so
+/// that the grid is one wave of `kernel` on `device` (as many blocks as its
+/// SMs hold at once, so no SM idles through a last partial wave).
+struct NhwcLaunch {
+  NhwcTile tile;
+  dim3 grid;
+  int64_t slices;
+};
+NhwcLaunch nhwcLaunch(const BatchNormDims &d, int vec, const void *kernel, int device) {
+  int sms = 0, perSm = 0;
+  LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  LOOM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSm, kernel, kThreads, 0));
+  int64_t blocks = int64_t(std::max(sms, 1)) * std::max(perSm, 1);
+  int64_t groups = d.ch / vec, lanes = 1;
+  while (lanes < 32 && lanes < groups)
+    lanes *= 2;
+  int64_t tiles = (groups + lanes - 1) / lanes, step = kThreads / lanes, rows = d.n * d.inner;
+  int64_t slices = std::clamp<int64_t>(blocks / tiles, 1, std::max<int64_t>((rows + step - 1) / step, 1));
+  int64_t perSlice = std::max<int64_t>(((rows + slices - 1) / slices + step - 1) / step * step, 1);
+  NhwcLaunch l;
+  l.slices = std::clamp<int64_t>((rows + perSlice - 1) / perSlice, 1, 65535);
+  l.tile = {rows, d.ch, perSlice, int(lanes)};
+  l.grid = dim3(unsigned(tiles), unsigned(l.slices));
+  return l;
+}
+
+/// The channels-last kernels for V channels a thread.
+template <int V> struct NhwcKernels {
+  static constexpr auto sums = batchNormPartialsNhwcKernel<V, false>;
+  static constexpr auto gradSums = batchNormPartialsNhwcKernel<V, true>;
+  static constexpr auto apply = batchNormApplyNhwcKernel<V>;
+  static constexpr auto gradApply = batchNormGradApplyNhwcKernel<V>;
+};
 } // namespace
 
-/// Batch normalisation with the batch's statistics: per-channel sums (one
-/// read of x), the statistics, then y. The sums and statistics live in the
-/// workspace.
-Launch CudaBackendImpl::buildBatchNorm(const Instruction &ins) {
+/// batchnorm (x, gamma, beta -> y) with the batch's statistics, or
+/// batchnorm_grad (x, gamma, dy (, y) -> dx, dgamma, dbeta) recomputing them
+/// with the sums the gradient needs, in one read of x and dy (and of a fused
+/// ReLU's output y, which masks dy): per-channel sums, the statistics, then
+/// the result. Channels last, each slice of rows writes its sums apart and
+/// the statistics add them (no atomics); NCHW, blocks add theirs in double
+/// atomically. The sums and statistics live in the workspace.
+Launch CudaBackendImpl::buildBatchNormPass(const Instruction &ins, bool grad) {
   BatchNormDims d = batchNormDims(ins, buf(ins.in[0]).shape, where);
-  int64_t n = d.n, ch = d.ch, inner = d.inner, total = n * ch * inner, channelStride = d.nhwc ? 1 : inner;
-  bool nhwc = d.nhwc, relu = d.relu;
+  int64_t ch = d.ch, inner = d.inner, total = d.n * ch * inner, count = d.n * inner;
+  bool relu = d.relu;
   double eps = num(ins, "eps", 1e-5);
-  DPtr x = fp(ins.in[0]), g = fp(ins.in[1]), b = fp(ins.in[2]), y = fp(ins.out[0]);
-  size_t sumsBytes = (size_t(ch) * 4 * sizeof(double) + 255) / 256 * 256;
-  reserve(sumsBytes + size_t(ch) * sizeof(BatchNormStats));
+  DPtr x = fp(ins.in[0]), g = fp(ins.in[1]), b = grad ? DPtr{} : fp(ins.in[2]), dy = grad ? fp(ins.in[2]) : DPtr{};
+  DPtr act = grad && relu ? fp(ins.in[3]) : DPtr{}, out = fp(ins.out[0]);
+  DPtr dg = grad ? fp(ins.out[1]) : DPtr{}, db = grad ? fp(ins.out[2]) : DPtr{};
+  size_t statsBytes = (size_t(ch) * sizeof(BatchNormStats) + 255) / 256 * 256;
+  if (d.nhwc) {
+    bool wide = nhwcWide(d, {x, g, b, dy, act, out});
+    auto pick = [&](auto eight, auto one) { return wide ? eight : one; };
+    auto sumsKernel = grad ? pick(NhwcKernels<8>::gradSums, NhwcKernels<1>::gradSums)
+                           : pick(NhwcKernels<8>::sums, NhwcKernels<1>::sums);
+    auto gradApply = pick(NhwcKernels<8>::gradApply, NhwcKernels<1>::gradApply);
+    auto apply = pick(NhwcKernels<8>::apply, NhwcKernels<1>::apply);
+    int vec = wide ? 8 : 1;
+    NhwcLaunch sums = nhwcLaunch(d, vec, reinterpret_cast<const void *>(sumsKernel), device);
+    NhwcLaunch last = nhwcLaunch(d, vec, grad ? reinterpret_cast<const void *>(gradApply)
+                                              : reinterpret_cast<const void *>(apply), device);
+    reserve(statsBytes + size_t(sums.slices) * 4 * size_t(ch) * sizeof(float));
+    return [=](cudaStream_t s) {
+      auto *stats = reinterpret_cast<BatchNormStats *>(workspace);
+      auto *partials = reinterpret_cast<float *>(workspace + statsBytes);
+      sumsKernel<<<sums.grid, kThreads, 0, s>>>(x, dy, act, partials, sums.tile);
+      batchNormStatsNhwcKernel<<<unsigned((ch + 31) / 32), dim3(32, kStatsLanes), 0, s>>>(
+          x, partials, sums.slices, g, stats, dg, db, ch, count, eps);
+      if (grad)
+        gradApply<<<last.grid, kThreads, 0, s>>>(x, g, dy, act, stats, out, last.tile);
+      else
+        apply<<<last.grid, kThreads, 0, s>>>(x, g, b, stats, out, last.tile, relu);
+    };
+  }
+  size_t sumsBytes = size_t(ch) * 4 * sizeof(double);
+  reserve(statsBytes + sumsBytes);
+  unsigned slices = unsigned(std::clamp<int64_t>((count + kThreads * 32 - 1) / (kThreads * 32), 1, 65535));
   return [=](cudaStream_t s) {
-    double *sums = reinterpret_cast<double *>(workspace);
-    auto *stats = reinterpret_cast<BatchNormStats *>(workspace + sumsBytes);
-    launchBatchNormSums(d, x, DPtr{}, DPtr{}, sums, s);
-    batchNormStatsKernel<<<blocksFor(ch), kThreads, 0, s>>>(x, sums, g, stats, DPtr{}, DPtr{}, ch, channelStride,
-                                                            n * inner, eps);
-    batchNormApplyKernel<<<blocksFor(total), kThreads, 0, s>>>(x, g, b, stats, y, total, ch, inner, nhwc, relu);
-  };
-}
-
-/// batchnorm_grad (x, gamma, dy (, y) -> dx, dgamma, dbeta): the statistics
-/// are recomputed from x with the sums the gradient needs, in one read of x
-/// and dy (and of a fused ReLU's output y, which masks dy).
-Launch CudaBackendImpl::buildBatchNormGrad(const Instruction &ins) {
-  BatchNormDims d = batchNormDims(ins, buf(ins.in[0]).shape, where);
-  int64_t n = d.n, ch = d.ch, inner = d.inner, total = n * ch * inner, channelStride = d.nhwc ? 1 : inner;
-  bool nhwc = d.nhwc;
-  double eps = num(ins, "eps", 1e-5);
-  DPtr x = fp(ins.in[0]), g = fp(ins.in[1]), dy = fp(ins.in[2]), act = d.relu ? fp(ins.in[3]) : DPtr{};
-  DPtr dx = fp(ins.out[0]), dg = fp(ins.out[1]), db = fp(ins.out[2]);
-  size_t sumsBytes = (size_t(ch) * 4 * sizeof(double) + 255) / 256 * 256;
-  reserve(sumsBytes + size_t(ch) * sizeof(BatchNormStats));
-  return [=](cudaStream_t s) {
-    double *sums = reinterpret_cast<double *>(workspace);
-    auto *stats = reinterpret_cast<BatchNormStats *>(workspace + sumsBytes);
-    launchBatchNormSums(d, x, dy, act, sums, s);
-    batchNormStatsKernel<<<blocksFor(ch), kThreads, 0, s>>>(x, sums, g, stats, dg, db, ch, channelStride, n * inner,
-                                                            eps);
-    batchNormGradApplyKernel<<<blocksFor(total), kThreads, 0, s>>>(x, g, dy, act, stats, dx, total, ch, inner, nhwc);
+    auto *stats = reinterpret_cast<BatchNormStats *>(workspace);
+    double *sums = reinterpret_cast<double *>(workspace + statsBytes);
+    LOOM_CUDA_CHECK(cudaMemsetAsync(sums, 0, sumsBytes, s));
+    batchNormSumsKernel<<<dim3(unsigned(ch), slices), kThreads, 0, s>>>(x, dy, act, sums, d.n, ch, inner);
+    batchNormStatsKernel<<<blocksFor(ch), kThreads, 0, s>>>(x, sums, g, stats, dg, db, ch, inner, count, eps);
+    if (grad)
+      batchNormGradApplyKernel<<<blocksFor(total), kThreads, 0, s>>>(x, g, dy, act, stats, out, total, ch, inner);
+    else
+      batchNormApplyKernel<<<blocksFor(total), kThreads, 0, s>>>(x, g, b, stats, out, total, ch, inner, relu);
   };
 }
 
@@ -434,11 +760,24 @@ PoolShape poolShape(const Shape &x, const Shape &y, int64_t k, int64_t stride, i
 }
 } // namespace
 
+namespace {
+/// Whether a max pooling runs as the channels-last kernels: eight channels
+/// of 16-byte-aligned tensors, windows of at most 254 positions.
+bool maxPoolVectorised(const PoolShape &p, std::initializer_list<DPtr> pointers) {
+  bool ok = p.nhwc && p.C % 8 == 0 && p.k * p.k < 255;
+  for (DPtr q : pointers)
+    ok = ok && (!q || reinterpret_cast<uintptr_t>(q.p) % 16 == 0);
+  return ok;
+}
+} // namespace
+
 Launch CudaBackendImpl::buildPool(const Instruction &ins) {
   PoolShape p = poolShape(buf(ins.in[0]).shape, buf(ins.out[0]).shape, int64_t(num(ins, "kernel", 1)),
                           int64_t(num(ins, "stride", 1)), int64_t(num(ins, "padding", 0)), channelsLast(ins, where));
   DPtr x = fp(ins.in[0]), y = fp(ins.out[0]);
   bool max = ins.op == "max_pool2d";
+  if (max && maxPoolVectorised(p, {x, y}))
+    return [=](cudaStream_t s) { maxPoolNhwcKernel<<<blocksFor(p.N * p.Ho * p.Wo * p.C / 8), kThreads, 0, s>>>(x, y, p); };
   return [=](cudaStream_t s) { poolKernel<<<blocksFor(p.N * p.C * p.Ho * p.Wo), kThreads, 0, s>>>(max, x, y, p); };
 }
 
@@ -449,6 +788,15 @@ Launch CudaBackendImpl::buildPoolGrad(const Instruction &ins) {
   PoolShape p = poolShape(dxb.shape, dyb.shape, int64_t(num(ins, "kernel", 1)), int64_t(num(ins, "stride", 1)),
                           int64_t(num(ins, "padding", 0)), channelsLast(ins, where));
   DPtr x = max ? fp(ins.in[0]) : DPtr{}, dy = fp(ins.in[max ? 1 : 0]), dx = fp(ins.out[0]);
+  if (max && maxPoolVectorised(p, {x, dy, dx})) {
+    int64_t outputs = p.N * p.Ho * p.Wo * p.C;
+    reserve(size_t(outputs));
+    return [=](cudaStream_t s) {
+      auto *arg = reinterpret_cast<uint8_t *>(workspace);
+      maxPoolArgNhwcKernel<<<blocksFor(outputs / 8), kThreads, 0, s>>>(x, arg, p);
+      maxPoolGradNhwcKernel<<<blocksFor(p.N * p.H * p.W * p.C / 8), kThreads, 0, s>>>(arg, dy, dx, p);
+    };
+  }
   return [=](cudaStream_t s) { poolGradKernel<<<blocksFor(p.N * p.C * p.H * p.W), kThreads, 0, s>>>(max, x, dy, dx, p); };
 }
 
