@@ -9,14 +9,21 @@ memory format. Prints one line per mode: images/s and ms per step, after warm-up
 usage: python3 bench/torch_resnet.py [--image 224 --classes 1000 --batch 32 --steps 20
        --modes eager-fp32,compile-fp32,eager-bf16,compile-bf16]
        [--loom BUNDLE.loom ... [--loom-run build-device/runtime/loom-run]]
+       torchrun --nproc_per_node=N bench/torch_resnet.py --batch GLOBAL --modes ddp-eager-bf16,ddp-compile-bf16
+
+Under torchrun, modes starting `ddp-` wrap the network in DistributedDataParallel
+(its default buckets, gradients all-reduced as they are ready) and --batch is the
+global batch, split over the ranks; rank 0 prints images/s of the whole node.
 
 With --loom, each bundle (compiled for the same network and batch) trains first with
 `loom-run --backend cuda` in the same invocation and is reported in the same format,
 followed by its speed relative to each PyTorch mode.
 """
 import argparse
+import os
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -60,7 +67,7 @@ class ResNet50(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-def run(mode, a):
+def run(mode, a, rank=0, world=1):
     torch.manual_seed(0)
     # fp32 modes take TF32 products, as Loom's f32 bundles do by default.
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -68,10 +75,17 @@ def run(mode, a):
     torch.backends.cudnn.benchmark = True
     model = ResNet50(a.classes).cuda().to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    step_fn = torch.compile(model) if mode.startswith("compile") else model
+    ddp = mode.startswith("ddp-")
+    if ddp:
+        if world < 2:
+            raise RuntimeError("ddp modes run under torchrun with at least two processes")
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
+    step_fn = torch.compile(model) if mode.removeprefix("ddp-").startswith("compile") else model
     dtype = torch.bfloat16 if mode.endswith("bf16") else None
-    images = torch.randn(a.batch, 3, a.image, a.image, device="cuda").to(memory_format=torch.channels_last)
-    labels = torch.randint(0, a.classes, (a.batch,), device="cuda")
+    local = a.batch // world if ddp else a.batch
+    g = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    images = torch.randn(local, 3, a.image, a.image, device="cuda", generator=g).to(memory_format=torch.channels_last)
+    labels = torch.randint(0, a.classes, (local,), device="cuda", generator=g)
 
     def step():
         with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
@@ -81,9 +95,13 @@ def run(mode, a):
         opt.zero_grad(set_to_none=True)
         return loss
 
+    if ddp:
+        dist.barrier()
     dt, loss = time_steps(step, a.steps)
     ips = a.batch / dt
-    print(f"torch {mode:13s} {ips:10.0f} images/s  {dt * 1e3:8.1f} ms/step  loss {loss.item():.4f}", flush=True)
+    if rank == 0:
+        label = f"{mode} x{world}" if ddp else mode
+        print(f"torch {label:13s} {ips:10.0f} images/s  {dt * 1e3:8.1f} ms/step  loss {loss.item():.4f}", flush=True)
     del model, opt
     torch.cuda.empty_cache()
     return ips
@@ -101,8 +119,28 @@ def arguments():
     return p.parse_args()
 
 
+def distributed(a):
+    """Under torchrun: every mode across the ranks, reported by rank 0."""
+    rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl")
+    if rank == 0:
+        print(f"GPU: {world} x {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+              f"ResNet-50 {a.image}x{a.image}, {a.classes} classes, global batch {a.batch}", flush=True)
+    for mode in a.modes.split(","):
+        try:
+            run(mode, a, rank, world)
+        except Exception as e:  # report and go on
+            if rank == 0:
+                print(f"torch {mode}: failed: {type(e).__name__}: {e}", flush=True)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     a = arguments()
+    if "WORLD_SIZE" in os.environ:
+        distributed(a)
+        raise SystemExit(0)
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"ResNet-50 {a.image}x{a.image}, {a.classes} classes, batch {a.batch}")
 

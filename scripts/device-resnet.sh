@@ -4,20 +4,24 @@
 # instructions against the CPU backend (CudaConv.* gtests), compares training
 # losses of the GPU with the CPU backend's, CUDA graphs with eager launches
 # and cuDNN's forward convolutions with our im2col ones, then times
-# images/s at batch 32 beside PyTorch (bench/torch_resnet.py).
+# images/s at batch 32 and 128 beside PyTorch (bench/torch_resnet.py), and dp2
+# beside PyTorch DDP.
 # Needs .deps from `scripts/device-deps.sh && scripts/device-bundles.sh resnet`
 # run here first. The CPU reference steps run the 64x64-image network (seconds
 # a step on 16 cores); RESNET_FULL=1 adds the 224x224 one (about a minute a
 # step on the CPU's plain convolution loops). TORCH_MODES=none skips PyTorch.
-# SECTIONS=check (tests and losses) or SECTIONS=speed (profile, images/s and
-# PyTorch) runs one half, each within a device call's ten minutes; the runtime
-# is built first either way (its ctest suite is scripts/device-build.sh's).
+# SECTIONS=check (tests and losses), SECTIONS=speed (profiles, images/s at
+# batch 32 and 128 beside PyTorch eager and torch.compile) or SECTIONS=dp
+# (two GPUs: dp2 at 32 and 128 images per GPU beside PyTorch DDP) runs one
+# part, each within a device call's ten minutes; the runtime is built first
+# either way (its ctest suite is scripts/device-build.sh's). QUICK=1 times
+# only the --target cuda bundles; SKIP_BUILD=1 uses build-device as it is.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp}
 LOG=$(mktemp -d)
 SECTIONS=${SECTIONS:-all}
-LOOM_BUILD_DIR=build-device scripts/build.sh -DLOOM_BUILD_COMPILER=OFF 2>&1 | tail -5
+[ -n "${SKIP_BUILD:-}" ] || LOOM_BUILD_DIR=build-device scripts/build.sh -DLOOM_BUILD_COMPILER=OFF 2>&1 | tail -5
 B=build-device/runtime
 R=.deps/bundles
 status=0
@@ -34,7 +38,7 @@ close() { # close A B TOL LABEL
   echo -n "$4: "
   python3 test/training/Inputs/close_losses.py "$LOG/$1.log" "$LOG/$2.log" "$3" || status=1
 }
-if [ "$SECTIONS" != speed ]; then
+if [ "$SECTIONS" = all ] || [ "$SECTIONS" = check ]; then
 echo "== convolution, pooling and batch-norm instructions: CUDA against CPU (f32 with TF32 off, bf16)"
 build-device/test/unit/loom-gpu-tests --gtest_filter='CudaConv.*' 2>&1 | grep -E -A6 "^\[  (PASSED|FAILED|SKIPPED) |Failure" || status=1
 echo "== training losses, GPU against the CPU backend (f32 with TF32 off within 1e-3; bf16 within 3e-2)"
@@ -62,23 +66,46 @@ run $m.im2col $m-b32-train 10 LOOM_CUDA_TF32=0 LOOM_CUDA_CONV=im2col
 close $m.graphs $m.eager 1e-3 "graphs vs eager"
 close $m.graphs $m.im2col 1e-3 "cuDNN vs im2col forward"
 fi
-if [ "$SECTIONS" != check ]; then
-echo "== where a bf16 step's time goes (loom-run --profile)"
+if [ "$SECTIONS" = all ] || [ "$SECTIONS" = speed ]; then
+echo "== where a bf16 step's time goes at batch 32 and 128 (loom-run --profile)"
 # (the algorithm cuDNN chose for each convolution shape goes to $OUT too)
-LOOM_CUDNN_VERBOSE=1 $B/loom-run $R/resnet50-b32-cuda-train.loom --backend cuda --steps 6 \
-    --profile "$OUT/profile-resnet50-bf16.json" 2> "$OUT/cudnn-resnet50-bf16.txt" | tail -25
+for n in 32 128; do
+  LOOM_CUDNN_VERBOSE=1 $B/loom-run $R/resnet50-b$n-cuda-train.loom --backend cuda --steps 6 \
+      --profile "$OUT/profile-resnet50-b$n-bf16.json" 2> "$OUT/cudnn-resnet50-b$n-bf16.txt" | tail -25
+done
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-echo "== images/s at batch 32: Loom (f32 on TF32 and --target cuda, each NCHW and NHWC) beside PyTorch (channels_last) in one invocation"
-loom=($R/resnet50-b32-train.loom $R/resnet50-b32-nhwc-train.loom $R/resnet50-b32-cuda-nchw-train.loom
-      $R/resnet50-b32-cuda-train.loom)
-if [ "${TORCH_MODES:-}" = none ]; then
-  for b in "${loom[@]}"; do
-    echo "$(basename "$b" .loom): $($B/loom-run "$b" --backend cuda --steps 23 2>&1 | tail -1)"
-  done
-else
-  python3 bench/torch_resnet.py --batch 32 --steps 20 --modes "${TORCH_MODES:-eager-fp32,compile-fp32,eager-bf16,compile-bf16}" \
-      --loom "${loom[@]}" --loom-run $B/loom-run 2>&1 | grep -v Warning || status=1
+for n in 32 128; do
+  echo "== images/s at batch $n: Loom beside PyTorch (channels_last) in one invocation"
+  loom=($R/resnet50-b$n-cuda-train.loom)
+  # batch 32 also times f32 (TF32) and bf16 NCHW
+  [ $n = 32 ] && [ -z "${QUICK:-}" ] && loom+=($R/resnet50-b32-train.loom $R/resnet50-b32-nhwc-train.loom
+                                                 $R/resnet50-b32-cuda-nchw-train.loom)
+  if [ "${TORCH_MODES:-}" = none ]; then
+    for b in "${loom[@]}"; do
+      echo "$(basename "$b" .loom): $($B/loom-run "$b" --backend cuda --steps 23 2>&1 | grep -E "trained|rror" | tail -1)"
+    done
+  else
+    python3 bench/torch_resnet.py --batch $n --steps 20 --modes "${TORCH_MODES:-eager-bf16,compile-bf16}" \
+        --loom "${loom[@]}" --loom-run $B/loom-run 2>&1 | grep -v Warning || status=1
+  fi
+done
 fi
+if [ "$SECTIONS" = all ] || [ "$SECTIONS" = dp ]; then
+# Data parallelism over NCCL: the same images per GPU as one GPU, beside PyTorch DDP.
+export NCCL_NVLS_ENABLE=0
+for n in 32 128; do
+  one=$R/resnet50-b$n-cuda-train.loom
+  two=$R/resnet50-dp2-cuda-train.loom
+  [ $n = 128 ] && two=$R/resnet50-dp2-b256-cuda-train.loom
+  echo "== dp2 at $n images per GPU: Loom one GPU, dp2, then PyTorch DDP"
+  for b in $one $two; do
+    echo "$(basename "$b" .loom): $($B/loom-run "$b" --backend cuda --steps 23 2>&1 | grep -E "trained|rror" | tail -1)"
+  done
+  if [ "${TORCH_MODES:-}" != none ]; then
+    torchrun --nproc_per_node=2 bench/torch_resnet.py --batch $((2 * n)) --steps 20 \
+        --modes "${DDP_MODES:-ddp-eager-bf16,ddp-compile-bf16}" 2>&1 | grep -v -i warning || status=1
+  fi
+done
 fi
 rm -rf "$LOG"
 exit $status
