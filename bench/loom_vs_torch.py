@@ -2,8 +2,10 @@
 
 `time_steps` times a training step after warm-up; `train_loom` trains a Loom bundle with
 `loom-run --backend cuda` and reads its own measurement; `compare` runs the Loom bundles,
-then each PyTorch mode, and prints Loom's speed relative to each mode.
+then each PyTorch mode, and prints Loom's speed relative to each mode; `each_mode_distributed`
+runs modes across the ranks of a torchrun job (bench/torch_ddp.py, bench/torch_resnet.py).
 """
+import os
 import re
 import subprocess
 import time
@@ -51,3 +53,22 @@ def compare(bundles, modes, loom, run):
     for name, rate in results.items():
         ratios = ", ".join(f"{rate / r:.2f}x torch {m}" for m, r in torch_rates.items() if r)
         print(f"{name}: {ratios}")
+
+
+def each_mode_distributed(modes, run, header=None):
+    """Under torchrun: joins the NCCL group, then run(mode, rank, world) for each mode; rank 0
+    prints `header(world)` first and any mode's failure (the others go on)."""
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl")
+    if rank == 0 and header:
+        print(header(world), flush=True)
+    for mode in modes.split(","):
+        try:
+            run(mode, rank, world)
+        except Exception as e:  # report and go on
+            if rank == 0:
+                print(f"torch {mode}: failed: {type(e).__name__}: {e}", flush=True)
+    dist.destroy_process_group()

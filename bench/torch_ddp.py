@@ -8,12 +8,12 @@ and ms per step, after warm-up.
 usage: torchrun --nproc_per_node=N bench/torch_ddp.py [--layers 24 --hidden 1024
        --heads 16 --batch 8 --steps 10 --modes ddp-fp32,fsdp2-fp32]
 """
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
+from loom_vs_torch import each_mode_distributed
 from torch_gpt import GPT, arguments, training_step
 
 
@@ -58,13 +58,4 @@ def run(mode, a, rank, world):
 
 if __name__ == "__main__":
     a = arguments("ddp-fp32,fsdp2-fp32")
-    rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl")
-    for mode in a.modes.split(","):
-        try:
-            run(mode, a, rank, world)
-        except Exception as e:  # report and go on
-            if rank == 0:
-                print(f"torch {mode}: failed: {type(e).__name__}: {e}", flush=True)
-    dist.destroy_process_group()
+    each_mode_distributed(a.modes, lambda mode, rank, world: run(mode, a, rank, world))

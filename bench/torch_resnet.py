@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loom_vs_torch import compare, time_steps, train_loom
+from loom_vs_torch import compare, each_mode_distributed, time_steps, train_loom
 
 
 def conv_bn(cin, cout, k, stride=1):
@@ -119,27 +119,12 @@ def arguments():
     return p.parse_args()
 
 
-def distributed(a):
-    """Under torchrun: every mode across the ranks, reported by rank 0."""
-    rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl")
-    if rank == 0:
-        print(f"GPU: {world} x {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-              f"ResNet-50 {a.image}x{a.image}, {a.classes} classes, global batch {a.batch}", flush=True)
-    for mode in a.modes.split(","):
-        try:
-            run(mode, a, rank, world)
-        except Exception as e:  # report and go on
-            if rank == 0:
-                print(f"torch {mode}: failed: {type(e).__name__}: {e}", flush=True)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
     a = arguments()
-    if "WORLD_SIZE" in os.environ:
-        distributed(a)
+    if "WORLD_SIZE" in os.environ:  # under torchrun: every mode across the ranks
+        each_mode_distributed(a.modes, lambda mode, rank, world: run(mode, a, rank, world),
+                              lambda world: f"GPU: {world} x {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+                              f"ResNet-50 {a.image}x{a.image}, {a.classes} classes, global batch {a.batch}")
         raise SystemExit(0)
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"ResNet-50 {a.image}x{a.image}, {a.classes} classes, batch {a.batch}")

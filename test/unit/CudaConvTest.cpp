@@ -52,6 +52,22 @@ double relativeL2(const std::vector<double> &got, const std::vector<double> &wan
   return std::sqrt(num / std::max(den, 1e-30));
 }
 
+/// Buffer b's bytes (f32 or bf16) holding value(i) at each element i.
+template <typename F> std::vector<char> bytesOf(const Buffer &b, F value) {
+  int64_t n = numElements(b.shape).value();
+  std::vector<char> bytes(b.bytes);
+  for (int64_t i = 0; i < n; ++i) {
+    float v = value(i);
+    if (b.dtype == LOOM_BF16) {
+      uint16_t h = floatToBf16(v);
+      std::memcpy(bytes.data() + 2 * i, &h, 2);
+    } else {
+      std::memcpy(bytes.data() + 4 * i, &v, 4);
+    }
+  }
+  return bytes;
+}
+
 /// Runs `op` on both backends with the same random inputs (uniform in
 /// [mean - 1, mean + 1]) and expects every output within `tol` (relative L2).
 void compare(const std::string &op, const Operands &o, nlohmann::json attrs, loom_dtype_t dt, double tol,
@@ -64,20 +80,9 @@ void compare(const std::string &op, const Operands &o, nlohmann::json attrs, loo
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> dist(float(mean) - 1.0f, float(mean) + 1.0f);
   for (int64_t id : ins.in) {
-    const Buffer &b = r.buffers[id];
-    int64_t n = numElements(b.shape).value();
-    std::vector<char> bytes(b.bytes);
-    for (int64_t i = 0; i < n; ++i) {
-      float v = dist(rng);
-      if (dt == LOOM_BF16) {
-        uint16_t h = floatToBf16(v);
-        std::memcpy(bytes.data() + 2 * i, &h, 2);
-      } else {
-        std::memcpy(bytes.data() + 4 * i, &v, 4);
-      }
-    }
-    cpu->upload(b, bytes.data());
-    gpu->upload(b, bytes.data());
+    std::vector<char> bytes = bytesOf(r.buffers[id], [&](int64_t) { return dist(rng); });
+    cpu->upload(r.buffers[id], bytes.data());
+    gpu->upload(r.buffers[id], bytes.data());
   }
   for (Backend *be : {cpu.get(), gpu.get()}) {
     be->prepare("forward", {ins});
@@ -294,17 +299,9 @@ TEST(CudaConv, SgdRun) {
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   for (const Buffer &b : r.buffers) {
-    int64_t n = numElements(b.shape).value();
-    std::vector<char> bytes(b.bytes);
-    for (int64_t i = 0; i < n; ++i) {
-      float v = b.id == step ? 1.0f : b.id == norm ? 2.5f : b.name[0] == 'm' ? 0.0f : dist(rng);
-      if (b.dtype == LOOM_BF16) {
-        uint16_t h = floatToBf16(v);
-        std::memcpy(bytes.data() + 2 * i, &h, 2);
-      } else {
-        std::memcpy(bytes.data() + 4 * i, &v, 4);
-      }
-    }
+    std::vector<char> bytes = bytesOf(b, [&](int64_t) {
+      return b.id == step ? 1.0f : b.id == norm ? 2.5f : b.name[0] == 'm' ? 0.0f : dist(rng);
+    });
     cpu->upload(b, bytes.data());
     gpu->upload(b, bytes.data());
   }

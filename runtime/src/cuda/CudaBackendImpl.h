@@ -100,6 +100,17 @@ bool generatedKernelsOn();
 void launchGenerated(cudaKernel_t fn, unsigned grid, unsigned block, std::vector<void *> pointers, cudaStream_t s);
 
 struct OptimizerArgs; // CudaOptimizer.cu
+/// A tensor of a multi-tensor update, and a chunk of one a block updates
+/// (CudaOptimizer.cu).
+struct AdamTensor {
+  float *p;
+  DPtr g; // f32, or bf16 (mixed precision's gradients, widened exactly here)
+  float *m, *v; // v: AdamW's second moment (null for SGD)
+  int64_t n;
+};
+struct AdamChunk {
+  int64_t tensor, begin, end; // elements [begin, end) of tensors[tensor]
+};
 
 using Launch = std::function<void(cudaStream_t)>;
 /// Whether instruction `op` talks to other ranks through NCCL.
@@ -359,6 +370,13 @@ private:
   Launch buildCommunication(const Instruction &ins);
   Launch buildEventWait(const Instruction &ins);
   // CudaOptimizer.cu
+  /// The device tables of a run of updates (CudaOptimizer.cu).
+  struct UpdateTables {
+    const AdamTensor *tensors = nullptr;
+    const AdamChunk *chunks = nullptr;
+    unsigned blocks = 0;
+  };
+  UpdateTables updateTables(const std::vector<const Instruction *> &group, bool second);
   Launch buildSgdRun(const std::vector<const Instruction *> &group);
   Launch buildAdamw(const std::vector<const Instruction *> &group);
   Launch buildGeneratedAdamw(const std::vector<const Instruction *> &group);

@@ -441,36 +441,14 @@ __global__ void poolGradKernel(bool max, DPtr x, DPtr dy, DPtr dx, PoolShape p) 
   }
 }
 
-/// Max pooling channels last, eight channels a thread (16-byte accesses).
-__global__ void maxPoolNhwcKernel(DPtr x, DPtr y, PoolShape p) {
-  int64_t groups = p.C / 8;
-  GRID_LOOP(i, p.N * p.Ho * p.Wo * groups) {
-    int64_t c = i % groups * 8, rest = i / groups, ow = rest % p.Wo, oh = rest / p.Wo % p.Ho, n = rest / (p.Wo * p.Ho);
-    float acc[8], v[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      acc[e] = -INFINITY;
-    for (int64_t kh = 0; kh < p.k; ++kh)
-      for (int64_t kw = 0; kw < p.k; ++kw) {
-        int64_t ih = oh * p.stride - p.pad + kh, iw = ow * p.stride - p.pad + kw;
-        if (ih < 0 || ih >= p.H || iw < 0 || iw >= p.W)
-          continue;
-        load8(x, ((n * p.H + ih) * p.W + iw) * p.C + c, v);
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          acc[e] = fmaxf(acc[e], v[e]);
-      }
-    store8(y, i * 8, acc);
-  }
-}
-
-/// Max pooling's gradient channels last, in two passes: each window's
-/// first largest value in the CPU backend's scan order (rows, then columns;
-/// strictly greater replaces) as its offset kh·k + kw in the window (255:
-/// none, where every value is -inf or NaN), a byte per output element; then
-/// each input position gathers the gradients of the windows whose choice it
-/// is, in poolGradKernel's order. Eight channels a thread.
-__global__ void maxPoolArgNhwcKernel(DPtr x, uint8_t *arg, PoolShape p) {
+/// Max pooling channels last, eight channels a thread (16-byte accesses):
+/// y, or with Arg each window's first largest value in the CPU backend's
+/// scan order (rows, then columns; strictly greater replaces) as its offset
+/// kh·k + kw in the window (255: none, where every value is -inf or NaN), a
+/// byte per output element, for maxPoolGradNhwcKernel: each input position
+/// then gathers the gradients of the windows whose choice it is, in
+/// poolGradKernel's order.
+template <bool Arg> __global__ void maxPoolNhwcKernel(DPtr x, DPtr y, uint8_t *arg, PoolShape p) {
   int64_t groups = p.C / 8;
   GRID_LOOP(i, p.N * p.Ho * p.Wo * groups) {
     int64_t c = i % groups * 8, rest = i / groups, ow = rest % p.Wo, oh = rest / p.Wo % p.Ho, n = rest / (p.Wo * p.Ho);
@@ -486,11 +464,17 @@ __global__ void maxPoolArgNhwcKernel(DPtr x, uint8_t *arg, PoolShape p) {
           continue;
         load8(x, ((n * p.H + ih) * p.W + iw) * p.C + c, v);
 #pragma unroll
-        for (int e = 0; e < 8; ++e)
-          if (v[e] > best[e])
+        for (int e = 0; e < 8; ++e) {
+          if (!Arg)
+            best[e] = fmaxf(best[e], v[e]);
+          else if (v[e] > best[e])
             best[e] = v[e], at[e] = uint8_t(kh * p.k + kw);
+        }
       }
-    *reinterpret_cast<uint2 *>(arg + i * 8) = *reinterpret_cast<const uint2 *>(at);
+    if constexpr (Arg)
+      *reinterpret_cast<uint2 *>(arg + i * 8) = *reinterpret_cast<const uint2 *>(at);
+    else
+      store8(y, i * 8, best);
   }
 }
 
@@ -777,7 +761,7 @@ Launch CudaBackendImpl::buildPool(const Instruction &ins) {
   DPtr x = fp(ins.in[0]), y = fp(ins.out[0]);
   bool max = ins.op == "max_pool2d";
   if (max && maxPoolVectorised(p, {x, y}))
-    return [=](cudaStream_t s) { maxPoolNhwcKernel<<<blocksFor(p.N * p.Ho * p.Wo * p.C / 8), kThreads, 0, s>>>(x, y, p); };
+    return [=](cudaStream_t s) { maxPoolNhwcKernel<false><<<blocksFor(p.N * p.Ho * p.Wo * p.C / 8), kThreads, 0, s>>>(x, y, nullptr, p); };
   return [=](cudaStream_t s) { poolKernel<<<blocksFor(p.N * p.C * p.Ho * p.Wo), kThreads, 0, s>>>(max, x, y, p); };
 }
 
@@ -793,7 +777,7 @@ Launch CudaBackendImpl::buildPoolGrad(const Instruction &ins) {
     reserve(size_t(outputs));
     return [=](cudaStream_t s) {
       auto *arg = reinterpret_cast<uint8_t *>(workspace);
-      maxPoolArgNhwcKernel<<<blocksFor(outputs / 8), kThreads, 0, s>>>(x, arg, p);
+      maxPoolNhwcKernel<true><<<blocksFor(outputs / 8), kThreads, 0, s>>>(x, DPtr{}, arg, p);
       maxPoolGradNhwcKernel<<<blocksFor(p.N * p.H * p.W * p.C / 8), kThreads, 0, s>>>(arg, dy, dx, p);
     };
   }

@@ -122,19 +122,11 @@ __device__ StepScalars stepScalars(const float *step, const float *norm, const O
   return s;
 }
 
-/// One AdamW update over many tensors at once (a run of the program's adamw
-/// instructions with one set of hyperparameters): each block updates one
-/// chunk of one tensor, so a step's hundreds of small biases and norm scales
+/// One AdamW (or SGD) update over many tensors at once (a run of the
+/// program's adamw or sgd instructions with one set of hyperparameters):
+/// each block updates one chunk of one tensor (AdamTensor and AdamChunk in
+/// CudaBackendImpl.h), so a step's hundreds of small biases and norm scales
 /// cost one launch, not one each.
-struct AdamTensor {
-  float *p;
-  DPtr g; // f32, or bf16 (mixed precision's gradients, widened exactly here)
-  float *m, *v;
-  int64_t n;
-};
-struct AdamChunk {
-  int64_t tensor, begin, end; // elements [begin, end) of tensors[tensor]
-};
 /// Elements per block of the multi-tensor kernels (AdamW, casts): small
 /// chunks keep the blocks running at once on neighbouring addresses.
 /// LOOM_CUDA_CHUNK overrides it (a multiple of 8) for measurements.
@@ -256,61 +248,56 @@ Launch CudaBackendImpl::buildCasts(const std::vector<Instruction> &instrs, size_
   return [=](cudaStream_t s) { castChunksKernel<<<blocks, 256, 0, s>>>(dc); };
 }
 
-/// AdamW over every tensor of `group` in one launch: a table of tensors and
-/// of fixed-size chunks, made once here.
+/// The device tables of a multi-tensor update over `group` (parameter,
+/// gradient, first moment and, with `second`, second moment as inputs 0-3),
+/// fixed-size chunks of each tensor a block; made once here.
+CudaBackendImpl::UpdateTables CudaBackendImpl::updateTables(const std::vector<const Instruction *> &group,
+                                                            bool second) {
+  std::vector<AdamTensor> tensors;
+  std::vector<AdamChunk> chunks;
+  for (const Instruction *ins : group) {
+    int64_t cnt = count(buf(ins->in[0]).shape);
+    tensors.push_back({f(ins->in[0]), fp(ins->in[1]), f(ins->in[2]), second ? f(ins->in[3]) : nullptr, cnt});
+    for (int64_t b = 0, step = chunkElements(); b < cnt; b += step)
+      chunks.push_back({int64_t(tensors.size() - 1), b, std::min(cnt, b + step)});
+  }
+  if (chunks.size() > (size_t(1) << 31) - 1)
+    fail(LOOM_UNSUPPORTED, where, ": ", chunks.size(), " ", group.front()->op, " chunks exceed one launch's grid");
+  if (chunks.empty())
+    return {};
+  return {deviceArray(tensors), deviceArray(chunks), unsigned(chunks.size())};
+}
+
+/// AdamW over every tensor of `group` in one launch.
 Launch CudaBackendImpl::buildAdamw(const std::vector<const Instruction *> &group) {
   const Instruction &first = *group.front();
   OptimizerArgs a = optimizerArgs(first);
   float *step = f(first.in[4]), *norm = f(first.in[5]);
-  std::vector<AdamTensor> tensors;
-  std::vector<AdamChunk> chunks;
-  for (const Instruction *ins : group) {
-    int64_t cnt = count(buf(ins->in[0]).shape);
-    tensors.push_back({f(ins->in[0]), fp(ins->in[1]), f(ins->in[2]), f(ins->in[3]), cnt});
-    for (int64_t b = 0, step = chunkElements(); b < cnt; b += step)
-      chunks.push_back({int64_t(tensors.size() - 1), b, std::min(cnt, b + step)});
-  }
-  if (chunks.empty())
+  UpdateTables t = updateTables(group, true);
+  if (!t.blocks)
     return [](cudaStream_t) {};
-  if (chunks.size() > (size_t(1) << 31) - 1)
-    fail(LOOM_UNSUPPORTED, where, ": ", chunks.size(), " AdamW chunks exceed one launch's grid");
-  const AdamTensor *dt = deviceArray(tensors);
-  const AdamChunk *dc = deviceArray(chunks);
   StepScalars *scalars = deviceArray(std::vector<StepScalars>(1));
-  unsigned blocks = unsigned(chunks.size());
   float b1 = float(a.b1), b2 = float(a.b2), eps = float(a.eps), wd = float(a.wd);
   return [=](cudaStream_t s) {
     adamScalarsKernel<<<1, 1, 0, s>>>(step, norm, a, scalars);
-    adamwKernel<<<blocks, 256, 0, s>>>(dt, dc, scalars, b1, b2, eps, wd);
+    adamwKernel<<<t.blocks, 256, 0, s>>>(t.tensors, t.chunks, scalars, b1, b2, eps, wd);
   };
 }
 
-/// SGD over every tensor of `group` in one launch (tables as buildAdamw's):
-/// ResNet-50's 161 updates were 161 launches.
+/// SGD over every tensor of `group` in one launch: ResNet-50's 161 updates
+/// were 161 launches.
 Launch CudaBackendImpl::buildSgdRun(const std::vector<const Instruction *> &group) {
   const Instruction &first = *group.front();
   OptimizerArgs a = optimizerArgs(first);
   float *step = f(first.in[3]), *norm = f(first.in[4]);
-  std::vector<AdamTensor> tensors;
-  std::vector<AdamChunk> chunks;
-  for (const Instruction *ins : group) {
-    int64_t cnt = count(buf(ins->in[0]).shape);
-    tensors.push_back({f(ins->in[0]), fp(ins->in[1]), f(ins->in[2]), nullptr, cnt});
-    for (int64_t b = 0, step = chunkElements(); b < cnt; b += step)
-      chunks.push_back({int64_t(tensors.size() - 1), b, std::min(cnt, b + step)});
-  }
-  if (chunks.empty())
+  UpdateTables t = updateTables(group, false);
+  if (!t.blocks)
     return [](cudaStream_t) {};
-  if (chunks.size() > (size_t(1) << 31) - 1)
-    fail(LOOM_UNSUPPORTED, where, ": ", chunks.size(), " SGD chunks exceed one launch's grid");
-  const AdamTensor *dt = deviceArray(tensors);
-  const AdamChunk *dc = deviceArray(chunks);
   StepScalars *scalars = deviceArray(std::vector<StepScalars>(1));
-  unsigned blocks = unsigned(chunks.size());
   float momentum = float(a.momentum), wd = float(a.wd);
   return [=](cudaStream_t s) {
     adamScalarsKernel<<<1, 1, 0, s>>>(step, norm, a, scalars);
-    sgdChunksKernel<<<blocks, 256, 0, s>>>(dt, dc, scalars, momentum, wd);
+    sgdChunksKernel<<<t.blocks, 256, 0, s>>>(t.tensors, t.chunks, scalars, momentum, wd);
   };
 }
 
