@@ -83,6 +83,7 @@ inline std::vector<MegatronRow> runMegatronComparison(const std::string &dataPat
     costs.materializedAttention = true;   // 2021: no flash attention
     costs.overlapGradientReduce = false;  // 2021: gradient all-reduce after the pipeline flush
     costs.zeroBubbleSchedule = false;     // 2021: 1F1B and interleaved 1F1B
+    costs.pipelineSendsOverlap = false;   // 2021: blocking sends and receives between stages
     costs.zeroPackedCollectives = true;   // sharded optimizer states collected per bucket, not Loom's per tensor
     costs.zeroPackBytesPerParam = 0;      // contiguous gradient and parameter buffers: nothing to pack
     planner::Planner planner(*spec, cluster, costs);

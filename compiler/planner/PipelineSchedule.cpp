@@ -4,7 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
+#include <limits>
+#include <string>
 #include <sstream>
 
 namespace loom::planner {
@@ -49,6 +50,9 @@ std::vector<PipelineTask> zeroBubbleH1Order(int64_t p, int64_t m, int64_t stage)
 
 std::vector<PipelineTask> stageOrder(Schedule s, int64_t p, int64_t m, int64_t v, int64_t stage) {
   std::vector<PipelineTask> order;
+  order.reserve(std::max<int64_t>(m, 0) * (s == Schedule::ZeroBubbleH1  ? 3
+                                            : s == Schedule::Interleaved ? 2 * std::max<int64_t>(v, 1)
+                                                                         : 2));
   if (s == Schedule::GPipe) {
     for (int64_t mb = 0; mb < m; ++mb)
       order.push_back({TaskKind::Forward, mb, 0});
@@ -88,6 +92,13 @@ std::vector<PipelineTask> stageOrder(Schedule s, int64_t p, int64_t m, int64_t v
   return order;
 }
 
+std::vector<std::vector<PipelineTask>> stageOrders(Schedule s, int64_t p, int64_t m, int64_t v) {
+  std::vector<std::vector<PipelineTask>> orders;
+  for (int64_t st = 0; st < p; ++st)
+    orders.push_back(stageOrder(s, p, m, s == Schedule::Interleaved ? v : 1, st));
+  return orders;
+}
+
 double PipelineTimeline::idleFraction() const {
   if (makespan <= 0 || stages.empty())
     return 0;
@@ -99,27 +110,65 @@ double PipelineTimeline::idleFraction() const {
 }
 
 PipelineTimeline simulatePipeline(Schedule s, int64_t p, int64_t m, int64_t v,
-                                  const std::vector<double> &forward,
-                                  const std::vector<double> &backward, double transfer,
-                                  const std::vector<double> &weightGrad) {
+                                  const ChunkDurations &durations, double transfer,
+                                  bool keepTasks,
+                                  const std::vector<std::vector<PipelineTask>> *givenOrders) {
   if (s != Schedule::Interleaved)
     v = 1;
   PipelineTimeline tl;
+  if (p < 1 || m < 0 || v < 1)
+    return tl;
   tl.stages.resize(p);
-  std::vector<std::vector<PipelineTask>> orders(p);
-  for (int64_t st = 0; st < p; ++st)
-    orders[st] = stageOrder(s, p, m, v, st);
-  // Finish time of each task: key (kind, microbatch, chunk, stage).
-  std::map<std::tuple<TaskKind, int64_t, int64_t, int64_t>, double> done;
-  std::vector<size_t> next(p, 0);
-  std::vector<double> free(p, 0);
+  auto complete = [&](const std::vector<std::vector<double>> &d) {
+    if (static_cast<int64_t>(d.size()) < p)
+      return false;
+    for (int64_t st = 0; st < p; ++st)
+      if (static_cast<int64_t>(d[st].size()) < v)
+        return false;
+    return true;
+  };
+  bool zeroBubble = s == Schedule::ZeroBubbleH1;
+  bool halfWeight = durations.weightGrad.empty();
+  if (!complete(durations.forward) || !complete(durations.backward) ||
+      (zeroBubble && !halfWeight && !complete(durations.weightGrad))) {
+    tl.deadlocked = true;
+    tl.deadlock = "durations must be given for " + std::to_string(p) + " stages of " +
+                  std::to_string(v) + " chunk(s) each";
+    return tl;
+  }
+  std::vector<std::vector<PipelineTask>> ownOrders;
+  if (!givenOrders || static_cast<int64_t>(givenOrders->size()) != p)
+    ownOrders = stageOrders(s, p, m, v);
+  const std::vector<std::vector<PipelineTask>> &orders = ownOrders.empty() ? *givenOrders : ownOrders;
+  size_t remaining = 0;
+  for (int64_t st = 0; st < p; ++st) {
+    // Interleaved orders with m not a multiple of p name microbatches past m.
+    for (const PipelineTask &t : orders[st])
+      if (t.microbatch < 0 || t.microbatch >= m || t.chunk < 0 || t.chunk >= v) {
+        tl.deadlocked = true;
+        tl.deadlock = std::string("stage ") + std::to_string(st) + " has no task order for " +
+                      std::to_string(m) + " microbatches (" + scheduleName(s) +
+                      (s == Schedule::Interleaved ? " needs a multiple of pp)" : ")");
+        return tl;
+      }
+    remaining += orders[st].size();
+    if (keepTasks)
+      tl.stages[st].reserve(orders[st].size());
+  }
+  // Finish time of each task, by (kind, microbatch, chunk, stage); NaN
+  // while it has not run.
+  auto key = [&](TaskKind kind, int64_t mb, int64_t chunk, int64_t stage) {
+    return ((static_cast<size_t>(kind) * m + mb) * v + chunk) * p + stage;
+  };
+  std::vector<double> done(3 * static_cast<size_t>(m) * v * p,
+                           std::numeric_limits<double>::quiet_NaN());
   auto dependency = [&](const PipelineTask &t, int64_t st, double &ready) -> bool {
     ready = 0;
     auto need = [&](TaskKind kind, int64_t chunk, int64_t stage, double extra) {
-      auto it = done.find({kind, t.microbatch, chunk, stage});
-      if (it == done.end())
+      double end = done[key(kind, t.microbatch, chunk, stage)];
+      if (std::isnan(end))
         return false;
-      ready = std::max(ready, it->second + extra);
+      ready = std::max(ready, end + extra);
       return true;
     };
     if (t.kind == TaskKind::Forward) {
@@ -139,51 +188,77 @@ PipelineTimeline simulatePipeline(Schedule s, int64_t p, int64_t m, int64_t v,
       return need(TaskKind::Backward, t.chunk + 1, 0, transfer);
     return true;
   };
-  size_t remaining = 0;
-  for (auto &o : orders)
-    remaining += o.size();
-  while (remaining > 0) {
-    int64_t pick = -1;
-    double pickStart = 0;
-    for (int64_t st = 0; st < p; ++st) {
-      if (next[st] >= orders[st].size())
-        continue;
-      double ready;
-      if (!dependency(orders[st][next[st]], st, ready))
-        continue;
-      double start = std::max(ready, free[st]);
-      if (pick < 0 || start < pickStart)
-        pick = st, pickStart = start;
-    }
-    if (pick < 0) {
-      tl.deadlocked = true;
-      std::ostringstream os;
-      for (int64_t st = 0; st < p; ++st)
-        if (next[st] < orders[st].size()) {
-          const PipelineTask &t = orders[st][next[st]];
-          os << "stage " << st << " waits to run " << taskLetter(t.kind) << t.microbatch
-             << "." << t.chunk << "; ";
+  // A task starts at the later of its stage's last end and its inputs'
+  // arrival, whatever order stages are stepped in: each stage runs as far as
+  // it can, and one that waits is stepped again when the neighbour it waits
+  // on (the previous stage for a forward, the next for a backward) ends a
+  // task of that kind.
+  std::vector<size_t> next(p, 0);
+  std::vector<double> free(p, 0);
+  std::vector<char> queued(p, 1);
+  std::vector<int64_t> ready;
+  for (int64_t st = p - 1; st >= 0; --st)
+    ready.push_back(st);
+  while (!ready.empty()) {
+    int64_t st = ready.back();
+    ready.pop_back();
+    queued[st] = 0;
+    while (next[st] < orders[st].size()) {
+      const PipelineTask &t = orders[st][next[st]];
+      double arrival;
+      if (!dependency(t, st, arrival))
+        break;
+      double weight = !zeroBubble ? 0
+                      : halfWeight ? durations.backward[st][t.chunk] / 2
+                                   : durations.weightGrad[st][t.chunk];
+      double duration = t.kind == TaskKind::Forward  ? durations.forward[st][t.chunk]
+                        : t.kind == TaskKind::Weight ? weight
+                                                     : durations.backward[st][t.chunk] - weight;
+      double start = std::max(arrival, free[st]), end = start + duration;
+      if (keepTasks)
+        tl.stages[st].push_back({t, start, end});
+      done[key(t.kind, t.microbatch, t.chunk, st)] = end;
+      free[st] = end;
+      tl.makespan = std::max(tl.makespan, end);
+      ++next[st];
+      --remaining;
+      if (t.kind != TaskKind::Weight) {
+        int64_t waiter = t.kind == TaskKind::Forward ? (st + 1) % p : (st + p - 1) % p;
+        if (!queued[waiter]) {
+          queued[waiter] = 1;
+          ready.push_back(waiter);
         }
-      tl.deadlock = os.str();
-      return tl;
+      }
     }
-    const PipelineTask &t = orders[pick][next[pick]];
-    double weight = s != Schedule::ZeroBubbleH1 ? 0
-                    : weightGrad.empty()      ? backward[pick] / 2
-                                              : weightGrad[pick];
-    double duration = t.kind == TaskKind::Forward ? forward[pick]
-                      : t.kind == TaskKind::Weight ? weight
-                                                   : backward[pick] - weight;
-    duration /= double(v);
-    TimedTask timed{t, pickStart, pickStart + duration};
-    tl.stages[pick].push_back(timed);
-    done[{t.kind, t.microbatch, t.chunk, pick}] = timed.end;
-    free[pick] = timed.end;
-    tl.makespan = std::max(tl.makespan, timed.end);
-    ++next[pick];
-    --remaining;
+  }
+  if (remaining > 0) {
+    tl.deadlocked = true;
+    std::ostringstream os;
+    for (int64_t st = 0; st < p; ++st)
+      if (next[st] < orders[st].size()) {
+        const PipelineTask &t = orders[st][next[st]];
+        os << "stage " << st << " waits to run " << taskLetter(t.kind) << t.microbatch << "."
+           << t.chunk << "; ";
+      }
+    tl.deadlock = os.str();
   }
   return tl;
+}
+
+PipelineTimeline simulatePipeline(Schedule s, int64_t p, int64_t m, int64_t v,
+                                  const std::vector<double> &forward,
+                                  const std::vector<double> &backward, double transfer,
+                                  const std::vector<double> &weightGrad) {
+  int64_t chunks = s == Schedule::Interleaved ? std::max<int64_t>(v, 1) : 1;
+  ChunkDurations d;
+  auto split = [&](const std::vector<double> &perStage, std::vector<std::vector<double>> &out) {
+    for (double x : perStage)
+      out.emplace_back(chunks, x / double(chunks));
+  };
+  split(forward, d.forward);
+  split(backward, d.backward);
+  split(weightGrad, d.weightGrad);
+  return simulatePipeline(s, p, m, v, d, transfer);
 }
 
 namespace {

@@ -50,11 +50,34 @@ struct PipelineTimeline {
   double idleFraction() const;
 };
 
-/// Simulates every stage; forward/backward durations are per chunk and
-/// microbatch on each stage, `transfer` the send time between stages.
-/// `weightGrad` is the weight-gradient part of each stage's backward, which
-/// ZB-H1 runs as its own task (W) and the other schedules ignore; empty means
-/// half the backward.
+/// Durations of one microbatch's tasks, [stage][chunk]: each stage's v
+/// chunks (interleaved) or its one (other schedules). `weightGrad` is the
+/// weight-gradient part of each backward, which ZB-H1 runs as its own task
+/// (W) and the other schedules ignore; empty means half the backward.
+struct ChunkDurations {
+  std::vector<std::vector<double>> forward, backward, weightGrad;
+};
+
+/// Simulates every stage, each running its stageOrder: a task starts when
+/// its stage is free and what it needs has arrived, `transfer` (the send
+/// time between devices) after the neighbouring chunk's task ends. Chunks of
+/// uneven length stall their neighbours at every boundary, which a
+/// stage's total over v cannot show. A deadlock, or a stage or chunk
+/// without durations, is reported in `deadlocked` and `deadlock`. Time and
+/// memory are linear in the number of tasks; without `keepTasks` only the
+/// makespan (and any deadlock) is kept, `stages` holding no tasks.
+/// `orders`, where given, must be stageOrders(s, p, m, v): simulations of
+/// one pipeline shape may share them.
+PipelineTimeline simulatePipeline(Schedule s, int64_t p, int64_t m, int64_t v,
+                                  const ChunkDurations &durations, double transfer,
+                                  bool keepTasks = true,
+                                  const std::vector<std::vector<PipelineTask>> *orders = nullptr);
+
+/// stageOrder of every stage (v is 1 unless the schedule is interleaved).
+std::vector<std::vector<PipelineTask>> stageOrders(Schedule s, int64_t p, int64_t m, int64_t v);
+
+/// The same with each stage's durations per microbatch, split evenly over
+/// its chunks (the forward/backward of one chunk is the stage's over v).
 PipelineTimeline simulatePipeline(Schedule s, int64_t p, int64_t m, int64_t v,
                                   const std::vector<double> &forward,
                                   const std::vector<double> &backward, double transfer,

@@ -116,6 +116,12 @@ struct CostOptions {
   /// contiguous buffers (Megatron-LM's).
   double zeroPackBytesPerParam = 17.0;
   double zeroCallSeconds = 11e-6;
+  /// Pipeline sends leave the stage free (Loom's CUDA runtime: a staging
+  /// copy, then ncclSend on a stream of their own; only the receiver waits
+  /// for the data). False: each send blocks its stage for the transfer
+  /// (Megatron-LM 2021's batched send/receive, then a device synchronize).
+  /// Only the interleaved schedule's simulation distinguishes the two.
+  bool pipelineSendsOverlap = true;
   /// The search weighs ZB-H1 (backward split into input- and weight-gradient
   /// tasks) for pipelined plans; false: only the schedules of Megatron-LM 2021.
   bool zeroBubbleSchedule = true;
@@ -192,6 +198,10 @@ struct StagePlan {
   double forwardTime = 0, backwardTime = 0; // per microbatch, seconds
   /// The weight-gradient part of backwardTime (ZB-H1's deferred W task).
   double weightGradTime = 0;
+  /// Interleaved plans: the same per chunk (virtual stage), in `chunks`
+  /// order, which sum to the stage's times and which the schedule's
+  /// simulation runs; empty for the other schedules (one chunk a stage).
+  std::vector<double> chunkForwardTimes, chunkBackwardTimes, chunkWeightGradTimes;
   /// Per device: weightBytes (parameters and optimizer state, in front of
   /// the arena) + activationBytes (the peak of what the memory plan packs
   /// behind them: activations, gradients, bf16 weight copies) + reserved.
@@ -209,6 +219,8 @@ struct Plan {
   // Predicted step time, split.
   double stepTime = 0, computeTime = 0, communicationTime = 0, bubbleTime = 0;
   double tpCommTime = 0, ppCommTime = 0, dpCommTime = 0, optimizerTime = 0;
+  /// One activation's (or its gradient's) send across a stage boundary.
+  double ppTransferTime = 0;
   double peakMemoryBytes = 0;
   double tokensPerSecond = 0, mfu = 0, tflopsPerDevice = 0;
   bool feasible = true;

@@ -826,20 +826,43 @@ int inspectPlan() {
                  << "%, peak memory " << llvm::format("%.1f", pred.at("peak_memory_gib").get<double>())
                  << " GiB\n";
     std::vector<double> fwd, bwd, wgt;
+    // Each chunk's own times where the plan lists them (loomc plan writes
+    // them since the planner simulates interleaved plans chunk by chunk).
+    ChunkDurations chunks;
+    bool perChunk = true;
+    int64_t chunkCount = schedule == Schedule::Interleaved ? v : 1;
+    auto chunkTimes = [&](const nlohmann::json &st, const char *field) {
+      std::vector<double> out;
+      if (!st.contains(field) || !st[field].is_array() ||
+          static_cast<int64_t>(st[field].size()) != chunkCount) {
+        perChunk = false;
+        return out;
+      }
+      for (const auto &x : st[field])
+        out.push_back(x.get<double>() / 1e3);
+      return out;
+    };
     SvgExtras extras;
     for (const auto &st : plan.at("stages")) {
       fwd.push_back(st.at("forward_ms").get<double>() / 1e3);
       bwd.push_back(st.at("backward_ms").get<double>() / 1e3);
       // Plans written before ZB-H1 have no weight-gradient split: half the backward.
       wgt.push_back(st.value("weight_grad_ms", bwd.back() * 1e3 / 2) / 1e3);
+      chunks.forward.push_back(chunkTimes(st, "chunk_forward_ms"));
+      chunks.backward.push_back(chunkTimes(st, "chunk_backward_ms"));
+      chunks.weightGrad.push_back(chunkTimes(st, "chunk_weight_grad_ms"));
       extras.weightBytes.push_back(st.at("weight_gib").get<double>() * double(1ull << 30));
       extras.activationBytes.push_back(st.at("activation_gib").get<double>() * double(1ull << 30));
     }
     if (static_cast<int64_t>(fwd.size()) != p)
       return fail(inspectInput + ": 'stages' lists " + std::to_string(fwd.size()) +
                   " stages but pp is " + std::to_string(p));
-    double transfer = m > 0 && p > 1 ? pred.at("pp_comm_ms").get<double>() / 1e3 / m / (2 * v) : 0;
-    PipelineTimeline tl = simulatePipeline(schedule, p, m, v, fwd, bwd, transfer, wgt);
+    // One transfer across a boundary; older plans only give their total.
+    double transfer = pred.contains("pp_transfer_ms") ? pred.at("pp_transfer_ms").get<double>() / 1e3
+                      : m > 0 && p > 1 ? pred.at("pp_comm_ms").get<double>() / 1e3 / m / (2 * v)
+                                       : 0;
+    PipelineTimeline tl = perChunk ? simulatePipeline(schedule, p, m, v, chunks, transfer)
+                                   : simulatePipeline(schedule, p, m, v, fwd, bwd, transfer, wgt);
     if (tl.deadlocked)
       return fail("the schedule deadlocks: " + tl.deadlock);
     llvm::outs() << "  simulated pipeline " << llvm::format("%.2f", tl.makespan * 1e3)

@@ -53,6 +53,56 @@ TEST(PipelineSchedule, BubbleMatchesTheFormula) {
   EXPECT_NEAR(bubbleInter / bubblePlain, 1.0 / v, 0.15);
 }
 
+TEST(PipelineSchedule, PerStageDurationsAreEvenChunks) {
+  // The per-stage form is the per-chunk one with each stage's time split
+  // evenly over its chunks, for every schedule.
+  for (Schedule s : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved,
+                     Schedule::ZeroBubbleH1}) {
+    int64_t p = 4, m = 8, v = s == Schedule::Interleaved ? 2 : 1;
+    std::vector<double> f = {1, 1.2, 0.9, 1.1}, b = {2, 2.5, 1.7, 2.1}, w = {0.8, 1, 0.7, 0.9};
+    ChunkDurations d;
+    for (int64_t st = 0; st < p; ++st) {
+      d.forward.emplace_back(v, f[st] / v);
+      d.backward.emplace_back(v, b[st] / v);
+      d.weightGrad.emplace_back(v, w[st] / v);
+    }
+    PipelineTimeline stage = simulatePipeline(s, p, m, v, f, b, 0.05, w);
+    PipelineTimeline chunk = simulatePipeline(s, p, m, v, d, 0.05);
+    EXPECT_DOUBLE_EQ(stage.makespan, chunk.makespan) << scheduleName(s);
+    EXPECT_DOUBLE_EQ(simulatePipeline(s, p, m, v, d, 0.05, /*keepTasks=*/false).makespan,
+                     chunk.makespan);
+  }
+}
+
+TEST(PipelineSchedule, UnevenChunksStallAtEveryBoundary) {
+  // Interleaved, 2 stages of 2 chunks, 2 microbatches (one group of p):
+  // while a microbatch's chunk runs on the other stage, a stage has only
+  // the other microbatch's chunk to run, so where its chunk is the shorter
+  // it waits for the difference, though both stages hold the same work (3
+  // forward, 6 backward): 27 against 22.5 for even chunks.
+  int64_t p = 2, m = 2, v = 2;
+  ChunkDurations even{{{1.5, 1.5}, {1.5, 1.5}}, {{3, 3}, {3, 3}}, {}};
+  ChunkDurations uneven{{{2, 1}, {1, 2}}, {{4, 2}, {2, 4}}, {}};
+  PipelineTimeline a = simulatePipeline(Schedule::Interleaved, p, m, v, even, 0.0);
+  PipelineTimeline b = simulatePipeline(Schedule::Interleaved, p, m, v, uneven, 0.0);
+  ASSERT_FALSE(a.deadlocked || b.deadlocked) << a.deadlock << b.deadlock;
+  EXPECT_DOUBLE_EQ(a.makespan, 22.5);
+  EXPECT_DOUBLE_EQ(b.makespan, 27);
+  // The per-stage form only sees the totals: it times both alike.
+  EXPECT_DOUBLE_EQ(simulatePipeline(Schedule::Interleaved, p, m, v, {3, 3}, {6, 6}, 0.0).makespan,
+                   a.makespan);
+  // Transfers lengthen it; durations missing for a chunk are refused.
+  EXPECT_GT(simulatePipeline(Schedule::Interleaved, p, m, v, uneven, 0.1).makespan, b.makespan);
+  ChunkDurations missing{{{1, 2}, {2}}, {{2, 4}, {4, 2}}, {}};
+  PipelineTimeline bad = simulatePipeline(Schedule::Interleaved, p, m, v, missing, 0.0);
+  EXPECT_TRUE(bad.deadlocked);
+  EXPECT_NE(bad.deadlock.find("durations"), std::string::npos);
+  // Interleaving 3 microbatches over 2 stages has no order: refused, not run.
+  PipelineTimeline odd = simulatePipeline(Schedule::Interleaved, p, 3, v, even, 0.0);
+  EXPECT_TRUE(odd.deadlocked);
+  EXPECT_NE(odd.deadlock.find("multiple of pp"), std::string::npos) << odd.deadlock;
+}
+
 TEST(PipelineSchedule, ZeroBubbleH1BubbleIsAThirdOfOneFOneB) {
   // Qi et al. 2024: with m >= p, 1F1B idles (p-1)(F + B + W) per stage and
   // ZB-H1 (p-1)(F + B - W); with F = B = W that is a third.

@@ -5,6 +5,7 @@
 #include "compiler/planner/CostModel.h"
 #include "compiler/planner/MemoryModel.h"
 #include "compiler/planner/PlanFile.h"
+#include "compiler/planner/PipelineSchedule.h"
 #include "compiler/planner/Planner.h"
 
 #include <gtest/gtest.h>
@@ -211,6 +212,23 @@ TEST(Planner, StepTimeIsTheSumOfItsParts) {
               bubbleFraction(Schedule::OneFOneB, 2, p.microbatches, 1), 1e-9);
 }
 
+// Unforced, microbatches stay at 64 examples or fewer; a forced count of
+// microbatches lifts that (ResNet-50 at 128 images a GPU, --force dp=2,mb=1,
+// was refused: "no plan satisfies").
+TEST(Planner, ForcedMicrobatchCountLiftsTheSizeCap) {
+  Planner planner(handModel(4, 256, 128, 4, 1000), cluster("h100:2"));
+  Constraints c;
+  c.dp = 2, c.microbatches = 1;
+  PlanResult r = planner.search(256, c);
+  ASSERT_TRUE(r.found) << r.error;
+  EXPECT_EQ(r.best.microbatchSize, 128);
+  Constraints free;
+  free.dp = 2;
+  PlanResult unforced = planner.search(256, free);
+  ASSERT_TRUE(unforced.found) << unforced.error;
+  EXPECT_LE(unforced.best.microbatchSize, 64);
+}
+
 TEST(Planner, InterleavingShrinksTheBubble) {
   Planner planner(handModel(32, 4096, 2048, 32, 51200), cluster("a100-80g:8x4"));
   Constraints c;
@@ -222,6 +240,43 @@ TEST(Planner, InterleavingShrinksTheBubble) {
   PlanResult inter = planner.search(64, c);
   ASSERT_TRUE(plain.found && inter.found) << plain.error << inter.error;
   EXPECT_NEAR(inter.best.bubbleTime / plain.best.bubbleTime, 0.5, 0.05);
+}
+
+TEST(Planner, InterleavedStepIsItsSimulatedPipeline) {
+  // 24 blocks and the head in 2 x 8 chunks: some chunks hold one block,
+  // some two, and neighbouring chunks wait for each other. The step is the
+  // pipeline simulated chunk by chunk (bubble without transfers, pp what
+  // the transfers add), plus the optimizer.
+  Planner planner(handModel(24, 2048, 1024, 16, 50304), cluster("h200:2"));
+  Constraints c;
+  c.pp = 2, c.vpp = 8, c.microbatches = 2, c.recompute = Recompute::None, c.zero = 0;
+  c.schedule = Schedule::Interleaved;
+  PlanResult r = planner.search(16, c);
+  ASSERT_TRUE(r.found) << r.error;
+  const Plan &p = r.best;
+  ASSERT_EQ(p.schedule, Schedule::Interleaved);
+  ChunkDurations d;
+  double slowest = 0;
+  for (const StagePlan &s : p.stages) {
+    ASSERT_EQ(s.chunkForwardTimes.size(), 8u);
+    d.forward.push_back(s.chunkForwardTimes);
+    d.backward.push_back(s.chunkBackwardTimes);
+    slowest = std::max(slowest, s.forwardTime + s.backwardTime);
+  }
+  double idle = simulatePipeline(Schedule::Interleaved, 2, 2, 8, d, 0.0).makespan;
+  double timed = simulatePipeline(Schedule::Interleaved, 2, 2, 8, d, p.ppTransferTime).makespan;
+  EXPECT_GT(p.ppTransferTime, 0);
+  EXPECT_NEAR(p.bubbleTime, idle - 2 * slowest, 1e-9);
+  EXPECT_NEAR(p.ppCommTime, timed - idle, 1e-9);
+  EXPECT_NEAR(p.stepTime, timed + p.dpCommTime + p.optimizerTime, 1e-9);
+  EXPECT_NEAR(p.stepTime, p.computeTime + p.communicationTime + p.bubbleTime + p.optimizerTime,
+              1e-9 * p.stepTime);
+  // More than the closed form's (p - 1)/(v m) of the steady part.
+  EXPECT_GT(p.bubbleTime, 2 * bubbleFraction(Schedule::Interleaved, 2, 2, 8) * 2 * slowest);
+  // The plan file carries each chunk's times.
+  nlohmann::json j = planToJson(p, planner.model(), planner.cluster(), 16);
+  EXPECT_EQ(j["stages"][0]["chunk_forward_ms"].size(), 8u);
+  EXPECT_NEAR(j["predicted"]["pp_transfer_ms"].get<double>(), p.ppTransferTime * 1e3, 1e-9);
 }
 
 TEST(Planner, ZeroBubbleH1CutsTheBubble) {
