@@ -10,7 +10,8 @@
 #   trace   timelines of one GPU, dp2 and pp2 (scripts/device-trace.sh)
 #   serve   serving bundles and their forward references (scripts/device-serve.sh)
 #   mpi     one process per GPU under mpirun and Slurm (scripts/device-mpi.sh)
-#   resnet  ResNet-50 training, f32 and --target cuda, batch 32 (scripts/device-resnet.sh)
+#   resnet  ResNet-50 training, f32 and --target cuda, batch 32 (128 for --target cuda),
+#           and dp2 at 32 and 128 per GPU (scripts/device-resnet.sh)
 #   plans   two-GPU plans of GPT-2 350M and GPT 1.3B, forced and the planner's pick, each
 #           with its prediction (scripts/device-plans.sh; MODELS=gpt2-350m for one model)
 # The named sets replace what was there: the carried tree must stay under 64 MiB
@@ -135,10 +136,15 @@ resnet() {
     c "$m" "${sgd[@]}" --target cuda -o $out/$n-b32-cuda-train.loom
     c "$m" "${sgd[@]}" --target cuda --layout nchw -o $out/$n-b32-cuda-nchw-train.loom
   done
-  # Data parallelism over 2 GPUs at 32 images per GPU.
-  dp=(--batch 64 --train --optimizer sgd --lr 0.1 --momentum 0.9 --cluster h100:2 --force dp=2,zero=0)
-  c models/resnet50.mlir "${dp[@]}" -o $out/resnet50-dp2-train.loom
-  c models/resnet50.mlir "${dp[@]}" --target cuda -o $out/resnet50-dp2-cuda-train.loom
+  # Batch 128, the second size (--target cuda only).
+  c models/resnet50.mlir --batch 128 --train --optimizer sgd --lr 0.1 --momentum 0.9 --target cuda \
+    -o $out/resnet50-b128-cuda-train.loom
+  # Data parallelism over 2 GPUs at 32 and 128 images per GPU, one microbatch
+  # each (as the one-GPU runs; the planner's own choice at 128 is two of 64).
+  dp=(--train --optimizer sgd --lr 0.1 --momentum 0.9 --cluster h100:2 --force dp=2,mb=1,zero=0)
+  c models/resnet50.mlir --batch 64 "${dp[@]}" -o $out/resnet50-dp2-train.loom
+  c models/resnet50.mlir --batch 64 "${dp[@]}" --target cuda -o $out/resnet50-dp2-cuda-train.loom
+  c models/resnet50.mlir --batch 256 "${dp[@]}" --target cuda -o $out/resnet50-dp2-b256-cuda-train.loom
 }
 single() {
 for m in gpt-tiny llama-tiny bert-tiny mlp; do
