@@ -31,6 +31,7 @@
 
 using namespace loom::rt;
 using loom::rt::test::Operands;
+using loom::rt::test::floatBytes;
 using loom::rt::test::programFor;
 
 namespace {
@@ -52,22 +53,6 @@ double relativeL2(const std::vector<double> &got, const std::vector<double> &wan
   return std::sqrt(num / std::max(den, 1e-30));
 }
 
-/// Buffer b's bytes (f32 or bf16) holding value(i) at each element i.
-template <typename F> std::vector<char> bytesOf(const Buffer &b, F value) {
-  int64_t n = numElements(b.shape).value();
-  std::vector<char> bytes(b.bytes);
-  for (int64_t i = 0; i < n; ++i) {
-    float v = value(i);
-    if (b.dtype == LOOM_BF16) {
-      uint16_t h = floatToBf16(v);
-      std::memcpy(bytes.data() + 2 * i, &h, 2);
-    } else {
-      std::memcpy(bytes.data() + 4 * i, &v, 4);
-    }
-  }
-  return bytes;
-}
-
 /// Runs `op` on both backends with the same random inputs (uniform in
 /// [mean - 1, mean + 1]) and expects every output within `tol` (relative L2).
 void compare(const std::string &op, const Operands &o, nlohmann::json attrs, loom_dtype_t dt, double tol,
@@ -80,7 +65,7 @@ void compare(const std::string &op, const Operands &o, nlohmann::json attrs, loo
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> dist(float(mean) - 1.0f, float(mean) + 1.0f);
   for (int64_t id : ins.in) {
-    std::vector<char> bytes = bytesOf(r.buffers[id], [&](int64_t) { return dist(rng); });
+    std::vector<char> bytes = floatBytes(r.buffers[id], [&](int64_t) { return dist(rng); });
     cpu->upload(r.buffers[id], bytes.data());
     gpu->upload(r.buffers[id], bytes.data());
   }
@@ -299,7 +284,7 @@ TEST(CudaConv, SgdRun) {
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   for (const Buffer &b : r.buffers) {
-    std::vector<char> bytes = bytesOf(b, [&](int64_t) {
+    std::vector<char> bytes = floatBytes(b, [&](int64_t) {
       return b.id == step ? 1.0f : b.id == norm ? 2.5f : b.name[0] == 'm' ? 0.0f : dist(rng);
     });
     cpu->upload(b, bytes.data());

@@ -63,19 +63,8 @@ struct OneInstruction {
 };
 
 std::vector<char> randomFloats(const Buffer &b, std::mt19937 &rng, float scale = 1.0f) {
-  int64_t n = numElements(b.shape).value();
   std::uniform_real_distribution<float> dist(-scale, scale);
-  std::vector<char> bytes(size_t(b.bytes));
-  for (int64_t i = 0; i < n; ++i) {
-    float v = dist(rng);
-    if (b.dtype == LOOM_BF16) {
-      uint16_t h = floatToBf16(v);
-      std::memcpy(bytes.data() + 2 * i, &h, 2);
-    } else {
-      std::memcpy(bytes.data() + 4 * i, &v, 4);
-    }
-  }
-  return bytes;
+  return loom::rt::test::floatBytes(b, [&](int64_t) { return dist(rng); });
 }
 
 template <typename T> std::vector<char> bytesOf(const std::vector<T> &v) {

@@ -12,6 +12,7 @@
 #include "loom/rt/Bundle.h"
 #include "loom/rt/Tensor.h"
 
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -46,6 +47,22 @@ struct ProgramBuilder {
     return rank;
   }
 };
+
+/// Buffer b's bytes (f32 or bf16) holding value(i) at each element i.
+template <typename F> std::vector<char> floatBytes(const Buffer &b, F value) {
+  int64_t n = numElements(b.shape).value();
+  std::vector<char> bytes(size_t(b.bytes));
+  for (int64_t i = 0; i < n; ++i) {
+    float v = value(i);
+    if (b.dtype == LOOM_BF16) {
+      uint16_t h = floatToBf16(v);
+      std::memcpy(bytes.data() + 2 * i, &h, 2);
+    } else {
+      std::memcpy(bytes.data() + 4 * i, &v, 4);
+    }
+  }
+  return bytes;
+}
 
 /// `op` over fresh buffers (inputs, then outputs) of the given shapes and
 /// dtypes, as the program "forward"; `ins` receives the instruction.
