@@ -39,24 +39,32 @@ Kernel buildAllReduce(const Ctx &c) {
       comm->allReduce(static_cast<int>(rank), group, out, n, op);
     };
   }
-  std::vector<std::pair<float *, int64_t>> parts;
+  // A bucket reduces f32 tensors in place, or bf16 ones into f32 outputs
+  // (the gradients' casts folded into their all-reduce; the backend has
+  // already widened a bf16 input into the collective's own f32 copy).
+  std::vector<std::tuple<const float *, float *, int64_t>> parts;
   int64_t total = 0;
   for (size_t i = 0; i < c.ins.in.size(); ++i) {
-    if (c.ins.in[i] != c.ins.out[i])
-      c.bad("reduces a bucket of buffers in place");
-    c.needF32(c.in(i));
-    parts.push_back({c.f32(c.in(i)), count(c.in(i).shape)});
-    total += parts.back().second;
+    const Buffer &in = c.in(i), &out = c.out(i);
+    if (c.ins.in[i] == c.ins.out[i])
+      c.needF32(in);
+    else if (out.dtype != LOOM_F32 || (in.dtype != LOOM_F32 && in.dtype != LOOM_BF16))
+      c.bad("reduces f32 or bf16 tensors into f32 ones; tensor " + std::to_string(i) + " is " +
+            dtypeName(in.dtype) + " into " + dtypeName(out.dtype));
+    else
+      c.sameShape(in, out);
+    parts.push_back({c.f32(in), c.f32(out), count(in.shape)});
+    total += count(in.shape);
   }
   auto reduce = [=] {
     std::vector<float> bucket(static_cast<size_t>(total));
     float *p = bucket.data();
-    for (auto [data, n] : parts)
-      p = std::copy(data, data + n, p);
+    for (auto [in, out, n] : parts)
+      p = std::copy(in, in + n, p);
     comm->allReduce(static_cast<int>(rank), group, bucket.data(), total, op);
     p = bucket.data();
-    for (auto [data, n] : parts)
-      std::copy(p, p + n, data), p += n;
+    for (auto [in, out, n] : parts)
+      std::copy(p, p + n, out), p += n;
   };
   // "async": the bucket goes out on the communication thread while the
   // program goes on; a later event_wait joins it. Its buffers are final

@@ -49,6 +49,7 @@ struct PackedTensor {
                 // a bf16 copy's address for mixed-precision ZeRO-1's gathers
   float *shard; // this rank's part, k elements
   int64_t n, k, offset;
+  int32_t bf16Whole = 0; // a bucket's all-reduce: `whole` holds bf16, widened as it is packed
 };
 
 /// Every CUDA and cuBLAS call is checked and becomes an Error naming the call.
@@ -457,6 +458,9 @@ private:
   /// ZeRO-1's reduce-scatter and all-gather of a bucket as one NCCL call
   /// each over packed slices (the default; LOOM_CUDA_ZERO_PACKED=0: per tensor).
   static bool zeroPacked();
+  /// A bucket's all-reduce as one packed message (the default;
+  /// LOOM_CUDA_BUCKET_PACKED=0: one NCCL call per tensor, in one group).
+  static bool bucketPacked();
   /// Programs with NCCL calls captured as CUDA graphs too (the default;
   /// LOOM_CUDA_GRAPHS_NCCL=0: eager).
   static bool ncclGraphs();
@@ -487,6 +491,9 @@ private:
 #ifdef LOOM_HAVE_NCCL
   Launch buildPackedReduceScatter(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm);
   Launch buildPackedAllGather(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm);
+  /// A bucket of gradients all-reduced as one f32 message (packed, one NCCL
+  /// call, unpacked); a bf16 input is widened into its f32 output.
+  Launch buildPackedAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm);
 #endif
   int32_t *argmaxOut = nullptr; // argmaxRows' results on the device, argmaxCapacity of them
   int64_t argmaxCapacity = 0;

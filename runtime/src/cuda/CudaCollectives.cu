@@ -274,7 +274,21 @@ template <typename T> __global__ void packShardsKernel(const PackedTensor *t, in
   }
 }
 
+/// A bucket's tensors end to end in one f32 message; a bf16 tensor widened.
+__global__ void packBucketKernel(const PackedTensor *t, int count, int64_t span, float *packed) {
+  GRID_LOOP(j, span) {
+    const PackedTensor &x = t[tensorOf(t, count, j)];
+    int64_t at = j - x.offset;
+    packed[j] = x.bf16Whole ? __bfloat162float(reinterpret_cast<const __nv_bfloat16 *>(x.whole)[at]) : x.whole[at];
+  }
+}
+
 } // namespace
+
+bool CudaBackendImpl::bucketPacked() {
+  const char *e = std::getenv("LOOM_CUDA_BUCKET_PACKED");
+  return !(e && std::string(e) == "0");
+}
 
 bool CudaBackendImpl::zeroPacked() {
   // The default since 2 H200s (2026-11-27): GPT-2 350M bf16 ZeRO-1 dp2 39.2
@@ -398,6 +412,43 @@ Launch CudaBackendImpl::buildPackedReduceScatter(const Instruction &ins, int64_t
   };
 }
 
+Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm) {
+  // One NCCL call of the whole bucket instead of one per tensor: a ResNet
+  // bucket holds up to a hundred tensors, most of them a batch norm's few
+  // hundred floats, and each call of a group pays its own latency.
+  std::vector<PackedTensor> list;
+  int64_t span = 0;
+  for (size_t i = 0; i < ins.in.size(); ++i) {
+    const Buffer &in = buf(ins.in[i]), &out = buf(ins.out[i]);
+    int64_t n = count(in.shape);
+    if (out.dtype != LOOM_F32 || (in.dtype != LOOM_F32 && in.dtype != LOOM_BF16))
+      fail(LOOM_INVALID_BUNDLE, where, ": a bucket reduces f32 or bf16 tensors into f32 ones; tensor ", i, " is ",
+           dtypeName(in.dtype), " into ", dtypeName(out.dtype));
+    if (count(out.shape) != n)
+      fail(LOOM_INVALID_BUNDLE, where, ": tensor ", i, " has ", n, " elements but its output ", count(out.shape));
+    PackedTensor t{reinterpret_cast<float *>(ptr(in)), f(ins.out[i]), n, n, span};
+    t.bf16Whole = in.dtype == LOOM_BF16;
+    list.push_back(t);
+    span += n;
+  }
+  const PackedTensor *table = deviceArray(list);
+  int count = int(list.size());
+  size_t bytes = size_t(span) * sizeof(float);
+  bool async = asyncCollective(ins);
+  if (async) // on the communication stream it has that stream's own workspace
+    commWorkspaceBytes = std::max(commWorkspaceBytes, bytes);
+  else
+    reserve(bytes);
+  auto run = [this, table, count, span, red, comm, async](cudaStream_t s) {
+    float *packed = reinterpret_cast<float *>(async ? commWorkspace : workspace);
+    packBucketKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, packed);
+    if (comm)
+      LOOM_NCCL_CHECK(ncclAllReduce(packed, packed, size_t(span), ncclFloat32, red, comm, s));
+    unpackShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, packed);
+  };
+  return async ? onCommStream(ins, run) : Launch(run);
+}
+
 Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm) {
   // f32 slices into f32 wholes (the masters), or into bf16 wholes: the
   // weights' bf16 copies that mixed-precision ZeRO-1 gathers at the start
@@ -515,6 +566,15 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     std::string kind = ins.attrs.value("reduction", std::string("sum"));
     ncclRedOp_t red = kind == "max" ? ncclMax : kind == "mean" ? ncclAvg : ncclSum;
     ncclComm_t comm = commOf(group);
+    if (ins.in.size() != ins.out.size() || ins.in.empty())
+      fail(LOOM_INVALID_BUNDLE, where, ": all_reduce expects as many outputs as inputs (at least one)");
+    bool widens = false, f32 = true;
+    for (size_t i = 0; i < ins.in.size(); ++i) {
+      widens |= buf(ins.in[i]).dtype != buf(ins.out[i]).dtype;
+      f32 &= buf(ins.out[i]).dtype == LOOM_F32;
+    }
+    if (widens || (ins.in.size() > 1 && f32 && bucketPacked()))
+      return buildPackedAllReduce(ins, red, comm);
     std::vector<std::tuple<char *, char *, int64_t, ncclDataType_t, int64_t>> parts;
     for (size_t i = 0; i < ins.in.size(); ++i)
       parts.push_back({ptr(fp(ins.in[i])), ptr(fp(ins.out[i])), n(ins.in[i]), ncclType(ins.in[i]), buf(ins.in[i]).bytes});
