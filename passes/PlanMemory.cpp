@@ -92,6 +92,11 @@ LogicalResult planRank(loomrt::RankOp rank) {
       order.push_back(name);
   // Lifetimes over that order, by storage.
   std::vector<int64_t> first(size_t(n), INT64_MAX), last(size_t(n), -1);
+  // An async collective reads its inputs on the communication stream until
+  // its event is waited for: they live that long. The stream runs its work
+  // in order, so a wait for one event is a wait for every collective issued
+  // before it too. (event, the storages it reads), in issue order:
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> inFlight;
   int64_t index = 0;
   for (const std::string &name : order) {
     auto it = byName.find(name);
@@ -110,9 +115,30 @@ LogicalResult planRank(loomrt::RankOp rank) {
             first[size_t(s)] = std::min(first[size_t(s)], index);
             last[size_t(s)] = std::max(last[size_t(s)], index);
           }
+        if (auto ins = dyn_cast<loomrt::InstrOp>(op)) {
+          auto event = ins->getAttrOfType<IntegerAttr>("event");
+          auto async = ins->getAttrOfType<BoolAttr>("async");
+          if (event && ins.getOp() == "event_wait") {
+            auto done = std::find_if(inFlight.rbegin(), inFlight.rend(),
+                                     [&](const auto &e) { return e.first == event.getInt(); });
+            auto end = done.base(); // one past the waited event's entry (begin() if not in flight)
+            for (auto e = inFlight.begin(); e != end; ++e)
+              for (int64_t s : e->second)
+                last[size_t(s)] = std::max(last[size_t(s)], index);
+            inFlight.erase(inFlight.begin(), end);
+          } else if (event && async && async.getValue()) {
+            std::vector<int64_t> reads;
+            for (int64_t id : ins.getIns())
+              reads.push_back(buffers[size_t(id)].storage);
+            inFlight.push_back({event.getInt(), std::move(reads)});
+          }
+        }
         ++index;
       }
   }
+  for (const auto &[event, storages] : inFlight) // never waited for: to the end
+    for (int64_t s : storages)
+      last[size_t(s)] = std::max(last[size_t(s)], index);
   // Parameter gradients stay readable after the step (the C API and the
   // optimizer read them), so they live to the end.
   for (auto p : body.getOps<loomrt::ParamOp>()) {
