@@ -2,6 +2,8 @@
 // RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=2 precision=bf16 until=loom-packed-qkv-attention" | loom-opt --loom-bf16-step-casts | FileCheck %s
 // RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=2 mb=2 precision=bf16 until=loom-packed-qkv-attention" | FileCheck %s --check-prefix=MB-BEFORE
 // RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=2 mb=2 precision=bf16 until=loom-packed-qkv-attention" | loom-opt --loom-bf16-step-casts | FileCheck %s --check-prefix=MB
+// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=4 dp=2 precision=bf16 until=loom-packed-qkv-attention" | FileCheck %s --check-prefix=DP-BEFORE
+// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=4 dp=2 precision=bf16 until=loom-packed-qkv-attention" | loom-opt --loom-bf16-step-casts | FileCheck %s --check-prefix=DP
 
 // loom-bf16-step-casts: the optimizer and the clipping norm read bf16
 // gradients directly where nothing else reads their f32 copies; the weights'
@@ -51,3 +53,17 @@
 // MB-NOT: loomrt.instr "cast" [2] ->
 // MB: loomrt.instr "embedding" [[[WTE]], {{[0-9]+}}] ->
 // MB-NOT: loomrt.instr "cast" [2] ->
+
+// Data parallelism: the final layernorm's gradients (bf16 108 and 107) were
+// cast to f32 (109 and 110) and the first bucket's async all-reduce
+// averaged the copies in place. Now it reads the bf16 gradients and writes
+// the f32 means, and the casts are gone.
+// DP-BEFORE: loomrt.program "backward" {
+// DP-BEFORE: loomrt.instr "cast" [108] -> [109]
+// DP-BEFORE-NEXT: loomrt.instr "cast" [107] -> [110]
+// DP-BEFORE: loomrt.instr "all_reduce" [109, 110, {{.*}}] -> [109, 110, {{.*}}] {async = true, event = 0 : i64
+// DP: loomrt.program "backward" {
+// DP-NOT: loomrt.instr "cast" [108]
+// DP: loomrt.instr "layernorm_grad" [89, 91, 103] -> [106, 107, 108]
+// DP-NOT: loomrt.instr "cast" [10{{7|8}}]
+// DP: loomrt.instr "all_reduce" [108, 107, {{.*}}] -> [109, 110, {{.*}}] {async = true, event = 0 : i64
