@@ -1,8 +1,9 @@
 //===- CudaCollectivesTest.cpp - A bucket's packed all-reduce on the GPU --===//
 //
-// A data-parallel bucket is all-reduced as one packed f32 message: its
-// tensors packed end to end (bf16 gradients widened on the way), one NCCL
-// call, unpacked into the f32 outputs. Over a group of one rank the mean is
+// A data-parallel bucket is all-reduced in f32: its small tensors packed
+// end to end into one message (bf16 gradients widened on the way) and
+// unpacked into the f32 outputs, its large ones widened into their outputs
+// and reduced in place. Over a group of one rank the mean is
 // the tensor itself, so the outputs must be exactly the inputs, widened:
 // this checks the packing, the widening and the offsets of tensors of odd
 // sizes, synchronously and on the communication stream. (The reduction
@@ -39,7 +40,8 @@ void bucket(bool async, const char *packed) {
   loom::rt::test::ProgramBuilder p;
   // (elements, input dtype): in place where f32, widened into a new f32 buffer where bf16.
   std::vector<std::pair<int64_t, loom_dtype_t>> tensors = {
-      {1000, LOOM_F32}, {37, LOOM_BF16}, {70001, LOOM_BF16}, {5, LOOM_F32}, {1, LOOM_BF16}};
+      {1000, LOOM_F32},   {37, LOOM_BF16},     {70001, LOOM_BF16}, {5, LOOM_F32},
+      {300001, LOOM_BF16}, {262147, LOOM_F32}, {1, LOOM_BF16}}; // the two over 1 MiB as f32 go unpacked
   Instruction reduce{"all_reduce", {}, {}, {{"reduction", "mean"}, {"group", "dp"}}};
   for (auto [n, dt] : tensors) {
     int64_t in = p.add({n}, dt, "g");
@@ -92,8 +94,8 @@ TEST(CudaCollectives, PackedBucketOnTheCommunicationStream) {
   bucket(/*async=*/true, "1");
 }
 
-// With packing off, a bucket that widens bf16 gradients still goes packed
-// (one NCCL call per tensor cannot change dtypes).
+// With packing off, a bucket that widens bf16 gradients widens each into
+// its output and reduces it there.
 TEST(CudaCollectives, WideningBucketWithPackingOff) {
   if (!haveGpu())
     GTEST_SKIP() << "no CUDA device";

@@ -491,8 +491,9 @@ private:
 #ifdef LOOM_HAVE_NCCL
   Launch buildPackedReduceScatter(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm);
   Launch buildPackedAllGather(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm);
-  /// A bucket of gradients all-reduced as one f32 message (packed, one NCCL
-  /// call, unpacked); a bf16 input is widened into its f32 output.
+  /// A bucket of gradients all-reduced in f32: the small ones as one packed
+  /// message, the large ones in place; a bf16 input is widened into its f32
+  /// output.
   Launch buildPackedAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm);
 #endif
   int32_t *argmaxOut = nullptr; // argmaxRows' results on the device, argmaxCapacity of them

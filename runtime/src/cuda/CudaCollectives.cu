@@ -283,6 +283,16 @@ __global__ void packBucketKernel(const PackedTensor *t, int count, int64_t span,
   }
 }
 
+/// A bucket's large tensors into their f32 outputs (bf16 widened), before
+/// they are reduced in place.
+__global__ void widenIntoKernel(const PackedTensor *t, int count, int64_t span) {
+  GRID_LOOP(j, span) {
+    const PackedTensor &x = t[tensorOf(t, count, j)];
+    int64_t at = j - x.offset;
+    x.shard[at] = x.bf16Whole ? __bfloat162float(reinterpret_cast<const __nv_bfloat16 *>(x.whole)[at]) : x.whole[at];
+  }
+}
+
 } // namespace
 
 bool CudaBackendImpl::bucketPacked() {
@@ -413,11 +423,20 @@ Launch CudaBackendImpl::buildPackedReduceScatter(const Instruction &ins, int64_t
 }
 
 Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm) {
-  // One NCCL call of the whole bucket instead of one per tensor: a ResNet
-  // bucket holds up to a hundred tensors, most of them a batch norm's few
-  // hundred floats, and each call of a group pays its own latency.
-  std::vector<PackedTensor> list;
-  int64_t span = 0;
+  // A bucket's small tensors (under LOOM_CUDA_BUCKET_PACK_BELOW bytes as
+  // f32, 1 MiB by default) go as one packed message instead of one NCCL
+  // call each: a ResNet bucket holds up to a hundred tensors, most of them a
+  // batch norm's few hundred floats, and each call of a group pays its own
+  // latency. Large tensors are reduced in place, as before, without the
+  // copies in and out (bf16 ones first widened into their f32 outputs).
+  static const int64_t packBelow = [] {
+    const char *e = std::getenv("LOOM_CUDA_BUCKET_PACK_BELOW");
+    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t(1) << 20;
+  }();
+  int64_t below = bucketPacked() ? packBelow : 0;
+  std::vector<PackedTensor> small, widened;
+  std::vector<std::pair<float *, int64_t>> large; // reduced in place
+  int64_t span = 0, wideSpan = 0;
   for (size_t i = 0; i < ins.in.size(); ++i) {
     const Buffer &in = buf(ins.in[i]), &out = buf(ins.out[i]);
     int64_t n = count(in.shape);
@@ -426,25 +445,44 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
            dtypeName(in.dtype), " into ", dtypeName(out.dtype));
     if (count(out.shape) != n)
       fail(LOOM_INVALID_BUNDLE, where, ": tensor ", i, " has ", n, " elements but its output ", count(out.shape));
-    PackedTensor t{reinterpret_cast<float *>(ptr(in)), f(ins.out[i]), n, n, span};
+    PackedTensor t{reinterpret_cast<float *>(ptr(in)), f(ins.out[i]), n, n, 0};
     t.bf16Whole = in.dtype == LOOM_BF16;
-    list.push_back(t);
-    span += n;
+    if (n * int64_t(sizeof(float)) < below) {
+      t.offset = span, span += n;
+      small.push_back(t);
+      continue;
+    }
+    if (t.bf16Whole || t.whole != t.shard) {
+      t.offset = wideSpan, wideSpan += n;
+      widened.push_back(t);
+    }
+    large.push_back({t.shard, n});
   }
-  const PackedTensor *table = deviceArray(list);
-  int count = int(list.size());
+  const PackedTensor *smallTable = small.empty() ? nullptr : deviceArray(small);
+  const PackedTensor *wideTable = widened.empty() ? nullptr : deviceArray(widened);
+  int smallCount = int(small.size()), wideCount = int(widened.size());
   size_t bytes = size_t(span) * sizeof(float);
   bool async = asyncCollective(ins);
   if (async) // on the communication stream it has that stream's own workspace
     commWorkspaceBytes = std::max(commWorkspaceBytes, bytes);
   else
     reserve(bytes);
-  auto run = [this, table, count, span, red, comm, async](cudaStream_t s) {
+  auto run = [=](cudaStream_t s) {
     float *packed = reinterpret_cast<float *>(async ? commWorkspace : workspace);
-    packBucketKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, packed);
-    if (comm)
-      LOOM_NCCL_CHECK(ncclAllReduce(packed, packed, size_t(span), ncclFloat32, red, comm, s));
-    unpackShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, packed);
+    if (wideCount)
+      widenIntoKernel<<<blocksFor(wideSpan), kThreads, 0, s>>>(wideTable, wideCount, wideSpan);
+    if (smallCount)
+      packBucketKernel<<<blocksFor(span), kThreads, 0, s>>>(smallTable, smallCount, span, packed);
+    if (comm) {
+      LOOM_NCCL_CHECK(ncclGroupStart());
+      if (smallCount)
+        LOOM_NCCL_CHECK(ncclAllReduce(packed, packed, size_t(span), ncclFloat32, red, comm, s));
+      for (auto [data, n] : large)
+        LOOM_NCCL_CHECK(ncclAllReduce(data, data, size_t(n), ncclFloat32, red, comm, s));
+      LOOM_NCCL_CHECK(ncclGroupEnd());
+    }
+    if (smallCount)
+      unpackShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(smallTable, smallCount, span, packed);
   };
   return async ? onCommStream(ins, run) : Launch(run);
 }
