@@ -101,3 +101,40 @@ TEST(CudaCollectives, WideningBucketWithPackingOff) {
     GTEST_SKIP() << "no CUDA device";
   bucket(/*async=*/true, "0");
 }
+
+// A data-parallel step: the backward issues its bucket on the communication
+// stream and the update waits for it. The backward ends by joining that
+// stream, so both programs are captured as CUDA graphs from their second
+// run; every run, eager, capturing and replaying, must see its own inputs.
+TEST(CudaCollectives, BucketWaitedForByTheNextProgram) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  loom::rt::test::ProgramBuilder p;
+  int64_t n = 4099;
+  int64_t x = p.add({n}, LOOM_F32, "x"), g = p.add({n}, LOOM_BF16, "g"), m = p.add({n}, LOOM_F32, "m");
+  int64_t small = p.add({3}, LOOM_F32, "s"), y = p.add({n}, LOOM_F32, "y");
+  RankProgram r = p.finish({});
+  r.programs.erase("forward");
+  r.programs["backward"] = {
+      Instruction{"cast", {x}, {g}, nlohmann::json::object()},
+      Instruction{"all_reduce", {g, small}, {m, small},
+                  {{"reduction", "mean"}, {"group", "dp"}, {"async", true}, {"event", 0}}}};
+  r.programs["update"] = {Instruction{"event_wait", {}, {}, {{"event", 0}}},
+                          Instruction{"add", {m, m}, {y}, nlohmann::json::object()}};
+  r.groups["dp"] = {0};
+  auto gpu = makeCudaBackend(r, 0);
+  for (const char *name : {"backward", "update"})
+    gpu->prepare(name, r.programs[name]);
+  for (int round = 0; round < 4; ++round) {
+    std::vector<float> in(n), got(n);
+    for (int64_t i = 0; i < n; ++i)
+      in[i] = float(round + 1) * 0.37f * float(i % 101 - 50);
+    gpu->upload(r.buffers[x], in.data());
+    gpu->run("backward");
+    gpu->run("update");
+    gpu->download(r.buffers[y], got.data());
+    for (int64_t i = 0; i < n; ++i)
+      ASSERT_EQ(got[i], 2.0f * bf16ToFloat(floatToBf16(in[i]))) << "round " << round << ", y[" << i << "]";
+  }
+}
+

@@ -187,6 +187,8 @@ CudaBackendImpl::~CudaBackendImpl() {
     cudaEventDestroy(legacyStreamDone);
   if (sendsJoined)
     cudaEventDestroy(sendsJoined);
+  if (commJoined)
+    cudaEventDestroy(commJoined);
   for (Staging &slot : staging) {
     cudaFree(slot.data);
     if (slot.sent)
@@ -275,6 +277,7 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
   }
   std::vector<Step> steps;
   instructions[program] = instrs;
+  buildJoinsComm = false;
   for (size_t i = 0; i < instrs.size(); ++i) {
     where = cat("instruction ", program, "[", i, "] '", instrs[i].op, "'");
     building = {program, i};
@@ -387,6 +390,21 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
     steps.back().capturable = buildCapturable;
     steps.back().replayable = std::move(buildReplayable);
     steps.back().replayed = std::move(buildReplayed);
+  }
+  // Async collectives waited for by a later program: the program ends with
+  // the communication stream joined back, so that they belong to its graph.
+  // (run() waits for every stream at a program's end anyway: the join adds
+  // no wait.)
+  if (buildJoinsComm) {
+    if (!commJoined)
+      LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&commJoined, cudaEventDisableTiming));
+    cudaEvent_t joined = commJoined;
+    cudaStream_t cs = commStream;
+    steps.push_back({cat(program, ": the join of its collectives"), "join", 0, [joined, cs](cudaStream_t s) {
+                       LOOM_CUDA_CHECK(cudaEventRecord(joined, cs));
+                       LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, joined, 0));
+                     },
+                     nullptr, nullptr});
   }
   // Captured sends (LOOM_CUDA_GRAPHS_P2P=1): the capture must end with the
   // sends' stream joined back into the compute stream.

@@ -470,6 +470,11 @@ private:
   static bool p2pGraphs();
   /// Joins the sends' stream back into the compute stream (recorded there).
   cudaEvent_t sendsJoined = nullptr;
+  /// A program whose async collectives are waited for by a later program
+  /// (a data-parallel backward's buckets) ends by joining the communication
+  /// stream, so that its capture is complete (buildJoinsComm while building).
+  cudaEvent_t commJoined = nullptr;
+  bool buildJoinsComm = false;
   /// Whether the program being built records `event` before the current
   /// instruction (recordedBefore) or waits for it after.
   bool eventInProgram(int64_t event, bool recordedBefore);

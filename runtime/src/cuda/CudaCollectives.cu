@@ -562,12 +562,16 @@ bool CudaBackendImpl::eventInProgram(int64_t event, bool recordedBefore) {
 }
 
 Launch CudaBackendImpl::buildEventWait(const Instruction &ins) {
-  // In a graph only where this program recorded the event (the capture
-  // joins the communication stream back); otherwise eager.
-  buildCapturable = ncclGraphs() && ins.attrs.contains("event") && ins.attrs["event"].is_number_integer() &&
-                    eventInProgram(ins.attrs["event"].get<int64_t>(), /*recordedBefore=*/true);
   if (!ins.attrs.contains("event") || !ins.attrs["event"].is_number_integer())
     fail(LOOM_INVALID_BUNDLE, where, ": event_wait needs an integer attribute 'event'");
+  // An event an earlier program recorded is complete: run() waits for every
+  // stream at the end of each program (and that program joined its
+  // collectives back), so there is nothing to wait for.
+  if (!eventInProgram(ins.attrs["event"].get<int64_t>(), /*recordedBefore=*/true))
+    return [](cudaStream_t) {};
+  // Recorded by this program: in a graph with it (the capture joins the
+  // communication stream back).
+  buildCapturable = ncclGraphs();
   cudaEvent_t e = commEvent(ins.attrs["event"].get<int64_t>());
   return [=](cudaStream_t s) { LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, e, 0)); };
 }
@@ -580,8 +584,13 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
   // communication stream back), and pipeline sends and receives not (a
   // send's staging copy keeps host state).
   buildCapturable = ncclGraphs() && ((ins.op != "send" && ins.op != "recv") || p2pGraphs());
-  if (buildCapturable && flag(ins, "async"))
-    buildCapturable = asyncCollective(ins) && eventInProgram(ins.attrs["event"].get<int64_t>(), /*recordedBefore=*/false);
+  if (buildCapturable && flag(ins, "async")) {
+    buildCapturable = asyncCollective(ins);
+    // Waited for by a later program: this one ends by joining its
+    // collectives back (buildJoinsComm), which keeps its capture whole.
+    if (buildCapturable && !eventInProgram(ins.attrs["event"].get<int64_t>(), /*recordedBefore=*/false))
+      buildJoinsComm = true;
+  }
 #ifndef LOOM_HAVE_NCCL
   fail(LOOM_UNSUPPORTED, where, ": this runtime was built without NCCL; use --backend cpu");
 #else
