@@ -657,7 +657,14 @@ NhwcLaunch nhwcLaunch(const BatchNormDims &d, int vec, const void *kernel, int d
   int sms = 0, perSm = 0;
   LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   LOOM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSm, kernel, kThreads, 0));
-  int64_t blocks = int64_t(std::max(sms, 1)) * std::max(perSm, 1);
+  // LOOM_CUDA_BN_WAVES=W: W waves of blocks instead of one (smaller
+  // blocks: a grid of one wave loses its balance when an NCCL kernel holds
+  // some of the SMs, as during data-parallel backward).
+  static const int64_t waves = [] {
+    const char *e = std::getenv("LOOM_CUDA_BN_WAVES");
+    return e ? std::clamp<int64_t>(std::atoll(e), 1, 64) : int64_t(1);
+  }();
+  int64_t blocks = int64_t(std::max(sms, 1)) * std::max(perSm, 1) * waves;
   int64_t groups = d.ch / vec, lanes = 1;
   while (lanes < 32 && lanes < groups)
     lanes *= 2;
