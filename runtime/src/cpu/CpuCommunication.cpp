@@ -28,7 +28,10 @@ Kernel buildAllReduce(const Ctx &c) {
     c.bad("reduction must be sum, mean or max, got '" + kind + "'");
   Reduction op = kind == "sum" ? Reduction::Sum : kind == "mean" ? Reduction::Mean : Reduction::Max;
   int64_t rank = c.rank.rank;
-  if (c.ins.in.size() == 1 && !(c.attrFlag("async") && c.ins.in[0] == c.ins.out[0])) {
+  // One buffer, synchronously; an async one (a bucket of one, which may
+  // widen a bf16 gradient into its f32 mean) goes the bucket's way, on the
+  // communication thread: never beside an earlier bucket still in flight.
+  if (c.ins.in.size() == 1 && !(c.attrFlag("async") && c.async)) {
     c.needF32(c.in(0)), c.needF32(c.out());
     c.sameShape(c.in(0), c.out());
     float *in = c.f32(c.in(0)), *out = c.f32(c.out());
