@@ -78,6 +78,12 @@ int64_t optimizerReadsBf16Gradients(rt::RankProgram &r) {
   return changed;
 }
 
+/// Whether `ins` is a cast of a bf16 buffer to f32.
+bool widensBf16(const rt::RankProgram &r, const rt::Instruction &ins) {
+  return ins.op == "cast" && ins.in.size() == 1 && ins.out.size() == 1 && r.buffers[ins.in[0]].dtype == LOOM_BF16 &&
+         r.buffers[ins.out[0]].dtype == LOOM_F32;
+}
+
 /// Gradients reach f32 sums through a bf16 -> f32 cast and an add (the tied
 /// embedding's two contributions; every weight's gradient added into its
 /// accumulator once per microbatch). The add reads the bf16 value itself
@@ -97,12 +103,9 @@ int64_t addsReadBf16Gradients(rt::RankProgram &r) {
   int64_t changed = 0;
   for (auto &[name, list] : r.programs) {
     std::map<int64_t, size_t> castOf; // f32 result -> its cast
-    for (size_t i = 0; i < list.size(); ++i) {
-      const rt::Instruction &ins = list[i];
-      if (ins.op == "cast" && ins.in.size() == 1 && ins.out.size() == 1 &&
-          r.buffers[ins.in[0]].dtype == LOOM_BF16 && r.buffers[ins.out[0]].dtype == LOOM_F32)
-        castOf[ins.out[0]] = i;
-    }
+    for (size_t i = 0; i < list.size(); ++i)
+      if (widensBf16(r, list[i]))
+        castOf[list[i].out[0]] = i;
     std::vector<bool> dropped(list.size(), false);
     for (rt::Instruction &ins : list) {
       if (ins.op != "add" || ins.in.size() != 2 || ins.out.size() != 1 ||
@@ -152,11 +155,9 @@ int64_t bucketsWidenBf16Gradients(rt::RankProgram &r) {
     std::vector<bool> dropped(list.size(), false);
     for (size_t j = 0; j < list.size(); ++j) {
       rt::Instruction &ins = list[j];
-      if (ins.op == "cast" && ins.in.size() == 1 && ins.out.size() == 1 &&
-          r.buffers[ins.in[0]].dtype == LOOM_BF16 && r.buffers[ins.out[0]].dtype == LOOM_F32)
+      if (widensBf16(r, ins))
         castOf[ins.out[0]] = j;
-      if (ins.op != "all_reduce" || ins.in != ins.out || !ins.attrs.is_object() ||
-          !ins.attrs.value("async", false) || !ins.attrs.contains("event"))
+      if (ins.op != "all_reduce" || ins.in != ins.out || !flagAttr(ins, "async") || !ins.attrs.contains("event"))
         continue;
       for (int64_t &id : ins.in) {
         auto it = castOf.find(id);

@@ -391,34 +391,26 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
     steps.back().replayable = std::move(buildReplayable);
     steps.back().replayed = std::move(buildReplayed);
   }
-  // Async collectives waited for by a later program: the program ends with
-  // the communication stream joined back, so that they belong to its graph.
-  // (run() waits for every stream at a program's end anyway: the join adds
-  // no wait.)
-  if (buildJoinsComm) {
-    if (!commJoined)
-      LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&commJoined, cudaEventDisableTiming));
-    cudaEvent_t joined = commJoined;
-    cudaStream_t cs = commStream;
-    steps.push_back({cat(program, ": the join of its collectives"), "join", 0, [joined, cs](cudaStream_t s) {
-                       LOOM_CUDA_CHECK(cudaEventRecord(joined, cs));
-                       LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, joined, 0));
+  // A last step joining another stream back into the compute stream (its
+  // event recorded there), so that a capture of the program is whole.
+  auto join = [&](cudaEvent_t &joined, cudaStream_t other, const char *what) {
+    if (!joined)
+      LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&joined, cudaEventDisableTiming));
+    cudaEvent_t e = joined;
+    steps.push_back({cat(program, ": the join of its ", what), "join", 0, [e, other](cudaStream_t s) {
+                       LOOM_CUDA_CHECK(cudaEventRecord(e, other));
+                       LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, e, 0));
                      },
                      nullptr, nullptr});
-  }
-  // Captured sends (LOOM_CUDA_GRAPHS_P2P=1): the capture must end with the
-  // sends' stream joined back into the compute stream.
-  if (p2pGraphs() && std::any_of(instrs.begin(), instrs.end(), [](const Instruction &x) { return x.op == "send"; })) {
-    if (!sendsJoined)
-      LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&sendsJoined, cudaEventDisableTiming));
-    cudaEvent_t joined = sendsJoined;
-    cudaStream_t sends = sendStream;
-    steps.push_back({cat(program, ": the join of its sends"), "join", 0, [joined, sends](cudaStream_t s) {
-                       LOOM_CUDA_CHECK(cudaEventRecord(joined, sends));
-                       LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, joined, 0));
-                     },
-                     nullptr, nullptr});
-  }
+  };
+  // Async collectives waited for by a later program: they belong to this
+  // program's graph. (run() waits for every stream at a program's end
+  // anyway: the join adds no wait.)
+  if (buildJoinsComm)
+    join(commJoined, commStream, "collectives");
+  // Captured sends (LOOM_CUDA_GRAPHS_P2P=1).
+  if (p2pGraphs() && std::any_of(instrs.begin(), instrs.end(), [](const Instruction &x) { return x.op == "send"; }))
+    join(sendsJoined, sendStream, "sends");
   if (commWorkspaceBytes > commWorkspaceAllocated) {
     dropGraphs(); // they hold the old workspace's address
     LOOM_CUDA_CHECK(cudaStreamSynchronize(commStream));

@@ -274,22 +274,15 @@ template <typename T> __global__ void packShardsKernel(const PackedTensor *t, in
   }
 }
 
-/// A bucket's tensors end to end in one f32 message; a bf16 tensor widened.
-__global__ void packBucketKernel(const PackedTensor *t, int count, int64_t span, float *packed) {
+/// A bucket's tensors as f32, a bf16 one widened: end to end into `packed`
+/// (its small tensors, one message), or where `packed` is null each into its
+/// own f32 output (its large ones, reduced there in place).
+__global__ void widenBucketKernel(const PackedTensor *t, int count, int64_t span, float *packed) {
   GRID_LOOP(j, span) {
     const PackedTensor &x = t[tensorOf(t, count, j)];
     int64_t at = j - x.offset;
-    packed[j] = x.bf16Whole ? __bfloat162float(reinterpret_cast<const __nv_bfloat16 *>(x.whole)[at]) : x.whole[at];
-  }
-}
-
-/// A bucket's large tensors into their f32 outputs (bf16 widened), before
-/// they are reduced in place.
-__global__ void widenIntoKernel(const PackedTensor *t, int count, int64_t span) {
-  GRID_LOOP(j, span) {
-    const PackedTensor &x = t[tensorOf(t, count, j)];
-    int64_t at = j - x.offset;
-    x.shard[at] = x.bf16Whole ? __bfloat162float(reinterpret_cast<const __nv_bfloat16 *>(x.whole)[at]) : x.whole[at];
+    float v = x.bf16Whole ? __bfloat162float(reinterpret_cast<const __nv_bfloat16 *>(x.whole)[at]) : x.whole[at];
+    (packed ? packed[j] : x.shard[at]) = v;
   }
 }
 
@@ -437,14 +430,11 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
   std::vector<PackedTensor> small, widened;
   std::vector<std::pair<float *, int64_t>> large; // reduced in place
   int64_t span = 0, wideSpan = 0;
+  // prepare()'s CPU validation has checked the operands: as many outputs as
+  // inputs, each output f32 of its input's shape, each input f32 or bf16.
   for (size_t i = 0; i < ins.in.size(); ++i) {
-    const Buffer &in = buf(ins.in[i]), &out = buf(ins.out[i]);
+    const Buffer &in = buf(ins.in[i]);
     int64_t n = count(in.shape);
-    if (out.dtype != LOOM_F32 || (in.dtype != LOOM_F32 && in.dtype != LOOM_BF16))
-      fail(LOOM_INVALID_BUNDLE, where, ": a bucket reduces f32 or bf16 tensors into f32 ones; tensor ", i, " is ",
-           dtypeName(in.dtype), " into ", dtypeName(out.dtype));
-    if (count(out.shape) != n)
-      fail(LOOM_INVALID_BUNDLE, where, ": tensor ", i, " has ", n, " elements but its output ", count(out.shape));
     PackedTensor t{reinterpret_cast<float *>(ptr(in)), f(ins.out[i]), n, n, 0};
     t.bf16Whole = in.dtype == LOOM_BF16;
     if (n * int64_t(sizeof(float)) < below) {
@@ -470,9 +460,9 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
   auto run = [=](cudaStream_t s) {
     float *packed = reinterpret_cast<float *>(async ? commWorkspace : workspace);
     if (wideCount)
-      widenIntoKernel<<<blocksFor(wideSpan), kThreads, 0, s>>>(wideTable, wideCount, wideSpan);
+      widenBucketKernel<<<blocksFor(wideSpan), kThreads, 0, s>>>(wideTable, wideCount, wideSpan, nullptr);
     if (smallCount)
-      packBucketKernel<<<blocksFor(span), kThreads, 0, s>>>(smallTable, smallCount, span, packed);
+      widenBucketKernel<<<blocksFor(span), kThreads, 0, s>>>(smallTable, smallCount, span, packed);
     if (comm) {
       LOOM_NCCL_CHECK(ncclGroupStart());
       if (smallCount)
@@ -613,8 +603,6 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     std::string kind = ins.attrs.value("reduction", std::string("sum"));
     ncclRedOp_t red = kind == "max" ? ncclMax : kind == "mean" ? ncclAvg : ncclSum;
     ncclComm_t comm = commOf(group);
-    if (ins.in.size() != ins.out.size() || ins.in.empty())
-      fail(LOOM_INVALID_BUNDLE, where, ": all_reduce expects as many outputs as inputs (at least one)");
     bool widens = false, f32 = true;
     for (size_t i = 0; i < ins.in.size(); ++i) {
       widens |= buf(ins.in[i]).dtype != buf(ins.out[i]).dtype;
