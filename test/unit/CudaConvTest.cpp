@@ -157,7 +157,8 @@ const Shape kBatchNormCases[] = {
     {3, 5, 1, 1},    // 1x1 images (a norm over the batch only)
     {4, 70, 6, 6},   // NHWC: channels over several blocks of 32, the last one partial
     {16, 8, 40, 40}, // NHWC: eight channels a thread, many slices of rows
-    {2, 320, 5, 5},  // NHWC: eight channels a thread over two channel tiles, the second partial
+    {2, 320, 5, 5},  // NHWC: eight channels a thread (40 groups: blocks of 240 threads, flat kernels)
+    {2, 2064, 3, 3}, // NHWC: more than 2,048 channels, the tiled eight-channel kernels
 };
 
 void batchNorms(loom_dtype_t dt, double tol, bool nhwc = false) {

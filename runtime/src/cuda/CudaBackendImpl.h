@@ -60,6 +60,10 @@ void checkCublas(cublasStatus_t s, const char *what, const char *file, int line)
 
 inline int blocksFor(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535 * 8)); }
 
+/// Whether an instruction's `layout` says channels last (CudaConv.cu);
+/// `where` names it in the error for a layout other than nchw or nhwc.
+bool channelsLast(const Instruction &ins, const std::string &where);
+
 /// Whether kernels written for it (waitPrevious() first) are launched as
 /// programmatic dependents of the kernel before them: on devices of compute
 /// capability 9 and up, unless LOOM_CUDA_PDL=0.
