@@ -27,6 +27,7 @@
 
 #include <cuda_profiler_api.h>
 
+#include <cstdio>
 #include <cstdlib>
 
 namespace loom::rt::cuda {
@@ -165,6 +166,11 @@ CudaBackendImpl::~CudaBackendImpl() {
   // Synchronise, then free in reverse order of creation; errors are ignored here.
   if (stream)
     cudaStreamSynchronize(stream);
+  if (timePrograms())
+    reportProgramTimes();
+  for (auto &[name, g] : graphs)
+    if (g.began)
+      cudaEventDestroy(g.began), cudaEventDestroy(g.ended);
   for (auto &[name, steps] : programs)
     for (Step &step : steps) {
       if (step.start)
@@ -427,6 +433,8 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
   Graph &graph = graphs[program];
   if (graph.exec)
     cudaGraphExecDestroy(graph.exec);
+  if (graph.began)
+    cudaEventDestroy(graph.began), cudaEventDestroy(graph.ended);
   graph = Graph{};
   graph.capturable = std::all_of(steps.begin(), steps.end(), [](const Step &s) { return s.capturable; });
   for (size_t i = 0; i < steps.size(); ++i)
@@ -456,10 +464,34 @@ bool profileThisRun(const std::string &program, int run) {
 }
 } // namespace
 
+bool CudaBackendImpl::timePrograms() {
+  static const bool on = [] {
+    const char *e = std::getenv("LOOM_CUDA_PROGRAM_TIMES");
+    return e && std::string(e) == "1";
+  }();
+  return on;
+}
+
+void CudaBackendImpl::reportProgramTimes() const {
+  for (const auto &[name, g] : graphs)
+    if (g.timed > 0)
+      std::fprintf(stderr,
+                   "loom: rank %lld program %s: %.3f ms on the GPU, %.3f ms from run() to its streams' end, "
+                   "%.3f ms since the previous program's end (mean of %d runs after the first 3)\n",
+                   (long long)rank.rank, name.c_str(), g.gpuMs / g.timed, g.hostMs / g.timed, g.gapMs / g.timed,
+                   g.timed);
+}
+
 void CudaBackendImpl::run(const std::string &program) {
   LOOM_CUDA_CHECK(cudaSetDevice(device));
   auto &steps = programs.at(program);
   Graph &g = graphs[program];
+  auto hostStart = std::chrono::steady_clock::now();
+  if (timePrograms()) {
+    if (!g.began)
+      LOOM_CUDA_CHECK(cudaEventCreate(&g.began)), LOOM_CUDA_CHECK(cudaEventCreate(&g.ended));
+    LOOM_CUDA_CHECK(cudaEventRecord(g.began, stream));
+  }
   bool profilerRange = profileThisRun(program, ++g.runs);
   if (profilerRange)
     LOOM_CUDA_CHECK(cudaProfilerStart());
@@ -490,7 +522,22 @@ void CudaBackendImpl::run(const std::string &program) {
     launchEager(steps);
     ++g.eagerRuns;
   }
+  if (timePrograms())
+    LOOM_CUDA_CHECK(cudaEventRecord(g.ended, stream));
   waitForStreams(program, steps);
+  if (timePrograms()) {
+    auto now = std::chrono::steady_clock::now();
+    if (g.runs > 3) {
+      float ms = 0;
+      LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, g.began, g.ended));
+      g.gpuMs += ms;
+      g.hostMs += std::chrono::duration<double, std::milli>(now - hostStart).count();
+      if (lastRunEnd != std::chrono::steady_clock::time_point{})
+        g.gapMs += std::chrono::duration<double, std::milli>(hostStart - lastRunEnd).count();
+      ++g.timed;
+    }
+    lastRunEnd = now;
+  }
   if (profilerRange) {
     LOOM_CUDA_CHECK(cudaDeviceSynchronize());
     LOOM_CUDA_CHECK(cudaProfilerStop());

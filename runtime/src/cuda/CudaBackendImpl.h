@@ -28,6 +28,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <deque>
 #include <functional>
 #include <map>
@@ -552,8 +553,18 @@ private:
     int runs = 0; // every run, for LOOM_CUDA_PROFILE_RUN
     bool disabled = false;
     cudaGraphExec_t exec = nullptr;
+    // LOOM_CUDA_PROGRAM_TIMES=1: the program's GPU time (events around its
+    // launch on the compute stream, graphs left on), the host's from run()
+    // to its streams' end and since the previous program's end, summed
+    // after 3 runs and printed when the backend closes.
+    cudaEvent_t began = nullptr, ended = nullptr;
+    double gpuMs = 0, hostMs = 0, gapMs = 0;
+    int timed = 0;
   };
   std::map<std::string, Graph> graphs;
+  std::chrono::steady_clock::time_point lastRunEnd{};
+  static bool timePrograms();
+  void reportProgramTimes() const;
   //===--- CUDA graphs (CudaGraphs.cu) ------------------------------------===//
   void dropGraphs();
   static bool graphsWanted();
