@@ -13,7 +13,10 @@
 # SECTIONS=check (tests and losses), SECTIONS=speed (profiles, images/s at
 # batch 32 and 128 beside PyTorch eager and torch.compile) or SECTIONS=dp
 # (two GPUs: dp2 at 32 and 128 images per GPU beside PyTorch DDP) runs one
-# part, each within a device call's ten minutes; the runtime is built first
+# part, each within a device call's ten minutes; SECTIONS=dpx (two GPUs) splits
+# dp2's extra time a step by program (LOOM_CUDA_PROGRAM_TIMES=1) and tries
+# the batch norms' chunk queues (LOOM_CUDA_BN_CHUNKS), after checking them
+# against the CPU backend; the runtime is built first
 # either way (its ctest suite is scripts/device-build.sh's). QUICK=1 times
 # only the --target cuda bundles; SKIP_BUILD=1 uses build-device as it is.
 set -uo pipefail
@@ -105,6 +108,26 @@ for n in 32 128; do
     torchrun --nproc_per_node=2 bench/torch_resnet.py --batch $((2 * n)) --steps 20 \
         --modes "${DDP_MODES:-ddp-eager-bf16,ddp-compile-bf16}" 2>&1 | grep -v -i warning || status=1
   fi
+done
+fi
+if [ "$SECTIONS" = dpx ]; then
+export NCCL_NVLS_ENABLE=0
+echo "== the batch norms' chunk queues against the CPU backend"
+for mode in apply all; do
+  LOOM_CUDA_BN_CHUNKS=$mode build-device/test/unit/loom-gpu-tests --gtest_filter='CudaConv.BatchNorm*' 2>&1 |
+      grep -E "^\[  (PASSED|FAILED) |Failure" | sed "s/^/chunks=$mode: /" || status=1
+done
+for n in 32 128; do
+  one=$R/resnet50-b$n-cuda-train.loom two=$R/resnet50-dp2-cuda-train.loom
+  [ $n = 128 ] && two=$R/resnet50-dp2-b256-cuda-train.loom
+  echo "== $n images per GPU: programs' times, one GPU then dp2 (graphs on)"
+  for b in $one $two; do
+    LOOM_CUDA_PROGRAM_TIMES=1 $B/loom-run "$b" --backend cuda --steps 23 2>&1 | grep -E "trained|loom: rank|rror"
+  done
+  for mode in apply all; do
+    echo "dp2, LOOM_CUDA_BN_CHUNKS=$mode: $(LOOM_CUDA_BN_CHUNKS=$mode $B/loom-run "$two" --backend cuda --steps 23 2>&1 |
+        grep -E "trained|rror" | tail -1)"
+  done
 done
 fi
 rm -rf "$LOG"
