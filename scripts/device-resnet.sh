@@ -16,7 +16,9 @@
 # part, each within a device call's ten minutes; SECTIONS=dpx (two GPUs) splits
 # dp2's extra time a step by program (LOOM_CUDA_PROGRAM_TIMES=1) and tries
 # the batch norms' chunk queues (LOOM_CUDA_BN_CHUNKS), after checking them
-# against the CPU backend; the runtime is built first
+# against the CPU backend, and GPT-2 350M's dp2 where its bundles are here
+# (all of it takes more than one call: DPX_SIZES=32 or 128 picks the images
+# per GPU, 0 none); the runtime is built first
 # either way (its ctest suite is scripts/device-build.sh's). QUICK=1 times
 # only the --target cuda bundles; SKIP_BUILD=1 uses build-device as it is.
 set -uo pipefail
@@ -117,7 +119,7 @@ for mode in apply all; do
   LOOM_CUDA_BN_CHUNKS=$mode build-device/test/unit/loom-gpu-tests --gtest_filter='CudaConv.BatchNorm*' 2>&1 |
       grep -E "^\[  (PASSED|FAILED) |Failure" | sed "s/^/chunks=$mode: /" || status=1
 done
-for n in 32 128; do
+for n in ${DPX_SIZES:-32 128}; do
   one=$R/resnet50-b$n-cuda-train.loom two=$R/resnet50-dp2-cuda-train.loom
   [ $n = 128 ] && two=$R/resnet50-dp2-b256-cuda-train.loom
   echo "== $n images per GPU: programs' times, one GPU then dp2 (graphs on)"
@@ -128,6 +130,13 @@ for n in 32 128; do
     echo "dp2, LOOM_CUDA_BN_CHUNKS=$mode: $(LOOM_CUDA_BN_CHUNKS=$mode $B/loom-run "$two" --backend cuda --steps 23 2>&1 |
         grep -E "trained|rror" | tail -1)"
   done
+done
+# GPT-2 350M's dp2 (1.75x one GPU) the same way, where its bundles are here
+# (MODELS=gpt2-350m scripts/device-bundles.sh resnet plans).
+for b in $R/gpt2-350m-plan-one.loom $R/gpt2-350m-plan-dp-2_mb-1_zero-0.loom; do
+  [ -e "$b" ] || continue
+  echo "== $(basename "$b" .loom): programs' times"
+  LOOM_CUDA_PROGRAM_TIMES=1 $B/loom-run "$b" --backend cuda --steps 13 2>&1 | grep -E "trained|loom: rank|rror"
 done
 fi
 rm -rf "$LOG"
