@@ -120,6 +120,7 @@ for mode in apply all; do
       grep -E "^\[  (PASSED|FAILED) |Failure" | sed "s/^/chunks=$mode: /" || status=1
 done
 for n in ${DPX_SIZES:-32 128}; do
+  [ "$n" = 0 ] && continue
   one=$R/resnet50-b$n-cuda-train.loom two=$R/resnet50-dp2-cuda-train.loom
   [ $n = 128 ] && two=$R/resnet50-dp2-b256-cuda-train.loom
   echo "== $n images per GPU: programs' times, one GPU then dp2 (graphs on)"
