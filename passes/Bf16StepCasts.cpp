@@ -135,7 +135,10 @@ int64_t addsReadBf16Gradients(rt::RankProgram &r) {
 /// widens them (exactly) as it packs its one message, and writes the means
 /// into the same f32 buffers, without a cast kernel per gradient per step
 /// (ResNet-50: 161). The bf16 gradients then live until the bucket's event
-/// is waited for (loom-plan-memory), as the f32 copies already did.
+/// is waited for (loom-plan-memory), as the f32 copies already did. A bf16
+/// gradient may be a view: a bias's gradient is a reduce_sum's [1, 1, n]
+/// result seen as [n] (GPT-2 350M: 97 of them a step); the storage it views
+/// is written once, and loom-plan-memory keeps storages, not views, alive.
 int64_t bucketsWidenBf16Gradients(rt::RankProgram &r) {
   auto root = [&](int64_t id) { return rt::storageOf(r, id); };
   std::map<int64_t, int64_t> reads, writes; // writes by storage (a view's are its root's)
@@ -166,8 +169,12 @@ int64_t bucketsWidenBf16Gradients(rt::RankProgram &r) {
             viewed.count(id))
           continue;
         size_t at = it->second;
-        int64_t source = list[at].in[0];
-        if (!plain(source) || reads[source] != 1 || writes[source] != 1 ||
+        int64_t source = list[at].in[0], storage = root(source);
+        // Read by its cast alone, its storage written once and not kept
+        // past the step (an output, or a parameter's gradient).
+        bool view = source != storage && r.buffers[storage].viewOf < 0 && !kept.count(source) &&
+                    !kept.count(storage) && reads[source] == 1 && writes[storage] == 1;
+        if (!(view || (plain(source) && reads[source] == 1 && writes[source] == 1)) ||
             r.buffers[source].shape != r.buffers[id].shape)
           continue;
         // Nothing else reads the f32 copy before the all-reduce writes it:

@@ -57,13 +57,17 @@
 // Data parallelism: the final layernorm's gradients (bf16 108 and 107) were
 // cast to f32 (109 and 110) and the first bucket's async all-reduce
 // averaged the copies in place. Now it reads the bf16 gradients and writes
-// the f32 means, and the casts are gone.
+// the f32 means, and the casts are gone. So for a bias's gradient, a view
+// (112, [64]) of its reduce_sum's [1, 1, 64] result (111): the bucket reads
+// the view.
+// DP-BEFORE: loomrt.buffer 112 "layer.1.grad.reduce.view" : tensor<64xbf16> "activation" at 0 {view_of = 111 : i64}
 // DP-BEFORE: loomrt.program "backward" {
 // DP-BEFORE: loomrt.instr "cast" [108] -> [109]
 // DP-BEFORE-NEXT: loomrt.instr "cast" [107] -> [110]
-// DP-BEFORE: loomrt.instr "all_reduce" [109, 110, {{.*}}] -> [109, 110, {{.*}}] {async = true, event = 0 : i64
+// DP-BEFORE: loomrt.instr "cast" [112] -> [118]
+// DP-BEFORE: loomrt.instr "all_reduce" [109, 110, 118, {{.*}}] -> [109, 110, 118, {{.*}}] {async = true, event = 0 : i64
 // DP: loomrt.program "backward" {
 // DP-NOT: loomrt.instr "cast" [108]
 // DP: loomrt.instr "layernorm_grad" [89, 91, 103] -> [106, 107, 108]
-// DP-NOT: loomrt.instr "cast" [10{{7|8}}]
-// DP: loomrt.instr "all_reduce" [108, 107, {{.*}}] -> [109, 110, {{.*}}] {async = true, event = 0 : i64
+// DP-NOT: loomrt.instr "cast" [{{107|108|112}}]
+// DP: loomrt.instr "all_reduce" [108, 107, 112, {{.*}}] -> [109, 110, 118, {{.*}}] {async = true, event = 0 : i64
