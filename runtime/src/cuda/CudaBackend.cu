@@ -43,8 +43,7 @@ bool dependentLaunches() {
     // On by default: on an H200 (2026-11-27, same call) GPT-2 350M decoding
     // went from 0.967 to 0.909-0.924 ms a token, TinyLlama from 1.200-1.223
     // to 1.192. LOOM_CUDA_PDL=0 turns it off.
-    const char *e = std::getenv("LOOM_CUDA_PDL");
-    if (e && std::string(e) == "0")
+    if (envIs("LOOM_CUDA_PDL", "0"))
       return false;
     // The device must launch dependents (compute capability 9), and the
     // kernels must wait for them: built for sm_90 or later, not JIT-compiled
@@ -466,8 +465,7 @@ bool profileThisRun(const std::string &program, int run) {
 
 bool CudaBackendImpl::timePrograms() {
   static const bool on = [] {
-    const char *e = std::getenv("LOOM_CUDA_PROGRAM_TIMES");
-    return e && std::string(e) == "1";
+    return envIs("LOOM_CUDA_PROGRAM_TIMES", "1");
   }();
   return on;
 }

@@ -28,6 +28,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <chrono>
 #include <deque>
 #include <functional>
@@ -60,6 +61,13 @@ void checkCublas(cublasStatus_t s, const char *what, const char *file, int line)
 #define LOOM_CUBLAS_CHECK(expr) ::loom::rt::cuda::checkCublas((expr), #expr, __FILE__, __LINE__)
 
 inline int blocksFor(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535 * 8)); }
+
+/// Whether environment variable `name` is set to exactly `value` (the
+/// backend's measurement switches: LOOM_CUDA_GRAPHS=0 and the like).
+inline bool envIs(const char *name, const char *value) {
+  const char *e = std::getenv(name);
+  return e && std::string(e) == value;
+}
 
 /// Whether an instruction's `layout` says channels last (CudaConv.cu);
 /// `where` names it in the error for a layout other than nchw or nhwc.

@@ -617,8 +617,7 @@ struct FlatBatchNorm {
 
   bool plan(const BatchNormDims &d, std::initializer_list<DPtr> tensors, bool grad, int device) {
     static const bool enabled = [] { // LOOM_CUDA_BN_FLAT=0: the tiled kernels, to compare
-      const char *e = std::getenv("LOOM_CUDA_BN_FLAT");
-      return !(e && std::string(e) == "0");
+      return !envIs("LOOM_CUDA_BN_FLAT", "0");
     }();
     static const std::string chunks = [] {
       const char *e = std::getenv("LOOM_CUDA_BN_CHUNKS");

@@ -289,16 +289,14 @@ __global__ void widenBucketKernel(const PackedTensor *t, int count, int64_t span
 } // namespace
 
 bool CudaBackendImpl::bucketPacked() {
-  const char *e = std::getenv("LOOM_CUDA_BUCKET_PACKED");
-  return !(e && std::string(e) == "0");
+  return !envIs("LOOM_CUDA_BUCKET_PACKED", "0");
 }
 
 bool CudaBackendImpl::zeroPacked() {
   // The default since 2 H200s (2026-11-27): GPT-2 350M bf16 ZeRO-1 dp2 39.2
   // ms a step packed against 40.2 per tensor, losses within 1.1e-4 of one
   // GPU (per tensor 3.3e-4). LOOM_CUDA_ZERO_PACKED=0 goes back.
-  const char *e = std::getenv("LOOM_CUDA_ZERO_PACKED");
-  return !(e && std::string(e) == "0");
+  return !envIs("LOOM_CUDA_ZERO_PACKED", "0");
 }
 
 bool CudaBackendImpl::shardsTogether(const Instruction &a, const Instruction &b) {
@@ -529,13 +527,11 @@ bool CudaBackendImpl::ncclGraphs() {
   // step against 30.0 eager, tp2 34.4 against 35.6, tp2 decoding 1.49 ms a
   // token against 2.55; training losses as eager's. LOOM_CUDA_GRAPHS_NCCL=0
   // keeps NCCL calls out of graphs.
-  const char *e = std::getenv("LOOM_CUDA_GRAPHS_NCCL");
-  return !(e && std::string(e) == "0");
+  return !envIs("LOOM_CUDA_GRAPHS_NCCL", "0");
 }
 
 bool CudaBackendImpl::p2pGraphs() {
-  const char *e = std::getenv("LOOM_CUDA_GRAPHS_P2P");
-  return ncclGraphs() && e && std::string(e) == "1";
+  return ncclGraphs() && envIs("LOOM_CUDA_GRAPHS_P2P", "1");
 }
 
 bool CudaBackendImpl::eventInProgram(int64_t event, bool recordedBefore) {
@@ -885,8 +881,7 @@ void CudaBackendImpl::waitForStreams(const std::string &program, std::vector<Ste
   // LOOM_CUDA_WAIT_SLEEP=1: the old way, sleeping 100 us a poll after the
   // first thousand.
   static const bool sleepy = [] {
-    const char *e = std::getenv("LOOM_CUDA_WAIT_SLEEP");
-    return e && std::string(e) == "1";
+    return envIs("LOOM_CUDA_WAIT_SLEEP", "1");
   }();
   auto start = std::chrono::steady_clock::now(), lastCheck = start, lastFailureCheck = start;
   std::string lostBefore; // a gone peer, seen at the last check with a collective unfinished

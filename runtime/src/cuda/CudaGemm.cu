@@ -18,8 +18,7 @@ namespace loom::rt::cuda {
 
 cublasComputeType_t f32Compute() {
   static const bool tf32 = [] {
-    const char *e = std::getenv("LOOM_CUDA_TF32");
-    return !(e && std::string(e) == "0");
+    return !envIs("LOOM_CUDA_TF32", "0");
   }();
   return tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
 }
@@ -203,8 +202,7 @@ Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
   if (epilogue.empty())
     return buildGemm(ins);
   static const bool lt = [] {
-    const char *e = std::getenv("LOOM_CUDA_EPILOGUES");
-    return !(e && std::string(e) == "0");
+    return !envIs("LOOM_CUDA_EPILOGUES", "0");
   }();
   const Buffer &a = buf(ins.in[0]), &b = buf(ins.in[1]), &o = buf(ins.out[0]);
   bool ta = flag(ins, "transpose_a"), tb = flag(ins, "transpose_b");

@@ -15,8 +15,7 @@ namespace loom::rt::cuda {
 
 bool generatedKernelsOn() {
   static const bool on = [] {
-    const char *e = std::getenv("LOOM_CUDA_GENERATED");
-    return !(e && std::string(e) == "0");
+    return !envIs("LOOM_CUDA_GENERATED", "0");
   }();
   return on;
 }

@@ -21,8 +21,7 @@ void CudaBackendImpl::dropGraphs() {
 
 bool CudaBackendImpl::graphsWanted() {
   static const bool on = [] {
-    const char *e = std::getenv("LOOM_CUDA_GRAPHS");
-    return !(e && std::string(e) == "0");
+    return !envIs("LOOM_CUDA_GRAPHS", "0");
   }();
   return on;
 }

@@ -680,8 +680,7 @@ Launch CudaBackendImpl::buildPagedAttention(const Instruction &ins) {
   bool vec = D % pack == 0 && reinterpret_cast<uintptr_t>(pk) % 16 == 0 && reinterpret_cast<uintptr_t>(pv) % 16 == 0 &&
              kVecThreads / (D / pack) >= 1;
   static const bool oldKernel = [] {
-    const char *e = std::getenv("LOOM_CUDA_PAGED_SCALAR");
-    return e && std::string(e) == "1";
+    return envIs("LOOM_CUDA_PAGED_SCALAR", "1");
   }();
   vec = vec && !oldKernel;
   size_t shared;
