@@ -84,6 +84,25 @@ bool widensBf16(const rt::RankProgram &r, const rt::Instruction &ins) {
          r.buffers[ins.out[0]].dtype == LOOM_F32;
 }
 
+/// How often each buffer is read (by id), and written and read by storage
+/// (a view's writes are its root's), over every program; which programs
+/// read each storage.
+struct Accesses {
+  std::map<int64_t, int64_t> reads, writes;
+  std::map<int64_t, std::set<std::string>> readIn;
+};
+Accesses accessesOf(const rt::RankProgram &r) {
+  Accesses a;
+  for (const auto &[name, list] : r.programs)
+    for (const rt::Instruction &ins : list) {
+      for (int64_t id : ins.in)
+        ++a.reads[id], a.readIn[rt::storageOf(r, id)].insert(name);
+      for (int64_t id : ins.out)
+        ++a.writes[rt::storageOf(r, id)];
+    }
+  return a;
+}
+
 /// Gradients reach f32 sums through a bf16 -> f32 cast and an add (the tied
 /// embedding's two contributions; every weight's gradient added into its
 /// accumulator once per microbatch). The add reads the bf16 value itself
@@ -91,14 +110,7 @@ bool widensBf16(const rt::RankProgram &r, const rt::Instruction &ins) {
 /// without a cast kernel and an f32 copy per gradient.
 int64_t addsReadBf16Gradients(rt::RankProgram &r) {
   auto root = [&](int64_t id) { return rt::storageOf(r, id); };
-  std::map<int64_t, int64_t> reads, writes; // writes by storage (a view's are its root's)
-  for (const auto &[name, list] : r.programs)
-    for (const rt::Instruction &ins : list) {
-      for (int64_t id : ins.in)
-        ++reads[id];
-      for (int64_t id : ins.out)
-        ++writes[root(id)];
-    }
+  auto [reads, writes, readIn] = accessesOf(r);
   std::set<int64_t> kept = keptBuffers(r), viewed = viewedBuffers(r);
   int64_t changed = 0;
   for (auto &[name, list] : r.programs) {
@@ -141,17 +153,8 @@ int64_t addsReadBf16Gradients(rt::RankProgram &r) {
 /// is written once, and loom-plan-memory keeps storages, not views, alive.
 int64_t bucketsWidenBf16Gradients(rt::RankProgram &r) {
   auto root = [&](int64_t id) { return rt::storageOf(r, id); };
-  std::map<int64_t, int64_t> reads, writes; // writes by storage (a view's are its root's)
-  std::map<int64_t, std::set<std::string>> readIn; // the programs reading a storage
-  for (const auto &[name, list] : r.programs)
-    for (const rt::Instruction &ins : list) {
-      for (int64_t id : ins.in)
-        ++reads[id], readIn[root(id)].insert(name);
-      for (int64_t id : ins.out)
-        ++writes[root(id)];
-    }
+  auto [reads, writes, readIn] = accessesOf(r);
   std::set<int64_t> kept = keptBuffers(r), viewed = viewedBuffers(r);
-  auto plain = [&](int64_t id) { return r.buffers[id].viewOf < 0 && !viewed.count(id) && !kept.count(id); };
   int64_t changed = 0;
   for (auto &[name, list] : r.programs) {
     std::map<int64_t, size_t> castOf; // f32 result -> its cast
@@ -171,11 +174,10 @@ int64_t bucketsWidenBf16Gradients(rt::RankProgram &r) {
         size_t at = it->second;
         int64_t source = list[at].in[0], storage = root(source);
         // Read by its cast alone, its storage written once and not kept
-        // past the step (an output, or a parameter's gradient).
-        bool view = source != storage && r.buffers[storage].viewOf < 0 && !kept.count(source) &&
-                    !kept.count(storage) && reads[source] == 1 && writes[storage] == 1;
-        if (!(view || (plain(source) && reads[source] == 1 && writes[source] == 1)) ||
-            r.buffers[source].shape != r.buffers[id].shape)
+        // past the step (an output, or a parameter's gradient); a view (a
+        // bias's gradient), or a buffer nothing views.
+        if (reads[source] != 1 || writes[storage] != 1 || kept.count(source) || kept.count(storage) ||
+            (source == storage && viewed.count(source)) || r.buffers[source].shape != r.buffers[id].shape)
           continue;
         // Nothing else reads the f32 copy before the all-reduce writes it:
         // in this program only after it, elsewhere only in the update.

@@ -168,8 +168,7 @@ CudaBackendImpl::~CudaBackendImpl() {
   if (timePrograms())
     reportProgramTimes();
   for (auto &[name, g] : graphs)
-    if (g.began)
-      cudaEventDestroy(g.began), cudaEventDestroy(g.ended);
+    destroyProgramTimer(g);
   for (auto &[name, steps] : programs)
     for (Step &step : steps) {
       if (step.start)
@@ -432,8 +431,7 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
   Graph &graph = graphs[program];
   if (graph.exec)
     cudaGraphExecDestroy(graph.exec);
-  if (graph.began)
-    cudaEventDestroy(graph.began), cudaEventDestroy(graph.ended);
+  destroyProgramTimer(graph);
   graph = Graph{};
   graph.capturable = std::all_of(steps.begin(), steps.end(), [](const Step &s) { return s.capturable; });
   for (size_t i = 0; i < steps.size(); ++i)
@@ -470,6 +468,40 @@ bool CudaBackendImpl::timePrograms() {
   return on;
 }
 
+void CudaBackendImpl::startProgramTimer(Graph &g) {
+  if (!timePrograms())
+    return;
+  g.hostStart = std::chrono::steady_clock::now();
+  if (!g.began)
+    LOOM_CUDA_CHECK(cudaEventCreate(&g.began)), LOOM_CUDA_CHECK(cudaEventCreate(&g.ended));
+  LOOM_CUDA_CHECK(cudaEventRecord(g.began, stream));
+}
+
+void CudaBackendImpl::stopProgramTimer(Graph &g, bool streamsDone) {
+  if (!timePrograms())
+    return;
+  if (!streamsDone) { // the program is launched: its end on the compute stream
+    LOOM_CUDA_CHECK(cudaEventRecord(g.ended, stream));
+    return;
+  }
+  auto now = std::chrono::steady_clock::now();
+  if (g.runs > 3) {
+    float ms = 0;
+    LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, g.began, g.ended));
+    g.gpuMs += ms;
+    g.hostMs += std::chrono::duration<double, std::milli>(now - g.hostStart).count();
+    if (lastRunEnd != std::chrono::steady_clock::time_point{})
+      g.gapMs += std::chrono::duration<double, std::milli>(g.hostStart - lastRunEnd).count();
+    ++g.timed;
+  }
+  lastRunEnd = now;
+}
+
+void CudaBackendImpl::destroyProgramTimer(Graph &g) {
+  if (g.began)
+    cudaEventDestroy(g.began), cudaEventDestroy(g.ended), g.began = g.ended = nullptr;
+}
+
 void CudaBackendImpl::reportProgramTimes() const {
   for (const auto &[name, g] : graphs)
     if (g.timed > 0)
@@ -484,12 +516,7 @@ void CudaBackendImpl::run(const std::string &program) {
   LOOM_CUDA_CHECK(cudaSetDevice(device));
   auto &steps = programs.at(program);
   Graph &g = graphs[program];
-  auto hostStart = std::chrono::steady_clock::now();
-  if (timePrograms()) {
-    if (!g.began)
-      LOOM_CUDA_CHECK(cudaEventCreate(&g.began)), LOOM_CUDA_CHECK(cudaEventCreate(&g.ended));
-    LOOM_CUDA_CHECK(cudaEventRecord(g.began, stream));
-  }
+  startProgramTimer(g);
   bool profilerRange = profileThisRun(program, ++g.runs);
   if (profilerRange)
     LOOM_CUDA_CHECK(cudaProfilerStart());
@@ -520,22 +547,9 @@ void CudaBackendImpl::run(const std::string &program) {
     launchEager(steps);
     ++g.eagerRuns;
   }
-  if (timePrograms())
-    LOOM_CUDA_CHECK(cudaEventRecord(g.ended, stream));
+  stopProgramTimer(g, /*streamsDone=*/false);
   waitForStreams(program, steps);
-  if (timePrograms()) {
-    auto now = std::chrono::steady_clock::now();
-    if (g.runs > 3) {
-      float ms = 0;
-      LOOM_CUDA_CHECK(cudaEventElapsedTime(&ms, g.began, g.ended));
-      g.gpuMs += ms;
-      g.hostMs += std::chrono::duration<double, std::milli>(now - hostStart).count();
-      if (lastRunEnd != std::chrono::steady_clock::time_point{})
-        g.gapMs += std::chrono::duration<double, std::milli>(hostStart - lastRunEnd).count();
-      ++g.timed;
-    }
-    lastRunEnd = now;
-  }
+  stopProgramTimer(g, /*streamsDone=*/true);
   if (profilerRange) {
     LOOM_CUDA_CHECK(cudaDeviceSynchronize());
     LOOM_CUDA_CHECK(cudaProfilerStop());

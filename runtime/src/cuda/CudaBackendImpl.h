@@ -566,12 +566,19 @@ private:
     // to its streams' end and since the previous program's end, summed
     // after 3 runs and printed when the backend closes.
     cudaEvent_t began = nullptr, ended = nullptr;
+    std::chrono::steady_clock::time_point hostStart{};
     double gpuMs = 0, hostMs = 0, gapMs = 0;
     int timed = 0;
   };
   std::map<std::string, Graph> graphs;
   std::chrono::steady_clock::time_point lastRunEnd{};
   static bool timePrograms();
+  /// LOOM_CUDA_PROGRAM_TIMES's events and clocks around a run (nothing
+  /// when it is off): before the launch; after it (streamsDone false) and
+  /// after the streams' end (true).
+  void startProgramTimer(Graph &g);
+  void stopProgramTimer(Graph &g, bool streamsDone);
+  static void destroyProgramTimer(Graph &g);
   void reportProgramTimes() const;
   //===--- CUDA graphs (CudaGraphs.cu) ------------------------------------===//
   void dropGraphs();

@@ -563,6 +563,14 @@ bool nhwcWide(const BatchNormDims &d, std::initializer_list<DPtr> pointers) {
   return wide;
 }
 
+/// As many blocks of `threads` as `device`'s SMs hold at once (at least one).
+int64_t blocksInOneWave(const void *kernel, int threads, int device) {
+  int sms = 0, perSm = 0;
+  LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  LOOM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSm, kernel, threads, 0));
+  return int64_t(std::max(sms, 1)) * std::max(perSm, 1);
+}
+
 /// How a channels-last kernel is tiled: `lanes` groups of `vec` channels a
 /// block, and the rows cut into slices over the grid's second dimension so
 /// that the grid is one wave of `kernel` on `device` (as many blocks as its
@@ -573,14 +581,11 @@ struct NhwcLaunch {
   int64_t slices;
 };
 NhwcLaunch nhwcLaunch(const BatchNormDims &d, int vec, const void *kernel, int device) {
-  int sms = 0, perSm = 0;
-  LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  LOOM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSm, kernel, kThreads, 0));
   // One wave. (Four waves of shorter blocks, tried so that NCCL's kernels
   // holding some SMs during data-parallel backward unbalance them less, cost
   // a quarter of ResNet-50's step at batch 32 on an H200: 12.0 ms against
   // 9.5, one GPU, 2026-11-27.)
-  int64_t blocks = int64_t(std::max(sms, 1)) * std::max(perSm, 1);
+  int64_t blocks = blocksInOneWave(kernel, kThreads, device);
   int64_t groups = d.ch / vec, lanes = 1;
   while (lanes < 32 && lanes < groups)
     lanes *= 2;
@@ -651,12 +656,9 @@ struct FlatBatchNorm {
     gradApply = chunkedApply ? batchNormGradApplyFlatKernel<T, true> : batchNormGradApplyFlatKernel<T, false>;
   }
   static Grid grid(const void *kernel, int64_t groups, int64_t n8, int device) {
-    int sms = 0, perSm = 0;
     Grid g;
     g.threads = unsigned(groups * (kThreads / groups));
-    LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    LOOM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSm, kernel, int(g.threads), 0));
-    int64_t wave = int64_t(std::max(sms, 1)) * std::max(perSm, 1), needed = (n8 + g.threads - 1) / g.threads;
+    int64_t wave = blocksInOneWave(kernel, int(g.threads), device), needed = (n8 + g.threads - 1) / g.threads;
     g.blocks = unsigned(std::clamp<int64_t>(std::min(wave, needed), 1, 65535));
     // About four chunks a block, each a whole number of blocks' groups.
     g.chunk = std::max<int64_t>(n8 / (int64_t(g.blocks) * g.threads * 4), 1) * g.threads;
