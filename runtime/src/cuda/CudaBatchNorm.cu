@@ -366,7 +366,7 @@ __global__ void __launch_bounds__(kThreads) batchNormGradApplyNhwcKernel(DPtr x,
 // blocks hold a whole number of rows' groups, so that each thread keeps one
 // group of channels (and its coefficients) throughout. Typed loads (no
 // branch on the dtype per access: the tiled kernels' eight-channel forms
-// take 102-122 registers, these 40-67) and one row in flight a thread.
+// take 80-122 registers, these 40-68) and one row in flight a thread.
 // ResNet-50 --target cuda on an H200 (2026-11-28): 21.4 ms a step at batch
 // 128 against 23.9 with the tiled kernels (LOOM_CUDA_BN_FLAT=0), 8.7 against
 // 9.2 at batch 32; timed alone at batch 128, the 53 gradients took 6.0 ms
