@@ -172,7 +172,9 @@ CudaBackendImpl::~CudaBackendImpl() {
   for (auto &[name, steps] : programs)
     for (Step &step : steps) {
       if (step.start)
-        cudaEventDestroy(step.start), cudaEventDestroy(step.end);
+        cudaEventDestroy(step.start);
+      if (step.end)
+        cudaEventDestroy(step.end);
       if (step.communicated)
         cudaEventDestroy(step.communicated);
     }
@@ -520,7 +522,9 @@ void CudaBackendImpl::run(const std::string &program) {
   bool profilerRange = profileThisRun(program, ++g.runs);
   if (profilerRange)
     LOOM_CUDA_CHECK(cudaProfilerStart());
-  bool graphable = graphsWanted() && !profiling && !tracing && !g.disabled && g.capturable;
+  // A trace keeps graphs only under LOOM_CUDA_TRACE_GRAPHS=1: its events are
+  // then nodes of the graph, and the timeline is the one replays run.
+  bool graphable = graphsWanted() && !profiling && (!tracing || traceGraphs()) && !g.disabled && g.capturable;
   if (tracing) { // the streams are idle (the last run synchronised them): the base is now
     if (!traceBase)
       LOOM_CUDA_CHECK(cudaEventCreate(&traceBase));

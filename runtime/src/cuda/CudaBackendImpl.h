@@ -583,6 +583,10 @@ private:
   //===--- CUDA graphs (CudaGraphs.cu) ------------------------------------===//
   void dropGraphs();
   static bool graphsWanted();
+  /// LOOM_CUDA_TRACE_GRAPHS=1: --trace keeps CUDA graphs, its events captured as nodes.
+  static bool traceGraphs();
+  /// Records a trace or profile event (created on first use) on `s`.
+  static void recordTraceEvent(cudaEvent_t &event, cudaStream_t s, bool capturing);
   void launchEager(std::vector<Step> &steps);
   /// Waits for the compute, send and communication streams after a run.
   /// With NCCL it polls them, and every communicator's asynchronous error;

@@ -26,16 +26,25 @@ bool CudaBackendImpl::graphsWanted() {
   return on;
 }
 
+bool CudaBackendImpl::traceGraphs() {
+  static const bool on = [] {
+    return envIs("LOOM_CUDA_TRACE_GRAPHS", "1");
+  }();
+  return on;
+}
+
+void CudaBackendImpl::recordTraceEvent(cudaEvent_t &event, cudaStream_t s, bool capturing) {
+  if (!event)
+    LOOM_CUDA_CHECK(cudaEventCreate(&event));
+  // Inside a capture an external event becomes a node that each replay records.
+  LOOM_CUDA_CHECK(capturing ? cudaEventRecordWithFlags(event, s, cudaEventRecordExternal) : cudaEventRecord(event, s));
+}
+
 void CudaBackendImpl::launchEager(std::vector<Step> &steps) {
   bool timed = profiling || tracing;
   for (Step &step : steps) {
-    if (timed) {
-      if (!step.start) {
-        LOOM_CUDA_CHECK(cudaEventCreate(&step.start));
-        LOOM_CUDA_CHECK(cudaEventCreate(&step.end));
-      }
-      LOOM_CUDA_CHECK(cudaEventRecord(step.start, stream));
-    }
+    if (timed)
+      recordTraceEvent(step.start, stream, false);
     step.launch(stream);
     cudaError_t e = cudaPeekAtLastError();
     if (e != cudaSuccess)
@@ -44,7 +53,7 @@ void CudaBackendImpl::launchEager(std::vector<Step> &steps) {
     // it (its start is when the compute stream had its inputs ready); the
     // profile keeps timing the compute stream's part.
     if (timed)
-      LOOM_CUDA_CHECK(cudaEventRecord(step.end, tracing && step.traceStream ? step.traceStream : stream));
+      recordTraceEvent(step.end, tracing && step.traceStream ? step.traceStream : stream, false);
     if (step.communicated)
       LOOM_CUDA_CHECK(cudaEventRecord(step.communicated, step.traceStream ? step.traceStream : stream));
   }
@@ -58,8 +67,13 @@ bool CudaBackendImpl::captureAndLaunch(const std::string &program, std::vector<S
   }
   bool launched = true;
   try {
-    for (Step &step : steps)
+    for (Step &step : steps) {
+      if (tracing) // LOOM_CUDA_TRACE_GRAPHS=1
+        recordTraceEvent(step.start, stream, true);
       step.launch(stream);
+      if (tracing)
+        recordTraceEvent(step.end, step.traceStream ? step.traceStream : stream, true);
+    }
   } catch (const Error &) {
     launched = false;
   }
