@@ -237,7 +237,17 @@ template <typename Work> void asError(Work work) {
   }
 }
 
-/// Runs `work` on every rank of this process, each in its own thread; the
+/// The threads that run the ranks of this process, kept from one step to the
+/// next: threads started and joined each step cost a dp2 step on two H200s
+/// 0.2-0.3 ms (eleventh session, docs/benchmarks.md).
+ThreadPool &rankThreads(size_t ranks) {
+  static std::unique_ptr<ThreadPool> pool;
+  if (!pool || pool->size() < int(ranks))
+    pool = std::make_unique<ThreadPool>(int(ranks));
+  return *pool;
+}
+
+/// Runs `work` on every rank of this process, each on its own thread; the
 /// first rank to fail stops the others (through the communicator, and NCCL
 /// aborts), and its error, naming the rank, is the one thrown.
 template <typename Work>
@@ -265,22 +275,114 @@ void onEveryRank(std::vector<std::unique_ptr<Session>> &ranks, const std::shared
   };
   if (ranks.size() == 1) {
     guarded(0);
-  } else {
-    std::vector<std::thread> threads;
-    for (size_t r = 0; r < ranks.size(); ++r)
-      threads.emplace_back(guarded, r);
-    for (std::thread &t : threads)
-      t.join();
+  } else { // this thread runs the first rank, the pool's workers the others
+    rankThreads(ranks.size()).parallelFor(
+        int64_t(ranks.size()), 1e18,
+        [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r)
+            guarded(size_t(r));
+        },
+        /*chunksPerThread=*/1);
   }
   if (first)
     throw *first;
 }
 
-/// One training step on every rank; the loss (the same on every rank).
-float stepAllRanks(std::vector<std::unique_ptr<Session>> &ranks,
-                   const std::shared_ptr<Communicator> &comm) {
-  onEveryRank(ranks, comm, [](Session &s) { s.trainStep(); });
-  return ranks[0]->loss();
+/// LOOM_RUN_STEP_TIMES=1: where a step's time goes on the host, per rank:
+/// from the step's start to the rank's, the rank's own step, and from its
+/// end to the step's (the other ranks, the threads' join, reading the loss).
+struct StepTimes {
+  bool on = [] {
+    const char *e = std::getenv("LOOM_RUN_STEP_TIMES");
+    return e && std::string(e) == "1";
+  }();
+  int64_t seen = 0, timed = 0;
+  std::vector<double> startMs, ownMs, afterMs;
+  template <typename Time>
+  void add(Time t0, const std::vector<Time> &began, const std::vector<Time> &ended, Time t1) {
+    if (++seen <= 3) // as the trained: line, after 3 warm-up steps
+      return;
+    auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+    startMs.resize(began.size()), ownMs.resize(began.size()), afterMs.resize(began.size());
+    for (size_t k = 0; k < began.size(); ++k)
+      startMs[k] += ms(t0, began[k]), ownMs[k] += ms(began[k], ended[k]), afterMs[k] += ms(ended[k], t1);
+    ++timed;
+  }
+  void report() const {
+    for (size_t k = 0; k < startMs.size(); ++k)
+      std::printf("step times, rank %zu of this process: starts %.3f ms into the step, runs %.3f ms, ends "
+                  "%.3f ms before the step's end (mean of %lld steps)\n",
+                  k, startMs[k] / timed, ownMs[k] / timed, afterMs[k] / timed, (long long)timed);
+  }
+} stepTimes;
+
+/// The ranks' threads leave it together once each has bound its inputs: a
+/// barrier that spins, then yields, and never sleeps (a thread woken from
+/// sleep would start its step late); left early when a rank failed before
+/// reaching it.
+class StartLine {
+public:
+  explicit StartLine(size_t ranks) : ranks(ranks) {}
+  /// False where another rank failed: this one stops too.
+  bool arriveAndWait() {
+    if (arrived.fetch_add(1) + 1 == ranks) {
+      released = std::chrono::steady_clock::now();
+      open.store(true, std::memory_order_release);
+    }
+    // Spins a few microseconds, then yields (a CPU backend's ranks may
+    // outnumber the cores).
+    for (int spins = 0; !open.load(std::memory_order_acquire) && !failed.load(std::memory_order_acquire); ++spins) {
+#if defined(__x86_64__)
+      if (spins < 4096) {
+        __builtin_ia32_pause();
+        continue;
+      }
+#endif
+      std::this_thread::yield();
+    }
+    return open.load(std::memory_order_acquire);
+  }
+  void fail() { failed.store(true, std::memory_order_release); }
+  std::chrono::steady_clock::time_point released;
+
+private:
+  size_t ranks;
+  std::atomic<size_t> arrived{0};
+  std::atomic<bool> open{false}, failed{false};
+};
+
+/// One training step on every rank: each rank's thread binds its inputs
+/// (bind(k) for the k-th rank of this process, in parallel, as a process per
+/// GPU would), waits for the others, and steps. The loss (the same on every
+/// rank) and the step's time, from the ranks' common start to the last one's
+/// end.
+template <typename Bind>
+std::pair<float, double> stepAllRanks(std::vector<std::unique_ptr<Session>> &ranks,
+                                      const std::shared_ptr<Communicator> &comm, Bind bind) {
+  using Clock = std::chrono::steady_clock;
+  StartLine line(ranks.size());
+  std::vector<Clock::time_point> began(ranks.size()), ended(ranks.size());
+  onEveryRank(ranks, comm, [&](Session &s) {
+    size_t k = 0;
+    while (ranks[k].get() != &s)
+      ++k;
+    try {
+      bind(k);
+    } catch (...) {
+      line.fail();
+      throw;
+    }
+    if (!line.arriveAndWait())
+      return; // another rank failed; its error is the one reported
+    began[k] = Clock::now();
+    s.trainStep(); // a failure here stops the others through the communicators
+    ended[k] = Clock::now();
+  });
+  float loss = ranks[0]->loss();
+  auto t1 = Clock::now();
+  if (stepTimes.on)
+    stepTimes.add(line.released, began, ended, t1);
+  return {loss, std::chrono::duration<double>(t1 - line.released).count()};
 }
 
 int train(std::vector<std::unique_ptr<Session>> &ranks,
@@ -350,31 +452,29 @@ int train(std::vector<std::unique_ptr<Session>> &ranks,
   const int64_t warmupSteps = 3;
   int64_t first = s.step() + 1;
   for (int64_t t = first; t <= steps; ++t) {
-    if (!languageModel) { // synthetic inputs, seeded by the step: reproducible on resume
-      for (size_t k = 0; k < ranks.size(); ++k) { // the same examples within a replica
-        std::mt19937_64 rng(seed * 1000003 + t + 7919 * replicaOf[k]);
-        for (const NamedBuffer &nb : r.inputs)
-          fillSynthetic(*ranks[k], nb, rng);
-      }
-    } else if (tokens) {
+    if (languageModel && tokens) {
       tokens->fill(t, in, target);
-    } else { // synthetic: a fixed stream per step, reproducible on resume
+    } else if (languageModel) { // synthetic: a fixed stream per step, reproducible on resume
       std::mt19937_64 rng(seed * 1000003 + t);
       for (size_t i = 0; i < in.size(); ++i)
         in[i] = static_cast<int32_t>(rng() % uint64_t(vocab > 0 ? vocab : 2));
       for (size_t i = 0; i < in.size(); ++i)
         target[i] = in[(i + 1) % in.size()];
     }
-    if (languageModel) // rank k takes examples [k b, (k + 1) b) of the global batch
-      for (size_t k = 0; k < ranks.size(); ++k) {
-        size_t slice = static_cast<size_t>(batch * seq), at = replicaOf[k] * slice;
-        ranks[k]->bindInput(r.inputs[0].name, in.data() + at, slice * 4);
-        ranks[k]->bindInput(r.inputs[1].name, target.data() + at, slice * 4);
+    auto bind = [&](size_t k) {
+      if (!languageModel) { // synthetic inputs, seeded by the step: reproducible on resume
+        std::mt19937_64 rng(seed * 1000003 + t + 7919 * replicaOf[k]); // the same examples within a replica
+        for (const NamedBuffer &nb : r.inputs)
+          fillSynthetic(*ranks[k], nb, rng);
+        return;
       }
-    auto t0 = std::chrono::steady_clock::now();
-    float loss = stepAllRanks(ranks, comm);
+      // rank k takes examples [k b, (k + 1) b) of the global batch
+      size_t slice = static_cast<size_t>(batch * seq), at = replicaOf[k] * slice;
+      ranks[k]->bindInput(r.inputs[0].name, in.data() + at, slice * 4);
+      ranks[k]->bindInput(r.inputs[1].name, target.data() + at, slice * 4);
+    };
+    auto [loss, stepSeconds] = stepAllRanks(ranks, comm, bind);
     auto t1 = std::chrono::steady_clock::now();
-    double stepSeconds = std::chrono::duration<double>(t1 - t0).count();
     runSeconds += stepSeconds, ++runSteps;
     double elapsed = std::chrono::duration<double>(t1 - start).count();
     std::printf("step %lld/%d  loss %.6f  %.0f %s/s  elapsed %.2fs\n", (long long)t, steps, loss,
@@ -400,6 +500,8 @@ int train(std::vector<std::unique_ptr<Session>> &ranks,
     }
   }
   trainedStepSeconds = timedSteps > 0 ? timedSeconds / timedSteps : 0;
+  if (stepTimes.on && stepTimes.timed > 0)
+    stepTimes.report();
   if (timedSteps > 0)
     std::printf("trained: %.1f ms per step, %.0f %s/s (mean of %lld steps after %lld warm-up)\n",
                 1e3 * timedSeconds / timedSteps, numRanks * batch * seq * timedSteps / timedSeconds,
