@@ -14,11 +14,11 @@
 # batch 32 and 128 beside PyTorch eager and torch.compile) or SECTIONS=dp
 # (two GPUs: dp2 at 32 and 128 images per GPU beside PyTorch DDP) runs one
 # part, each within a device call's ten minutes; SECTIONS=dpx (two GPUs) splits
-# dp2's extra time a step by program (LOOM_CUDA_PROGRAM_TIMES=1) and tries
-# the batch norms' chunk queues (LOOM_CUDA_BN_CHUNKS), after checking them
-# against the CPU backend, and GPT-2 350M's dp2 where its bundles are here
-# (all of it takes more than one call: DPX_SIZES=32 or 128 picks the images
-# per GPU, 0 none); the runtime is built first
+# dp2's extra time a step by program (LOOM_CUDA_PROGRAM_TIMES=1) and by rank
+# on the host (LOOM_RUN_STEP_TIMES=1), and writes graphed traces of one GPU's
+# and dp2's steps (LOOM_CUDA_TRACE_GRAPHS=1) to $OUT, then GPT-2 350M's dp2
+# the same way where its bundles are here (DPX_SIZES=32 or 128 picks the
+# images per GPU, 0 none); the runtime is built first
 # either way (its ctest suite is scripts/device-build.sh's). QUICK=1 times
 # only the --target cuda bundles; SKIP_BUILD=1 uses build-device as it is.
 set -uo pipefail
@@ -114,30 +114,28 @@ done
 fi
 if [ "$SECTIONS" = dpx ]; then
 export NCCL_NVLS_ENABLE=0
-echo "== the batch norms' chunk queues against the CPU backend"
-for mode in apply all; do
-  LOOM_CUDA_BN_CHUNKS=$mode build-device/test/unit/loom-gpu-tests --gtest_filter='CudaConv.BatchNorm*' 2>&1 |
-      grep -E "^\[  (PASSED|FAILED) |Failure" | sed "s/^/chunks=$mode: /" || status=1
-done
-for n in ${DPX_SIZES:-32 128}; do
+for n in ${DPX_SIZES:-32}; do
   [ "$n" = 0 ] && continue
-  one=$R/resnet50-b$n-cuda-train.loom two=$R/resnet50-dp2-cuda-train.loom
-  [ $n = 128 ] && two=$R/resnet50-dp2-b256-cuda-train.loom
-  echo "== $n images per GPU: programs' times, one GPU then dp2 (graphs on)"
+  one=resnet50-b$n-cuda-train two=resnet50-dp2-cuda-train
+  [ $n = 128 ] && two=resnet50-dp2-b256-cuda-train
+  echo "== $n images per GPU: programs' and ranks' times, one GPU then dp2 (graphs on)"
   for b in $one $two; do
-    LOOM_CUDA_PROGRAM_TIMES=1 $B/loom-run "$b" --backend cuda --steps 23 2>&1 | grep -E "trained|loom: rank|rror"
-  done
-  for mode in apply all; do
-    echo "dp2, LOOM_CUDA_BN_CHUNKS=$mode: $(LOOM_CUDA_BN_CHUNKS=$mode $B/loom-run "$two" --backend cuda --steps 23 2>&1 |
-        grep -E "trained|rror" | tail -1)"
+    LOOM_CUDA_PROGRAM_TIMES=1 LOOM_RUN_STEP_TIMES=1 $B/loom-run "$R/$b.loom" --backend cuda --steps 23 2>&1 |
+        grep -E "trained|loom: rank|step times|rror"
+    # the graphed step's timeline (its event nodes lengthen it: compare traces with traces)
+    LOOM_CUDA_TRACE_GRAPHS=1 $B/loom-run "$R/$b.loom" --backend cuda --steps 6 --trace "$OUT/trace-$b.json" \
+        > /dev/null 2>&1 && gzip -f "$OUT/trace-$b.json"
   done
 done
-# GPT-2 350M's dp2 (1.75x one GPU) the same way, where its bundles are here
+# GPT-2 350M's dp2 the same way, where its bundles are here
 # (MODELS=gpt2-350m scripts/device-bundles.sh resnet plans).
 for b in $R/gpt2-350m-plan-one.loom $R/gpt2-350m-plan-dp-2_mb-1_zero-0.loom; do
   [ -e "$b" ] || continue
-  echo "== $(basename "$b" .loom): programs' times"
-  LOOM_CUDA_PROGRAM_TIMES=1 $B/loom-run "$b" --backend cuda --steps 13 2>&1 | grep -E "trained|loom: rank|rror"
+  echo "== $(basename "$b" .loom): programs' and ranks' times"
+  LOOM_CUDA_PROGRAM_TIMES=1 LOOM_RUN_STEP_TIMES=1 $B/loom-run "$b" --backend cuda --steps 13 2>&1 |
+      grep -E "trained|loom: rank|step times|rror"
+  LOOM_CUDA_TRACE_GRAPHS=1 $B/loom-run "$b" --backend cuda --steps 6 --trace "$OUT/trace-$(basename "$b" .loom).json" \
+      > /dev/null 2>&1 && gzip -f "$OUT/trace-$(basename "$b" .loom).json"
 done
 fi
 rm -rf "$LOG"

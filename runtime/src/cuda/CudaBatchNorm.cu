@@ -395,57 +395,26 @@ template <> struct Eight<float> {
   }
 };
 
-/// A batch norm's queue of chunks (LOOM_CUDA_BN_CHUNKS, an experiment):
-/// blocks take chunks of the tensor from a counter, so that a block that
-/// starts late (its SM held by NCCL's kernels during data-parallel
-/// backward) takes less work instead of a whole block's share after the
-/// others have finished. Zero between launches: the last block out resets it.
-struct ChunkQueue {
-  unsigned next, done;
+/// The flat walk: this thread's first group, the grid's stride and the
+/// channel group it keeps (the stride is a multiple of `groups`).
+struct FlatWalk {
+  int64_t first, stride, group;
+  __device__ FlatWalk(int64_t groups)
+      : first(int64_t(blockIdx.x) * blockDim.x + threadIdx.x), stride(int64_t(gridDim.x) * blockDim.x),
+        group(first % groups) {}
 };
-
-/// Calls f(i) for each group i of [0, n8) this thread walks: its grid-stride
-/// share, or Chunked every chunk of `chunk` groups (a multiple of
-/// blockDim.x) its block takes. Either way i ≡ threadIdx.x (mod blockDim.x),
-/// and blockDim.x is a multiple of the groups in a row: each thread keeps
-/// one group of channels, threadIdx.x % groups.
-template <bool Chunked, typename F>
-__device__ inline void eachGroup(int64_t n8, ChunkQueue *queue, int64_t chunk, F &&f) {
-  if constexpr (!Chunked) { // the default: registers as without the queue's code
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n8; i += int64_t(gridDim.x) * blockDim.x)
-      f(i);
-    return;
-  }
-  __shared__ unsigned taken;
-  for (;;) {
-    if (threadIdx.x == 0)
-      taken = atomicAdd(&queue->next, 1u);
-    __syncthreads();
-    int64_t begin = int64_t(taken) * chunk;
-    __syncthreads(); // every thread has read `taken` before it changes
-    if (begin >= n8)
-      break;
-    int64_t end = begin + chunk < n8 ? begin + chunk : n8;
-    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x)
-      f(i);
-  }
-  // Every block has taken its last chunk once all have counted themselves out.
-  if (threadIdx.x == 0 && atomicAdd(&queue->done, 1u) == gridDim.x - 1) {
-    atomicExch(&queue->next, 0u);
-    atomicExch(&queue->done, 0u);
-  }
-}
 
 /// Each block's per-channel sums (as batchNormPartialsNhwcKernel's) into
 /// partials[block][sum][channel].
-template <typename T, bool Grad, bool Chunked>
+template <typename T, bool Grad>
 __global__ void __launch_bounds__(kThreads)
     batchNormPartialsFlatKernel(const void *x, const void *dy, const void *act, float *partials, int64_t groups,
-                                int64_t n8, ChunkQueue *queue, int64_t chunk) {
+                                int64_t n8) {
   __shared__ float rowsOf[kThreads][9];
+  FlatWalk w(groups);
   float shift[8], s[4][8] = {};
-  Eight<T>::ld(x, threadIdx.x % groups, shift);
-  eachGroup<Chunked>(n8, queue, chunk, [&](int64_t i) {
+  Eight<T>::ld(x, w.group, shift);
+  for (int64_t i = w.first; i < n8; i += w.stride) {
     float v[8], d[8];
     Eight<T>::ld(x, i, v);
     if constexpr (Grad) {
@@ -468,7 +437,7 @@ __global__ void __launch_bounds__(kThreads)
         s[3][e] += d[e] * c;
       }
     }
-  });
+  }
   int64_t ch = groups * 8, rows = blockDim.x / groups;
   for (int k = 0; k < (Grad ? 4 : 2); ++k) {
 #pragma unroll
@@ -489,15 +458,15 @@ __device__ inline void coefficients(const float *coef, int64_t ch, int64_t group
   Eight<float>::ld(coef + k * ch, group, out);
 }
 
-template <typename T, bool Chunked>
+template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    batchNormApplyFlatKernel(const void *x, const float *coef, void *y, int64_t groups, int64_t n8, bool relu,
-                             ChunkQueue *queue, int64_t chunk) {
+    batchNormApplyFlatKernel(const void *x, const float *coef, void *y, int64_t groups, int64_t n8, bool relu) {
+  FlatWalk w(groups);
   float mean[8], scale[8], beta[8];
-  int64_t ch = groups * 8, group = threadIdx.x % groups;
-  coefficients(coef, ch, group, 0, mean), coefficients(coef, ch, group, 1, scale);
-  coefficients(coef, ch, group, 2, beta);
-  eachGroup<Chunked>(n8, queue, chunk, [&](int64_t i) {
+  int64_t ch = groups * 8;
+  coefficients(coef, ch, w.group, 0, mean), coefficients(coef, ch, w.group, 1, scale);
+  coefficients(coef, ch, w.group, 2, beta);
+  for (int64_t i = w.first; i < n8; i += w.stride) {
     float v[8];
     Eight<T>::ld(x, i, v);
 #pragma unroll
@@ -506,19 +475,19 @@ __global__ void __launch_bounds__(kThreads)
       v[e] = relu && !(o > 0.0f) ? 0.0f : o;
     }
     Eight<T>::st(y, i, v);
-  });
+  }
 }
 
-template <typename T, bool Chunked>
+template <typename T>
 __global__ void __launch_bounds__(kThreads) batchNormGradApplyFlatKernel(const void *x, const void *dy,
                                                                          const void *act, const float *coef, void *dx,
-                                                                         int64_t groups, int64_t n8, ChunkQueue *queue,
-                                                                         int64_t chunk) {
+                                                                         int64_t groups, int64_t n8) {
+  FlatWalk w(groups);
   float mean[8], c1[8], c2[8], c3[8];
-  int64_t ch = groups * 8, group = threadIdx.x % groups;
-  coefficients(coef, ch, group, 0, mean), coefficients(coef, ch, group, 1, c1);
-  coefficients(coef, ch, group, 2, c2), coefficients(coef, ch, group, 3, c3);
-  eachGroup<Chunked>(n8, queue, chunk, [&](int64_t i) {
+  int64_t ch = groups * 8;
+  coefficients(coef, ch, w.group, 0, mean), coefficients(coef, ch, w.group, 1, c1);
+  coefficients(coef, ch, w.group, 2, c2), coefficients(coef, ch, w.group, 3, c3);
+  for (int64_t i = w.first; i < n8; i += w.stride) {
     float v[8], d[8], a[8];
     Eight<T>::ld(x, i, v);
     Eight<T>::ld(dy, i, d);
@@ -530,7 +499,7 @@ __global__ void __launch_bounds__(kThreads) batchNormGradApplyFlatKernel(const v
       v[e] = c1[e] * de + c2[e] * (v[e] - mean[e]) + c3[e];
     }
     Eight<T>::st(dx, i, v);
-  });
+  }
 }
 
 } // namespace
@@ -607,61 +576,39 @@ NhwcLaunch nhwcLaunch(const BatchNormDims &d, int vec, const void *kernel, int d
 struct FlatBatchNorm {
   struct Grid {
     unsigned blocks = 0, threads = 0;
-    int64_t chunk = 0; // groups a chunk, with a queue
   } sums, last;
-  void (*sumsKernel)(const void *, const void *, const void *, float *, int64_t, int64_t, ChunkQueue *,
-                     int64_t) = nullptr;
-  void (*apply)(const void *, const float *, void *, int64_t, int64_t, bool, ChunkQueue *, int64_t) = nullptr;
-  void (*gradApply)(const void *, const void *, const void *, const float *, void *, int64_t, int64_t, ChunkQueue *,
-                    int64_t) = nullptr;
-  /// LOOM_CUDA_BN_CHUNKS (an experiment, not measured yet): `apply` hands
-  /// the result's pass out in chunks; `all` the sums' pass too, whose
-  /// per-block sums then depend on which block took which chunk (rounding
-  /// differs from run to run). Unset: each block its fixed share.
-  bool chunkedSums = false, chunkedApply = false;
+  void (*sumsKernel)(const void *, const void *, const void *, float *, int64_t, int64_t) = nullptr;
+  void (*apply)(const void *, const float *, void *, int64_t, int64_t, bool) = nullptr;
+  void (*gradApply)(const void *, const void *, const void *, const float *, void *, int64_t, int64_t) = nullptr;
 
   bool plan(const BatchNormDims &d, std::initializer_list<DPtr> tensors, bool grad, int device) {
     static const bool enabled = [] { // LOOM_CUDA_BN_FLAT=0: the tiled kernels, to compare
       return !envIs("LOOM_CUDA_BN_FLAT", "0");
     }();
-    static const std::string chunks = [] {
-      const char *e = std::getenv("LOOM_CUDA_BN_CHUNKS");
-      return std::string(e ? e : "");
-    }();
-    if (!chunks.empty() && chunks != "apply" && chunks != "all")
-      fail(LOOM_INVALID_ARGUMENT, "LOOM_CUDA_BN_CHUNKS is '", chunks, "'; use apply or all (or unset it)");
     if (!enabled || !nhwcWide(d, tensors) || d.ch / 8 > kThreads)
       return false;
-    chunkedApply = !chunks.empty(), chunkedSums = chunks == "all";
     bool bf = tensors.begin()->bf;
     for (DPtr p : tensors)
       if (p && p.bf != bf)
         return false;
-    if (bf)
-      pick<bf16>(grad);
-    else
-      pick<float>(grad);
+    if (bf) {
+      sumsKernel = grad ? batchNormPartialsFlatKernel<bf16, true> : batchNormPartialsFlatKernel<bf16, false>;
+      apply = batchNormApplyFlatKernel<bf16>, gradApply = batchNormGradApplyFlatKernel<bf16>;
+    } else {
+      sumsKernel = grad ? batchNormPartialsFlatKernel<float, true> : batchNormPartialsFlatKernel<float, false>;
+      apply = batchNormApplyFlatKernel<float>, gradApply = batchNormGradApplyFlatKernel<float>;
+    }
     int64_t groups = d.ch / 8, n8 = d.n * d.inner * groups;
     sums = grid(reinterpret_cast<const void *>(sumsKernel), groups, n8, device);
     last = grid(grad ? reinterpret_cast<const void *>(gradApply) : reinterpret_cast<const void *>(apply), groups, n8,
                 device);
     return true;
   }
-  template <typename T> void pick(bool grad) {
-    if (chunkedSums)
-      sumsKernel = grad ? batchNormPartialsFlatKernel<T, true, true> : batchNormPartialsFlatKernel<T, false, true>;
-    else
-      sumsKernel = grad ? batchNormPartialsFlatKernel<T, true, false> : batchNormPartialsFlatKernel<T, false, false>;
-    apply = chunkedApply ? batchNormApplyFlatKernel<T, true> : batchNormApplyFlatKernel<T, false>;
-    gradApply = chunkedApply ? batchNormGradApplyFlatKernel<T, true> : batchNormGradApplyFlatKernel<T, false>;
-  }
   static Grid grid(const void *kernel, int64_t groups, int64_t n8, int device) {
     Grid g;
     g.threads = unsigned(groups * (kThreads / groups));
     int64_t wave = blocksInOneWave(kernel, int(g.threads), device), needed = (n8 + g.threads - 1) / g.threads;
     g.blocks = unsigned(std::clamp<int64_t>(std::min(wave, needed), 1, 65535));
-    // About four chunks a block, each a whole number of blocks' groups.
-    g.chunk = std::max<int64_t>(n8 / (int64_t(g.blocks) * g.threads * 4), 1) * g.threads;
     return g;
   }
 };
@@ -695,22 +642,16 @@ Launch CudaBackendImpl::buildBatchNormPass(const Instruction &ins, bool grad) {
     size_t coefBytes = (size_t(ch) * 4 * sizeof(float) + 255) / 256 * 256;
     reserve(coefBytes + size_t(f.sums.blocks) * 4 * size_t(ch) * sizeof(float));
     int64_t groups = ch / 8, n8 = total / 8;
-    // Queues of their own (not the shared workspace: they persist, zero, between launches).
-    ChunkQueue *queues = f.chunkedApply ? deviceArray(std::vector<ChunkQueue>(2, ChunkQueue{0, 0})) : nullptr;
-    ChunkQueue *sumsQueue = f.chunkedSums ? queues : nullptr, *applyQueue = f.chunkedApply ? queues + 1 : nullptr;
     return [=](cudaStream_t s) {
       auto *coef = reinterpret_cast<float *>(workspace);
       auto *partials = reinterpret_cast<float *>(workspace + coefBytes);
-      f.sumsKernel<<<f.sums.blocks, f.sums.threads, 0, s>>>(x.p, dy.p, act.p, partials, groups, n8, sumsQueue,
-                                                            f.sums.chunk);
+      f.sumsKernel<<<f.sums.blocks, f.sums.threads, 0, s>>>(x.p, dy.p, act.p, partials, groups, n8);
       batchNormStatsNhwcKernel<<<unsigned((ch + 31) / 32), dim3(32, kStatsLanes), 0, s>>>(
           x, partials, f.sums.blocks, g, b, nullptr, coef, dg, db, ch, count, eps);
       if (grad)
-        f.gradApply<<<f.last.blocks, f.last.threads, 0, s>>>(x.p, dy.p, act.p, coef, out.p, groups, n8, applyQueue,
-                                                              f.last.chunk);
+        f.gradApply<<<f.last.blocks, f.last.threads, 0, s>>>(x.p, dy.p, act.p, coef, out.p, groups, n8);
       else
-        f.apply<<<f.last.blocks, f.last.threads, 0, s>>>(x.p, coef, out.p, groups, n8, relu, applyQueue,
-                                                         f.last.chunk);
+        f.apply<<<f.last.blocks, f.last.threads, 0, s>>>(x.p, coef, out.p, groups, n8, relu);
     };
   }
   if (d.nhwc) {
