@@ -9,6 +9,7 @@
 #include "loom/rt/Checked.h"
 #include "loom/rt/Error.h"
 #include "loom/rt/Safetensors.h"
+#include "runtime/src/StartLine.h"
 #include "runtime/src/ThreadPool.h"
 #include "runtime/src/cpu/CpuBackend.h"
 
@@ -17,6 +18,7 @@
 #include <atomic>
 #include <cstdio>
 #include <fstream>
+#include <thread>
 
 using namespace loom::rt;
 
@@ -81,6 +83,38 @@ TEST(Checked, RefusesOverflow) {
   EXPECT_EQ(numElements({kMaxElements, 2}), std::nullopt);
   EXPECT_EQ(numElements({kMaxElements}), kMaxElements);
   EXPECT_EQ(numElements({0, INT64_MAX}), 0);
+}
+
+TEST(StartLine, NoThreadLeavesBeforeEveryOneArrived) {
+  constexpr int kThreads = 4;
+  StartLine line(kThreads);
+  std::atomic<int> arrived{0}, leftEarly{0}, passed{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5 * t)); // staggered arrivals
+      ++arrived;
+      bool open = line.arriveAndWait();
+      leftEarly += arrived.load() < kThreads;
+      passed += open && std::chrono::steady_clock::now() >= line.released;
+    });
+  for (std::thread &t : threads)
+    t.join();
+  EXPECT_EQ(leftEarly.load(), 0);
+  EXPECT_EQ(passed.load(), kThreads);
+}
+
+TEST(StartLine, AFailedRankReleasesTheOthersWithoutStarting) {
+  StartLine line(3);
+  std::atomic<int> started{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 2; ++t) // the third rank fails before it arrives
+    threads.emplace_back([&] { started += line.arriveAndWait(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  line.fail();
+  for (std::thread &t : threads)
+    t.join(); // returns: a failure never leaves the others waiting
+  EXPECT_EQ(started.load(), 0);
 }
 
 TEST(ThreadPool, CoversEveryIndexOnce) {
