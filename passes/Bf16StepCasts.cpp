@@ -199,6 +199,26 @@ int64_t bucketsWidenBf16Gradients(rt::RankProgram &r) {
   return changed;
 }
 
+/// --grad-reduce bf16: each bucket that widens bf16 gradients averages
+/// them as bf16 on the wire ("wire" = "bf16"), half the bytes; its f32
+/// inputs stay f32.
+int64_t bucketsReduceInBf16(rt::RankProgram &r) {
+  int64_t marked = 0;
+  for (auto &[name, list] : r.programs)
+    for (rt::Instruction &ins : list) {
+      if (ins.op != "all_reduce" || ins.in.size() != ins.out.size())
+        continue;
+      bool widens = false;
+      for (size_t i = 0; i < ins.in.size(); ++i)
+        widens |= r.buffers[ins.in[i]].dtype == LOOM_BF16 && r.buffers[ins.out[i]].dtype == LOOM_F32;
+      if (widens) {
+        ins.attrs["wire"] = "bf16";
+        ++marked;
+      }
+    }
+  return marked;
+}
+
 /// Gradient sums over microbatches start as zeros (a fill at the start of
 /// the step) and add each microbatch's gradient. The first add of each sum
 /// becomes a cast of that gradient into it (exact: 0 + x is x), without the
@@ -314,11 +334,17 @@ int64_t hoistParameterCasts(rt::RankProgram &r) {
 
 struct Bf16StepCastsPass : mlir::loom::impl::Bf16StepCastsBase<Bf16StepCastsPass> {
   void runOnOperation() override {
+    FailureOr<BundleOptions> options = getCompileOptions(getOperation());
+    if (failed(options))
+      return signalPassFailure();
+    bool reduceBf16 = options->gradReduceBf16;
     auto rewrite = [&](StepRank &rank) {
       castWeightsOncePerStep(rank.program);
       optimizerReadsBf16Gradients(rank.program);
       addsReadBf16Gradients(rank.program);
       bucketsWidenBf16Gradients(rank.program);
+      if (reduceBf16)
+        bucketsReduceInBf16(rank.program);
       firstAccumulationsCast(rank.program);
       hoistParameterCasts(rank.program);
     };

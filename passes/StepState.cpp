@@ -152,6 +152,8 @@ void mlir::loom::setCompileOptions(ModuleOp module, const BundleOptions &o) {
                {"bucket_bytes", o.bucketBytes},
                {"recompute", std::vector<std::string>(t.recompute.begin(), t.recompute.end())},
                {"record", o.plan}};
+  if (o.gradReduceBf16) // recorded only when set: other bundles stay as they were
+    plan["grad_reduce"] = "bf16";
   if (o.serve.enabled)
     options["serve"] = {{"max_batch", o.serve.maxBatch},   {"max_seq", o.serve.maxSeq},
                         {"block_size", o.serve.blockSize}, {"kv_blocks", o.serve.kvBlocks},
@@ -214,6 +216,10 @@ FailureOr<BundleOptions> mlir::loom::getCompileOptions(ModuleOp module) {
     o.microbatches = plan.value("microbatches", o.microbatches);
     o.schedule = plan.value("schedule", o.schedule);
     o.zero1 = plan.value("zero", 0) == 1;
+    std::string reduce = plan.value("grad_reduce", std::string("f32"));
+    if (reduce != "f32" && reduce != "bf16")
+      return module.emitError() << "'loom.plan' has grad_reduce '" << reduce << "'; expected f32 or bf16";
+    o.gradReduceBf16 = reduce == "bf16";
     if (plan.contains("stages"))
       o.chunkUnits = plan["stages"].get<std::vector<int64_t>>();
     o.bucketBytes = plan.value("bucket_bytes", o.bucketBytes);

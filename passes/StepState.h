@@ -70,6 +70,10 @@ struct BundleOptions {
   int64_t dataParallel = 1;
   /// ZeRO-1: optimizer state partitioned over the data-parallel ranks.
   bool zero1 = false;
+  /// Mixed precision: the data-parallel all-reduces average bf16 gradients
+  /// as bf16 on the wire (half the bytes; one more rounding of each mean)
+  /// before widening them into their f32 copies; f32 by default.
+  bool gradReduceBf16 = false;
   /// Megatron tensor parallelism over this many ranks (loom-partition-tp).
   int64_t tensorParallel = 1;
   /// Pipeline stages, virtual stages per rank (interleaved 1F1B) and

@@ -523,8 +523,12 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
   if (zeroApart) // LOOM_CUDA_ZERO_PACKED=0: exposed, f32 both ways, a call per tensor
     dpComm = reduceScatterTime(4 * stageParams, d, dpLink) + allGatherTime(4 * stageParams, d, dpLink) +
              2 * stageTensors * options.zeroCallSeconds;
-  else if (d > 1)
-    dpComm = plan.zero ? reduceScatterTime(4 * stageParams, d, dpLink) : allReduceTime(4 * stageParams, d, dpLink);
+  else if (d > 1) {
+    // --grad-reduce bf16: the plain all-reduce's bf16 gradients travel as bf16.
+    double width = !plan.zero && options.gradReduceBf16 && options.precision == Precision::Bf16 ? 2 : 4;
+    dpComm = plan.zero ? reduceScatterTime(4 * stageParams, d, dpLink)
+                       : allReduceTime(width * stageParams, d, dpLink);
+  }
   // ZeRO-1's reduce-scatter goes out in the same buckets, but measured on
   // two H200s nothing of it is hidden: GPT-2 350M's and GPT 1.3B's ZeRO-1
   // steps are 2.6 and 11.7 ms longer than plain dp2's (2026-11-27), what

@@ -99,6 +99,9 @@ struct CostOptions {
   double memoryEfficiency = 0.80;
   double linkEfficiency = 0.80;     // fraction of link bandwidth NCCL collectives reach
   bool materializedAttention = false; // scores written to HBM (no flash attention)
+  /// loomc compile --grad-reduce bf16: the data-parallel all-reduce moves
+  /// bf16 gradients (2 bytes a parameter) instead of f32 ones.
+  bool gradReduceBf16 = false;
   /// Gradient all-reduce in buckets during the last microbatch's backward
   /// (Loom's runtime); false: after it, fully exposed (Megatron-LM 2021).
   bool overlapGradientReduce = true;

@@ -141,6 +141,12 @@ cl::list<std::string> trainRecompute("recompute",
                                      cl::CommaSeparated, cl::sub(compileCmd), cl::cat(trainCategory));
 cl::opt<double> trainClip("clip", cl::desc("Clip the global gradient norm to this (0: off)"),
                           cl::init(1.0), cl::sub(compileCmd), cl::cat(trainCategory));
+cl::opt<std::string> trainGradReduce("grad-reduce",
+                                     cl::desc("Data-parallel gradient all-reduce: f32 (the default) or bf16 "
+                                              "(with --precision bf16: the bf16 gradients averaged as bf16 "
+                                              "on the wire, half the bytes and one more rounding, then "
+                                              "widened into their f32 copies)"),
+                                     cl::init("f32"), cl::sub(compileCmd), cl::cat(trainCategory));
 cl::opt<int64_t> compileBatch("batch", cl::desc("Batch size the dynamic batch dimension takes"),
                               cl::init(1), cl::sub(compileCmd));
 cl::opt<uint64_t> compileSeed("seed", cl::desc("Seed for initialising parameters"), cl::init(0),
@@ -260,6 +266,11 @@ cl::opt<std::string> planPrecision("precision",
                                             "default; f32 master parameters) or f32; sets the memory "
                                             "predicted, not the step time (--profile calibrates that)"),
                                    cl::init("bf16"), cl::sub(planCmd));
+cl::opt<std::string> planGradReduce("grad-reduce",
+                                    cl::desc("Price the data-parallel gradient all-reduce as loomc compile "
+                                             "--grad-reduce runs it: f32 (the default) or bf16 (half the "
+                                             "bytes, with --precision bf16)"),
+                                    cl::init("f32"), cl::sub(planCmd));
 cl::opt<bool> planMaterialized("materialized-attention",
                                cl::desc("Model attention that writes its scores to memory (no "
                                         "flash attention), as Megatron-LM did in 2021"),
@@ -419,6 +430,12 @@ int runCompile() {
     return fail("--precision must be f32 or bf16, got '" + compilePrecision + "'");
   if (cuda && compilePrecision.getNumOccurrences() == 0)
     precision = ::loom::planner::Precision::Bf16;
+  if (trainGradReduce != "f32" && trainGradReduce != "bf16")
+    return fail("--grad-reduce must be f32 or bf16, got '" + trainGradReduce + "'");
+  bool gradReduceBf16 = trainGradReduce == "bf16";
+  if (gradReduceBf16 && (!compileTrain || precision != ::loom::planner::Precision::Bf16))
+    return fail("--grad-reduce bf16 averages bf16 gradients: it needs --train and --precision bf16 "
+                "(or --target cuda)");
 
   auto model = parseModelFile(compileInput);
   if (!model)
@@ -477,6 +494,7 @@ int runCompile() {
       return 1;
     ::loom::planner::CostOptions costs;
     costs.precision = precision; // the memory predicted is the bundle's
+    costs.gradReduceBf16 = gradReduceBf16;
     ::loom::planner::Planner planner(*spec, cluster, costs);
     ::loom::planner::PlanResult result = planner.search(compileBatch, force);
     if (!result.found)
@@ -506,6 +524,7 @@ int runCompile() {
   // A forced zero=1 must hold (and fails on one replica); the planner's
   // choice only applies where there are replicas to share the state.
   options.zero1 = force.zero ? *force.zero == 1 : degree("zero") == 1 && dp > 1;
+  options.gradReduceBf16 = gradReduceBf16;
   options.plan = plan;
   if (pp > 1)
     options.chunkUnits = ::loom::planner::planChunkUnits(plan);
@@ -625,6 +644,11 @@ int runPlan() {
   costs.materializedAttention = planMaterialized;
   if (!::loom::planner::parsePrecision(planPrecision, costs.precision))
     return fail("--precision must be f32 or bf16, got '" + planPrecision + "'");
+  if (planGradReduce != "f32" && planGradReduce != "bf16")
+    return fail("--grad-reduce must be f32 or bf16, got '" + planGradReduce + "'");
+  costs.gradReduceBf16 = planGradReduce == "bf16";
+  if (costs.gradReduceBf16 && costs.precision != ::loom::planner::Precision::Bf16)
+    return fail("--grad-reduce bf16 averages bf16 gradients: it needs --precision bf16");
   if (!planProfile.empty() && !::loom::planner::loadProfile(planProfile, costs, cluster, error))
     return fail(error);
 

@@ -6,7 +6,8 @@
 // and reduced in place. Over a group of one rank the mean is
 // the tensor itself, so the outputs must be exactly the inputs, widened:
 // this checks the packing, the widening and the offsets of tensors of odd
-// sizes, synchronously and on the communication stream. (The reduction
+// sizes, synchronously and on the communication stream, and averaged as
+// bf16 ("wire": "bf16"). (The reduction
 // over two GPUs is checked by training dp2 bundles against the CPU:
 // scripts/device-resnet.sh.)
 //
@@ -23,6 +24,7 @@
 
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 using namespace loom::rt;
@@ -35,7 +37,7 @@ bool haveGpu() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
-void bucket(bool async, const char *packed) {
+void bucket(bool async, const char *packed, const char *wire = "f32") {
   setenv("LOOM_CUDA_BUCKET_PACKED", packed, 1);
   loom::rt::test::ProgramBuilder p;
   // (elements, input dtype): in place where f32, widened into a new f32 buffer where bf16.
@@ -43,6 +45,8 @@ void bucket(bool async, const char *packed) {
       {1000, LOOM_F32},   {37, LOOM_BF16},     {70001, LOOM_BF16}, {5, LOOM_F32},
       {300001, LOOM_BF16}, {262147, LOOM_F32}, {1, LOOM_BF16}}; // the two over 1 MiB as f32 go unpacked
   Instruction reduce{"all_reduce", {}, {}, {{"reduction", "mean"}, {"group", "dp"}}};
+  if (std::string(wire) != "f32")
+    reduce.attrs["wire"] = wire;
   for (auto [n, dt] : tensors) {
     int64_t in = p.add({n}, dt, "g");
     reduce.in.push_back(in);
@@ -100,6 +104,16 @@ TEST(CudaCollectives, WideningBucketWithPackingOff) {
   if (!haveGpu())
     GTEST_SKIP() << "no CUDA device";
   bucket(/*async=*/true, "0");
+}
+
+// loomc compile --grad-reduce bf16: the bf16 gradients averaged as bf16
+// (the small ones packed into a bf16 span, the large ones reduced into
+// their places in it), then widened into their outputs; the f32 ones as
+// before.
+TEST(CudaCollectives, BucketAveragedInBf16) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  bucket(/*async=*/true, "1", "bf16");
 }
 
 // A data-parallel step: the backward issues its bucket on the communication

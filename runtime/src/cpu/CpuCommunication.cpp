@@ -45,7 +45,12 @@ Kernel buildAllReduce(const Ctx &c) {
   // A bucket reduces f32 tensors in place, or bf16 ones into f32 outputs
   // (the gradients' casts folded into their all-reduce; the backend has
   // already widened a bf16 input into the collective's own f32 copy).
-  std::vector<std::tuple<const float *, float *, int64_t>> parts;
+  // "wire" = "bf16" (loomc compile --grad-reduce bf16): a bf16 input's mean
+  // is rounded to bf16, as averaging it in bf16 leaves it, then widened.
+  std::string wire = attrString(c, "wire", "f32");
+  if (wire != "f32" && wire != "bf16")
+    c.bad("wire must be f32 or bf16, got '" + wire + "'");
+  std::vector<std::tuple<const float *, float *, int64_t, bool>> parts;
   int64_t total = 0;
   for (size_t i = 0; i < c.ins.in.size(); ++i) {
     const Buffer &in = c.in(i), &out = c.out(i);
@@ -56,18 +61,24 @@ Kernel buildAllReduce(const Ctx &c) {
             dtypeName(in.dtype) + " into " + dtypeName(out.dtype));
     else
       c.sameShape(in, out);
-    parts.push_back({c.f32(in), c.f32(out), count(in.shape)});
+    parts.push_back({c.f32(in), c.f32(out), count(in.shape), wire == "bf16" && in.dtype == LOOM_BF16});
     total += count(in.shape);
   }
   auto reduce = [=] {
     std::vector<float> bucket(static_cast<size_t>(total));
     float *p = bucket.data();
-    for (auto [in, out, n] : parts)
+    for (auto [in, out, n, bf16] : parts)
       p = std::copy(in, in + n, p);
     comm->allReduce(static_cast<int>(rank), group, bucket.data(), total, op);
     p = bucket.data();
-    for (auto [in, out, n] : parts)
-      std::copy(p, p + n, out), p += n;
+    for (auto [in, out, n, bf16] : parts) {
+      if (bf16)
+        for (int64_t j = 0; j < n; ++j)
+          out[j] = bf16ToFloat(floatToBf16(p[j]));
+      else
+        std::copy(p, p + n, out);
+      p += n;
+    }
   };
   // "async": the bucket goes out on the communication thread while the
   // program goes on; a later event_wait joins it. Its buffers are final

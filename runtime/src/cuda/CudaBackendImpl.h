@@ -513,6 +513,9 @@ private:
   /// message, the large ones in place; a bf16 input is widened into its f32
   /// output.
   Launch buildPackedAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm);
+  /// The same bucket with its bf16 gradients averaged as bf16 ("wire":
+  /// "bf16"), then widened into their f32 outputs.
+  Launch buildBf16WireAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm, int64_t below);
 #endif
   int32_t *argmaxOut = nullptr; // argmaxRows' results on the device, argmaxCapacity of them
   int64_t argmaxCapacity = 0;

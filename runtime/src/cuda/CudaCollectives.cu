@@ -6,7 +6,8 @@
 // communication stream when "async", joined by event_wait), ZeRO-1's
 // reduce-scatter and all-gather, broadcasts, pipeline sends (from staging
 // copies on their own stream) and receives, and the cross-rank halves of
-// global_norm and vocabulary-parallel cross-entropy.
+// global_norm and vocabulary-parallel cross-entropy. The collectives that
+// pack a bucket into one message are in CudaPackedCollectives.cu.
 //
 //===----------------------------------------------------------------------===//
 
@@ -210,102 +211,7 @@ namespace {
 __global__ void toFloatKernel(const double *acc, float *out) { *out = static_cast<float>(*acc); }
 __global__ void sqrtFloatKernel(float *x) { *x = sqrtf(*x); }
 
-__device__ inline int tensorOf(const PackedTensor *t, int count, int64_t j) { // offsets ascend
-  int lo = 0, hi = count - 1;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) / 2;
-    if (t[mid].offset <= j)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
-}
-
-/// packed[p][span]: part p of every tensor, zero past a tensor's end.
-__global__ void packPartsKernel(const PackedTensor *t, int count, int64_t span, int64_t parts, float *packed) {
-  GRID_LOOP(i, parts * span) {
-    int64_t p = i / span, j = i % span;
-    const PackedTensor &x = t[tensorOf(t, count, j)];
-    int64_t at = p * x.k + (j - x.offset);
-    packed[i] = at < x.n ? x.whole[at] : 0.0f;
-  }
-}
-
-/// Each tensor's shard from this rank's span.
-__global__ void unpackShardsKernel(const PackedTensor *t, int count, int64_t span, const float *mine) {
-  GRID_LOOP(j, span) {
-    const PackedTensor &x = t[tensorOf(t, count, j)];
-    x.shard[j - x.offset] = mine[j];
-  }
-}
-
-/// Each whole tensor from every rank's span (gathered[p][span]), of type T
-/// (f32 masters, or bf16 copies: `whole` then holds a bf16 tensor's address).
-template <typename T>
-__global__ void unpackWholesKernel(const PackedTensor *t, int count, int64_t span, int64_t parts, const T *gathered) {
-  GRID_LOOP(i, parts * span) {
-    int64_t p = i / span, j = i % span;
-    const PackedTensor &x = t[tensorOf(t, count, j)];
-    int64_t at = p * x.k + (j - x.offset);
-    if (at < x.n)
-      reinterpret_cast<T *>(x.whole)[at] = gathered[i];
-  }
-}
-
-/// shard_of over a run of tensors: each shard its part `index` of its tensor.
-__global__ void shardsOfKernel(const PackedTensor *t, int count, int64_t span, int64_t index) {
-  GRID_LOOP(j, span) {
-    const PackedTensor &x = t[tensorOf(t, count, j)];
-    int64_t at = index * x.k + (j - x.offset);
-    x.shard[j - x.offset] = at < x.n ? x.whole[at] : 0.0f;
-  }
-}
-
-/// This rank's span from each tensor's shard, rounded to T (f32, or bf16
-/// as a cast rounds: the gather of mixed-precision ZeRO-1's bf16 copies).
-template <typename T> __device__ inline T packedAs(float v);
-template <> __device__ inline float packedAs(float v) { return v; }
-template <> __device__ inline __nv_bfloat16 packedAs(float v) { return __float2bfloat16_rn(v); }
-template <typename T> __global__ void packShardsKernel(const PackedTensor *t, int count, int64_t span, T *mine) {
-  GRID_LOOP(j, span) {
-    const PackedTensor &x = t[tensorOf(t, count, j)];
-    mine[j] = packedAs<T>(x.shard[j - x.offset]);
-  }
-}
-
-/// A bucket's tensors as f32, a bf16 one widened: end to end into `packed`
-/// (its small tensors, one message), or where `packed` is null each into its
-/// own f32 output (its large ones, reduced there in place).
-__global__ void widenBucketKernel(const PackedTensor *t, int count, int64_t span, float *packed) {
-  GRID_LOOP(j, span) {
-    const PackedTensor &x = t[tensorOf(t, count, j)];
-    int64_t at = j - x.offset;
-    float v = x.bf16Whole ? __bfloat162float(reinterpret_cast<const __nv_bfloat16 *>(x.whole)[at]) : x.whole[at];
-    (packed ? packed[j] : x.shard[at]) = v;
-  }
-}
-
 } // namespace
-
-bool CudaBackendImpl::bucketPacked() {
-  return !envIs("LOOM_CUDA_BUCKET_PACKED", "0");
-}
-
-bool CudaBackendImpl::zeroPacked() {
-  // The default since 2 H200s (2026-11-27): GPT-2 350M bf16 ZeRO-1 dp2 39.2
-  // ms a step packed against 40.2 per tensor, losses within 1.1e-4 of one
-  // GPU (per tensor 3.3e-4). LOOM_CUDA_ZERO_PACKED=0 goes back.
-  return !envIs("LOOM_CUDA_ZERO_PACKED", "0");
-}
-
-bool CudaBackendImpl::shardsTogether(const Instruction &a, const Instruction &b) {
-  return zeroPacked() && a.op == "shard_of" && b.op == "shard_of" && a.in.size() == 1 && b.in.size() == 1 &&
-         a.out.size() == 1 && b.out.size() == 1 &&
-         a.attrs.value("group", std::string("dp")) == b.attrs.value("group", std::string("dp")) &&
-         buf(a.in[0]).dtype == LOOM_F32 && buf(b.in[0]).dtype == LOOM_F32 && buf(a.out[0]).dtype == LOOM_F32 &&
-         buf(b.out[0]).dtype == LOOM_F32;
-}
 
 std::pair<int64_t, int64_t> CudaBackendImpl::placeIn(const std::string &group) {
   auto g = rank.groups.find(group);
@@ -315,27 +221,6 @@ std::pair<int64_t, int64_t> CudaBackendImpl::placeIn(const std::string &group) {
   if (index == int64_t(g->second.size()))
     fail(LOOM_INVALID_BUNDLE, where, ": group '", group, "' does not hold rank ", rank.rank);
   return {index, int64_t(g->second.size())};
-}
-
-const PackedTensor *CudaBackendImpl::packedTensors(const std::vector<int64_t> &wholes,
-                                                   const std::vector<int64_t> &shards, int64_t parts, int64_t &span,
-                                                   bool bf16Wholes) {
-  if (wholes.size() != shards.size())
-    fail(LOOM_INVALID_BUNDLE, where, ": ", wholes.size(), " tensors but ", shards.size(), " shards");
-  std::vector<PackedTensor> list;
-  span = 0;
-  for (size_t i = 0; i < wholes.size(); ++i) {
-    int64_t whole = wholes[i], shard = shards[i];
-    int64_t n = count(buf(whole).shape), k = count(buf(shard).shape);
-    if (k * parts < n)
-      fail(LOOM_INVALID_BUNDLE, where, ": shard ", i, " holds ", k, " elements; ", parts, " of them cannot hold ", n);
-    if (bf16Wholes && buf(whole).dtype != LOOM_BF16)
-      fail(LOOM_INVALID_BUNDLE, where, ": gathers into f32 and bf16 tensors at once; one dtype per all_gather");
-    float *w = bf16Wholes ? reinterpret_cast<float *>(ptr(buf(whole))) : f(whole);
-    list.push_back({w, f(shard), n, k, span});
-    span += k;
-  }
-  return deviceArray(list);
 }
 
 Launch CudaBackendImpl::onCommStream(const Instruction &ins, Launch work) {
@@ -357,163 +242,6 @@ Launch CudaBackendImpl::onCommStream(const Instruction &ins, Launch work) {
 bool CudaBackendImpl::asyncCollective(const Instruction &ins) {
   return flag(ins, "async") && ins.attrs.contains("event") && ins.attrs["event"].is_number_integer();
 }
-
-Launch CudaBackendImpl::buildShardsOf(const std::vector<Instruction> &instrs, size_t begin, size_t end) {
-  auto [self, parts] = placeIn(instrs[begin].attrs.value("group", std::string("dp")));
-  int64_t index = self; // a plain variable: lambdas capture it (C++17)
-  std::vector<int64_t> wholes, shards;
-  for (size_t i = begin; i < end; ++i)
-    wholes.push_back(instrs[i].in[0]), shards.push_back(instrs[i].out[0]);
-  int64_t span = 0;
-  const PackedTensor *table = packedTensors(wholes, shards, parts, span);
-  int count = int(wholes.size());
-  return [=](cudaStream_t s) {
-    shardsOfKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, index);
-  };
-}
-
-#ifdef LOOM_HAVE_NCCL
-// ZeRO-1's collectives over a bucket as one NCCL call each: every tensor's
-// parts packed so that rank p's parts of all of them are one contiguous
-// span (two kernel launches around the call, instead of a copy, a fill and
-// an NCCL call per tensor). The reduce-scatter runs on the communication
-// stream when the bundle marks it async (its event_wait comes before the
-// update reads the shards), in the communication stream's own workspace.
-
-Launch CudaBackendImpl::buildPackedReduceScatter(const Instruction &ins, int64_t index, int64_t parts,
-                                                 ncclComm_t comm) {
-  bool mean = ins.attrs.value("reduction", std::string("mean")) == "mean";
-  int64_t span = 0;
-  const PackedTensor *table = packedTensors(ins.in, ins.out, parts, span); // gradients, their shards
-  int count = int(ins.in.size());
-  commWorkspaceBytes = std::max(commWorkspaceBytes, size_t((parts + 1) * span) * sizeof(float));
-  int64_t self = index;
-  auto run = [this, table, count, span, parts, self, comm, mean](cudaStream_t s) {
-    float *packed = reinterpret_cast<float *>(commWorkspace), *mine = packed + parts * span;
-    packPartsKernel<<<blocksFor(parts * span), kThreads, 0, s>>>(table, count, span, parts, packed);
-    if (comm)
-      LOOM_NCCL_CHECK(ncclReduceScatter(packed, mine, size_t(span), ncclFloat32, mean ? ncclAvg : ncclSum, comm, s));
-    else
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(mine, packed + self * span, span * sizeof(float), cudaMemcpyDeviceToDevice, s));
-    unpackShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, mine);
-  };
-  if (asyncCollective(ins))
-    return onCommStream(ins, run);
-  // On the compute stream, after what the communication stream has in
-  // flight (its workspace is the communication stream's).
-  cudaEvent_t ready = nullptr;
-  LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-  readyEvents.push_back(ready);
-  cudaStream_t cs = commStream;
-  buildCapturable = false; // it waits for an event of a stream outside any capture
-  return [=](cudaStream_t s) {
-    LOOM_CUDA_CHECK(cudaEventRecord(ready, cs));
-    LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, ready, 0));
-    run(s);
-  };
-}
-
-Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm) {
-  // A bucket's small tensors (under LOOM_CUDA_BUCKET_PACK_BELOW bytes as
-  // f32, 1 MiB by default) go as one packed message instead of one NCCL
-  // call each: a ResNet bucket holds up to a hundred tensors, most of them a
-  // batch norm's few hundred floats, and each call of a group pays its own
-  // latency. Large tensors are reduced in place, as before, without the
-  // copies in and out (bf16 ones first widened into their f32 outputs).
-  static const int64_t packBelow = [] {
-    const char *e = std::getenv("LOOM_CUDA_BUCKET_PACK_BELOW");
-    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t(1) << 20;
-  }();
-  int64_t below = bucketPacked() ? packBelow : 0;
-  std::vector<PackedTensor> small, widened;
-  std::vector<std::pair<float *, int64_t>> large; // reduced in place
-  int64_t span = 0, wideSpan = 0;
-  // prepare()'s CPU validation has checked the operands: as many outputs as
-  // inputs, each output f32 of its input's shape, each input f32 or bf16.
-  for (size_t i = 0; i < ins.in.size(); ++i) {
-    const Buffer &in = buf(ins.in[i]);
-    int64_t n = count(in.shape);
-    PackedTensor t{reinterpret_cast<float *>(ptr(in)), f(ins.out[i]), n, n, 0};
-    t.bf16Whole = in.dtype == LOOM_BF16;
-    if (n * int64_t(sizeof(float)) < below) {
-      t.offset = span, span += n;
-      small.push_back(t);
-      continue;
-    }
-    if (t.bf16Whole || t.whole != t.shard) {
-      t.offset = wideSpan, wideSpan += n;
-      widened.push_back(t);
-    }
-    large.push_back({t.shard, n});
-  }
-  const PackedTensor *smallTable = small.empty() ? nullptr : deviceArray(small);
-  const PackedTensor *wideTable = widened.empty() ? nullptr : deviceArray(widened);
-  int smallCount = int(small.size()), wideCount = int(widened.size());
-  size_t bytes = size_t(span) * sizeof(float);
-  bool async = asyncCollective(ins);
-  if (async) // on the communication stream it has that stream's own workspace
-    commWorkspaceBytes = std::max(commWorkspaceBytes, bytes);
-  else
-    reserve(bytes);
-  auto run = [=](cudaStream_t s) {
-    float *packed = reinterpret_cast<float *>(async ? commWorkspace : workspace);
-    if (wideCount)
-      widenBucketKernel<<<blocksFor(wideSpan), kThreads, 0, s>>>(wideTable, wideCount, wideSpan, nullptr);
-    if (smallCount)
-      widenBucketKernel<<<blocksFor(span), kThreads, 0, s>>>(smallTable, smallCount, span, packed);
-    if (comm) {
-      LOOM_NCCL_CHECK(ncclGroupStart());
-      if (smallCount)
-        LOOM_NCCL_CHECK(ncclAllReduce(packed, packed, size_t(span), ncclFloat32, red, comm, s));
-      for (auto [data, n] : large)
-        LOOM_NCCL_CHECK(ncclAllReduce(data, data, size_t(n), ncclFloat32, red, comm, s));
-      LOOM_NCCL_CHECK(ncclGroupEnd());
-    }
-    if (smallCount)
-      unpackShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(smallTable, smallCount, span, packed);
-  };
-  return async ? onCommStream(ins, run) : Launch(run);
-}
-
-Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm) {
-  // f32 slices into f32 wholes (the masters), or into bf16 wholes: the
-  // weights' bf16 copies that mixed-precision ZeRO-1 gathers at the start
-  // of the forward (loom-zero-gather-copies), half the bytes, rounded as a
-  // cast rounds.
-  bool bf16 = !ins.out.empty() && buf(ins.out[0]).dtype == LOOM_BF16;
-  int64_t span = 0;
-  const PackedTensor *table = packedTensors(ins.out, ins.in, parts, span, bf16); // the wholes, their updated shards
-  int count = int(ins.in.size());
-  size_t width = bf16 ? 2 : 4, bytes = size_t((parts + 1) * span) * width;
-  bool async = asyncCollective(ins);
-  // On the communication stream it has that stream's own workspace.
-  if (async)
-    commWorkspaceBytes = std::max(commWorkspaceBytes, bytes);
-  else
-    reserve(bytes);
-  int64_t self = index;
-  auto run = [this, table, count, span, parts, self, comm, bf16, width, async](cudaStream_t s) {
-    char *gathered = async ? commWorkspace : workspace;
-    char *mine = gathered + size_t(parts * span) * width;
-    if (bf16)
-      packShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, reinterpret_cast<__nv_bfloat16 *>(mine));
-    else
-      packShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, reinterpret_cast<float *>(mine));
-    if (comm)
-      LOOM_NCCL_CHECK(ncclAllGather(mine, gathered, size_t(span), bf16 ? ncclBfloat16 : ncclFloat32, comm, s));
-    else
-      LOOM_CUDA_CHECK(cudaMemcpyAsync(gathered + size_t(self * span) * width, mine, size_t(span) * width,
-                                      cudaMemcpyDeviceToDevice, s));
-    if (bf16)
-      unpackWholesKernel<<<blocksFor(parts * span), kThreads, 0, s>>>(table, count, span, parts,
-                                                                       reinterpret_cast<const __nv_bfloat16 *>(gathered));
-    else
-      unpackWholesKernel<<<blocksFor(parts * span), kThreads, 0, s>>>(table, count, span, parts,
-                                                                       reinterpret_cast<const float *>(gathered));
-  };
-  return async ? onCommStream(ins, run) : Launch(run);
-}
-#endif
 
 cudaEvent_t CudaBackendImpl::commEvent(int64_t id) {
   cudaEvent_t &e = commEvents[id];
