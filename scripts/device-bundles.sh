@@ -145,6 +145,8 @@ resnet() {
   c models/resnet50.mlir --batch 64 "${dp[@]}" -o $out/resnet50-dp2-train.loom
   c models/resnet50.mlir --batch 64 "${dp[@]}" --target cuda -o $out/resnet50-dp2-cuda-train.loom
   c models/resnet50.mlir --batch 256 "${dp[@]}" --target cuda -o $out/resnet50-dp2-b256-cuda-train.loom
+  # The same with the bf16 gradients averaged as bf16 (--grad-reduce bf16).
+  c models/resnet50.mlir --batch 64 "${dp[@]}" --target cuda --grad-reduce bf16 -o $out/resnet50-dp2-wire16-cuda-train.loom
 }
 single() {
 for m in gpt-tiny llama-tiny bert-tiny mlp; do
@@ -205,6 +207,9 @@ plans() {
       c $(model $m) --batch 16 --train --lr 3e-4 --target cuda --cluster h200:2 --plan "$out/$m-plan-$name.json" \
           -o "$out/$m-plan-$name.loom"
     done
+    # dp2 with the bf16 gradients averaged as bf16 (--grad-reduce bf16).
+    c $(model $m) --batch 16 --train --lr 3e-4 --target cuda --cluster h200:2 --force dp=2,mb=1,zero=0 \
+        --grad-reduce bf16 -o "$out/$m-plan-dp-2_mb-1_zero-0_wire-bf16.loom"
   done
 }
 for set_name in "${sets[@]}"; do

@@ -129,6 +129,11 @@ for n in ${DPX_SIZES:-32}; do
 done
 # GPT-2 350M's dp2 the same way, where its bundles are here
 # (MODELS=gpt2-350m scripts/device-bundles.sh resnet plans).
+# dp2 with the gradients averaged as bf16 (--grad-reduce bf16), beside the f32 all-reduce
+for b in resnet50-dp2-cuda-train resnet50-dp2-wire16-cuda-train gpt2-350m-plan-dp-2_mb-1_zero-0 \
+         gpt2-350m-plan-dp-2_mb-1_zero-0_wire-bf16; do
+  [ -e "$R/$b.loom" ] && echo "$b: $($B/loom-run "$R/$b.loom" --backend cuda --steps 23 2>&1 | grep -E "trained|rror" | tail -1)"
+done
 for b in $R/gpt2-350m-plan-one.loom $R/gpt2-350m-plan-dp-2_mb-1_zero-0.loom; do
   [ -e "$b" ] || continue
   echo "== $(basename "$b" .loom): programs' and ranks' times"
