@@ -110,11 +110,13 @@ __global__ void packBf16Kernel(const PackedTensor *t, int count, int64_t span, _
   }
 }
 
-/// The bf16 means, widened into each tensor's f32 output (`shard`).
+/// The bf16 means, widened into each tensor's f32 output (`shard`); the
+/// span may have gaps between tensors (alignment), which are skipped.
 __global__ void widenBf16MeansKernel(const PackedTensor *t, int count, int64_t span, const __nv_bfloat16 *means) {
   GRID_LOOP(j, span) {
     const PackedTensor &x = t[tensorOf(t, count, j)];
-    x.shard[j - x.offset] = __bfloat162float(means[j]);
+    if (j - x.offset < x.n)
+      x.shard[j - x.offset] = __bfloat162float(means[j]);
   }
 }
 
@@ -316,6 +318,7 @@ Launch CudaBackendImpl::buildBf16WireAllReduce(const Instruction &ins, ncclRedOp
       t.offset = smallBf16[k++].offset;
       continue;
     }
+    span = (span + 63) / 64 * 64; // each large mean at 128 bytes, where NCCL's vector paths want it
     t.offset = span;
     largeBf16.push_back({t.whole, span, t.n});
     span += t.n;
