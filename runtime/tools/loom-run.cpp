@@ -289,6 +289,9 @@ void onEveryRank(std::vector<std::unique_ptr<Session>> &ranks, const std::shared
     throw *first;
 }
 
+/// Training steps before the timed ones (the trained: line and the step times).
+constexpr int64_t kWarmupSteps = 3;
+
 /// LOOM_RUN_STEP_TIMES=1: where a step's time goes on the host, per rank:
 /// from the step's start to the rank's, the rank's own step, and from its
 /// end to the step's (the other ranks, the threads' join, reading the loss).
@@ -301,7 +304,7 @@ struct StepTimes {
   std::vector<double> startMs, ownMs, afterMs;
   template <typename Time>
   void add(Time t0, const std::vector<Time> &began, const std::vector<Time> &ended, Time t1) {
-    if (++seen <= 3) // as the trained: line, after 3 warm-up steps
+    if (++seen <= kWarmupSteps) // as the trained: line
       return;
     auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
     startMs.resize(began.size()), ownMs.resize(began.size()), afterMs.resize(began.size());
@@ -415,7 +418,6 @@ int train(std::vector<std::unique_ptr<Session>> &ranks,
   auto start = std::chrono::steady_clock::now();
   double timedSeconds = 0;
   int64_t timedSteps = 0;
-  const int64_t warmupSteps = 3;
   int64_t first = s.step() + 1;
   for (int64_t t = first; t <= steps; ++t) {
     if (languageModel && tokens) {
@@ -445,7 +447,7 @@ int train(std::vector<std::unique_ptr<Session>> &ranks,
     double elapsed = std::chrono::duration<double>(t1 - start).count();
     std::printf("step %lld/%d  loss %.6f  %.0f %s/s  elapsed %.2fs\n", (long long)t, steps, loss,
                 numRanks * batch * seq / stepSeconds, languageModel ? "tokens" : "examples", elapsed);
-    if (t - first >= warmupSteps) {
+    if (t - first >= kWarmupSteps) {
       timedSeconds += stepSeconds;
       ++timedSteps;
     }
@@ -472,7 +474,7 @@ int train(std::vector<std::unique_ptr<Session>> &ranks,
     std::printf("trained: %.1f ms per step, %.0f %s/s (mean of %lld steps after %lld warm-up)\n",
                 1e3 * timedSeconds / timedSteps, numRanks * batch * seq * timedSteps / timedSeconds,
                 languageModel ? "tokens" : "examples",
-                (long long)timedSteps, (long long)warmupSteps);
+                (long long)timedSteps, (long long)kWarmupSteps);
   // What the plan costs in GPU memory, beside what the compiler planned.
   for (size_t k = 0; k < ranks.size(); ++k)
     if (int64_t used = ranks[k]->deviceBytesInUse(); used >= 0)

@@ -289,52 +289,41 @@ Launch CudaBackendImpl::buildBf16WireAllReduce(const Instruction &ins, ncclRedOp
   // reduced into their place in it), then widened into their f32 outputs.
   // The inputs are left as they were. f32 inputs go the f32 way, in place
   // in their outputs (copied there first where they differ).
-  std::vector<PackedTensor> bf16s, smallBf16;
+  std::vector<PackedTensor> bf16s;
   std::vector<std::tuple<const void *, int64_t, int64_t>> largeBf16; // input, offset in the span, n
   std::vector<std::tuple<const float *, float *, int64_t>> f32s;
-  int64_t span = 0, smallSpan = 0;
   for (size_t i = 0; i < ins.in.size(); ++i) {
     const Buffer &in = buf(ins.in[i]);
     int64_t n = count(in.shape);
-    if (in.dtype != LOOM_BF16) {
+    if (in.dtype == LOOM_BF16)
+      bf16s.push_back({reinterpret_cast<float *>(ptr(in)), f(ins.out[i]), n, n, 0, 1});
+    else
       f32s.push_back({f(ins.in[i]), f(ins.out[i]), n});
-      continue;
-    }
-    PackedTensor t{reinterpret_cast<float *>(ptr(in)), f(ins.out[i]), n, n, 0};
-    t.bf16Whole = 1;
-    bool small = n * int64_t(sizeof(float)) < below;
-    if (small)
-      smallBf16.push_back(t);
-    bf16s.push_back(t);
   }
-  // The small ones first, contiguous at the span's start; then the large.
-  for (PackedTensor &t : smallBf16)
-    t.offset = smallSpan, smallSpan += t.n;
-  span = smallSpan;
-  size_t k = 0;
-  for (PackedTensor &t : bf16s) {
-    bool small = t.n * int64_t(sizeof(float)) < below;
-    if (small) {
-      t.offset = smallBf16[k++].offset;
-      continue;
-    }
-    span = (span + 63) / 64 * 64; // each large mean at 128 bytes, where NCCL's vector paths want it
-    t.offset = span;
-    largeBf16.push_back({t.whole, span, t.n});
-    span += t.n;
+  // The small ones first, end to end at the span's start (one message); then
+  // each large one at a 128-byte offset, where NCCL's vector paths want it.
+  auto small = [&](const PackedTensor &t) { return t.n * int64_t(sizeof(float)) < below; };
+  size_t smallCount = size_t(std::stable_partition(bf16s.begin(), bf16s.end(), small) - bf16s.begin());
+  int64_t span = 0;
+  for (size_t i = 0; i < smallCount; ++i)
+    bf16s[i].offset = span, span += bf16s[i].n;
+  int64_t smallSpan = span;
+  for (size_t i = smallCount; i < bf16s.size(); ++i) {
+    span = (span + 63) / 64 * 64;
+    bf16s[i].offset = span, span += bf16s[i].n;
+    largeBf16.push_back({bf16s[i].whole, bf16s[i].offset, bf16s[i].n});
   }
-  std::sort(bf16s.begin(), bf16s.end(), [](const PackedTensor &a, const PackedTensor &b) { return a.offset < b.offset; });
-  const PackedTensor *smallTable = smallBf16.empty() ? nullptr : deviceArray(smallBf16);
   const PackedTensor *allTable = bf16s.empty() ? nullptr : deviceArray(bf16s);
-  int smallCount = int(smallBf16.size()), allCount = int(bf16s.size());
+  const PackedTensor *smallTable = smallCount ? allTable : nullptr; // the table's first entries
   commWorkspaceBytes = std::max(commWorkspaceBytes, size_t(span) * sizeof(__nv_bfloat16));
   bool async = asyncCollective(ins);
   if (!async)
     fail(LOOM_INVALID_BUNDLE, where, ": a bucket averaged in bf16 (\"wire\": \"bf16\") must be async");
+  int allCount = int(bf16s.size());
   auto run = [=](cudaStream_t s) {
     auto *means = reinterpret_cast<__nv_bfloat16 *>(commWorkspace);
     if (smallCount)
-      packBf16Kernel<<<blocksFor(smallSpan), kThreads, 0, s>>>(smallTable, smallCount, smallSpan, means);
+      packBf16Kernel<<<blocksFor(smallSpan), kThreads, 0, s>>>(smallTable, int(smallCount), smallSpan, means);
     for (auto [in, out, n] : f32s)
       if (in != out)
         LOOM_CUDA_CHECK(cudaMemcpyAsync(out, in, size_t(n) * sizeof(float), cudaMemcpyDeviceToDevice, s));
