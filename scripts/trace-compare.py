@@ -7,9 +7,11 @@ For each program (forward, backward, update...) of the last step: its span
 in both traces, and the ops whose summed time changed most, for every rank
 of OTHER against rank 0 of BASE (say one GPU against dp2: where does dp2's
 extra time go). Then OTHER's collectives on the communication track: when
-each started after its program began, and how long it took. Instruction
-indices differ between bundles (a dp2 backward has all-reduces), so ops are
-compared by kind, summed over the program, not one by one.
+each started after its program began, and how long it took, and how much of
+the change falls in instructions that ran while one of them was in flight.
+Instruction indices differ between bundles (a dp2 backward has all-reduces),
+so ops are compared by kind, summed over the program, and instructions one
+by one as the n-th of their kind.
 
 Use traces taken the same way: under LOOM_CUDA_TRACE_GRAPHS=1 the steps
 are the graphed ones, lengthened by their event nodes.
@@ -65,6 +67,17 @@ def by_op(ins):
     return total
 
 
+def by_ordinal(ins):
+    """{(op, n): (start, dur)}: the n-th instruction of each kind, collectives left out."""
+    seen = collections.Counter()
+    out = {}
+    for op, start, dur in ins:
+        if op not in ("all_reduce", "join"):
+            out[(op, seen[op])] = (start, dur)
+            seen[op] += 1
+    return out
+
+
 base, other = load(args.base), load(args.other)
 base_runs = runs(base, 0, 0)
 programs = list(dict.fromkeys(r[0] for r in base_runs))
@@ -81,6 +94,17 @@ for pid in sorted({e["pid"] for e in other}):
     comm = runs(other, pid, 1)
     for program in programs:
         c, b = last_run(comm, program), last_run(other_runs, program)
-        if c and b:
-            print(f"rank {pid} {program} collectives (start after the program's, duration; us):",
-                  " ".join(f"{c_start - b[0][1]:.0f}+{dur:.0f}" for _, c_start, dur in c))
+        if not c or not b:
+            continue
+        print(f"rank {pid} {program} collectives (start after the program's, duration; us):",
+              " ".join(f"{c_start - b[0][1]:.0f}+{dur:.0f}" for _, c_start, dur in c))
+        windows = [(start, start + dur) for _, start, dur in c]
+        base_by_kind = by_ordinal(last_run(base_runs, program))
+        change = {True: [0, 0.0], False: [0, 0.0]}  # beside a collective: [instructions, us]
+        for key, (start, dur) in by_ordinal(b).items():
+            if key in base_by_kind:
+                beside = any(min(start + dur, w1) > max(start, w0) for w0, w1 in windows)
+                change[beside][0] += 1
+                change[beside][1] += dur - base_by_kind[key][1]
+        print(f"rank {pid} {program}: {change[True][0]} instructions beside a collective "
+              f"{change[True][1] / 1e3:+.3f} ms, {change[False][0]} others {change[False][1] / 1e3:+.3f} ms")
