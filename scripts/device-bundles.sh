@@ -147,6 +147,8 @@ resnet() {
   c models/resnet50.mlir --batch 256 "${dp[@]}" --target cuda -o $out/resnet50-dp2-b256-cuda-train.loom
   # The same with the bf16 gradients averaged as bf16 (--grad-reduce bf16).
   c models/resnet50.mlir --batch 64 "${dp[@]}" --target cuda --grad-reduce bf16 -o $out/resnet50-dp2-wire16-cuda-train.loom
+  c models/resnet50.mlir --batch 256 "${dp[@]}" --target cuda --grad-reduce bf16 \
+    -o $out/resnet50-dp2-b256-wire16-cuda-train.loom
 }
 single() {
 for m in gpt-tiny llama-tiny bert-tiny mlp; do

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -23,6 +24,40 @@
 #endif
 
 namespace loom::rt::cudnn {
+
+float timeRuns(const std::function<bool()> &launch) {
+  struct Events {
+    cudaEvent_t start = nullptr, stop = nullptr;
+    ~Events() {
+      if (start)
+        cudaEventDestroy(start);
+      if (stop)
+        cudaEventDestroy(stop);
+    }
+  } ev;
+  if (cudaEventCreate(&ev.start) != cudaSuccess || cudaEventCreate(&ev.stop) != cudaSuccess || !launch()) {
+    cudaGetLastError();
+    return -1;
+  }
+  constexpr int kRounds = 3, kRuns = 5;
+  float best = -1;
+  for (int r = 0; r < kRounds; ++r) {
+    bool ok = cudaEventRecord(ev.start, nullptr) == cudaSuccess;
+    for (int i = 0; i < kRuns && ok; ++i)
+      ok = launch();
+    float ms = 0;
+    ok = ok && cudaEventRecord(ev.stop, nullptr) == cudaSuccess && cudaEventSynchronize(ev.stop) == cudaSuccess &&
+         cudaEventElapsedTime(&ms, ev.start, ev.stop) == cudaSuccess;
+    if (!ok) {
+      cudaDeviceSynchronize(); // nothing of a failed candidate left running
+      cudaGetLastError();
+      return -1;
+    }
+    if (best < 0 || ms / kRuns < best)
+      best = ms / kRuns;
+  }
+  return best;
+}
 
 #ifndef LOOM_HAVE_CUDNN
 
@@ -79,7 +114,7 @@ struct Choice {
   int algo = 0;
   cudnnMathType_t math = CUDNN_DEFAULT_MATH;
   size_t workspace = 0;
-  float ms = 0; // as timed by cudnnFind
+  float ms = 0; // as timed by timeRuns
 };
 using ChoiceKey = std::tuple<int, int, bool, bool, std::vector<int64_t>>;
 
@@ -178,10 +213,26 @@ public:
   }
 
 private:
-  template <typename Perf> std::string pick(const Perf *perf, int count, const char *what) {
-    for (int i = 0; i < count; ++i) // sorted fastest first
-      if (usable(perf[i], fmaOnly))
-        return apply({int(perf[i].algo), perf[i].mathType, perf[i].memory, perf[i].time});
+  /// The fastest of cudnnFind's first usable candidates, each timed again by
+  /// timeRuns (cudnnFind's order is that of one run each).
+  template <typename Perf>
+  std::string pick(const Perf *perf, int count, const char *what, const void *a, const void *b, void *out,
+                   void *scratch) {
+    constexpr int kCandidates = 4;
+    Choice best;
+    float bestMs = -1;
+    for (int i = 0, tried = 0; i < count && tried < kCandidates; ++i) {
+      if (!usable(perf[i], fmaOnly))
+        continue;
+      ++tried;
+      if (!apply({int(perf[i].algo), perf[i].mathType, perf[i].memory, perf[i].time}).empty())
+        continue;
+      float ms = timeRuns([&] { return run(a, b, out, scratch, nullptr).empty(); });
+      if (ms >= 0 && (bestMs < 0 || ms < bestMs))
+        best = {int(perf[i].algo), perf[i].mathType, perf[i].memory, ms}, bestMs = ms;
+    }
+    if (bestMs >= 0)
+      return apply(best);
     return std::string("cuDNN has no ") + what + " algorithm for this shape" +
            (fmaOnly ? " without TF32 (LOOM_CUDA_TF32=0)" : "");
   }
@@ -195,19 +246,19 @@ private:
       cudnnConvolutionFwdAlgoPerf_t perf[kMax];
       LOOM_CUDNN_TRY(cudnnFindConvolutionForwardAlgorithmEx(handle, x, a, w, b, conv, y, out, kMax, &count, perf,
                                                             scratch, scratchBytes));
-      return pick(perf, count, "convolution forward");
+      return pick(perf, count, "convolution forward", a, b, out, scratch);
     }
     case ConvPass::GradInput: {
       cudnnConvolutionBwdDataAlgoPerf_t perf[kMax];
       LOOM_CUDNN_TRY(cudnnFindConvolutionBackwardDataAlgorithmEx(handle, w, b, y, a, conv, x, out, kMax, &count,
                                                                  perf, scratch, scratchBytes));
-      return pick(perf, count, "convolution input-gradient");
+      return pick(perf, count, "convolution input-gradient", a, b, out, scratch);
     }
     case ConvPass::GradFilter: {
       cudnnConvolutionBwdFilterAlgoPerf_t perf[kMax];
       LOOM_CUDNN_TRY(cudnnFindConvolutionBackwardFilterAlgorithmEx(handle, x, a, y, b, conv, w, out, kMax, &count,
                                                                    perf, scratch, scratchBytes));
-      return pick(perf, count, "convolution filter-gradient");
+      return pick(perf, count, "convolution filter-gradient", a, b, out, scratch);
     }
     }
     return "unknown convolution pass";
@@ -250,19 +301,35 @@ std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pa
   cudaGetDevice(&device);
   ChoiceKey key{device, int(pass), g.bf16, g.tf32,
                 {g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.ho, g.wo, g.stride, g.pad, g.groups, int64_t(g.nhwc)}};
-  static std::mutex mutex;
-  static std::map<ChoiceKey, Choice> choices;
-  // bf16: the frontend graph where it timed faster than the legacy choice
-  // (null: the legacy one), shared by every convolution of the shape.
-  static std::map<ChoiceKey, std::shared_ptr<Convolution>> graphs;
+  // What was chosen, per device: each device's table has its own lock, so
+  // ranks on different GPUs time their convolutions at the same time (one
+  // lock for all doubled a dp2 process's start).
+  struct Table {
+    std::mutex mutex;
+    std::map<ChoiceKey, Choice> choices;
+    // bf16: the frontend graph where it timed faster than the legacy choice
+    // (null: the legacy one), shared by every convolution of the shape.
+    std::map<ChoiceKey, std::shared_ptr<Convolution>> graphs;
+    // Shapes neither way could run, with the reason: not timed again.
+    std::map<ChoiceKey, std::string> failures;
+  };
+  static std::mutex tablesMutex;
+  static std::map<int, std::unique_ptr<Table>> tables;
+  Table *table = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(tablesMutex);
+    auto &t = tables[device];
+    if (!t)
+      t = std::make_unique<Table>();
+    table = t.get();
+  }
+  auto &[mutex, choices, graphs, failures] = *table;
   std::lock_guard<std::mutex> lock(mutex);
   static const bool graphsWanted = [] {
     const char *e = std::getenv("LOOM_CUDNN_CONV_GRAPH");
     return !(e && std::string(e) == "0");
   }();
   bool tryGraph = g.bf16 && graphsWanted;
-  // Shapes neither way could run, with the reason: not timed again.
-  static std::map<ChoiceKey, std::string> failures;
   if (auto it = failures.find(key); it != failures.end()) {
     why = it->second;
     return nullptr;

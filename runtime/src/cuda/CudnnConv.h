@@ -3,10 +3,10 @@
 // 2-D convolutions (forward, input gradient, filter gradient) through
 // cuDNN's convolution API on NCHW or NHWC tensors, f32 or bf16 (f32
 // accumulation).
-// The fastest of cuDNN's algorithms is timed once per shape, pass and
-// device (cudnnFind*AlgorithmEx) and kept for the process; bf16 ones are
-// also timed as frontend graphs (cuDNN's newer engines) and the faster way
-// kept. Host code only,
+// The fastest of cuDNN's algorithms is chosen once per shape, pass and
+// device and kept for the process: cudnnFind*AlgorithmEx's candidates and,
+// for bf16, the engines of frontend graphs (cuDNN's newer ones) are each
+// timed by timeRuns, the fastest kept. Host code only,
 // compiled apart from the CUDA sources: the backend (CudaConv.cu) asks
 // build() and launches what it returns.
 //
@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -65,6 +66,14 @@ std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pa
 /// API's choice for bf16 convolutions.
 std::unique_ptr<Convolution> buildGraphConvolution(const ConvGeometry &g, ConvPass pass, const void *a,
                                                    const void *b, float &ms, std::string &why);
+
+/// How long `launch` takes on the current device's default stream, in ms:
+/// one run to warm up, then the fastest of three rounds' means of five runs
+/// each. cudnnFind and the frontend's autotune time a candidate by one or
+/// two single runs, which for kernels of tens of microseconds is noise of the
+/// size of the differences between them. Negative when a launch (false) or
+/// the timing failed.
+float timeRuns(const std::function<bool()> &launch);
 
 /// One cuDNN handle per device, made on first use (a handle is bound to the
 /// device current when it is made) and kept for the process; null with the

@@ -7,7 +7,8 @@
 // than its NCHW ones for most shapes, some of them without tensor cores.
 // Here each convolution pass is a one-node graph (conv_fprop, conv_dgrad or
 // conv_wgrad), its engines from heuristics A and the fallback list built and
-// timed on the real operands (the frontend's autotune), the fastest kept.
+// each timed on the real operands (timeRuns: the frontend's autotune times a
+// plan by one or two single runs), the fastest kept.
 // Host code only, compiled with the frontend's headers apart from the rest.
 //
 //===----------------------------------------------------------------------===//
@@ -47,8 +48,8 @@ std::vector<int64_t> stridesOf(int64_t c, int64_t h, int64_t w, bool nhwc) {
 
 class GraphConvolution final : public Convolution {
 public:
-  GraphConvolution(cudnnHandle_t handle, std::shared_ptr<fe::graph::Graph> graph, size_t workspace)
-      : handle(handle), graph(std::move(graph)), workspace(workspace) {}
+  GraphConvolution(cudnnHandle_t handle, std::shared_ptr<fe::graph::Graph> graph, int64_t plan, size_t workspace)
+      : handle(handle), graph(std::move(graph)), plan(plan), workspace(workspace) {}
 
   size_t workspaceBytes() const override { return workspace; }
 
@@ -56,7 +57,7 @@ public:
     std::unordered_map<int64_t, void *> pack = {{kA, const_cast<void *>(a)}, {kB, const_cast<void *>(b)}, {kOut, out}};
     if (cudnnStatus_t s = cudnnSetStream(handle, stream); s != CUDNN_STATUS_SUCCESS)
       return std::string("cudnnSetStream failed: ") + cudnnGetErrorString(s);
-    if (auto e = graph->execute(handle, pack, ws); e.is_bad())
+    if (auto e = graph->execute_plan_at_index(handle, pack, ws, plan); e.is_bad())
       return e.get_message();
     return "";
   }
@@ -64,6 +65,7 @@ public:
 private:
   cudnnHandle_t handle;
   std::shared_ptr<fe::graph::Graph> graph;
+  int64_t plan; // the index of the engine chosen
   size_t workspace;
 };
 
@@ -73,10 +75,11 @@ private:
       return std::string(#expr) + ": " + e_.get_message();                                                     \
   } while (0)
 
-/// Builds, autotunes and times the graph of `g` and `pass` on a and b
-/// (results into a scratch buffer); "" or why not.
+/// Builds the graph of `g` and `pass` and times each of its engines on a
+/// and b (results into a scratch buffer), choosing the fastest; "" or why
+/// not.
 std::string make(const ConvGeometry &g, ConvPass pass, const void *a, const void *b, cudnnHandle_t handle,
-                 std::shared_ptr<fe::graph::Graph> &out, size_t &workspace, float &ms) {
+                 std::shared_ptr<fe::graph::Graph> &out, int64_t &plan, size_t &workspace, float &ms) {
   auto graph = std::make_shared<fe::graph::Graph>();
   fe::DataType_t io = g.bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::FLOAT;
   graph->set_io_data_type(io).set_intermediate_data_type(fe::DataType_t::FLOAT).set_compute_data_type(
@@ -114,51 +117,38 @@ std::string make(const ConvGeometry &g, ConvPass pass, const void *a, const void
   LOOM_FE_TRY(graph->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}));
   LOOM_FE_TRY(graph->check_support(handle));
   LOOM_FE_TRY(graph->build_plans(handle, fe::BuildPlanPolicy_t::ALL));
-  // Timed on the real operands into a scratch result. Device memory and
-  // events are released whatever fails (the frontend may also throw).
+  // Timed on the real operands into a scratch result. Device memory is
+  // released whatever fails (the frontend may also throw).
   struct Device {
     void *p = nullptr;
     ~Device() { cudaFree(p); }
   } scratch, ws;
-  struct Event {
-    cudaEvent_t e = nullptr;
-    ~Event() {
-      if (e)
-        cudaEventDestroy(e);
-    }
-  } start, stop;
   size_t tuneBytes = size_t(std::max<int64_t>(graph->get_autotune_workspace_size(), 1));
   size_t outBytes = outElements * (g.bf16 ? 2 : 4);
-  if (cudaMalloc(&scratch.p, std::max<size_t>(outBytes, 1)) != cudaSuccess ||
-      cudaMalloc(&ws.p, tuneBytes) != cudaSuccess || cudaEventCreate(&start.e) != cudaSuccess ||
-      cudaEventCreate(&stop.e) != cudaSuccess) {
+  if (cudaMalloc(&scratch.p, std::max<size_t>(outBytes, 1)) != cudaSuccess || cudaMalloc(&ws.p, tuneBytes) != cudaSuccess) {
     cudaGetLastError();
     return "out of device memory for timing cuDNN's convolution engines";
   }
   std::unordered_map<int64_t, void *> pack = {{kA, const_cast<void *>(a)}, {kB, const_cast<void *>(b)}, {kOut, scratch.p}};
   if (cudnnStatus_t st = cudnnSetStream(handle, nullptr); st != CUDNN_STATUS_SUCCESS)
     return std::string("cudnnSetStream failed: ") + cudnnGetErrorString(st);
-  std::string error;
-  if (auto e = graph->autotune(handle, pack, ws.p); e.is_bad())
-    error = "autotune: " + e.get_message();
+  plan = -1;
   int64_t bytes = 0;
-  if (error.empty() && graph->get_workspace_size(bytes).is_bad())
-    error = "the chosen engine's workspace size";
-  if (error.empty()) { // the winner's time, as the legacy path's cudnnFind reports its own
-    const int reps = 5;
-    bool timed = cudaEventRecord(start.e, nullptr) == cudaSuccess;
-    for (int i = 0; i < reps && error.empty(); ++i)
-      if (auto e = graph->execute(handle, pack, ws.p); e.is_bad())
-        error = e.get_message();
-    timed &= cudaEventRecord(stop.e, nullptr) == cudaSuccess && cudaEventSynchronize(stop.e) == cudaSuccess &&
-             cudaEventElapsedTime(&ms, start.e, stop.e) == cudaSuccess;
-    if (error.empty() && !timed)
-      error = "timing the chosen engine failed";
-    ms /= reps;
+  for (int64_t i = 0; i < graph->get_execution_plan_count(); ++i) {
+    int64_t need = 0;
+    if (graph->get_workspace_size_plan_at_index(i, need).is_bad() || size_t(need) > tuneBytes)
+      continue; // not built, or (not expected) more workspace than the frontend says any needs
+    float t = timeRuns([&] { return graph->execute_plan_at_index(handle, pack, ws.p, i).is_good(); });
+    if (t >= 0 && (plan < 0 || t < ms))
+      plan = i, ms = t, bytes = need;
   }
-  if (!error.empty()) {
-    cudaGetLastError(); // a failed engine's error is not the next kernel's
-    return error;
+  if (plan < 0)
+    return "none of the frontend's engines ran";
+  if (std::getenv("LOOM_CUDNN_VERBOSE")) { // which engine, for measurements
+    std::string name;
+    graph->get_plan_name_at_index(plan, name).is_good();
+    std::fprintf(stderr, "  frontend engine %s of %lld: %.4f ms\n", name.c_str(),
+                 (long long)graph->get_execution_plan_count(), ms);
   }
   out = graph;
   workspace = size_t(bytes);
@@ -177,15 +167,16 @@ std::unique_ptr<Convolution> buildGraphConvolution(const ConvGeometry &g, ConvPa
   if (!handle)
     return nullptr;
   std::shared_ptr<fe::graph::Graph> graph;
+  int64_t plan = -1;
   size_t workspace = 0;
   try {
-    why = make(g, pass, a, b, handle, graph, workspace, ms);
+    why = make(g, pass, a, b, handle, graph, plan, workspace, ms);
   } catch (const std::exception &e) {
     why = std::string("cuDNN's frontend failed: ") + e.what();
   }
   if (!why.empty())
     return nullptr;
-  return std::make_unique<GraphConvolution>(handle, graph, workspace);
+  return std::make_unique<GraphConvolution>(handle, graph, plan, workspace);
 }
 
 #endif
