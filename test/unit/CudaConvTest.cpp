@@ -16,6 +16,7 @@
 #include "loom/rt/Bundle.h"
 #include "loom/rt/Tensor.h"
 #include "runtime/src/Backend.h"
+#include "runtime/src/cuda/CudnnConv.h"
 #include "test/unit/SingleInstruction.h"
 
 #include <cuda_runtime.h>
@@ -306,4 +307,28 @@ TEST(CudaConv, SgdRun) {
       for (int64_t i = 0; i < n; ++i)
         ASSERT_NEAR(got[i], want[i], 1e-6 * (1 + std::fabs(want[i]))) << b.name << "[" << i << "]";
     }
+}
+
+// How convolution engines are chosen (cudnn::fastestCandidate): the candidate
+// that takes least time wins, whatever the order, and one that fails is
+// passed over. The candidates here are device-to-device copies of 1, 64 and
+// 16 MiB and one that fails.
+TEST(CudaConv, FastestCandidateTimed) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  const size_t mib = size_t(1) << 20, sizes[] = {64 * mib, 1 * mib, 0, 16 * mib};
+  void *from = nullptr, *to = nullptr;
+  ASSERT_EQ(cudaMalloc(&from, 64 * mib), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&to, 64 * mib), cudaSuccess);
+  auto copy = [&](int i) {
+    return sizes[i] != 0 && cudaMemcpyAsync(to, from, sizes[i], cudaMemcpyDeviceToDevice, nullptr) == cudaSuccess;
+  };
+  float ms = 0;
+  EXPECT_EQ(loom::rt::cudnn::fastestCandidate(4, copy, ms), 1);
+  EXPECT_GT(ms, 0.0f);
+  EXPECT_LT(ms, 1.0f); // 1 MiB at hundreds of GB/s
+  EXPECT_EQ(loom::rt::cudnn::fastestCandidate(1, [](int) { return false; }, ms), -1);
+  cudaFree(from);
+  cudaFree(to);
 }

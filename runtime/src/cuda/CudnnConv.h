@@ -5,8 +5,8 @@
 // accumulation).
 // The fastest of cuDNN's algorithms is chosen once per shape, pass and
 // device and kept for the process: cudnnFind*AlgorithmEx's candidates and,
-// for bf16, the engines of frontend graphs (cuDNN's newer ones) are each
-// timed by timeRuns, the fastest kept. Host code only,
+// for bf16, the engines of frontend graphs (cuDNN's newer ones) are timed by
+// fastestCandidate, the fastest kept. Host code only,
 // compiled apart from the CUDA sources: the backend (CudaConv.cu) asks
 // build() and launches what it returns.
 //
@@ -68,12 +68,19 @@ std::unique_ptr<Convolution> buildGraphConvolution(const ConvGeometry &g, ConvPa
                                                    const void *b, float &ms, std::string &why);
 
 /// How long `launch` takes on the current device's default stream, in ms:
-/// one run to warm up, then the fastest of three rounds' means of five runs
-/// each. cudnnFind and the frontend's autotune time a candidate by one or
-/// two single runs, which for kernels of tens of microseconds is noise of the
-/// size of the differences between them. Negative when a launch (false) or
-/// the timing failed.
-float timeRuns(const std::function<bool()> &launch);
+/// one run to warm up, then the fastest of `rounds` rounds' means of `runs`
+/// runs each. Negative when a launch (false) or the timing failed.
+float timeRuns(const std::function<bool()> &launch, int rounds, int runs);
+
+/// The fastest of `count` candidates (launch(i) runs the i-th), its time in
+/// `ms`; -1 when none ran. Each is timed by two runs after a warm-up run, as
+/// the frontend's autotune times them, and those within 1.5x of the fastest
+/// (six at most) again over three rounds of up to five runs: one
+/// run of a kernel of tens of microseconds is noise of the size of the
+/// differences between engines (ResNet-50's step on one H200 moved 8.4-8.8 ms
+/// from one process to the next), and timing every engine that way made a
+/// batch of 128 take 150 s to start.
+int fastestCandidate(int count, const std::function<bool(int)> &launch, float &ms);
 
 /// One cuDNN handle per device, made on first use (a handle is bound to the
 /// device current when it is made) and kept for the process; null with the

@@ -7,8 +7,8 @@
 // than its NCHW ones for most shapes, some of them without tensor cores.
 // Here each convolution pass is a one-node graph (conv_fprop, conv_dgrad or
 // conv_wgrad), its engines from heuristics A and the fallback list built and
-// each timed on the real operands (timeRuns: the frontend's autotune times a
-// plan by one or two single runs), the fastest kept.
+// timed on the real operands (fastestCandidate: the frontend's autotune
+// times a plan by one or two single runs), the fastest kept.
 // Host code only, compiled with the frontend's headers apart from the rest.
 //
 //===----------------------------------------------------------------------===//
@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <unordered_map>
+#include <vector>
 #endif
 
 namespace loom::rt::cudnn {
@@ -132,16 +133,15 @@ std::string make(const ConvGeometry &g, ConvPass pass, const void *a, const void
   std::unordered_map<int64_t, void *> pack = {{kA, const_cast<void *>(a)}, {kB, const_cast<void *>(b)}, {kOut, scratch.p}};
   if (cudnnStatus_t st = cudnnSetStream(handle, nullptr); st != CUDNN_STATUS_SUCCESS)
     return std::string("cudnnSetStream failed: ") + cudnnGetErrorString(st);
-  plan = -1;
-  int64_t bytes = 0;
-  for (int64_t i = 0; i < graph->get_execution_plan_count(); ++i) {
-    int64_t need = 0;
-    if (graph->get_workspace_size_plan_at_index(i, need).is_bad() || size_t(need) > tuneBytes)
-      continue; // not built, or (not expected) more workspace than the frontend says any needs
-    float t = timeRuns([&] { return graph->execute_plan_at_index(handle, pack, ws.p, i).is_good(); });
-    if (t >= 0 && (plan < 0 || t < ms))
-      plan = i, ms = t, bytes = need;
-  }
+  std::vector<int64_t> plans, needs; // the engines built, and their workspaces
+  for (int64_t i = 0; i < graph->get_execution_plan_count(); ++i)
+    if (int64_t need = 0; graph->get_workspace_size_plan_at_index(i, need).is_good() && size_t(need) <= tuneBytes)
+      plans.push_back(i), needs.push_back(need);
+  int best = fastestCandidate(int(plans.size()), [&](int i) {
+    return graph->execute_plan_at_index(handle, pack, ws.p, plans[size_t(i)]).is_good();
+  }, ms);
+  plan = best < 0 ? -1 : plans[size_t(best)];
+  int64_t bytes = best < 0 ? 0 : needs[size_t(best)];
   if (plan < 0)
     return "none of the frontend's engines ran";
   if (std::getenv("LOOM_CUDNN_VERBOSE")) { // which engine, for measurements
