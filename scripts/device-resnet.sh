@@ -18,11 +18,16 @@
 # on the host (LOOM_RUN_STEP_TIMES=1), and writes graphed traces of one GPU's
 # and dp2's steps (LOOM_CUDA_TRACE_GRAPHS=1) to $OUT, then GPT-2 350M's dp2
 # the same way where its bundles are here (DPX_SIZES=32 or 128 picks the
-# images per GPU, 0 none); the runtime is built first
+# images per GPU, 0 none); LOOM_TUNING_CACHE defaults to
+# build-device/tuning-cache.json; the runtime is built first
 # either way (its ctest suite is scripts/device-build.sh's). QUICK=1 times
 # only the --target cuda bundles; SKIP_BUILD=1 uses build-device as it is.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# cuDNN's timed choices kept across this script's processes (and a warm
+# machine's later calls): each run starts without timing again.
+mkdir -p build-device
+export LOOM_TUNING_CACHE=${LOOM_TUNING_CACHE:-$PWD/build-device/tuning-cache.json}
 OUT=${OUT:-/tmp}
 LOG=$(mktemp -d)
 SECTIONS=${SECTIONS:-all}

@@ -11,6 +11,9 @@
 
 #include "runtime/src/cuda/CudnnConv.h"
 
+#include "loom/rt/Error.h"
+#include "runtime/src/TuningCache.h"
+
 #include <algorithm>
 #include <functional>
 #include <utility>
@@ -23,6 +26,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #endif
 
@@ -310,6 +314,32 @@ private:
 
 } // namespace
 
+/// What a kept choice (TuningCache) depends on: cuDNN's and its frontend's
+/// versions, the device, the pass, the dtypes and the geometry.
+std::string keptChoiceKey(const ConvGeometry &g, ConvPass pass, int device) {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    cudaGetLastError();
+    return "";
+  }
+  static const char *passes[] = {"forward", "grad-input", "grad-filter"};
+  return loom::rt::cat("conv2d ", passes[int(pass)], " | cudnn ", cudnnGetVersion(), " frontend ", frontendVersion(), " | ",
+             prop.name, " sm", prop.major, prop.minor, " | ", g.bf16 ? "bf16" : g.tf32 ? "f32 tf32" : "f32",
+             g.nhwc ? " nhwc" : " nchw", " | x ", g.n, "x", g.c, "x", g.h, "x", g.w, " filter ", g.o, "x",
+             g.c / g.groups, "x", g.kh, "x", g.kw, " y ", g.ho, "x", g.wo, " stride ", g.stride, " pad ", g.pad,
+             " groups ", g.groups);
+}
+
+/// `v[name]` as an integer in [lo, hi], else nullopt (a kept file is read
+/// as untrusted: a value out of range is timed again, not used).
+std::optional<int64_t> keptInt(const nlohmann::json &v, const char *name, int64_t lo, int64_t hi) {
+  auto it = v.find(name);
+  if (it == v.end() || !it->is_number_integer())
+    return std::nullopt;
+  int64_t x = it->get<int64_t>();
+  return x >= lo && x <= hi ? std::optional<int64_t>(x) : std::nullopt;
+}
+
 std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pass, const void *a, const void *b,
                                               std::string &why) {
   cudnnHandle_t handle = handleForCurrentDevice(why);
@@ -360,6 +390,42 @@ std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pa
   if (auto it = choices.find(key); it != choices.end()) {
     why = conv->apply(it->second);
   } else {
+    // A choice an earlier process timed (LOOM_TUNING_CACHE), used where it
+    // is still valid here; timed again otherwise.
+    TuningCache &cache = TuningCache::process();
+    std::string keptKey = keptChoiceKey(g, pass, device);
+    std::optional<nlohmann::json> kept = keptKey.empty() ? std::nullopt : cache.lookup(keptKey);
+    if (kept && kept->is_object()) {
+      auto api = kept->find("api");
+      std::string which = api != kept->end() && api->is_string() ? api->get<std::string>() : "";
+      auto engine = kept->find("engine");
+      auto plan = keptInt(*kept, "plan", 0, 1 << 20);
+      if (which == "graph" && tryGraph && plan && engine != kept->end() && engine->is_string()) {
+        EngineChoice ec{*plan, engine->get<std::string>()};
+        float ms = 0;
+        std::string graphWhy;
+        if (std::shared_ptr<Convolution> graph = buildGraphConvolution(g, pass, a, b, ms, graphWhy, ec)) {
+          graphs[key] = graph;
+          return std::make_unique<SharedConvolution>(graph);
+        }
+      }
+      int algoCount = pass == ConvPass::Forward     ? int(CUDNN_CONVOLUTION_FWD_ALGO_COUNT)
+                      : pass == ConvPass::GradInput ? int(CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT)
+                                                    : int(CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT);
+      auto algo = keptInt(*kept, "algo", 0, algoCount - 1);
+      auto math = keptInt(*kept, "math", CUDNN_DEFAULT_MATH, CUDNN_FMA_MATH);
+      auto bytes = keptInt(*kept, "workspace", 0, int64_t(1) << 30);
+      bool fmaOnly = !g.bf16 && !g.tf32;
+      if (which == "legacy" && algo && math && bytes && (!fmaOnly || *math == CUDNN_FMA_MATH)) {
+        Choice c{int(*algo), cudnnMathType_t(*math), size_t(*bytes), 0};
+        if (conv->apply(c).empty()) {
+          choices[key] = c;
+          if (tryGraph)
+            graphs[key] = nullptr;
+          return conv;
+        }
+      }
+    }
     int64_t outElements = pass == ConvPass::Forward     ? g.n * g.o * g.ho * g.wo
                           : pass == ConvPass::GradInput ? g.n * g.c * g.h * g.w
                                                         : g.o * (g.c / g.groups) * g.kh * g.kw;
@@ -381,7 +447,8 @@ std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pa
     if (tryGraph) {
       float graphMs = 0;
       std::string graphWhy;
-      std::shared_ptr<Convolution> graph = buildGraphConvolution(g, pass, a, b, graphMs, graphWhy);
+      EngineChoice ec;
+      std::shared_ptr<Convolution> graph = buildGraphConvolution(g, pass, a, b, graphMs, graphWhy, ec);
       bool faster = graph && (!why.empty() || graphMs < conv->chosen().ms);
       if (std::getenv("LOOM_CUDNN_VERBOSE"))
         std::fprintf(stderr, "  as a frontend graph: %s\n",
@@ -389,8 +456,15 @@ std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pa
       graphs[key] = faster ? graph : nullptr;
       if (faster) {
         why.clear();
+        if (!keptKey.empty())
+          cache.store(keptKey, {{"api", "graph"}, {"plan", ec.plan}, {"engine", ec.engine}, {"ms", graphMs}});
         return std::make_unique<SharedConvolution>(graph);
       }
+    }
+    if (why.empty() && !keptKey.empty()) {
+      const Choice &c = conv->chosen();
+      cache.store(keptKey, {{"api", "legacy"}, {"algo", c.algo}, {"math", int(c.math)}, {"workspace", c.workspace},
+                            {"ms", c.ms}});
     }
   }
   if (!why.empty()) {

@@ -64,8 +64,23 @@ std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pa
 /// null with the reason in `why` (no frontend in this build, no engine, a
 /// grouped convolution). buildConvolution weighs it against the legacy
 /// API's choice for bf16 convolutions.
+/// A frontend graph's engine: its index among the heuristics' plans and
+/// the engine's name (which the index must still name to be used again).
+struct EngineChoice {
+  int64_t plan = -1;
+  std::string engine;
+};
+
+/// With `choice.plan` >= 0 on entry, only that engine is built (no timing;
+/// null with the reason when the index no longer names `choice.engine`);
+/// otherwise every engine is timed and `choice` says which won.
 std::unique_ptr<Convolution> buildGraphConvolution(const ConvGeometry &g, ConvPass pass, const void *a,
-                                                   const void *b, float &ms, std::string &why);
+                                                   const void *b, float &ms, std::string &why,
+                                                   EngineChoice &choice);
+
+/// The cuDNN frontend's version (CUDNN_FRONTEND_VERSION), 0 without it: part
+/// of what a kept choice depends on.
+int frontendVersion();
 
 /// How long `launch` takes on the current device's default stream, in ms:
 /// one run to warm up, then the fastest of `rounds` rounds' means of `runs`

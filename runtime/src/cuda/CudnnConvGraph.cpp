@@ -29,10 +29,12 @@ namespace loom::rt::cudnn {
 #ifndef LOOM_HAVE_CUDNN_FRONTEND
 
 std::unique_ptr<Convolution> buildGraphConvolution(const ConvGeometry &, ConvPass, const void *, const void *,
-                                                   float &, std::string &why) {
+                                                   float &, std::string &why, EngineChoice &) {
   why = "this runtime was built without cuDNN's frontend headers";
   return nullptr;
 }
+
+int frontendVersion() { return 0; }
 
 #else
 
@@ -77,10 +79,10 @@ private:
   } while (0)
 
 /// Builds the graph of `g` and `pass` and times each of its engines on a
-/// and b (results into a scratch buffer), choosing the fastest; "" or why
-/// not.
+/// and b (results into a scratch buffer), choosing the fastest, or builds
+/// only the engine `choice` names when its plan is >= 0; "" or why not.
 std::string make(const ConvGeometry &g, ConvPass pass, const void *a, const void *b, cudnnHandle_t handle,
-                 std::shared_ptr<fe::graph::Graph> &out, int64_t &plan, size_t &workspace, float &ms) {
+                 std::shared_ptr<fe::graph::Graph> &out, EngineChoice &choice, size_t &workspace, float &ms) {
   auto graph = std::make_shared<fe::graph::Graph>();
   fe::DataType_t io = g.bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::FLOAT;
   graph->set_io_data_type(io).set_intermediate_data_type(fe::DataType_t::FLOAT).set_compute_data_type(
@@ -117,6 +119,18 @@ std::string make(const ConvGeometry &g, ConvPass pass, const void *a, const void
   LOOM_FE_TRY(graph->build_operation_graph(handle));
   LOOM_FE_TRY(graph->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}));
   LOOM_FE_TRY(graph->check_support(handle));
+  if (choice.plan >= 0) { // kept from an earlier process (TuningCache)
+    std::string name;
+    if (choice.plan >= graph->get_execution_plan_count() ||
+        graph->get_plan_name_at_index(choice.plan, name).is_bad() || name != choice.engine)
+      return "the kept engine " + choice.engine + " is not this cuDNN's plan " + std::to_string(choice.plan);
+    LOOM_FE_TRY(graph->build_plan_at_index(handle, choice.plan));
+    int64_t bytes = 0;
+    LOOM_FE_TRY(graph->get_workspace_size_plan_at_index(choice.plan, bytes));
+    out = graph;
+    workspace = size_t(bytes);
+    return "";
+  }
   LOOM_FE_TRY(graph->build_plans(handle, fe::BuildPlanPolicy_t::ALL));
   // Timed on the real operands into a scratch result. Device memory is
   // released whatever fails (the frontend may also throw).
@@ -140,16 +154,15 @@ std::string make(const ConvGeometry &g, ConvPass pass, const void *a, const void
   int best = fastestCandidate(int(plans.size()), [&](int i) {
     return graph->execute_plan_at_index(handle, pack, ws.p, plans[size_t(i)]).is_good();
   }, ms);
-  plan = best < 0 ? -1 : plans[size_t(best)];
-  int64_t bytes = best < 0 ? 0 : needs[size_t(best)];
-  if (plan < 0)
+  if (best < 0)
     return "none of the frontend's engines ran";
-  if (std::getenv("LOOM_CUDNN_VERBOSE")) { // which engine, for measurements
-    std::string name;
-    graph->get_plan_name_at_index(plan, name).is_good();
-    std::fprintf(stderr, "  frontend engine %s of %lld: %.4f ms\n", name.c_str(),
+  choice.plan = plans[size_t(best)];
+  int64_t bytes = needs[size_t(best)];
+  if (graph->get_plan_name_at_index(choice.plan, choice.engine).is_bad())
+    choice.engine.clear();
+  if (std::getenv("LOOM_CUDNN_VERBOSE")) // which engine, for measurements
+    std::fprintf(stderr, "  frontend engine %s of %lld: %.4f ms\n", choice.engine.c_str(),
                  (long long)graph->get_execution_plan_count(), ms);
-  }
   out = graph;
   workspace = size_t(bytes);
   return "";
@@ -157,8 +170,11 @@ std::string make(const ConvGeometry &g, ConvPass pass, const void *a, const void
 
 } // namespace
 
+int frontendVersion() { return CUDNN_FRONTEND_VERSION; }
+
 std::unique_ptr<Convolution> buildGraphConvolution(const ConvGeometry &g, ConvPass pass, const void *a,
-                                                   const void *b, float &ms, std::string &why) {
+                                                   const void *b, float &ms, std::string &why,
+                                                   EngineChoice &choice) {
   if (g.groups != 1) {
     why = "grouped convolutions take the legacy API";
     return nullptr;
@@ -167,16 +183,15 @@ std::unique_ptr<Convolution> buildGraphConvolution(const ConvGeometry &g, ConvPa
   if (!handle)
     return nullptr;
   std::shared_ptr<fe::graph::Graph> graph;
-  int64_t plan = -1;
   size_t workspace = 0;
   try {
-    why = make(g, pass, a, b, handle, graph, plan, workspace, ms);
+    why = make(g, pass, a, b, handle, graph, choice, workspace, ms);
   } catch (const std::exception &e) {
     why = std::string("cuDNN's frontend failed: ") + e.what();
   }
   if (!why.empty())
     return nullptr;
-  return std::make_unique<GraphConvolution>(handle, graph, plan, workspace);
+  return std::make_unique<GraphConvolution>(handle, graph, choice.plan, workspace);
 }
 
 #endif
