@@ -139,6 +139,16 @@ for b in resnet50-dp2-cuda-train resnet50-dp2-wire16-cuda-train gpt2-350m-plan-d
          gpt2-350m-plan-dp-2_mb-1_zero-0_wire-bf16; do
   [ -e "$R/$b.loom" ] && echo "$b: $($B/loom-run "$R/$b.loom" --backend cuda --steps 23 2>&1 | grep -E "trained|rror" | tail -1)"
 done
+# dp2 with the arena and workspaces from ncclMemAlloc, so that NCCL registers
+# them as it captures the graphs (LOOM_NCCL_REGISTER=1), beside the default;
+# the last loss of each, which should not move
+for b in resnet50-dp2-cuda-train gpt2-350m-plan-dp-2_mb-1_zero-0; do
+  [ -e "$R/$b.loom" ] || continue
+  for reg in 0 1; do
+    echo "$b, LOOM_NCCL_REGISTER=$reg: $(LOOM_NCCL_REGISTER=$reg $B/loom-run "$R/$b.loom" --backend cuda --steps 23 2>&1 |
+        grep -E "^step 23|trained|rror" | sed 's/  [0-9]* [a-z]*\/s  elapsed.*//' | tr '\n' ' ')"
+  done
+done
 for b in $R/gpt2-350m-plan-one.loom $R/gpt2-350m-plan-dp-2_mb-1_zero-0.loom; do
   [ -e "$b" ] || continue
   echo "== $(basename "$b" .loom): programs' and ranks' times"

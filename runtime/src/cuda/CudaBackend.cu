@@ -146,7 +146,9 @@ CudaBackendImpl::CudaBackendImpl(const RankProgram &rank, int device, NcclWorld 
   LOOM_CUBLAS_CHECK(cublasLtCreate(&lt));
   LOOM_CUBLAS_CHECK(cublasSetStream(blas, stream));
   size_t bytes = std::max<int64_t>(rank.arenaBytes, 256);
-  LOOM_CUDA_CHECK(cudaMalloc(&arena, bytes));
+  if (const char *e = std::getenv("LOOM_NCCL_REGISTER"); e && std::string(e) == "1")
+    sharedByNccl = world != nullptr;
+  arena = static_cast<char *>(allocShared(bytes));
   LOOM_CUDA_CHECK(cudaMemsetAsync(arena, 0, bytes, stream));
   LOOM_CUDA_CHECK(cudaMalloc(&errorWord, 3 * sizeof(long long)));
   LOOM_CUDA_CHECK(cudaMemsetAsync(errorWord, 0, 3 * sizeof(long long), stream));
@@ -202,12 +204,12 @@ CudaBackendImpl::~CudaBackendImpl() {
   }
   if (kernelsLibrary)
     cudaLibraryUnload(kernelsLibrary);
-  cudaFree(workspace);
-  cudaFree(commWorkspace);
+  freeShared(workspace);
+  freeShared(commWorkspace);
   cudaFree(argmaxOut);
   cudaFree(l2Flush);
   cudaFree(errorWord);
-  cudaFree(arena);
+  freeShared(arena);
   gemmPlans.clear();
   if (lt)
     cublasLtDestroy(lt);
@@ -420,14 +422,14 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
   if (commWorkspaceBytes > commWorkspaceAllocated) {
     dropGraphs(); // they hold the old workspace's address
     LOOM_CUDA_CHECK(cudaStreamSynchronize(commStream));
-    cudaFree(commWorkspace);
-    LOOM_CUDA_CHECK(cudaMalloc(&commWorkspace, commWorkspaceBytes));
+    freeShared(commWorkspace);
+    commWorkspace = static_cast<char *>(allocShared(commWorkspaceBytes));
     commWorkspaceAllocated = commWorkspaceBytes;
   }
   if (workspaceBytes > workspaceAllocated) {
     dropGraphs(); // they hold the old workspace's address
-    cudaFree(workspace);
-    LOOM_CUDA_CHECK(cudaMalloc(&workspace, workspaceBytes));
+    freeShared(workspace);
+    workspace = static_cast<char *>(allocShared(workspaceBytes));
     workspaceAllocated = workspaceBytes;
   }
   Graph &graph = graphs[program];

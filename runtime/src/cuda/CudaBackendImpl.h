@@ -461,6 +461,15 @@ private:
   static constexpr size_t kBlasWorkspace = 32 << 20;
   void *blasWorkspace = nullptr;
   char *arena = nullptr;
+  /// Device memory NCCL may read or write (the arena, both workspaces):
+  /// through ncclMemAlloc with LOOM_NCCL_REGISTER=1 where this rank has an
+  /// NCCL world, so that NCCL registers it when it captures a program's
+  /// graph (its user-buffer registration: transfers from and into our
+  /// buffers, not through its own); cudaMalloc otherwise. An experiment
+  /// for dp2's cost beside NCCL's kernels, not yet run on a GPU.
+  void *allocShared(size_t bytes);
+  void freeShared(void *p);
+  bool sharedByNccl = false;
   long long *errorWord = nullptr;
   char *workspace = nullptr;
   size_t workspaceBytes = 0, workspaceAllocated = 0;

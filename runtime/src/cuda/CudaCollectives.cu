@@ -213,6 +213,34 @@ __global__ void sqrtFloatKernel(float *x) { *x = sqrtf(*x); }
 
 } // namespace
 
+void *CudaBackendImpl::allocShared(size_t bytes) {
+  void *p = nullptr;
+  bytes = std::max<size_t>(bytes, 1);
+#ifdef LOOM_HAVE_NCCL
+  if (sharedByNccl) {
+    ncclResult_t r = ncclMemAlloc(&p, bytes);
+    if (r != ncclSuccess)
+      fail(LOOM_UNSUPPORTED, where, ": ncclMemAlloc of ", bytes, " bytes failed (", ncclGetErrorString(r),
+           ") with LOOM_NCCL_REGISTER=1; unset it to allocate with cudaMalloc");
+    return p;
+  }
+#endif
+  LOOM_CUDA_CHECK(cudaMalloc(&p, bytes));
+  return p;
+}
+
+void CudaBackendImpl::freeShared(void *p) {
+  if (!p)
+    return;
+#ifdef LOOM_HAVE_NCCL
+  if (sharedByNccl) {
+    ncclMemFree(p);
+    return;
+  }
+#endif
+  cudaFree(p);
+}
+
 std::pair<int64_t, int64_t> CudaBackendImpl::placeIn(const std::string &group) {
   auto g = rank.groups.find(group);
   if (g == rank.groups.end())
