@@ -18,7 +18,8 @@
 # on the host (LOOM_RUN_STEP_TIMES=1), and writes graphed traces of one GPU's
 # and dp2's steps (LOOM_CUDA_TRACE_GRAPHS=1) to $OUT, then GPT-2 350M's dp2
 # the same way where its bundles are here (DPX_SIZES=32 or 128 picks the
-# images per GPU, 0 none); LOOM_TUNING_CACHE defaults to
+# images per GPU, 0 none; DPX_ENVS lists settings to time dp2 under);
+# LOOM_TUNING_CACHE defaults to
 # build-device/tuning-cache.json; the runtime is built first
 # either way (its ctest suite is scripts/device-build.sh's). QUICK=1 times
 # only the --target cuda bundles; SKIP_BUILD=1 uses build-device as it is.
@@ -139,13 +140,14 @@ for b in resnet50-dp2-cuda-train resnet50-dp2-wire16-cuda-train gpt2-350m-plan-d
          gpt2-350m-plan-dp-2_mb-1_zero-0_wire-bf16; do
   [ -e "$R/$b.loom" ] && echo "$b: $($B/loom-run "$R/$b.loom" --backend cuda --steps 23 2>&1 | grep -E "trained|rror" | tail -1)"
 done
-# dp2 with the arena and workspaces from ncclMemAlloc, so that NCCL registers
-# them as it captures the graphs (LOOM_NCCL_REGISTER=1), beside the default;
-# the last loss of each, which should not move
+# dp2 under each setting of DPX_ENVS beside none (default: the arena and
+# workspaces from ncclMemAlloc so that NCCL registers them as it captures
+# the graphs; NCCL's intra-node transfers by copy engines), with the last
+# loss of each, which should not move.
 for b in resnet50-dp2-cuda-train gpt2-350m-plan-dp-2_mb-1_zero-0; do
   [ -e "$R/$b.loom" ] || continue
-  for reg in 0 1; do
-    echo "$b, LOOM_NCCL_REGISTER=$reg: $(LOOM_NCCL_REGISTER=$reg $B/loom-run "$R/$b.loom" --backend cuda --steps 23 2>&1 |
+  for setting in NONE=1 ${DPX_ENVS:-LOOM_NCCL_REGISTER=1 NCCL_P2P_USE_CUDA_MEMCPY=1}; do
+    echo "$b, $setting: $(env "$setting" $B/loom-run "$R/$b.loom" --backend cuda --steps 23 2>&1 |
         grep -E "^step 23|trained|rror" | sed 's/  [0-9]* [a-z]*\/s  elapsed.*//' | tr '\n' ' ')"
   done
 done
