@@ -316,23 +316,23 @@ private:
 
 /// What a kept choice (TuningCache) depends on: cuDNN's and its frontend's
 /// versions, the device, the pass, the dtypes and the geometry.
-std::string keptChoiceKey(const ConvGeometry &g, ConvPass pass, int device) {
+static std::string keptChoiceKey(const ConvGeometry &g, ConvPass pass, int device) {
   cudaDeviceProp prop{};
   if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
     cudaGetLastError();
     return "";
   }
   static const char *passes[] = {"forward", "grad-input", "grad-filter"};
-  return loom::rt::cat("conv2d ", passes[int(pass)], " | cudnn ", cudnnGetVersion(), " frontend ", frontendVersion(), " | ",
-             prop.name, " sm", prop.major, prop.minor, " | ", g.bf16 ? "bf16" : g.tf32 ? "f32 tf32" : "f32",
-             g.nhwc ? " nhwc" : " nchw", " | x ", g.n, "x", g.c, "x", g.h, "x", g.w, " filter ", g.o, "x",
-             g.c / g.groups, "x", g.kh, "x", g.kw, " y ", g.ho, "x", g.wo, " stride ", g.stride, " pad ", g.pad,
-             " groups ", g.groups);
+  return loom::rt::cat("conv2d ", passes[int(pass)], " | cudnn ", cudnnGetVersion(), " frontend ",
+                       frontendVersion(), " | ", prop.name, " sm", prop.major, prop.minor, " | ",
+                       g.bf16 ? "bf16" : g.tf32 ? "f32 tf32" : "f32", g.nhwc ? " nhwc" : " nchw", " | x ", g.n, "x",
+                       g.c, "x", g.h, "x", g.w, " filter ", g.o, "x", g.c / g.groups, "x", g.kh, "x", g.kw, " y ",
+                       g.ho, "x", g.wo, " stride ", g.stride, " pad ", g.pad, " groups ", g.groups);
 }
 
 /// `v[name]` as an integer in [lo, hi], else nullopt (a kept file is read
 /// as untrusted: a value out of range is timed again, not used).
-std::optional<int64_t> keptInt(const nlohmann::json &v, const char *name, int64_t lo, int64_t hi) {
+static std::optional<int64_t> keptInt(const nlohmann::json &v, const char *name, int64_t lo, int64_t hi) {
   auto it = v.find(name);
   if (it == v.end() || !it->is_number_integer())
     return std::nullopt;
@@ -353,8 +353,8 @@ std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pa
   ChoiceKey key{device, int(pass), g.bf16, g.tf32,
                 {g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.ho, g.wo, g.stride, g.pad, g.groups, int64_t(g.nhwc)}};
   // What was chosen, per device: each device's table has its own lock, so
-  // ranks on different GPUs time their convolutions at the same time (one
-  // lock for all doubled a dp2 process's start).
+  // ranks on different GPUs time their convolutions at the same time (with
+  // one lock for all they took turns).
   struct Table {
     std::mutex mutex;
     std::map<ChoiceKey, Choice> choices;

@@ -140,11 +140,13 @@ std::string make(const ConvGeometry &g, ConvPass pass, const void *a, const void
   } scratch, ws;
   size_t tuneBytes = size_t(std::max<int64_t>(graph->get_autotune_workspace_size(), 1));
   size_t outBytes = outElements * (g.bf16 ? 2 : 4);
-  if (cudaMalloc(&scratch.p, std::max<size_t>(outBytes, 1)) != cudaSuccess || cudaMalloc(&ws.p, tuneBytes) != cudaSuccess) {
+  if (cudaMalloc(&scratch.p, std::max<size_t>(outBytes, 1)) != cudaSuccess ||
+      cudaMalloc(&ws.p, tuneBytes) != cudaSuccess) {
     cudaGetLastError();
     return "out of device memory for timing cuDNN's convolution engines";
   }
-  std::unordered_map<int64_t, void *> pack = {{kA, const_cast<void *>(a)}, {kB, const_cast<void *>(b)}, {kOut, scratch.p}};
+  std::unordered_map<int64_t, void *> pack = {
+      {kA, const_cast<void *>(a)}, {kB, const_cast<void *>(b)}, {kOut, scratch.p}};
   if (cudnnStatus_t st = cudnnSetStream(handle, nullptr); st != CUDNN_STATUS_SUCCESS)
     return std::string("cudnnSetStream failed: ") + cudnnGetErrorString(st);
   std::vector<int64_t> plans, needs; // the engines built, and their workspaces
