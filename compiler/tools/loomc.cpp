@@ -343,6 +343,13 @@ std::unique_ptr<ModelFile> parseModelFile(const std::string &path) {
 
 /// The first training option out of its range, named; "" when all are fine.
 /// Infinities and NaNs (`--lr inf`, `--lr 1e400`) are out of every range.
+/// --grad-reduce's value (compile and plan): "bf16" sets `bf16`; false for
+/// anything but f32 or bf16.
+bool parseGradReduce(const std::string &value, bool &bf16) {
+  bf16 = value == "bf16";
+  return bf16 || value == "f32";
+}
+
 std::string checkTrainingOptions() {
   struct Range {
     const cl::opt<double> &option;
@@ -430,9 +437,9 @@ int runCompile() {
     return fail("--precision must be f32 or bf16, got '" + compilePrecision + "'");
   if (cuda && compilePrecision.getNumOccurrences() == 0)
     precision = ::loom::planner::Precision::Bf16;
-  if (trainGradReduce != "f32" && trainGradReduce != "bf16")
+  bool gradReduceBf16 = false;
+  if (!parseGradReduce(trainGradReduce, gradReduceBf16))
     return fail("--grad-reduce must be f32 or bf16, got '" + trainGradReduce + "'");
-  bool gradReduceBf16 = trainGradReduce == "bf16";
   if (gradReduceBf16 && (!compileTrain || precision != ::loom::planner::Precision::Bf16))
     return fail("--grad-reduce bf16 averages bf16 gradients: it needs --train and --precision bf16 "
                 "(or --target cuda)");
@@ -644,9 +651,8 @@ int runPlan() {
   costs.materializedAttention = planMaterialized;
   if (!::loom::planner::parsePrecision(planPrecision, costs.precision))
     return fail("--precision must be f32 or bf16, got '" + planPrecision + "'");
-  if (planGradReduce != "f32" && planGradReduce != "bf16")
+  if (!parseGradReduce(planGradReduce, costs.gradReduceBf16))
     return fail("--grad-reduce must be f32 or bf16, got '" + planGradReduce + "'");
-  costs.gradReduceBf16 = planGradReduce == "bf16";
   if (costs.gradReduceBf16 && costs.precision != ::loom::planner::Precision::Bf16)
     return fail("--grad-reduce bf16 averages bf16 gradients: it needs --precision bf16");
   if (!planProfile.empty() && !::loom::planner::loadProfile(planProfile, costs, cluster, error))

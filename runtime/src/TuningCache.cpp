@@ -2,13 +2,12 @@
 
 #include "runtime/src/TuningCache.h"
 
-#include "loom/rt/Safetensors.h" // writeFileAtomically
+#include "loom/rt/Error.h"
+#include "loom/rt/Safetensors.h" // readWholeFile, writeFileAtomically
 
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 namespace loom::rt {
 
@@ -31,14 +30,14 @@ std::optional<nlohmann::json> TuningCache::read(std::string &whyNot) const {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec) && !ec)
     return nlohmann::json::object(); // a new cache
-  std::ifstream in(path, std::ios::binary);
-  if (!in || !std::filesystem::is_regular_file(path, ec)) {
-    whyNot = "cannot read the tuning cache '" + path + "'; it is not used";
+  std::vector<char> text;
+  try {
+    text = readWholeFile(path);
+  } catch (const Error &e) {
+    whyNot = std::string(e.what()) + "; the tuning cache is not used";
     return std::nullopt;
   }
-  std::stringstream text;
-  text << in.rdbuf();
-  nlohmann::json doc = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  nlohmann::json doc = nlohmann::json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded() || !doc.is_object() || doc.value("format", "") != kFormat || !doc.contains("entries") ||
       !doc["entries"].is_object()) {
     whyNot = "'" + path + "' is not a Loom tuning cache (a JSON document with \"format\": \"" + kFormat +

@@ -146,8 +146,7 @@ CudaBackendImpl::CudaBackendImpl(const RankProgram &rank, int device, NcclWorld 
   LOOM_CUBLAS_CHECK(cublasLtCreate(&lt));
   LOOM_CUBLAS_CHECK(cublasSetStream(blas, stream));
   size_t bytes = std::max<int64_t>(rank.arenaBytes, 256);
-  if (const char *e = std::getenv("LOOM_NCCL_REGISTER"); e && std::string(e) == "1")
-    sharedByNccl = world != nullptr;
+  sharedByNccl = world != nullptr && envIs("LOOM_NCCL_REGISTER", "1");
   arena = static_cast<char *>(allocShared(bytes));
   LOOM_CUDA_CHECK(cudaMemsetAsync(arena, 0, bytes, stream));
   LOOM_CUDA_CHECK(cudaMalloc(&errorWord, 3 * sizeof(long long)));

@@ -312,19 +312,45 @@ private:
   std::shared_ptr<Convolution> impl;
 };
 
-} // namespace
+/// What was chosen on one device. Each device has its own table and lock,
+/// so ranks on different GPUs time their convolutions at the same time
+/// (with one lock for all they took turns).
+struct Table {
+  std::mutex mutex;
+  std::map<ChoiceKey, Choice> choices;
+  // bf16: the frontend graph where it timed faster than the legacy choice
+  // (null: the legacy one), shared by every convolution of the shape.
+  std::map<ChoiceKey, std::shared_ptr<Convolution>> graphs;
+  // Shapes neither way could run, with the reason: not timed again.
+  std::map<ChoiceKey, std::string> failures;
+  // What a kept choice (TuningCache) depends on besides the pass and the
+  // shape: cuDNN's and its frontend's versions and the device's name; ""
+  // when the device cannot be described (nothing is kept then).
+  std::string keptDevice;
+};
 
-/// What a kept choice (TuningCache) depends on: cuDNN's and its frontend's
-/// versions, the device, the pass, the dtypes and the geometry.
-static std::string keptChoiceKey(const ConvGeometry &g, ConvPass pass, int device) {
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
-    cudaGetLastError();
-    return "";
+Table &tableOf(int device) {
+  static std::mutex tablesMutex;
+  static std::map<int, std::unique_ptr<Table>> tables;
+  std::lock_guard<std::mutex> lock(tablesMutex);
+  std::unique_ptr<Table> &t = tables[device];
+  if (!t) {
+    t = std::make_unique<Table>();
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, device) == cudaSuccess)
+      t->keptDevice = loom::rt::cat("cudnn ", cudnnGetVersion(), " frontend ", frontendVersion(), " | ", prop.name,
+                                    " sm", prop.major, prop.minor);
+    else
+      cudaGetLastError();
   }
+  return *t;
+}
+
+/// The key of a kept choice: the device's part, the pass, the dtypes and
+/// the geometry.
+std::string keptChoiceKey(const std::string &device, const ConvGeometry &g, ConvPass pass) {
   static const char *passes[] = {"forward", "grad-input", "grad-filter"};
-  return loom::rt::cat("conv2d ", passes[int(pass)], " | cudnn ", cudnnGetVersion(), " frontend ",
-                       frontendVersion(), " | ", prop.name, " sm", prop.major, prop.minor, " | ",
+  return loom::rt::cat("conv2d ", passes[int(pass)], " | ", device, " | ",
                        g.bf16 ? "bf16" : g.tf32 ? "f32 tf32" : "f32", g.nhwc ? " nhwc" : " nchw", " | x ", g.n, "x",
                        g.c, "x", g.h, "x", g.w, " filter ", g.o, "x", g.c / g.groups, "x", g.kh, "x", g.kw, " y ",
                        g.ho, "x", g.wo, " stride ", g.stride, " pad ", g.pad, " groups ", g.groups);
@@ -332,13 +358,61 @@ static std::string keptChoiceKey(const ConvGeometry &g, ConvPass pass, int devic
 
 /// `v[name]` as an integer in [lo, hi], else nullopt (a kept file is read
 /// as untrusted: a value out of range is timed again, not used).
-static std::optional<int64_t> keptInt(const nlohmann::json &v, const char *name, int64_t lo, int64_t hi) {
+std::optional<int64_t> keptInt(const nlohmann::json &v, const char *name, int64_t lo, int64_t hi) {
   auto it = v.find(name);
   if (it == v.end() || !it->is_number_integer())
     return std::nullopt;
   int64_t x = it->get<int64_t>();
   return x >= lo && x <= hi ? std::optional<int64_t>(x) : std::nullopt;
 }
+
+/// The convolution an earlier process chose (`kept`, from the tuning
+/// cache), where it is still valid here: a frontend graph's engine rebuilt
+/// (bf16 with graphs wanted), or the legacy API's algorithm applied to
+/// `conv`; recorded in `t` under `key`. Null when it is not usable (the
+/// shape is then timed again).
+std::unique_ptr<Convolution> useKept(Table &t, const ChoiceKey &key, const nlohmann::json &kept,
+                                     const ConvGeometry &g, ConvPass pass, const void *a, const void *b,
+                                     bool tryGraph, std::unique_ptr<CudnnConvolution> &conv) {
+  if (!kept.is_object())
+    return nullptr;
+  auto api = kept.find("api");
+  std::string which = api != kept.end() && api->is_string() ? api->get<std::string>() : "";
+  if (which == "graph" && tryGraph) {
+    auto engine = kept.find("engine");
+    auto plan = keptInt(kept, "plan", 0, 1 << 20);
+    if (!plan || engine == kept.end() || !engine->is_string())
+      return nullptr;
+    EngineChoice ec{*plan, engine->get<std::string>()};
+    float ms = 0;
+    std::string why;
+    std::shared_ptr<Convolution> graph = buildGraphConvolution(g, pass, a, b, ms, why, ec);
+    if (!graph)
+      return nullptr;
+    t.graphs[key] = graph;
+    return std::make_unique<SharedConvolution>(graph);
+  }
+  if (which != "legacy")
+    return nullptr;
+  int algoCount = pass == ConvPass::Forward     ? int(CUDNN_CONVOLUTION_FWD_ALGO_COUNT)
+                  : pass == ConvPass::GradInput ? int(CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT)
+                                                : int(CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT);
+  auto algo = keptInt(kept, "algo", 0, algoCount - 1);
+  auto math = keptInt(kept, "math", CUDNN_DEFAULT_MATH, CUDNN_FMA_MATH);
+  auto bytes = keptInt(kept, "workspace", 0, int64_t(1) << 30);
+  bool fmaOnly = !g.bf16 && !g.tf32;
+  if (!algo || !math || !bytes || (fmaOnly && *math != CUDNN_FMA_MATH))
+    return nullptr;
+  Choice c{int(*algo), cudnnMathType_t(*math), size_t(*bytes), 0};
+  if (!conv->apply(c).empty())
+    return nullptr;
+  t.choices[key] = c;
+  if (tryGraph)
+    t.graphs[key] = nullptr;
+  return std::move(conv);
+}
+
+} // namespace
 
 std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pass, const void *a, const void *b,
                                               std::string &why) {
@@ -352,29 +426,8 @@ std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pa
   cudaGetDevice(&device);
   ChoiceKey key{device, int(pass), g.bf16, g.tf32,
                 {g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.ho, g.wo, g.stride, g.pad, g.groups, int64_t(g.nhwc)}};
-  // What was chosen, per device: each device's table has its own lock, so
-  // ranks on different GPUs time their convolutions at the same time (with
-  // one lock for all they took turns).
-  struct Table {
-    std::mutex mutex;
-    std::map<ChoiceKey, Choice> choices;
-    // bf16: the frontend graph where it timed faster than the legacy choice
-    // (null: the legacy one), shared by every convolution of the shape.
-    std::map<ChoiceKey, std::shared_ptr<Convolution>> graphs;
-    // Shapes neither way could run, with the reason: not timed again.
-    std::map<ChoiceKey, std::string> failures;
-  };
-  static std::mutex tablesMutex;
-  static std::map<int, std::unique_ptr<Table>> tables;
-  Table *table = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(tablesMutex);
-    auto &t = tables[device];
-    if (!t)
-      t = std::make_unique<Table>();
-    table = t.get();
-  }
-  auto &[mutex, choices, graphs, failures] = *table;
+  Table &table = tableOf(device);
+  auto &[mutex, choices, graphs, failures, keptDevice] = table;
   std::lock_guard<std::mutex> lock(mutex);
   static const bool graphsWanted = [] {
     const char *e = std::getenv("LOOM_CUDNN_CONV_GRAPH");
@@ -393,39 +446,10 @@ std::unique_ptr<Convolution> buildConvolution(const ConvGeometry &g, ConvPass pa
     // A choice an earlier process timed (LOOM_TUNING_CACHE), used where it
     // is still valid here; timed again otherwise.
     TuningCache &cache = TuningCache::process();
-    std::string keptKey = keptChoiceKey(g, pass, device);
-    std::optional<nlohmann::json> kept = keptKey.empty() ? std::nullopt : cache.lookup(keptKey);
-    if (kept && kept->is_object()) {
-      auto api = kept->find("api");
-      std::string which = api != kept->end() && api->is_string() ? api->get<std::string>() : "";
-      auto engine = kept->find("engine");
-      auto plan = keptInt(*kept, "plan", 0, 1 << 20);
-      if (which == "graph" && tryGraph && plan && engine != kept->end() && engine->is_string()) {
-        EngineChoice ec{*plan, engine->get<std::string>()};
-        float ms = 0;
-        std::string graphWhy;
-        if (std::shared_ptr<Convolution> graph = buildGraphConvolution(g, pass, a, b, ms, graphWhy, ec)) {
-          graphs[key] = graph;
-          return std::make_unique<SharedConvolution>(graph);
-        }
-      }
-      int algoCount = pass == ConvPass::Forward     ? int(CUDNN_CONVOLUTION_FWD_ALGO_COUNT)
-                      : pass == ConvPass::GradInput ? int(CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT)
-                                                    : int(CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT);
-      auto algo = keptInt(*kept, "algo", 0, algoCount - 1);
-      auto math = keptInt(*kept, "math", CUDNN_DEFAULT_MATH, CUDNN_FMA_MATH);
-      auto bytes = keptInt(*kept, "workspace", 0, int64_t(1) << 30);
-      bool fmaOnly = !g.bf16 && !g.tf32;
-      if (which == "legacy" && algo && math && bytes && (!fmaOnly || *math == CUDNN_FMA_MATH)) {
-        Choice c{int(*algo), cudnnMathType_t(*math), size_t(*bytes), 0};
-        if (conv->apply(c).empty()) {
-          choices[key] = c;
-          if (tryGraph)
-            graphs[key] = nullptr;
-          return conv;
-        }
-      }
-    }
+    std::string keptKey = keptDevice.empty() ? "" : keptChoiceKey(keptDevice, g, pass);
+    if (std::optional<nlohmann::json> kept = keptKey.empty() ? std::nullopt : cache.lookup(keptKey))
+      if (std::unique_ptr<Convolution> used = useKept(table, key, *kept, g, pass, a, b, tryGraph, conv))
+        return used;
     int64_t outElements = pass == ConvPass::Forward     ? g.n * g.o * g.ho * g.wo
                           : pass == ConvPass::GradInput ? g.n * g.c * g.h * g.w
                                                         : g.o * (g.c / g.groups) * g.kh * g.kw;
