@@ -355,6 +355,12 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     std::string kind = ins.attrs.value("reduction", std::string("sum"));
     ncclRedOp_t red = kind == "max" ? ncclMax : kind == "mean" ? ncclAvg : ncclSum;
     ncclComm_t comm = commOf(group);
+    // LOOM_CUDA_COLLECTIVES=skip, a measurement only: gradient buckets are
+    // not exchanged (each rank keeps its own and the ranks' weights drift
+    // apart), to time what data parallelism costs besides its transfers.
+    static const bool skipBuckets = envIs("LOOM_CUDA_COLLECTIVES", "skip");
+    if (skipBuckets && asyncCollective(ins))
+      comm = nullptr;
     bool widens = false, f32 = true;
     for (size_t i = 0; i < ins.in.size(); ++i) {
       widens |= buf(ins.in[i]).dtype != buf(ins.out[i]).dtype;
