@@ -140,13 +140,13 @@ for b in resnet50-dp2-cuda-train resnet50-dp2-wire16-cuda-train gpt2-350m-plan-d
          gpt2-350m-plan-dp-2_mb-1_zero-0_wire-bf16; do
   [ -e "$R/$b.loom" ] && echo "$b: $($B/loom-run "$R/$b.loom" --backend cuda --steps 23 2>&1 | grep -E "trained|rror" | tail -1)"
 done
-# dp2 under each setting of DPX_ENVS beside none (default: the arena and
-# workspaces from ncclMemAlloc so that NCCL registers them as it captures
-# the graphs; NCCL's intra-node transfers by copy engines), with the last
-# loss of each, which should not move.
+# dp2 under each setting of DPX_ENVS beside none (default: the buckets not
+# exchanged, what dp2 costs besides its transfers, where the loss is each
+# rank's own; the arena and workspaces from ncclMemAlloc so that NCCL
+# registers them as it captures the graphs), with the last loss of each.
 for b in resnet50-dp2-cuda-train gpt2-350m-plan-dp-2_mb-1_zero-0; do
   [ -e "$R/$b.loom" ] || continue
-  for setting in NONE=1 ${DPX_ENVS:-LOOM_NCCL_REGISTER=1 NCCL_P2P_USE_CUDA_MEMCPY=1}; do
+  for setting in NONE=1 ${DPX_ENVS:-LOOM_CUDA_COLLECTIVES=skip LOOM_NCCL_REGISTER=1}; do
     echo "$b, $setting: $(env "$setting" $B/loom-run "$R/$b.loom" --backend cuda --steps 23 2>&1 |
         grep -E "^step 23|trained|rror" | sed 's/  [0-9]* [a-z]*\/s  elapsed.*//' | tr '\n' ' ')"
   done
