@@ -1,6 +1,6 @@
 //===- Bf16StepCasts.cpp - Fewer, earlier bf16 casts in a training step ---===//
 //
-// The loom-bf16-step-casts pass: six rewrites of mixed-precision training
+// The loom-bf16-step-casts pass: seven rewrites of mixed-precision training
 // steps, applied in this order to every rank.
 //
 //===----------------------------------------------------------------------===//
@@ -199,6 +199,74 @@ int64_t bucketsWidenBf16Gradients(rt::RankProgram &r) {
   return changed;
 }
 
+/// --grad-reduce bf16: a bucket whose bf16 gradients are widened into f32
+/// means that only the update reads (the clipping norm and the optimizer,
+/// which read bf16 gradients as well) averages them in place instead, as
+/// bf16, and the update reads the bf16 means: the same values (a bf16 mean
+/// widens exactly), without the f32 copies, their memory, or a kernel
+/// widening each bucket beside the backward (ResNet-50: 25.6M gradients a
+/// step, 102 MB written). A bucket is rewritten whole or not at all: each
+/// of its tensors is then f32 or bf16 in place.
+int64_t bucketsAverageBf16InPlace(rt::RankProgram &r) {
+  if (!r.programs.count("update"))
+    return 0;
+  auto root = [&](int64_t id) { return rt::storageOf(r, id); };
+  auto [reads, writes, readIn] = accessesOf(r);
+  std::set<int64_t> kept = keptBuffers(r), viewed = viewedBuffers(r);
+  // Who reads each f32 mean: only the update's norm and optimizer may.
+  std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readers;
+  for (const auto &[name, list] : r.programs)
+    for (size_t i = 0; i < list.size(); ++i)
+      for (int64_t id : list[i].in)
+        readers[id].push_back({name, i});
+  std::set<int64_t> outputs;
+  for (const rt::NamedBuffer &nb : r.outputs)
+    outputs.insert(nb.buffer);
+  std::map<int64_t, rt::Parameter *> paramOfGrad;
+  for (rt::Parameter &p : r.params)
+    if (p.grad >= 0)
+      paramOfGrad[p.grad] = &p;
+  int64_t changed = 0;
+  for (auto &[name, list] : r.programs)
+    for (rt::Instruction &ins : list) {
+      if (ins.op != "all_reduce" || ins.in.size() != ins.out.size() || !flagAttr(ins, "async"))
+        continue;
+      bool eligible = true, widens = false;
+      for (size_t i = 0; i < ins.in.size() && eligible; ++i) {
+        int64_t in = ins.in[i], out = ins.out[i];
+        if (in == out) { // already in place: f32 (a sum over stages or microbatches)
+          eligible = r.buffers[in].dtype == LOOM_F32;
+          continue;
+        }
+        widens = true;
+        const rt::Buffer &ib = r.buffers[in], &ob = r.buffers[out];
+        eligible = ib.dtype == LOOM_BF16 && ob.dtype == LOOM_F32 && ib.shape == ob.shape && ob.viewOf < 0 &&
+                   !viewed.count(out) && !outputs.count(out) && writes[out] == 1 && paramOfGrad.count(out) &&
+                   reads[in] == 1 && writes[root(in)] == 1 && !kept.count(in) && !kept.count(root(in));
+        for (auto [program, at] : readers[out]) {
+          const std::string &op = r.programs[program][at].op;
+          eligible &= program == "update" && (op == "global_norm" || op == "adamw" || op == "sgd");
+        }
+      }
+      if (!eligible || !widens)
+        continue;
+      for (size_t i = 0; i < ins.in.size(); ++i) {
+        int64_t in = ins.in[i], out = ins.out[i];
+        if (in == out)
+          continue;
+        for (auto [program, at] : readers[out])
+          for (int64_t &id : r.programs[program][at].in)
+            if (id == out)
+              id = in;
+        paramOfGrad[out]->grad = in;
+        ins.out[i] = in;
+      }
+      ins.attrs.erase("wire");
+      ++changed;
+    }
+  return changed;
+}
+
 /// --grad-reduce bf16: each bucket that widens bf16 gradients averages
 /// them as bf16 on the wire ("wire" = "bf16"), half the bytes; its f32
 /// inputs stay f32.
@@ -343,8 +411,10 @@ struct Bf16StepCastsPass : mlir::loom::impl::Bf16StepCastsBase<Bf16StepCastsPass
       optimizerReadsBf16Gradients(rank.program);
       addsReadBf16Gradients(rank.program);
       bucketsWidenBf16Gradients(rank.program);
-      if (reduceBf16)
+      if (reduceBf16) {
+        bucketsAverageBf16InPlace(rank.program);
         bucketsReduceInBf16(rank.program);
+      }
       firstAccumulationsCast(rank.program);
       hoistParameterCasts(rank.program);
     };

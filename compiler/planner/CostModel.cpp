@@ -101,7 +101,8 @@ bool parsePrecision(const std::string &text, Precision &out) { return parseIn(kP
 
 double activationWidth(Precision p) { return p == Precision::F32 ? 4.0 : 2.0; }
 
-ParameterBytes parameterBytes(Precision precision, int zeroStage, int64_t dp, int64_t microbatches) {
+ParameterBytes parameterBytes(Precision precision, int zeroStage, int64_t dp, int64_t microbatches,
+                              bool gradReduceBf16) {
   ParameterBytes bytes;
   double adam = 8.0; // f32 m and v
   if (zeroStage >= 1)
@@ -113,8 +114,11 @@ ParameterBytes parameterBytes(Precision precision, int zeroStage, int64_t dp, in
   bytes.persistent = 4.0 + adam + masterSlice;
   bytes.workingCopy = bf16 ? 2.0 : 0.0;
   // passes/Bf16StepCasts.cpp leaves a gradient in bf16 where the optimizer
-  // is its only reader: no all-reduce, no sum over microbatches.
-  bytes.gradient = bf16 && dp <= 1 && microbatches <= 1 ? 2.0 : 4.0;
+  // is its only reader: no sum over microbatches, and no all-reduce, or
+  // one that averages it in place as bf16 (--grad-reduce bf16 without
+  // ZeRO-1).
+  bool averagedInPlace = dp <= 1 || (gradReduceBf16 && zeroStage == 0);
+  bytes.gradient = bf16 && averagedInPlace && microbatches <= 1 ? 2.0 : 4.0;
   bytes.newGradient = activationWidth(precision);
   return bytes;
 }

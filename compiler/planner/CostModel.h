@@ -82,7 +82,8 @@ struct ParameterBytes {
   /// before a step of several microbatches adds it to the f32 accumulator.
   double newGradient = 0;
 };
-ParameterBytes parameterBytes(Precision precision, int zeroStage, int64_t dp, int64_t microbatches);
+ParameterBytes parameterBytes(Precision precision, int zeroStage, int64_t dp, int64_t microbatches,
+                              bool gradReduceBf16 = false);
 
 } // namespace loom::planner
 

@@ -425,7 +425,7 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     }
     s.forwardTime += forward, s.backwardTime += backward, s.weightGradTime += weightGrad;
   }
-  ParameterBytes perParam = parameterBytes(options.precision, plan.zero, d, m);
+  ParameterBytes perParam = parameterBytes(options.precision, plan.zero, d, m, options.gradReduceBf16);
   double slowest = 0, slowestCompute = 0, slowestTp = 0, slowestForward = 0, slowestWeight = 0;
   for (int64_t st = 0; st < p; ++st) {
     StagePlan &s = plan.stages[st];

@@ -6,8 +6,8 @@
 // and reduced in place. Over a group of one rank the mean is
 // the tensor itself, so the outputs must be exactly the inputs, widened:
 // this checks the packing, the widening and the offsets of tensors of odd
-// sizes, synchronously and on the communication stream, and averaged as
-// bf16 ("wire": "bf16"). (The reduction
+// sizes, synchronously and on the communication stream, averaged as
+// bf16 ("wire": "bf16"), and bf16 tensors reduced in place. (The reduction
 // over two GPUs is checked by training dp2 bundles against the CPU:
 // scripts/device-resnet.sh.)
 //
@@ -37,7 +37,7 @@ bool haveGpu() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
-void bucket(bool async, const char *packed, const char *wire = "f32") {
+void bucket(bool async, const char *packed, const char *wire = "f32", bool bf16InPlace = false) {
   setenv("LOOM_CUDA_BUCKET_PACKED", packed, 1);
   loom::rt::test::ProgramBuilder p;
   // (elements, input dtype): in place where f32, widened into a new f32 buffer where bf16.
@@ -50,7 +50,7 @@ void bucket(bool async, const char *packed, const char *wire = "f32") {
   for (auto [n, dt] : tensors) {
     int64_t in = p.add({n}, dt, "g");
     reduce.in.push_back(in);
-    reduce.out.push_back(dt == LOOM_F32 ? in : p.add({n}, LOOM_F32, "m"));
+    reduce.out.push_back(dt == LOOM_F32 || bf16InPlace ? in : p.add({n}, LOOM_F32, "m"));
   }
   std::vector<Instruction> program = {reduce};
   if (async) {
@@ -74,7 +74,14 @@ void bucket(bool async, const char *packed, const char *wire = "f32") {
     const Buffer &in = r.buffers[reduce.in[t]], &out = r.buffers[reduce.out[t]];
     int64_t n = tensors[t].first;
     std::vector<float> got(n);
-    gpu->download(out, got.data());
+    if (out.dtype == LOOM_BF16) { // reduced in place
+      std::vector<uint16_t> bits(n);
+      gpu->download(out, bits.data());
+      for (int64_t i = 0; i < n; ++i)
+        got[i] = bf16ToFloat(bits[i]);
+    } else {
+      gpu->download(out, got.data());
+    }
     for (int64_t i = 0; i < n; ++i) {
       float want = in.dtype == LOOM_BF16 ? bf16ToFloat(reinterpret_cast<const uint16_t *>(inputs[t].data())[i])
                                          : reinterpret_cast<const float *>(inputs[t].data())[i];
@@ -114,6 +121,15 @@ TEST(CudaCollectives, BucketAveragedInBf16) {
   if (!haveGpu())
     GTEST_SKIP() << "no CUDA device";
   bucket(/*async=*/true, "1", "bf16");
+}
+
+// loomc compile --grad-reduce bf16 where only the update reads the means
+// (loom-bf16-step-casts): the bf16 gradients averaged in place, as bf16,
+// beside f32 ones in place, one NCCL call a tensor in one group.
+TEST(CudaCollectives, Bf16GradientsAveragedInPlace) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  bucket(/*async=*/true, "1", "f32", /*bf16InPlace=*/true);
 }
 
 // A data-parallel step: the backward issues its bucket on the communication

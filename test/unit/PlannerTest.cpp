@@ -62,6 +62,10 @@ TEST(CostModel, ParameterBytesAsTheCompilerKeepsThem) {
   // One replica, one microbatch: only the optimizer reads the gradient, in bf16.
   EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 0, 1, 1).gradient, 2.0);
   EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 0, 1, 4).gradient, 4.0); // an accumulator
+  EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 0, 2, 1).gradient, 4.0);       // averaged in f32
+  EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 0, 2, 1, true).gradient, 2.0); // in place, as bf16
+  EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 1, 2, 1, true).gradient, 4.0); // ZeRO-1's slices
+  EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 0, 2, 2, true).gradient, 4.0); // an accumulator
   ParameterBytes f32 = parameterBytes(Precision::F32, 0, 1, 1);
   EXPECT_DOUBLE_EQ(f32.persistent, 12.0);
   EXPECT_DOUBLE_EQ(f32.workingCopy, 0.0);

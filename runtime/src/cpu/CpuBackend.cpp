@@ -203,6 +203,13 @@ CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &
     }
     cpu::Ctx ctx{ins, rank, arena, pool, where, widened, comm, async};
     std::function<void()> kernel = it->second(ctx);
+    // An "async" collective only hands its work to the communication thread.
+    bool queues = async && ins.attrs.is_object() && ins.attrs.value("async", false);
+    // An async all-reduce's results are not there yet when it returns: it
+    // writes its bf16 ones (means reduced in place) to their storage
+    // itself, when it has them.
+    if (queues && ins.op == "all_reduce")
+      narrow.clear();
     if (!widened.empty())
       kernel = [kernel, widen, narrow] {
         for (const Copy &c : widen)
@@ -213,8 +220,6 @@ CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &
           for (int64_t e = 0; e < c.count; ++e)
             reinterpret_cast<uint16_t *>(c.bf16)[e] = floatToBf16(c.f32[e]);
       };
-    // An "async" collective only hands its work to the communication thread.
-    bool queues = async && ins.attrs.is_object() && ins.attrs.value("async", false);
     steps.push_back(Step{where, ins.op, std::move(kernel), queues});
   }
 }

@@ -31,7 +31,8 @@ Kernel buildAllReduce(const Ctx &c) {
   // One buffer, synchronously; an async one (a bucket of one, which may
   // widen a bf16 gradient into its f32 mean) goes the bucket's way, on the
   // communication thread: never beside an earlier bucket still in flight.
-  if (c.ins.in.size() == 1 && !(c.attrFlag("async") && c.async)) {
+  bool bf16InPlace = c.ins.in.size() == 1 && c.ins.in[0] == c.ins.out[0] && c.in(0).dtype == LOOM_BF16;
+  if (c.ins.in.size() == 1 && !(c.attrFlag("async") && c.async) && !bf16InPlace) {
     c.needF32(c.in(0)), c.needF32(c.out());
     c.sameShape(c.in(0), c.out());
     float *in = c.f32(c.in(0)), *out = c.f32(c.out());
@@ -42,41 +43,53 @@ Kernel buildAllReduce(const Ctx &c) {
       comm->allReduce(static_cast<int>(rank), group, out, n, op);
     };
   }
-  // A bucket reduces f32 tensors in place, or bf16 ones into f32 outputs
-  // (the gradients' casts folded into their all-reduce; the backend has
-  // already widened a bf16 input into the collective's own f32 copy).
+  // A bucket reduces f32 or bf16 tensors in place, or bf16 ones into f32
+  // outputs (the gradients' casts folded into their all-reduce; the backend
+  // has already widened a bf16 input into the collective's own f32 copy).
   // "wire" = "bf16" (loomc compile --grad-reduce bf16): a bf16 input's mean
-  // is rounded to bf16, as averaging it in bf16 leaves it, then widened.
+  // is rounded to bf16, as averaging it in bf16 leaves it, then widened; a
+  // bf16 tensor reduced in place holds its mean rounded to bf16 alike.
   std::string wire = attrString(c, "wire", "f32");
   if (wire != "f32" && wire != "bf16")
     c.bad("wire must be f32 or bf16, got '" + wire + "'");
-  std::vector<std::tuple<const float *, float *, int64_t, bool>> parts;
+  // (input, output, count, whether the mean is rounded to bf16, and the
+  // bf16 storage of a tensor reduced in place, which the reduction writes
+  // itself: an async one's results are not narrowed after it returns).
+  std::vector<std::tuple<const float *, float *, int64_t, bool, uint16_t *>> parts;
   int64_t total = 0;
   for (size_t i = 0; i < c.ins.in.size(); ++i) {
     const Buffer &in = c.in(i), &out = c.out(i);
-    if (c.ins.in[i] == c.ins.out[i])
-      c.needF32(in);
-    else if (out.dtype != LOOM_F32 || (in.dtype != LOOM_F32 && in.dtype != LOOM_BF16))
+    bool inPlace = c.ins.in[i] == c.ins.out[i];
+    if (inPlace) {
+      if (in.dtype != LOOM_F32 && in.dtype != LOOM_BF16)
+        c.bad("reduces f32 or bf16 tensors; tensor " + std::to_string(i) + " is " + dtypeName(in.dtype));
+    } else if (out.dtype != LOOM_F32 || (in.dtype != LOOM_F32 && in.dtype != LOOM_BF16)) {
       c.bad("reduces f32 or bf16 tensors into f32 ones; tensor " + std::to_string(i) + " is " +
             dtypeName(in.dtype) + " into " + dtypeName(out.dtype));
-    else
+    } else {
       c.sameShape(in, out);
-    parts.push_back({c.f32(in), c.f32(out), count(in.shape), wire == "bf16" && in.dtype == LOOM_BF16});
+    }
+    bool roundsToBf16 = in.dtype == LOOM_BF16 && (wire == "bf16" || inPlace);
+    uint16_t *storage = inPlace && in.dtype == LOOM_BF16 ? c.ptr<uint16_t>(in) : nullptr;
+    parts.push_back({c.f32(in), c.f32(out), count(in.shape), roundsToBf16, storage});
     total += count(in.shape);
   }
   auto reduce = [=] {
     std::vector<float> bucket(static_cast<size_t>(total));
     float *p = bucket.data();
-    for (auto [in, out, n, bf16] : parts)
+    for (auto [in, out, n, bf16, storage] : parts)
       p = std::copy(in, in + n, p);
     comm->allReduce(static_cast<int>(rank), group, bucket.data(), total, op);
     p = bucket.data();
-    for (auto [in, out, n, bf16] : parts) {
+    for (auto [in, out, n, bf16, storage] : parts) {
       if (bf16)
         for (int64_t j = 0; j < n; ++j)
           out[j] = bf16ToFloat(floatToBf16(p[j]));
       else
         std::copy(p, p + n, out);
+      if (storage)
+        for (int64_t j = 0; j < n; ++j)
+          storage[j] = floatToBf16(out[j]);
       p += n;
     }
   };
