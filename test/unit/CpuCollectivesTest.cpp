@@ -120,33 +120,10 @@ TEST(CpuCollectives, BucketsWidenBf16GradientsIntoTheirMeans) {
         ASSERT_EQ(got[k][t][i], 1.5f * float((i + 1) * (t + 1))) << "rank " << k << ", tensor " << t << "[" << i << "]";
 }
 
-TEST(CpuCollectives, BucketsAveragedInBf16RoundTheirMeansToBf16) {
-  // "wire" = "bf16" (loomc compile --grad-reduce bf16). Both ranks' values
-  // are bf16 numbers 2^-7 apart, so each mean, 1 + (2 i + 3) 2^-8, needs one
-  // bit more than bf16 has: a bf16 input's mean is rounded to nearest even
-  // (every other one up), an f32 input's stays exact.
-  TwoRankBuckets b = bucketsOf("bf16");
-  auto value = [](int k, int64_t i, int64_t) { return 1.0f + float(i + 1 + k) / 128.0f; };
-  auto got = runOnTwoRanks(b, value);
-  int roundedUp = 0;
-  for (int k = 0; k < 2; ++k)
-    for (size_t t = 0; t < b.outs.size() && got[k].size() == b.outs.size(); ++t)
-      for (size_t i = 0; i < got[k][t].size(); ++i) {
-        float mean = (value(0, int64_t(i), 0) + value(1, int64_t(i), 0)) / 2;
-        float want = b.dtypes[t] == LOOM_BF16 ? bf16ToFloat(floatToBf16(mean)) : mean;
-        ASSERT_EQ(got[k][t][i], want) << "rank " << k << ", tensor " << t << "[" << i << "]";
-        roundedUp += want > mean;
-      }
-  EXPECT_GT(roundedUp, 0); // the rounding happened
-}
-
-TEST(CpuCollectives, Bf16GradientsAveragedInPlaceHoldTheirRoundedMeans) {
-  // loomc compile --grad-reduce bf16 where only the update reads the means:
-  // each bf16 gradient is averaged in place, the update reading the bf16
-  // mean. The bucket is async (its results come after the instruction has
-  // returned, so the backend must not narrow its stale copies over them).
-  // The same values as above: every bf16 mean rounded to nearest even.
-  TwoRankBuckets b = bucketsOf("f32", /*bf16InPlace=*/true);
+/// Both ranks' values are bf16 numbers 2^-7 apart, so each mean, 1 + (2 i +
+/// 3) 2^-8, needs one bit more than bf16 has: a bf16 input's mean must be
+/// rounded to nearest even (every other one up), an f32 input's exact.
+static void expectBf16MeansRounded(const TwoRankBuckets &b) {
   auto value = [](int k, int64_t i, int64_t) { return 1.0f + float(i + 1 + k) / 128.0f; };
   auto got = runOnTwoRanks(b, value);
   int roundedUp = 0, checked = 0;
@@ -158,6 +135,20 @@ TEST(CpuCollectives, Bf16GradientsAveragedInPlaceHoldTheirRoundedMeans) {
         ASSERT_EQ(got[k][t][i], want) << "rank " << k << ", tensor " << t << "[" << i << "]";
         roundedUp += want > mean, ++checked;
       }
-  EXPECT_EQ(checked, 2 * (5 + 3 + 1 + 7));
-  EXPECT_GT(roundedUp, 0);
+  EXPECT_EQ(checked, 2 * (5 + 3 + 1 + 7)); // every tensor of both ranks
+  EXPECT_GT(roundedUp, 0);                 // the rounding happened
+}
+
+TEST(CpuCollectives, BucketsAveragedInBf16RoundTheirMeansToBf16) {
+  // "wire" = "bf16" (loomc compile --grad-reduce bf16): the means widened
+  // into f32 copies.
+  expectBf16MeansRounded(bucketsOf("bf16"));
+}
+
+TEST(CpuCollectives, Bf16GradientsAveragedInPlaceHoldTheirRoundedMeans) {
+  // loomc compile --grad-reduce bf16 where only the update reads the means:
+  // each bf16 gradient is averaged in place, the update reading the bf16
+  // mean. The bucket is async: its results come after the instruction has
+  // returned, and the reduction writes them to the bf16 storage itself.
+  expectBf16MeansRounded(bucketsOf("f32", /*bf16InPlace=*/true));
 }
