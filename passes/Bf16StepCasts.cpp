@@ -211,7 +211,8 @@ int64_t bucketsAverageBf16InPlace(rt::RankProgram &r) {
   if (!r.programs.count("update"))
     return 0;
   auto root = [&](int64_t id) { return rt::storageOf(r, id); };
-  auto [reads, writes, readIn] = accessesOf(r);
+  Accesses accesses = accessesOf(r);
+  std::map<int64_t, int64_t> &reads = accesses.reads, &writes = accesses.writes;
   std::set<int64_t> kept = keptBuffers(r), viewed = viewedBuffers(r);
   // Who reads each f32 mean: only the update's norm and optimizer may.
   std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readers;
@@ -261,7 +262,6 @@ int64_t bucketsAverageBf16InPlace(rt::RankProgram &r) {
         paramOfGrad[out]->grad = in;
         ins.out[i] = in;
       }
-      ins.attrs.erase("wire");
       ++changed;
     }
   return changed;

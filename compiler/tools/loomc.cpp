@@ -341,8 +341,6 @@ std::unique_ptr<ModelFile> parseModelFile(const std::string &path) {
   return model->module ? std::move(model) : nullptr;
 }
 
-/// The first training option out of its range, named; "" when all are fine.
-/// Infinities and NaNs (`--lr inf`, `--lr 1e400`) are out of every range.
 /// --grad-reduce's value (compile and plan): "bf16" sets `bf16`; false for
 /// anything but f32 or bf16.
 bool parseGradReduce(const std::string &value, bool &bf16) {
@@ -350,6 +348,8 @@ bool parseGradReduce(const std::string &value, bool &bf16) {
   return bf16 || value == "f32";
 }
 
+/// The first training option out of its range, named; "" when all are fine.
+/// Infinities and NaNs (`--lr inf`, `--lr 1e400`) are out of every range.
 std::string checkTrainingOptions() {
   struct Range {
     const cl::opt<double> &option;

@@ -23,6 +23,7 @@
 #include <thread>
 
 using namespace loom::rt;
+using loom::rt::test::downloadFloats;
 using loom::rt::test::floatBytes;
 
 namespace {
@@ -81,20 +82,8 @@ std::vector<std::vector<std::vector<float>>> runOnTwoRanks(const TwoRankBuckets 
           be->prepare(name, mine.programs[name]);
           be->run(name);
         }
-        for (int64_t id : b.outs) {
-          const Buffer &buf = mine.buffers[id];
-          size_t n = size_t(numElements(buf.shape).value());
-          std::vector<float> v(n);
-          if (buf.dtype == LOOM_BF16) { // a mean reduced in place
-            std::vector<uint16_t> bits(n);
-            be->download(buf, bits.data());
-            for (size_t i = 0; i < n; ++i)
-              v[i] = bf16ToFloat(bits[i]);
-          } else {
-            be->download(buf, v.data());
-          }
-          got[k].push_back(v);
-        }
+        for (int64_t id : b.outs) // f32 means, or bf16 ones reduced in place
+          got[k].push_back(downloadFloats(*be, mine.buffers[id]));
       } catch (const Error &e) {
         errors[k] = e.what();
         comm.abort(k, e.what());

@@ -28,6 +28,7 @@
 #include <vector>
 
 using namespace loom::rt;
+using loom::rt::test::downloadFloats;
 using loom::rt::test::floatBytes;
 
 namespace {
@@ -73,15 +74,7 @@ void bucket(bool async, const char *packed, const char *wire = "f32", bool bf16I
   for (size_t t = 0; t < tensors.size(); ++t) {
     const Buffer &in = r.buffers[reduce.in[t]], &out = r.buffers[reduce.out[t]];
     int64_t n = tensors[t].first;
-    std::vector<float> got(n);
-    if (out.dtype == LOOM_BF16) { // reduced in place
-      std::vector<uint16_t> bits(n);
-      gpu->download(out, bits.data());
-      for (int64_t i = 0; i < n; ++i)
-        got[i] = bf16ToFloat(bits[i]);
-    } else {
-      gpu->download(out, got.data());
-    }
+    std::vector<float> got = downloadFloats(*gpu, out); // bf16 where reduced in place
     for (int64_t i = 0; i < n; ++i) {
       float want = in.dtype == LOOM_BF16 ? bf16ToFloat(reinterpret_cast<const uint16_t *>(inputs[t].data())[i])
                                          : reinterpret_cast<const float *>(inputs[t].data())[i];

@@ -64,6 +64,22 @@ template <typename F> std::vector<char> floatBytes(const Buffer &b, F value) {
   return bytes;
 }
 
+/// Buffer b's elements (f32 or bf16) as floats, downloaded from `backend`:
+/// what floatBytes uploads, read back.
+template <typename Backend> std::vector<float> downloadFloats(Backend &backend, const Buffer &b) {
+  size_t n = size_t(numElements(b.shape).value());
+  std::vector<float> v(n);
+  if (b.dtype == LOOM_BF16) {
+    std::vector<uint16_t> bits(n);
+    backend.download(b, bits.data());
+    for (size_t i = 0; i < n; ++i)
+      v[i] = bf16ToFloat(bits[i]);
+  } else {
+    backend.download(b, v.data());
+  }
+  return v;
+}
+
 /// `op` over fresh buffers (inputs, then outputs) of the given shapes and
 /// dtypes, as the program "forward"; `ins` receives the instruction.
 inline RankProgram programFor(const std::string &op, const std::vector<std::pair<Shape, loom_dtype_t>> &in,
