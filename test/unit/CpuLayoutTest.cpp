@@ -11,7 +11,6 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "runtime/src/Backend.h"
 #include "test/unit/SingleInstruction.h"
 
 #include <gtest/gtest.h>
@@ -20,7 +19,7 @@
 
 using namespace loom::rt;
 using loom::rt::test::Operands;
-using loom::rt::test::programFor;
+using loom::rt::test::runOnCpu;
 
 namespace {
 
@@ -39,24 +38,6 @@ std::vector<float> toNhwc(const std::vector<float> &v, const Shape &s) {
 
 Shape nhwcShape(const Shape &s) { return s.size() == 4 ? Shape{s[0], s[2], s[3], s[1]} : s; }
 
-/// Runs `op` on the CPU backend over `inputs`; returns its outputs.
-std::vector<std::vector<float>> run(const std::string &op, const Operands &o, const nlohmann::json &attrs,
-                                    const std::vector<std::vector<float>> &inputs) {
-  Instruction ins;
-  RankProgram r = programFor(op, o, LOOM_F32, ins, attrs);
-  auto cpu = makeCpuBackend(r, 2);
-  for (size_t i = 0; i < ins.in.size(); ++i)
-    cpu->upload(r.buffers[ins.in[i]], inputs[i].data());
-  cpu->prepare("forward", {ins});
-  cpu->run("forward");
-  std::vector<std::vector<float>> outs;
-  for (int64_t id : ins.out) {
-    outs.emplace_back(numElements(r.buffers[id].shape).value());
-    cpu->download(r.buffers[id], outs.back().data());
-  }
-  return outs;
-}
-
 /// `op` NCHW (shapes as given) against `op` NHWC: every output equal.
 void expectSameInBothLayouts(const std::string &op, const Operands &nchw, nlohmann::json attrs) {
   SCOPED_TRACE(op + " " + attrs.dump());
@@ -73,9 +54,9 @@ void expectSameInBothLayouts(const std::string &op, const Operands &nchw, nlohma
   }
   for (const Shape &s : nchw.out)
     nhwc.out.push_back(nhwcShape(s));
-  auto want = run(op, nchw, attrs, in);
+  auto want = runOnCpu(op, nchw, attrs, in);
   attrs["layout"] = "nhwc";
-  auto got = run(op, nhwc, attrs, inNhwc);
+  auto got = runOnCpu(op, nhwc, attrs, inNhwc);
   for (size_t i = 0; i < want.size(); ++i) {
     std::vector<float> expected = toNhwc(want[i], nchw.out[i]);
     ASSERT_EQ(got[i].size(), expected.size());

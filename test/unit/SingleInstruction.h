@@ -11,6 +11,9 @@
 
 #include "loom/rt/Bundle.h"
 #include "loom/rt/Tensor.h"
+#include "runtime/src/Backend.h"
+
+#include <nlohmann/json.hpp>
 
 #include <cstring>
 #include <string>
@@ -103,6 +106,23 @@ inline RankProgram programFor(const std::string &op, const Operands &o, loom_dty
   for (const Shape &s : o.out)
     out.push_back({s, dt});
   return programFor(op, in, out, ins, std::move(attrs));
+}
+
+/// Runs `op` alone (f32 operands of the given shapes) on the CPU backend with
+/// `threads` threads over `inputs`; returns its outputs.
+inline std::vector<std::vector<float>> runOnCpu(const std::string &op, const Operands &o, const nlohmann::json &attrs,
+                                                const std::vector<std::vector<float>> &inputs, int threads = 2) {
+  Instruction ins;
+  RankProgram r = programFor(op, o, LOOM_F32, ins, attrs);
+  auto cpu = makeCpuBackend(r, threads);
+  for (size_t i = 0; i < ins.in.size(); ++i)
+    cpu->upload(r.buffers[ins.in[i]], inputs[i].data());
+  cpu->prepare("forward", {ins});
+  cpu->run("forward");
+  std::vector<std::vector<float>> outs;
+  for (int64_t id : ins.out)
+    outs.push_back(downloadFloats(*cpu, r.buffers[id]));
+  return outs;
 }
 
 } // namespace loom::rt::test

@@ -2,7 +2,7 @@
 //
 // The backward of the forward kernels in the other files, for training
 // bundles: activations, softmax, norms, embedding, attention, cross-entropy,
-// slices, max reductions, convolution and pooling.
+// slices, max reductions and pooling (the convolution's are in CpuConv.cpp).
 //
 //===----------------------------------------------------------------------===//
 
@@ -343,81 +343,6 @@ Kernel buildReduceMaxGrad(const Ctx &c) {
   };
 }
 
-Kernel buildConv2DGrad(const Ctx &c, bool filter) {
-  c.arity(2, 1);
-  // grad_input: (dy, w) -> dx; grad_filter: (x, dy) -> dw.
-  const Buffer &dy = filter ? c.in(1) : c.in(0), &w = filter ? c.out() : c.in(1);
-  const Buffer &x = filter ? c.in(0) : c.out();
-  c.needF32(c.in(0)), c.needF32(c.in(1)), c.needF32(c.out());
-  int64_t stride = c.attrInt("stride", 1), pad = c.attrInt("padding", 0), groups = c.attrInt("groups", 1);
-  bool nhwc = channelsLast(c);
-  if (x.shape.size() != 4 || w.shape.size() != 4 || dy.shape.size() != 4 || groups < 1)
-    c.bad("inconsistent conv2d gradient shapes");
-  ImageLayout xl = imageLayout(x.shape, nhwc), wl = imageLayout(w.shape, nhwc), yl = imageLayout(dy.shape, nhwc);
-  if (xl.c != wl.c * groups || wl.n % groups)
-    c.bad("inconsistent conv2d gradient shapes");
-  int64_t N = xl.n, C = xl.c, H = xl.h, W = xl.w;
-  int64_t O = wl.n, Cg = wl.c, KH = wl.h, KW = wl.w;
-  int64_t Ho = yl.h, Wo = yl.w, Og = O / groups;
-  if (dy.shape != imageShape(N, O, (H + 2 * pad - KH) / stride + 1, (W + 2 * pad - KW) / stride + 1, nhwc))
-    c.bad("the output gradient does not match the convolution");
-  float *px = c.f32(x), *pw = c.f32(w), *pdy = c.f32(dy);
-  ThreadPool *pool = &c.pool;
-  if (filter)
-    return [=] {
-      pool->parallelFor(O, double(N * Cg * KH * KW * Ho * Wo), [&](int64_t o0, int64_t o1) {
-        for (int64_t oc = o0; oc < o1; ++oc) {
-          int64_t g = oc / Og;
-          for (int64_t ci = 0; ci < Cg; ++ci)
-            for (int64_t kh = 0; kh < KH; ++kh)
-              for (int64_t kw = 0; kw < KW; ++kw) {
-                double acc = 0;
-                for (int64_t n = 0; n < N; ++n)
-                  for (int64_t oh = 0; oh < Ho; ++oh) {
-                    int64_t ih = oh * stride - pad + kh;
-                    if (ih < 0 || ih >= H)
-                      continue;
-                    for (int64_t ow = 0; ow < Wo; ++ow) {
-                      int64_t iw = ow * stride - pad + kw;
-                      if (iw >= 0 && iw < W)
-                        acc += double(pdy[yl.at(n, oc, oh, ow)]) * px[xl.at(n, g * Cg + ci, ih, iw)];
-                    }
-                  }
-                pw[wl.at(oc, ci, kh, kw)] = static_cast<float>(acc);
-              }
-        }
-      });
-    };
-  return [=] {
-    pool->parallelFor(N * C, double(Og * KH * KW * Ho * Wo), [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        int64_t n = t / C, cin = t % C, g = cin / Cg, ci = cin % Cg;
-        float *dx = px + xl.at(n, cin, 0, 0);
-        for (int64_t ih = 0; ih < H; ++ih)
-          for (int64_t iw = 0; iw < W; ++iw)
-            dx[ih * xl.sh + iw * xl.sw] = 0.0f;
-        for (int64_t oc = g * Og; oc < (g + 1) * Og; ++oc)
-          for (int64_t kh = 0; kh < KH; ++kh)
-            for (int64_t kw = 0; kw < KW; ++kw) {
-              float wv = pw[wl.at(oc, ci, kh, kw)];
-              for (int64_t oh = 0; oh < Ho; ++oh) {
-                int64_t ih = oh * stride - pad + kh;
-                if (ih < 0 || ih >= H)
-                  continue;
-                for (int64_t ow = 0; ow < Wo; ++ow) {
-                  int64_t iw = ow * stride - pad + kw;
-                  if (iw >= 0 && iw < W)
-                    dx[ih * xl.sh + iw * xl.sw] += wv * pdy[yl.at(n, oc, oh, ow)];
-                }
-              }
-            }
-      }
-    });
-  };
-}
-Kernel buildConv2DGradInput(const Ctx &c) { return buildConv2DGrad(c, false); }
-Kernel buildConv2DGradFilter(const Ctx &c) { return buildConv2DGrad(c, true); }
-
 template <bool Max> Kernel buildPoolGrad(const Ctx &c) {
   c.arity(Max ? 2 : 1, 1);
   const Buffer &dy = c.in(Max ? 1 : 0), &dx = c.out();
@@ -432,31 +357,36 @@ template <bool Max> Kernel buildPoolGrad(const Ctx &c) {
   ImageLayout xl = imageLayout(dx.shape, nhwc), yl = imageLayout(dy.shape, nhwc);
   int64_t N = xl.n, C = xl.c, H = xl.h, W = xl.w, Ho = yl.h, Wo = yl.w;
   float *px = Max ? c.f32(c.in(0)) : nullptr, *pdy = c.f32(dy), *pdx = c.f32(dx);
+  ThreadPool *pool = &c.pool;
+  // One task per run of images: each image's gradient is its own, added in
+  // the same order whatever the threads.
   return [=] {
     std::fill(pdx, pdx + N * C * H * W, 0.0f);
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t ch = 0; ch < C; ++ch)
-        for (int64_t oh = 0; oh < Ho; ++oh)
-          for (int64_t ow = 0; ow < Wo; ++ow) {
-            float g = pdy[yl.at(n, ch, oh, ow)];
-            int64_t best = -1;
-            float bestV = -INFINITY;
-            for (int64_t kh = 0; kh < k; ++kh)
-              for (int64_t kw = 0; kw < k; ++kw) {
-                int64_t ih = oh * stride - pad + kh, iw = ow * stride - pad + kw;
-                if (ih < 0 || ih >= H || iw < 0 || iw >= W)
-                  continue;
-                int64_t at = xl.at(n, ch, ih, iw);
-                if (Max) {
-                  if (px[at] > bestV)
-                    bestV = px[at], best = at;
-                } else {
-                  pdx[at] += g / float(k * k);
+    pool->parallelFor(N, double(C * Ho * Wo * k * k), [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t ch = 0; ch < C; ++ch)
+          for (int64_t oh = 0; oh < Ho; ++oh)
+            for (int64_t ow = 0; ow < Wo; ++ow) {
+              float g = pdy[yl.at(n, ch, oh, ow)];
+              int64_t best = -1;
+              float bestV = -INFINITY;
+              for (int64_t kh = 0; kh < k; ++kh)
+                for (int64_t kw = 0; kw < k; ++kw) {
+                  int64_t ih = oh * stride - pad + kh, iw = ow * stride - pad + kw;
+                  if (ih < 0 || ih >= H || iw < 0 || iw >= W)
+                    continue;
+                  int64_t at = xl.at(n, ch, ih, iw);
+                  if (Max) {
+                    if (px[at] > bestV)
+                      bestV = px[at], best = at;
+                  } else {
+                    pdx[at] += g / float(k * k);
+                  }
                 }
-              }
-            if (Max && best >= 0)
-              pdx[best] += g;
-          }
+              if (Max && best >= 0)
+                pdx[best] += g;
+            }
+    });
   };
 }
 
@@ -475,8 +405,6 @@ void registerGradientBuilders(BuilderTable &table) {
       {"cross_entropy_grad", buildCrossEntropyGrad},
       {"slice_grad", buildSliceGrad},
       {"reduce_max_grad", buildReduceMaxGrad},
-      {"conv2d_grad_input", buildConv2DGradInput},
-      {"conv2d_grad_filter", buildConv2DGradFilter},
       {"max_pool2d_grad", buildPoolGrad<true>},
       {"avg_pool2d_grad", buildPoolGrad<false>},
   });

@@ -126,6 +126,13 @@ struct Ctx {
 #define LOOM_AVX2_CLONES
 #endif
 
+/// C[M, N] = op(A) op(B) + beta C on row-major f32 matrices (op transposes
+/// where asked), on the calling thread: OpenBLAS's sgemm where the build has
+/// it (kept to one thread: the session's pool splits the work), loops adding
+/// over k in order otherwise. CpuMatmul.cpp.
+void sgemm(bool transA, bool transB, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
+           int64_t ldb, float beta, float *C, int64_t ldc);
+
 using Kernel = std::function<void()>;
 using Builder = Kernel (*)(const Ctx &);
 

@@ -200,6 +200,32 @@ Kernel buildMatmul(const Ctx &c) {
 
 } // namespace
 
+void sgemm(bool transA, bool transB, int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B,
+           int64_t ldb, float beta, float *C, int64_t ldc) {
+  if (M <= 0 || N <= 0)
+    return;
+  if (K <= 0) {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j)
+        C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
+    return;
+  }
+#ifdef LOOM_HAVE_OPENBLAS
+  static std::once_flag single;
+  std::call_once(single, [] { openblas_set_num_threads(1); });
+  cblas_sgemm(CblasRowMajor, transA ? CblasTrans : CblasNoTrans, transB ? CblasTrans : CblasNoTrans, blasint(M),
+              blasint(N), blasint(K), 1.0f, A, blasint(lda), B, blasint(ldb), beta, C, blasint(ldc));
+#else
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k)
+        acc += (transA ? A[k * lda + i] : A[i * lda + k]) * (transB ? B[j * ldb + k] : B[k * ldb + j]);
+      C[i * ldc + j] = beta == 0.0f ? acc : beta * C[i * ldc + j] + acc;
+    }
+#endif
+}
+
 void registerMatmulBuilders(BuilderTable &table) {
   table.insert({
       {"matmul", buildMatmul},
