@@ -8,12 +8,14 @@
 # beside PyTorch DDP.
 # Needs .deps from `scripts/device-deps.sh && scripts/device-bundles.sh resnet`
 # run here first. The CPU reference steps run the 64x64-image network (seconds
-# a step on 16 cores); RESNET_FULL=1 adds the 224x224 one (about a minute a
-# step on the CPU's plain convolution loops). TORCH_MODES=none skips PyTorch.
+# a step on 16 cores); RESNET_FULL=1 adds the 224x224 one (the CPU's im2col
+# products: 46 s a step at batch 32 on 2 cores). TORCH_MODES=none skips PyTorch.
 # SECTIONS=check (tests and losses), SECTIONS=speed (profiles, images/s at
 # batch 32 and 128 beside PyTorch eager and torch.compile) or SECTIONS=dp
 # (two GPUs: dp2 at 32 and 128 images per GPU beside PyTorch DDP) runs one
-# part, each within a device call's ten minutes; SECTIONS=dpx (two GPUs) splits
+# part, each within a device call's ten minutes (a list, "speed dp", runs
+# several; PROFILE=0 leaves out speed's profiles, SIZES=32 or 128 picks the
+# batch of speed and dp); SECTIONS=dpx (two GPUs) splits
 # dp2's extra time a step by program (LOOM_CUDA_PROGRAM_TIMES=1) and by rank
 # on the host (LOOM_RUN_STEP_TIMES=1), and writes graphed traces of one GPU's
 # and dp2's steps (LOOM_CUDA_TRACE_GRAPHS=1) to $OUT, then GPT-2 350M's dp2
@@ -32,6 +34,7 @@ export LOOM_TUNING_CACHE=${LOOM_TUNING_CACHE:-$PWD/build-device/tuning-cache.jso
 OUT=${OUT:-/tmp}
 LOG=$(mktemp -d)
 SECTIONS=${SECTIONS:-all}
+want() { [ "$SECTIONS" = all ] || [[ " $SECTIONS " == *" $1 "* ]]; }
 [ -n "${SKIP_BUILD:-}" ] || LOOM_BUILD_DIR=build-device scripts/build.sh -DLOOM_BUILD_COMPILER=OFF 2>&1 | tail -5
 B=build-device/runtime
 R=.deps/bundles
@@ -49,7 +52,7 @@ close() { # close A B TOL LABEL
   echo -n "$4: "
   python3 test/training/Inputs/close_losses.py "$LOG/$1.log" "$LOG/$2.log" "$3" || status=1
 }
-if [ "$SECTIONS" = all ] || [ "$SECTIONS" = check ]; then
+if want check; then
 echo "== convolution, pooling and batch-norm instructions: CUDA against CPU (f32 with TF32 off, bf16)"
 build-device/test/unit/loom-gpu-tests --gtest_filter='CudaConv.*' 2>&1 | grep -E -A6 "^\[  (PASSED|FAILED|SKIPPED) |Failure" || status=1
 echo "== training losses, GPU against the CPU backend (f32 with TF32 off within 1e-3; bf16 within 3e-2)"
@@ -77,15 +80,16 @@ run $m.im2col $m-b32-train 10 LOOM_CUDA_TF32=0 LOOM_CUDA_CONV=im2col
 close $m.graphs $m.eager 1e-3 "graphs vs eager"
 close $m.graphs $m.im2col 1e-3 "cuDNN vs im2col forward"
 fi
-if [ "$SECTIONS" = all ] || [ "$SECTIONS" = speed ]; then
+if want speed; then
 echo "== where a bf16 step's time goes at batch 32 and 128 (loom-run --profile)"
 # (the algorithm cuDNN chose for each convolution shape goes to $OUT too)
-for n in 32 128; do
+for n in ${SIZES:-32 128}; do
+  [ "${PROFILE:-1}" = 0 ] && break
   LOOM_CUDNN_VERBOSE=1 $B/loom-run $R/resnet50-b$n-cuda-train.loom --backend cuda --steps 6 \
       --profile "$OUT/profile-resnet50-b$n-bf16.json" 2> "$OUT/cudnn-resnet50-b$n-bf16.txt" | tail -25
 done
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-for n in 32 128; do
+for n in ${SIZES:-32 128}; do
   echo "== images/s at batch $n: Loom beside PyTorch (channels_last) in one invocation"
   loom=($R/resnet50-b$n-cuda-train.loom)
   # batch 32 also times f32 (TF32) and bf16 NCHW
@@ -101,15 +105,18 @@ for n in 32 128; do
   fi
 done
 fi
-if [ "$SECTIONS" = all ] || [ "$SECTIONS" = dp ]; then
+if want dp; then
 # Data parallelism over NCCL: the same images per GPU as one GPU, beside PyTorch DDP.
 export NCCL_NVLS_ENABLE=0
-for n in 32 128; do
+for n in ${SIZES:-32 128}; do
   one=$R/resnet50-b$n-cuda-train.loom
   two=$R/resnet50-dp2-cuda-train.loom
   [ $n = 128 ] && two=$R/resnet50-dp2-b256-cuda-train.loom
+  # and the same with the gradients averaged in bf16 (--grad-reduce bf16), where compiled
+  w16=${two%-cuda-train.loom}-wire16-cuda-train.loom
+  [ -e "$w16" ] || w16=
   echo "== dp2 at $n images per GPU: Loom one GPU, dp2, then PyTorch DDP"
-  for b in $one $two; do
+  for b in $one $two $w16; do
     echo "$(basename "$b" .loom): $($B/loom-run "$b" --backend cuda --steps 23 2>&1 | grep -E "trained|rror" | tail -1)"
   done
   if [ "${TORCH_MODES:-}" != none ]; then
@@ -118,7 +125,7 @@ for n in 32 128; do
   fi
 done
 fi
-if [ "$SECTIONS" = dpx ]; then
+if [[ " $SECTIONS " == *" dpx "* ]]; then
 export NCCL_NVLS_ENABLE=0
 for n in ${DPX_SIZES:-32}; do
   [ "$n" = 0 ] && continue
