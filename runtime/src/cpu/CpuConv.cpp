@@ -85,6 +85,21 @@ void im2col(const ConvShape &s, const float *x, int64_t n, int64_t g, float *col
     }
 }
 
+/// Image n's patch matrix for group g and its leading dimension: a
+/// pointwise NHWC image in place (leading dimension C), im2col into `col`
+/// otherwise.
+const float *patches(const ConvShape &s, const float *x, int64_t n, int64_t g, std::vector<float> &col,
+                     int64_t &ld) {
+  if (s.nhwc && s.pointwise()) {
+    ld = s.C;
+    return x + s.xl.at(n, g * s.Cg, 0, 0);
+  }
+  ld = s.K();
+  col.resize(s.P() * s.K());
+  im2col(s, x, n, g, col.data());
+  return col.data();
+}
+
 /// Adds image n's patch-matrix gradient (all K columns, group g) into dx.
 void col2imAdd(const ConvShape &s, const float *dcol, int64_t n, int64_t g, float *dx) {
   int64_t K = s.K();
@@ -148,13 +163,8 @@ Kernel buildConv2D(const Ctx &c) {
       std::vector<float> col, out;
       for (int64_t n = n0; n < n1; ++n)
         for (int64_t g = 0; g < s.groups; ++g) {
-          const float *a = px + s.xl.at(n, g * s.Cg, 0, 0);
-          int64_t lda = s.C;
-          if (!(s.nhwc && s.pointwise())) {
-            col.resize(P * K);
-            im2col(s, px, n, g, col.data());
-            a = col.data(), lda = K;
-          }
+          int64_t lda = 0;
+          const float *a = patches(s, px, n, g, col, lda);
           if (s.nhwc) {
             sgemm(false, true, P, Og, K, a, lda, wr + g * Og * K, K, 0.0f, po + s.yl.at(n, g * Og, 0, 0), s.O);
             continue;
@@ -238,13 +248,8 @@ Kernel buildConv2DGradFilter(const Ctx &c) {
           for (int64_t g = 0; g < s.groups; ++g) {
             int64_t ldy = 0;
             const float *a = rowsOf(s, pdy, n, g, tmp, ldy);
-            const float *b = px + s.xl.at(n, g * s.Cg, 0, 0);
-            int64_t ldb = s.C;
-            if (!(s.nhwc && s.pointwise())) {
-              col.resize(P * K);
-              im2col(s, px, n, g, col.data());
-              b = col.data(), ldb = K;
-            }
+            int64_t ldb = 0;
+            const float *b = patches(s, px, n, g, col, ldb);
             bool first = n == s.N * r / runs;
             sgemm(true, false, Og, K, P, a, ldy, b, ldb, first ? 0.0f : 1.0f, dst + g * Og * K, K);
           }
