@@ -154,3 +154,17 @@ TEST(CpuConv, FilterLargerThanTheImageIsAnError) {
     EXPECT_NE(std::string(e.what()).find("5x5 filter does not fit a 3x3 image"), std::string::npos) << e.what();
   }
 }
+
+/// Wide padding makes an image's patch matrix far larger than any buffer
+/// (66,049 pixels x 8,192 taps, 2.02 GiB): refused when the kernel is built,
+/// naming the sizes, instead of allocated.
+TEST(CpuConv, PatchMatrixPastTheLimitIsRefused) {
+  Operands o{{{1, 8192, 1, 1}, {1, 8192, 1, 1}}, {{1, 1, 257, 257}}};
+  try {
+    runOnCpu("conv2d", o, {{"stride", 1}, {"padding", 128}}, {std::vector<float>(8192), std::vector<float>(8192)});
+    FAIL() << "a 2 GiB patch matrix was asked for";
+  } catch (const Error &e) {
+    EXPECT_EQ(e.code, LOOM_UNSUPPORTED);
+    EXPECT_NE(std::string(e.what()).find("66049 pixels x 8192 taps"), std::string::npos) << e.what();
+  }
+}

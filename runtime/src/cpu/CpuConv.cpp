@@ -24,6 +24,11 @@ namespace loom::rt::cpu {
 
 namespace {
 
+/// The most scratch a task may hold for one image's patch matrix.
+constexpr double kMaxPatchBytes = 2.0 * (1 << 30);
+/// The most the filter gradient's partial sums may take together.
+constexpr double kMaxPartialBytes = 1.0 * (1 << 30);
+
 /// A convolution's sizes, checked once when the kernel is built.
 struct ConvShape {
   int64_t N = 0, C = 0, H = 0, W = 0;   // image
@@ -60,6 +65,14 @@ ConvShape convShape(const Ctx &c, const Buffer &x, const Buffer &w, const Buffer
   if (y.shape != expected)
     c.bad(forward ? cat("result must be ", shapeStr(expected)) : "the output gradient does not match the convolution");
   s.yl = imageLayout(y.shape, s.nhwc);
+  // Each task holds an image's patch matrix, which the buffers' sizes bound
+  // but the arena does not (wide padding, many channels): refuse one past
+  // kMaxPatchBytes rather than ask the system for it.
+  double patchBytes = double(s.P()) * double(s.K()) * sizeof(float);
+  if (patchBytes > kMaxPatchBytes)
+    fail(LOOM_UNSUPPORTED, c.where, ": the CPU backend computes a convolution through each image's patch matrix, here ",
+         s.P(), " pixels x ", s.K(), " taps (", patchBytes / double(1 << 30), " GiB); it takes at most ",
+         kMaxPatchBytes / double(1 << 30), " GiB");
   return s;
 }
 
@@ -216,7 +229,8 @@ Kernel buildConv2DGradInput(const Ctx &c) {
   };
 }
 
-/// The filter gradient is summed over the images in at most this many runs,
+/// The filter gradient is summed over the images in at most this many runs
+/// (fewer where their partial sums would pass kMaxPartialBytes),
 /// one task each, into partial sums added in order afterwards: the same
 /// products whatever the threads (OpenBLAS does not give the same bits for a
 /// column of the result when the product is split by columns).
@@ -233,7 +247,9 @@ Kernel buildConv2DGradFilter(const Ctx &c) {
   ThreadPool *pool = &c.pool;
   return [=] {
     int64_t P = s.P(), K = s.K(), Og = s.Og, size = s.O * K;
-    int64_t runs = std::min(s.N, kFilterGradientRuns);
+    // Fewer runs where the partial sums would be large (a size, not the threads, decides).
+    int64_t fit = std::max<int64_t>(1, int64_t(kMaxPartialBytes / (double(size) * sizeof(float))));
+    int64_t runs = std::min({s.N, kFilterGradientRuns, fit});
     // Run 0 sums into the [O, K] patch rows (NHWC's storage, NCHW's through a
     // copy), the others into `partial`.
     std::vector<float> sums((s.nhwc ? 0 : size) + std::max<int64_t>(runs - 1, 0) * size);
