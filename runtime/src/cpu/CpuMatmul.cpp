@@ -1,10 +1,10 @@
 //===- CpuMatmul.cpp - Matrix products and their epilogues ----------------===//
 //
 // The batched matrix product, runs of C's rows split over the session's
-// threads, each through OpenBLAS's sgemm where the build has it (the
-// backend's own loops otherwise), with the epilogues the compiler fuses into
-// it (bias, GELU, residual, bias gradient) applied to C's f32 values before
-// anything is rounded.
+// threads, each through sgemm (below: OpenBLAS's where the build has it, the
+// backend's own loops otherwise; the convolutions use it too), with the
+// epilogues the compiler fuses into it (bias, GELU, residual, bias gradient)
+// applied to C's f32 values before anything is rounded.
 //
 //===----------------------------------------------------------------------===//
 
@@ -107,12 +107,6 @@ Kernel buildMatmul(const Ctx &c) {
   }
   ThreadPool *pool = &c.pool;
   int64_t batches = static_cast<int64_t>(offA.size());
-#ifdef LOOM_HAVE_OPENBLAS
-  // The session's pool splits the work; OpenBLAS's own threads would only
-  // compete with it (and with other ranks' pools in the same process).
-  static std::once_flag single;
-  std::call_once(single, [] { openblas_set_num_threads(1); });
-#endif
   return [=] {
     // C's rows after the product: the epilogue, on f32 values.
     auto epilogueRow = [&](int64_t bi, int64_t i) {
@@ -140,51 +134,17 @@ Kernel buildMatmul(const Ctx &c) {
     // One run per thread: every sgemm call packs all of B again, which costs
     // a quarter of the product at 64 rows a call.
     pool->parallelFor(batches * m, double(n * k), [&](int64_t begin, int64_t end) {
-#ifdef LOOM_HAVE_OPENBLAS
-      // One product per batch's run of rows (OpenBLAS single-threaded: the
-      // pool's tasks are the threads, so a result does not depend on them).
+      // One product per batch's run of rows (single-threaded: the pool's
+      // tasks are the threads, so a result does not depend on them).
       for (int64_t t = begin; t < end;) {
         int64_t bi = t / m, i0 = t % m, rows = std::min(end - t, m - i0);
         const float *A = pa + offA[bi], *B = pb + offB[bi];
-        float *C = po + (bi * m + i0) * n;
-        if (k == 0)
-          std::fill(C, C + rows * n, 0.0f);
-        else if (n > 0)
-          cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
-                      blasint(rows), blasint(n), blasint(k), 1.0f, ta ? A + i0 : A + i0 * k,
-                      blasint(ta ? m : k), B, blasint(tb ? k : n), 0.0f, C, blasint(n));
+        sgemm(ta, tb, rows, n, k, ta ? A + i0 : A + i0 * k, ta ? m : k, B, tb ? k : n, 0.0f,
+              po + (bi * m + i0) * n, n);
         for (int64_t i = i0; i < i0 + rows; ++i)
           epilogueRow(bi, i);
         t += rows;
       }
-#else
-      std::vector<float> arow(k);
-      for (int64_t t = begin; t < end; ++t) {
-        int64_t bi = t / m, i = t % m;
-        const float *A = pa + offA[bi], *B = pb + offB[bi];
-        float *C = po + (bi * m + i) * n;
-        for (int64_t kk = 0; kk < k; ++kk)
-          arow[kk] = ta ? A[kk * m + i] : A[i * k + kk];
-        if (tb) {
-          for (int64_t j = 0; j < n; ++j) {
-            const float *brow = B + j * k;
-            float acc = 0;
-            for (int64_t kk = 0; kk < k; ++kk)
-              acc += arow[kk] * brow[kk];
-            C[j] = acc;
-          }
-        } else {
-          std::fill(C, C + n, 0.0f);
-          for (int64_t kk = 0; kk < k; ++kk) {
-            float av = arow[kk];
-            const float *brow = B + kk * n;
-            for (int64_t j = 0; j < n; ++j)
-              C[j] += av * brow[j];
-          }
-        }
-        epilogueRow(bi, i);
-      }
-#endif
     }, 1);
     if (colSums) // B is [k, n]: sum its rows, in double, columns split over tasks
       pool->parallelFor(n, double(k), [&](int64_t begin, int64_t end) {
@@ -211,18 +171,39 @@ void sgemm(bool transA, bool transB, int64_t M, int64_t N, int64_t K, const floa
     return;
   }
 #ifdef LOOM_HAVE_OPENBLAS
+  // The session's pool splits the work; OpenBLAS's own threads would only
+  // compete with it (and with other ranks' pools in the same process).
   static std::once_flag single;
   std::call_once(single, [] { openblas_set_num_threads(1); });
   cblas_sgemm(CblasRowMajor, transA ? CblasTrans : CblasNoTrans, transB ? CblasTrans : CblasNoTrans, blasint(M),
               blasint(N), blasint(K), 1.0f, A, blasint(lda), B, blasint(ldb), beta, C, blasint(ldc));
 #else
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < N; ++j) {
-      float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k)
-        acc += (transA ? A[k * lda + i] : A[i * lda + k]) * (transB ? B[j * ldb + k] : B[k * ldb + j]);
-      C[i * ldc + j] = beta == 0.0f ? acc : beta * C[i * ldc + j] + acc;
+  // A row of A at a time; each C value adds its k terms in order from zero.
+  std::vector<float> arow(K), crow(N);
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t k = 0; k < K; ++k)
+      arow[k] = transA ? A[k * lda + i] : A[i * lda + k];
+    if (transB) {
+      for (int64_t j = 0; j < N; ++j) {
+        const float *brow = B + j * ldb;
+        float acc = 0.0f;
+        for (int64_t k = 0; k < K; ++k)
+          acc += arow[k] * brow[k];
+        crow[j] = acc;
+      }
+    } else {
+      std::fill(crow.begin(), crow.end(), 0.0f);
+      for (int64_t k = 0; k < K; ++k) {
+        float av = arow[k];
+        const float *brow = B + k * ldb;
+        for (int64_t j = 0; j < N; ++j)
+          crow[j] += av * brow[j];
+      }
     }
+    float *c = C + i * ldc;
+    for (int64_t j = 0; j < N; ++j)
+      c[j] = beta == 0.0f ? crow[j] : beta * c[j] + crow[j];
+  }
 #endif
 }
 
