@@ -66,6 +66,16 @@ std::vector<float> random(const Shape &s, unsigned seed) {
   return v;
 }
 
+/// x, w and dy of a convolution, stored in its layout.
+struct Values {
+  std::vector<float> x, w, dy;
+};
+
+/// Random values for convolution `c`, from seeds seed to seed + 2.
+Values randomValues(const Conv &c, bool nhwc, unsigned seed) {
+  return {random(stored(c.x, nhwc), seed), random(stored(c.w, nhwc), seed + 1), random(stored(c.y(), nhwc), seed + 2)};
+}
+
 void expectClose(const std::vector<float> &got, const std::vector<double> &want, const std::string &what) {
   ASSERT_EQ(got.size(), want.size()) << what;
   double scale = 0;
@@ -109,8 +119,8 @@ TEST(CpuConv, ForwardAndGradientsMatchDirectSums) {
   for (const Conv &c : kCases)
     for (bool nhwc : {false, true}) {
       SCOPED_TRACE(std::string(nhwc ? "nhwc " : "nchw ") + shapeStr(c.x) + " * " + shapeStr(c.w));
-      std::vector<float> x = random(stored(c.x, nhwc), 1), w = random(stored(c.w, nhwc), 2),
-                         dy = random(stored(c.y(), nhwc), 3);
+      Values v = randomValues(c, nhwc, 1);
+      const std::vector<float> &x = v.x, &w = v.w, &dy = v.dy;
       std::vector<double> y(dy.size(), 0.0), dx(x.size(), 0.0), dw(w.size(), 0.0);
       Shape ys = c.y();
       forEachTap(c, [&](int64_t n, int64_t oc, int64_t oh, int64_t ow, int64_t cin, int64_t ci, int64_t kh, int64_t kw,
@@ -131,8 +141,8 @@ TEST(CpuConv, ResultsDoNotDependOnTheThreads) {
   for (const Conv &c : kCases)
     for (bool nhwc : {false, true}) {
       SCOPED_TRACE(std::string(nhwc ? "nhwc " : "nchw ") + shapeStr(c.x) + " * " + shapeStr(c.w));
-      std::vector<float> x = random(stored(c.x, nhwc), 4), w = random(stored(c.w, nhwc), 5),
-                         dy = random(stored(c.y(), nhwc), 6);
+      Values v = randomValues(c, nhwc, 4);
+      const std::vector<float> &x = v.x, &w = v.w, &dy = v.dy;
       Results one = runAll(c, nhwc, x, w, dy, 1);
       for (int threads : {2, 3, 7}) {
         Results more = runAll(c, nhwc, x, w, dy, threads);

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 
 namespace loom::rt::cpu {
 
@@ -251,9 +252,10 @@ Kernel buildConv2DGradFilter(const Ctx &c) {
     int64_t fit = std::max<int64_t>(1, int64_t(kMaxPartialBytes / (double(size) * sizeof(float))));
     int64_t runs = std::min({s.N, kFilterGradientRuns, fit});
     // Run 0 sums into the [O, K] patch rows (NHWC's storage, NCHW's through a
-    // copy), the others into `partial`.
-    std::vector<float> sums((s.nhwc ? 0 : size) + std::max<int64_t>(runs - 1, 0) * size);
-    float *rows = s.nhwc ? pw : sums.data(), *partial = sums.data() + (s.nhwc ? 0 : size);
+    // copy), the others into `partial`; each run's first product overwrites
+    // its sums, so they are not cleared first (up to 1 GiB a call).
+    std::unique_ptr<float[]> sums(new float[(s.nhwc ? 0 : size) + std::max<int64_t>(runs - 1, 0) * size]);
+    float *rows = s.nhwc ? pw : sums.get(), *partial = sums.get() + (s.nhwc ? 0 : size);
     if (runs == 0)
       std::fill(rows, rows + size, 0.0f);
     pool->parallelFor(runs, double(s.N / std::max<int64_t>(runs, 1) * P * K * s.O), [&](int64_t r0, int64_t r1) {
