@@ -53,6 +53,8 @@ void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o,
     add(createBf16StepCasts());
     if (o.zero1 && o.bf16)
       add(createZeroGatherCopies());
+    if (o.bf16)
+      add(createUpdateCopies());
   }
   if (o.fuse)
     add(createFuseElementwise());

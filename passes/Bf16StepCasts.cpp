@@ -32,14 +32,7 @@ int64_t optimizerReadsBf16Gradients(rt::RankProgram &r) {
     return 0;
   auto root = [&](int64_t id) { return rt::storageOf(r, id); };
   // By storage: a view's reads and writes count as its root's.
-  std::map<int64_t, std::vector<std::pair<std::string, size_t>>> readers, writers;
-  for (const auto &[name, list] : r.programs)
-    for (size_t i = 0; i < list.size(); ++i) {
-      for (int64_t id : list[i].in)
-        readers[root(id)].push_back({name, i});
-      for (int64_t id : list[i].out)
-        writers[root(id)].push_back({name, i});
-    }
+  auto [readers, writers] = storageUses(r);
   std::set<int64_t> outputs;
   for (const rt::NamedBuffer &nb : r.outputs)
     outputs.insert(nb.buffer);
@@ -49,15 +42,15 @@ int64_t optimizerReadsBf16Gradients(rt::RankProgram &r) {
   for (rt::Parameter &p : r.params) {
     int64_t g = p.grad;
     if (g < 0 || r.buffers[g].dtype != LOOM_F32 || r.buffers[g].viewOf >= 0 || outputs.count(g) ||
-        writers[g].size() != 1 || writers[g][0].first != "backward")
+        writers[g].size() != 1 || writers[g][0].program != "backward")
       continue;
-    size_t at = writers[g][0].second;
+    size_t at = writers[g][0].index;
     const rt::Instruction &cast = backward[at];
     if (cast.op != "cast" || cast.in.size() != 1)
       continue;
     int64_t source = cast.in[0], storage = root(source);
     if (r.buffers[source].dtype != LOOM_BF16 || outputs.count(storage) || readers[storage].size() != 1 ||
-        writers[storage].size() != 1 || writers[storage][0].first != "backward")
+        writers[storage].size() != 1 || writers[storage][0].program != "backward")
       continue;
     bool onlyUpdate = !readers[g].empty();
     for (auto [name, i] : readers[g]) {

@@ -576,10 +576,14 @@ constexpr int64_t kAdamChunk = 2048;
 /// otherwise can tell.
 void adamKernels(rt::RankProgram &r, int64_t &nextKernel) {
   auto eligible = [&](const rt::Instruction &ins) {
-    if (ins.op != "adamw" || ins.in.size() != 6 || ins.out.size() != 3 || ins.out[0] != ins.in[0] ||
-        ins.out[1] != ins.in[2] || ins.out[2] != ins.in[3])
+    if (ins.op != "adamw" || ins.in.size() != 6 || (ins.out.size() != 3 && ins.out.size() != 4) ||
+        ins.out[0] != ins.in[0] || ins.out[1] != ins.in[2] || ins.out[2] != ins.in[3])
       return false;
     auto n = rt::numElements(r.buffers[ins.in[0]].shape);
+    // The bf16 copy it writes (loom-update-copies).
+    if (ins.out.size() == 4 && (r.buffers[ins.out[3]].dtype != LOOM_BF16 ||
+                                rt::numElements(r.buffers[ins.out[3]].shape) != n))
+      return false;
     for (int k : {0, 2, 3, 4, 5})
       if (r.buffers[ins.in[k]].dtype != LOOM_F32)
         return false;

@@ -247,6 +247,19 @@ def ZeroGatherCopies : Pass<"loom-zero-gather-copies", "::mlir::ModuleOp"> {
   }];
 }
 
+def UpdateCopies : Pass<"loom-update-copies", "::mlir::ModuleOp"> {
+  let summary = "The optimizer writes the bf16 weight copies the forward cast";
+  let description = [{
+    Mixed-precision training: where the update's `adamw` or `sgd` is the
+    only writer of an f32 master and every other reader casts it to bf16,
+    the update writes the bf16 copy as its last output (the cast's
+    rounding), the copy is kept across steps (role cache, one buffer for a
+    tied weight's readers), and the casts move to a `prepare` program that
+    the runtime runs whenever weights are written. Saves the step's pass
+    over the masters (GPT-2 350M: 1.4 GB read, 0.7 GB written).
+  }];
+}
+
 def FuseElementwise : Pass<"loom-fuse-elementwise", "::mlir::ModuleOp"> {
   let summary = "Elementwise chains into generated kernels, GEMM epilogues, named row kernels";
   let description = [{

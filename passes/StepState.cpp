@@ -628,6 +628,31 @@ std::vector<std::pair<size_t, size_t>> mlir::loom::bucketRuns(const std::vector<
   return runs;
 }
 
+StorageUses mlir::loom::storageUses(const rt::RankProgram &r) {
+  StorageUses uses;
+  for (const auto &[name, list] : r.programs)
+    for (size_t i = 0; i < list.size(); ++i) {
+      for (int64_t id : list[i].in)
+        uses.readers[rt::storageOf(r, id)].push_back({name, i});
+      for (int64_t id : list[i].out)
+        uses.writers[rt::storageOf(r, id)].push_back({name, i});
+    }
+  return uses;
+}
+
+void mlir::loom::renameBuffer(rt::RankProgram &r, int64_t from, int64_t to) {
+  for (auto &[name, list] : r.programs)
+    for (rt::Instruction &ins : list) {
+      for (int64_t &id : ins.in)
+        id = id == from ? to : id;
+      for (int64_t &id : ins.out)
+        id = id == from ? to : id;
+    }
+  for (rt::Buffer &b : r.buffers)
+    if (b.viewOf == from)
+      b.viewOf = to;
+}
+
 void mlir::loom::eraseMarked(std::vector<rt::Instruction> &list, const std::vector<bool> &drop) {
   std::vector<rt::Instruction> kept;
   for (size_t i = 0; i < list.size(); ++i)

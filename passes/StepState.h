@@ -164,6 +164,20 @@ std::set<int64_t> viewedBuffers(const ::loom::rt::RankProgram &r);
 /// Whether the instruction's boolean attribute `name` is set (false when
 /// absent or not a boolean).
 bool flagAttr(const ::loom::rt::Instruction &ins, const char *name);
+/// An instruction of a rank: its program and its place there.
+struct InstructionSite {
+  std::string program;
+  size_t index;
+};
+/// Where each storage is read and written (a view's reads and writes count
+/// as its root's), over every program of the rank.
+struct StorageUses {
+  std::map<int64_t, std::vector<InstructionSite>> readers, writers;
+};
+StorageUses storageUses(const ::loom::rt::RankProgram &r);
+/// Every place buffer `from` is named (instructions of every program,
+/// views of it) names `to` instead.
+void renameBuffer(::loom::rt::RankProgram &r, int64_t from, int64_t to);
 /// Removes the instructions `drop` marks, keeping the order of the rest.
 void eraseMarked(std::vector<::loom::rt::Instruction> &list, const std::vector<bool> &drop);
 /// Consecutive runs of tensors of `bytes` each, as collectives take them in

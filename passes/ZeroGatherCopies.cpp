@@ -46,21 +46,6 @@ struct Weight {
   int64_t firstRead = -1;                     // in the consumer program, after the casts are gone
 };
 
-/// Every place buffer `from` is named (instructions of every program,
-/// views) names `to` instead.
-void rename(rt::RankProgram &r, int64_t from, int64_t to) {
-  for (auto &[name, list] : r.programs)
-    for (rt::Instruction &ins : list) {
-      for (int64_t &id : ins.in)
-        id = id == from ? to : id;
-      for (int64_t &id : ins.out)
-        id = id == from ? to : id;
-    }
-  for (rt::Buffer &b : r.buffers)
-    if (b.viewOf == from)
-      b.viewOf = to;
-}
-
 int64_t gatherCopies(rt::RankProgram &r, int64_t bucketBytes) {
   auto up = r.programs.find("update");
   if (up == r.programs.end() || r.programs.count("prepare") || r.programs.count("gather_parameters"))
@@ -80,18 +65,7 @@ int64_t gatherCopies(rt::RankProgram &r, int64_t bucketBytes) {
   for (const rt::NamedBuffer &nb : r.outputs)
     outputs.insert(nb.buffer);
   auto root = [&](int64_t id) { return rt::storageOf(r, id); };
-  struct Use {
-    std::string program;
-    size_t index;
-  };
-  std::map<int64_t, std::vector<Use>> readers, writers; // by storage
-  for (const auto &[name, list] : r.programs)
-    for (size_t i = 0; i < list.size(); ++i) {
-      for (int64_t id : list[i].in)
-        readers[root(id)].push_back({name, i});
-      for (int64_t id : list[i].out)
-        writers[root(id)].push_back({name, i});
-    }
+  auto [readers, writers] = storageUses(r);
   std::map<int64_t, size_t> shardOf; // slice -> its shard_of in the update
   for (size_t i = 0; i < update.size(); ++i)
     if (update[i].op == "shard_of" && update[i].in.size() == 1 && update[i].out.size() == 1)
@@ -116,13 +90,13 @@ int64_t gatherCopies(rt::RankProgram &r, int64_t bucketBytes) {
       continue;
     // Only this gather may write the master (else its slice would drift from it).
     bool onlyGathered = true;
-    for (const Use &u : writers[master])
+    for (const InstructionSite &u : writers[master])
       onlyGathered &= u.program == "update" && u.index == gatherAt;
     if (!onlyGathered)
       continue;
-    std::vector<Use> casts;
+    std::vector<InstructionSite> casts;
     bool ok = true;
-    for (const Use &u : readers[master]) {
+    for (const InstructionSite &u : readers[master]) {
       if (u.program == "update" && u.index == s->second)
         continue;
       const rt::Instruction &ins = r.programs[u.program][u.index];
@@ -135,11 +109,11 @@ int64_t gatherCopies(rt::RankProgram &r, int64_t bucketBytes) {
     if (!ok || casts.empty())
       continue;
     Weight w{master, slice, r.programs[consumer][casts[0].index].out[0], -1};
-    for (const Use &u : casts) {
+    for (const InstructionSite &u : casts) {
       dropped[u.program][u.index] = true;
       int64_t other = r.programs[u.program][u.index].out[0];
       if (other != w.copy)
-        rename(r, other, w.copy);
+        renameBuffer(r, other, w.copy);
     }
     dropped["update"][s->second] = true;
     moved[k] = true;

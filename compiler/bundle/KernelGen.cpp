@@ -403,14 +403,17 @@ public:
       const rt::Buffer &g = r.buffers[a->in[1]];
       int64_t n = count(a->in[0]);
       bool bf = g.dtype == LOOM_BF16;
+      // The bf16 copy the update writes (loom-update-copies), or -1.
+      int64_t copy = a->out.size() > 3 ? r.buffers[a->out[3]].offset / 2 : -1;
       table += std::string(table.empty() ? "" : ", ") + "[" + std::to_string(r.buffers[a->in[0]].offset / 4) + ", " +
                std::to_string(g.offset / (bf ? 2 : 4)) + ", " + std::to_string(r.buffers[a->in[2]].offset / 4) + ", " +
-               std::to_string(r.buffers[a->in[3]].offset / 4) + ", " + std::to_string(n) + ", " + (bf ? "1" : "0") + "]";
+               std::to_string(r.buffers[a->in[3]].offset / 4) + ", " + std::to_string(n) + ", " + (bf ? "1" : "0") +
+               ", " + std::to_string(copy) + "]";
       total += (n + chunk - 1) / chunk;
       starts += ", " + std::to_string(total);
     }
     int64_t T = int64_t(members.size());
-    std::string tt = "memref<" + std::to_string(T) + "x6xi64>", st = "memref<" + std::to_string(T + 1) + "xi64>";
+    std::string tt = "memref<" + std::to_string(T) + "x7xi64>", st = "memref<" + std::to_string(T + 1) + "xi64>";
     os << "    memref.global \"private\" constant @" << name << "_t : " << tt << " = dense<[" << table << "]>\n";
     os << "    memref.global \"private\" constant @" << name << "_s : " << st << " = dense<[" << starts << "]>\n";
     std::string wt = "memref<" + std::to_string(T) + "xf32>";
@@ -457,6 +460,8 @@ public:
     };
     std::string P = field(0), G = field(1), M = field(2), Vv = field(3), N = field(4), BF = tmp(), bfi = field(5);
     line(BF + " = arith.cmpi ne, " + bfi + ", " + constIndex(0) + " : index");
+    std::string C = field(6), HAS = tmp();
+    line(HAS + " = arith.cmpi sge, " + C + ", " + constIndex(0) + " : index");
     std::string first = tmp(), firstI = tmp(), c = tmp(), begin = tmp(), end0 = tmp(), end = tmp();
     line(first + " = memref.load %starts[" + t + "] : " + st);
     line(firstI + " = arith.index_cast " + first + " : i64 to index");
@@ -533,6 +538,17 @@ public:
       for (int w = 0; w < 3; ++w)
         line("memref.store " + (wide ? packLanes(next[w], "f32") : next[w][0]) + ", " + fm + "[" +
              (w == 0 ? pa : w == 1 ? ma : va) + "] : " + ft);
+      // The copy, rounded to nearest even as a cast rounds.
+      line("scf.if " + HAS + " {");
+      std::string ca = at(C), narrow;
+      if (wide) {
+        narrow = packLanes(next[0], "bf16");
+      } else {
+        narrow = tmp();
+        line(narrow + " = arith.truncf " + next[0][0] + " : f32 to bf16");
+      }
+      line("memref.store " + narrow + ", " + hm + "[" + ca + "] : " + ht);
+      line("}");
     };
     // Four at a time, then the tail one at a time.
     std::string span = tmp(), n4 = tmp(), q = tmp();

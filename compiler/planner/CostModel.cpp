@@ -111,8 +111,11 @@ ParameterBytes parameterBytes(Precision precision, int zeroStage, int64_t dp, in
   // Mixed-precision ZeRO-1 keeps each rank's slice of the f32 masters
   // beside the whole (passes/ZeroGatherCopies.cpp).
   double masterSlice = bf16 && zeroStage >= 1 && dp > 1 ? 4.0 / double(dp) : 0.0;
-  bytes.persistent = 4.0 + adam + masterSlice;
   bytes.workingCopy = bf16 ? 2.0 : 0.0;
+  // The update writes the bf16 copies, kept across steps
+  // (passes/UpdateCopies.cpp), where ZeRO-1 does not gather them.
+  bytes.copiesKept = bf16 && !(zeroStage >= 1 && dp > 1);
+  bytes.persistent = 4.0 + adam + masterSlice + (bytes.copiesKept ? bytes.workingCopy : 0.0);
   // passes/Bf16StepCasts.cpp leaves a gradient in bf16 where the optimizer
   // is its only reader: no sum over microbatches, and no all-reduce, or
   // one that averages it in place as bf16 (--grad-reduce bf16 without

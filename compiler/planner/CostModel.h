@@ -72,8 +72,13 @@ struct ParameterBytes {
   /// which ZeRO-1 shards over dp: 4 + 8 (or 8 / dp).
   double persistent = 0;
   /// The bf16 copy the step computes with (bf16 only): cast in the forward,
-  /// kept while the backward still reads it.
+  /// kept while the backward still reads it; or, with copiesKept, written by
+  /// the update and kept across steps (counted in `persistent` too).
   double workingCopy = 0;
+  /// Whether the update writes the bf16 copies and they live through every
+  /// step (passes/UpdateCopies.cpp: bf16 training but ZeRO-1 over dp > 1,
+  /// which all-gathers them at the forward's start instead).
+  bool copiesKept = false;
   /// The gradient, from the backward that makes it to the update: f32 where
   /// microbatches accumulate it or dp all-reduces it (and under f32), bf16
   /// where only the optimizer reads it.

@@ -32,9 +32,12 @@ StageMemory stageMemory(const std::vector<std::vector<LayerMemory>> &chunks, con
   StageMemory out;
   out.persistentBytes = params * bytes.persistent;
   bool summed = schedule.microbatched;
+  // Copies the update writes are persistent (one per tensor of the stage):
+  // none are cast in the step.
+  double workingCopy = bytes.copiesKept ? 0.0 : bytes.workingCopy;
   // Accumulated over microbatches, every gradient and every weight copy
   // lives through the step.
-  double wholeStep = summed ? copies * bytes.workingCopy + params * bytes.gradient : 0;
+  double wholeStep = summed ? copies * workingCopy + params * bytes.gradient : 0;
   double others = (schedule.inFlight - 1) * kept + schedule.deferred * waiting;
 
   // The backward visits the layers last to first. While it runs layer i,
@@ -61,8 +64,8 @@ StageMemory stageMemory(const std::vector<std::vector<LayerMemory>> &chunks, con
         return summed ? (chunkAbove - newGrads + own) * bytes.newGradient
                       : (gradsAbove - gradParams[c][i] + own) * bytes.gradient;
       };
-      double copiesUpTo = summed ? 0 : (copiesBelow + l.backwardReadParams) * bytes.workingCopy;
-      double copiesBefore = summed ? 0 : copiesBelow * bytes.workingCopy;
+      double copiesUpTo = summed ? 0 : (copiesBelow + l.backwardReadParams) * workingCopy;
+      double copiesBefore = summed ? 0 : copiesBelow * workingCopy;
       double during = others + keptBelow + l.keptBytes + l.backwardBytes + copiesUpTo + grads(0);
       double after = others + keptBelow + copiesBefore + grads(summed ? newGrads : gradParams[c][i]);
       out.peakBytes = std::max(out.peakBytes, wholeStep + std::max(during, after));

@@ -50,15 +50,19 @@ TEST(CostModel, MicrobatchesInFlight) {
 TEST(CostModel, ParameterBytesAsTheCompilerKeepsThem) {
   // f32 parameters (bf16: the master copy) and AdamW's m and v in front of
   // the arena; ZeRO-1 shards m and v only.
+  // The update writes the bf16 copies, kept across steps (loom-update-copies).
   ParameterBytes plain = parameterBytes(Precision::Bf16, 0, 8, 1);
-  EXPECT_DOUBLE_EQ(plain.persistent, 12.0);
+  EXPECT_DOUBLE_EQ(plain.persistent, 14.0);
   EXPECT_DOUBLE_EQ(plain.workingCopy, 2.0);
+  EXPECT_TRUE(plain.copiesKept);
+  EXPECT_FALSE(parameterBytes(Precision::F32, 0, 8, 1).copiesKept);
+  EXPECT_FALSE(parameterBytes(Precision::Bf16, 1, 8, 1).copiesKept); // ZeRO-1 gathers them
   EXPECT_DOUBLE_EQ(plain.gradient, 4.0); // all-reduced over dp in f32
   EXPECT_DOUBLE_EQ(plain.newGradient, 2.0);
   // Mixed-precision ZeRO-1 also keeps this rank's slice of the f32 masters.
   EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 1, 4, 1).persistent, 4 + 8.0 / 4 + 4.0 / 4);
   EXPECT_DOUBLE_EQ(parameterBytes(Precision::F32, 1, 4, 1).persistent, 4 + 8.0 / 4);
-  EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 1, 1, 1).persistent, 12.0);
+  EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 1, 1, 1).persistent, 14.0); // no slices: copies kept
   // One replica, one microbatch: only the optimizer reads the gradient, in bf16.
   EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 0, 1, 1).gradient, 2.0);
   EXPECT_DOUBLE_EQ(parameterBytes(Precision::Bf16, 0, 1, 4).gradient, 4.0); // an accumulator
@@ -99,6 +103,16 @@ TEST(MemoryModel, GradientsTakeTheMemoryActivationsFree) {
   tied.tied = {{"wte", 50}};
   EXPECT_DOUBLE_EQ(stageMemory({{tied, tied}}, bytes, one).persistentBytes, 50 * 12.0);
   EXPECT_DOUBLE_EQ(stageMemory({{tied, tied}}, bytes, one).peakBytes, 100 + 200);
+  // bf16: the update writes the copies (2 bytes a parameter), kept across
+  // steps, so the step casts none; where ZeRO-1 gathers them instead, the
+  // backward holds the copies of the layers up to the one it runs (both
+  // layers' 20 bytes at the top one).
+  LayerMemory read = l;
+  read.backwardReadParams = 10;
+  StageMemory kept = stageMemory({{read, read}}, parameterBytes(Precision::Bf16, 0, 2, 1), one);
+  EXPECT_DOUBLE_EQ(kept.persistentBytes, 20 * 14.0);
+  EXPECT_DOUBLE_EQ(kept.peakBytes, 200);
+  EXPECT_DOUBLE_EQ(stageMemory({{read, read}}, parameterBytes(Precision::Bf16, 1, 2, 1), one).peakBytes, 200 + 40);
 }
 
 TEST(Constraints, ParseAndReject) {
@@ -340,8 +354,10 @@ TEST(Planner, ZeroOneShrinksOptimizerMemory) {
   for (auto &l : planner.model().layers)
     params += l.params;
   // ZeRO-1 shards AdamW's m and v; each rank keeps all f32 parameters, and
-  // (bf16 training) its slice of them that the optimizer steps.
-  EXPECT_NEAR(z0.stages[0].weightBytes - z1.stages[0].weightBytes, params * (8 * (1 - 1.0 / 8) - 4.0 / 8),
+  // (bf16 training) its slice of them that the optimizer steps. Without
+  // ZeRO-1 the update writes the bf16 copies, kept across steps (2 bytes);
+  // ZeRO-1 gathers them in the step instead.
+  EXPECT_NEAR(z0.stages[0].weightBytes - z1.stages[0].weightBytes, params * (8 * (1 - 1.0 / 8) - 4.0 / 8 + 2),
               1e-6 * params);
   EXPECT_NEAR(z1.stages[0].weightBytes, params * (4 + 8.0 / 8 + 4.0 / 8), 1e-6 * params);
 }

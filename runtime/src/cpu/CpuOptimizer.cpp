@@ -107,15 +107,26 @@ double scheduledRate(double lr, double minLr, double warmup, double total, doubl
 }
 
 Kernel buildOptimizer(const Ctx &c, bool adam) {
-  // adamw: (param, grad, m, v, step, norm) -> (param, m, v), in place.
-  // sgd:   (param, grad, momentum, step, norm) -> (param, momentum), in place.
-  c.arity(adam ? 6 : 5, adam ? 3 : 2);
+  // adamw: (param, grad, m, v, step, norm) -> (param, m, v[, copy]), in place.
+  // sgd:   (param, grad, momentum, step, norm) -> (param, momentum[, copy]), in place.
+  // copy: the updated parameter again, as bf16 (loom-update-copies).
+  size_t outs = adam ? 3 : 2;
+  c.arity(adam ? 6 : 5, c.ins.out.size() == outs + 1 ? outs + 1 : outs);
   for (size_t i = 0; i < c.ins.in.size(); ++i)
     c.needF32(c.in(i));
   if (c.ins.out[0] != c.ins.in[0] || c.ins.out[1] != c.ins.in[2] || (adam && c.ins.out[2] != c.ins.in[3]))
     c.bad("updates the parameter and its state in place");
   for (size_t i = 1; i < (adam ? 4u : 3u); ++i)
     c.sameShape(c.in(0), c.in(i));
+  // Written as f32 into the copy's widened buffer; narrowed to bf16 after
+  // the kernel with the cast's rounding.
+  float *copy = nullptr;
+  if (c.ins.out.size() == outs + 1) {
+    if (c.out(outs).dtype != LOOM_BF16)
+      c.bad(cat("copy '", c.out(outs).name, "' must be bf16, got ", dtypeName(c.out(outs).dtype)));
+    c.sameShape(c.in(0), c.out(outs));
+    copy = c.f32(c.out(outs));
+  }
   double lr = c.attrFloat("lr"), minLr = c.attrFloat("min_lr", 0), wd = c.attrFloat("weight_decay", 0);
   double clip = c.attrFloat("clip", 0), warmup = c.attrFloat("warmup", 0), total = c.attrFloat("total_steps", 0);
   double b1 = adam ? c.attrFloat("beta1") : 0, b2 = adam ? c.attrFloat("beta2") : 0;
@@ -133,6 +144,8 @@ Kernel buildOptimizer(const Ctx &c, bool adam) {
       double c1 = 1 - std::pow(b1, t), c2 = 1 - std::pow(b2, t);
       pool->parallelFor(n, 20.0, [&](int64_t begin, int64_t end) {
         adamwRange(p, g, m, v, begin, end, scale, b1, b2, c1, c2, eps, wd, rate);
+        if (copy)
+          std::copy(p + begin, p + end, copy + begin);
       });
     } else {
       pool->parallelFor(n, 4.0, [&](int64_t begin, int64_t end) {
@@ -141,6 +154,8 @@ Kernel buildOptimizer(const Ctx &c, bool adam) {
           m[i] = static_cast<float>(momentum * m[i] + gi);
           p[i] = static_cast<float>(p[i] - rate * m[i]);
         }
+        if (copy)
+          std::copy(p + begin, p + end, copy + begin);
       });
     }
   };

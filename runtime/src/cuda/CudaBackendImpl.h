@@ -121,6 +121,7 @@ struct AdamTensor {
   DPtr g; // f32, or bf16 (mixed precision's gradients, widened exactly here)
   float *m, *v; // v: AdamW's second moment (null for SGD)
   int64_t n;
+  __nv_bfloat16 *copy; // the updated p as bf16 (loom-update-copies), or null
 };
 struct AdamChunk {
   int64_t tensor, begin, end; // elements [begin, end) of tensors[tensor]
@@ -391,6 +392,7 @@ private:
     unsigned blocks = 0;
   };
   UpdateTables updateTables(const std::vector<const Instruction *> &group, bool second);
+  __nv_bfloat16 *updateCopy(const Instruction &ins, size_t at);
   Launch buildSgdRun(const std::vector<const Instruction *> &group);
   Launch buildAdamw(const std::vector<const Instruction *> &group);
   Launch buildGeneratedAdamw(const std::vector<const Instruction *> &group);

@@ -166,7 +166,8 @@ __global__ void __launch_bounds__(256) adamwKernel(const AdamTensor *tensors, co
   AdamTensor t = tensors[c.tensor];
   int64_t begin = c.begin;
   bool aligned = ((reinterpret_cast<uintptr_t>(t.p) | reinterpret_cast<uintptr_t>(t.g.p) |
-                   reinterpret_cast<uintptr_t>(t.m) | reinterpret_cast<uintptr_t>(t.v)) % 16) == 0;
+                   reinterpret_cast<uintptr_t>(t.m) | reinterpret_cast<uintptr_t>(t.v)) % 16) == 0 &&
+                 reinterpret_cast<uintptr_t>(t.copy) % 8 == 0;
   if (aligned) { // four at a time with 16-byte accesses (8 for bf16 gradients), then the chunk's tail
     int64_t end4 = begin + (c.end - begin) / 4 * 4;
     float4 *p4 = reinterpret_cast<float4 *>(t.p), *m4 = reinterpret_cast<float4 *>(t.m),
@@ -189,11 +190,21 @@ __global__ void __launch_bounds__(256) adamwKernel(const AdamTensor *tensors, co
       p4[q] = pq;
       m4[q] = mq;
       v4[q] = vq;
+      if (t.copy) {
+        __nv_bfloat162 lo = __floats2bfloat162_rn(pq.x, pq.y), hi = __floats2bfloat162_rn(pq.z, pq.w);
+        uint2 raw;
+        raw.x = *reinterpret_cast<const unsigned *>(&lo);
+        raw.y = *reinterpret_cast<const unsigned *>(&hi);
+        reinterpret_cast<uint2 *>(t.copy)[q] = raw;
+      }
     }
     begin = end4;
   }
-  for (int64_t i = begin + threadIdx.x; i < c.end; i += blockDim.x)
+  for (int64_t i = begin + threadIdx.x; i < c.end; i += blockDim.x) {
     update(t.p[i], t.g[i], t.m[i], t.v[i]);
+    if (t.copy)
+      t.copy[i] = __float2bfloat16_rn(t.p[i]);
+  }
 }
 
 /// SGD with momentum over many tensors at once (a run of the program's sgd
@@ -209,10 +220,12 @@ __global__ void __launch_bounds__(256) sgdChunksKernel(const AdamTensor *tensors
     float mi = momentum * t.m[i] + gi;
     t.m[i] = mi;
     t.p[i] -= s.rate * mi;
+    if (t.copy)
+      t.copy[i] = __float2bfloat16_rn(t.p[i]);
   }
 }
 
-__global__ void sgdKernel(float *p, DPtr g, float *m, const float *step, const float *norm,
+__global__ void sgdKernel(float *p, DPtr g, float *m, __nv_bfloat16 *copy, const float *step, const float *norm,
                           int64_t n, OptimizerArgs a) {
   StepScalars s = stepScalars(step, norm, a);
   float momentum = static_cast<float>(a.momentum), wd = static_cast<float>(a.wd);
@@ -220,6 +233,8 @@ __global__ void sgdKernel(float *p, DPtr g, float *m, const float *step, const f
     float gi = g[i] * s.scale + wd * p[i];
     m[i] = momentum * m[i] + gi;
     p[i] -= s.rate * m[i];
+    if (copy)
+      copy[i] = __float2bfloat16_rn(p[i]);
   }
 }
 
@@ -248,6 +263,18 @@ Launch CudaBackendImpl::buildCasts(const std::vector<Instruction> &instrs, size_
   return [=](cudaStream_t s) { castChunksKernel<<<blocks, 256, 0, s>>>(dc); };
 }
 
+/// An update's bf16 copy of its parameter (output `at`, where
+/// loom-update-copies added one), or null.
+__nv_bfloat16 *CudaBackendImpl::updateCopy(const Instruction &ins, size_t at) {
+  if (ins.out.size() <= at)
+    return nullptr;
+  const Buffer &c = buf(ins.out[at]), &p = buf(ins.in[0]);
+  if (c.dtype != LOOM_BF16 || count(c.shape) != count(p.shape))
+    fail(LOOM_INVALID_BUNDLE, where, ": ", ins.op, "'s copy '", c.name, "' must be bf16 of ", count(p.shape),
+         " elements, got ", dtypeName(c.dtype), " ", shapeStr(c.shape));
+  return reinterpret_cast<__nv_bfloat16 *>(ptr(c));
+}
+
 /// The device tables of a multi-tensor update over `group` (parameter,
 /// gradient, first moment and, with `second`, second moment as inputs 0-3),
 /// fixed-size chunks of each tensor a block; made once here.
@@ -257,7 +284,8 @@ CudaBackendImpl::UpdateTables CudaBackendImpl::updateTables(const std::vector<co
   std::vector<AdamChunk> chunks;
   for (const Instruction *ins : group) {
     int64_t cnt = count(buf(ins->in[0]).shape);
-    tensors.push_back({f(ins->in[0]), fp(ins->in[1]), f(ins->in[2]), second ? f(ins->in[3]) : nullptr, cnt});
+    tensors.push_back({f(ins->in[0]), fp(ins->in[1]), f(ins->in[2]), second ? f(ins->in[3]) : nullptr, cnt,
+                       updateCopy(*ins, second ? 3 : 2)});
     for (int64_t b = 0, step = chunkElements(); b < cnt; b += step)
       chunks.push_back({int64_t(tensors.size() - 1), b, std::min(cnt, b + step)});
   }
@@ -362,11 +390,12 @@ Launch CudaBackendImpl::buildSgd(const Instruction &ins) {
   OptimizerArgs a = optimizerArgs(ins);
   float *p = f(ins.in[0]), *m = f(ins.in[2]), *step = f(ins.in[3]), *norm = f(ins.in[4]);
   DPtr g = fp(ins.in[1]);
+  __nv_bfloat16 *copy = updateCopy(ins, 2);
   int64_t cnt = n(ins.in[0]);
   // Grid-stride over at most 1024 blocks: each block works out the step's
   // scalars (in double) once.
   unsigned blocks = unsigned(std::min<int64_t>((cnt / 4 + kThreads - 1) / kThreads + 1, 1024));
-  return [=](cudaStream_t s) { sgdKernel<<<blocks, kThreads, 0, s>>>(p, g, m, step, norm, cnt, a); };
+  return [=](cudaStream_t s) { sgdKernel<<<blocks, kThreads, 0, s>>>(p, g, m, copy, step, norm, cnt, a); };
 }
 
 Launch CudaBackendImpl::buildStepIncrement(const Instruction &ins) {
