@@ -9,6 +9,9 @@
 
 #include "runtime/src/cuda/CudaBackendImpl.h"
 
+#include <cstdlib>
+#include <string>
+
 namespace loom::rt::cuda {
 namespace {
 
@@ -43,13 +46,37 @@ __global__ void columnPartialKernel(DPtr x, const float *mean, const float *rstd
       partialB[chunk * cols + col] = sb;
   }
 }
-__global__ void columnFinishKernel(const float *partial, DPtr out, int64_t chunks, int64_t cols, float scale) {
-  GRID_LOOP(c, cols) {
-    float s = 0;
-    for (int64_t k = 0; k < chunks; ++k)
+/// The second pass: out[c] = scale * the sum over chunks of partial[k][c]
+/// (and, where blockIdx.y is 1, outB from partialB). A block of 32 x 32
+/// threads takes 32 columns; thread row y adds chunks y, y + 32, ... in
+/// order and the block adds its 32 rows in order: fixed, whatever the GPU,
+/// and 32 loads in flight a column where one thread a column waited for
+/// each of a few hundred partials in turn (tens of microseconds).
+__global__ void __launch_bounds__(1024) columnFinishKernel(const float *partial, DPtr out, const float *partialB,
+                                                          DPtr outB, int64_t chunks, int64_t cols, float scale) {
+  __shared__ float tile[32][33];
+  if (blockIdx.y == 1)
+    partial = partialB, out = outB;
+  int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  float s = 0;
+  if (c < cols)
+    for (int64_t k = threadIdx.y; k < chunks; k += 32)
       s += partial[k * cols + c];
-    out.st(c, s * scale);
+  tile[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float sum = 0;
+#pragma unroll
+    for (int y = 0; y < 32; ++y)
+      sum += tile[y][threadIdx.x];
+    out.st(c, sum * scale);
   }
+}
+/// columnFinishKernel over `cols` columns of one or two partial tables.
+void columnFinish(const float *partial, DPtr out, const float *partialB, DPtr outB, int64_t chunks, int64_t cols,
+                  float scale, cudaStream_t s) {
+  dim3 grid(unsigned((cols + 31) / 32), outB ? 2u : 1u), block(32, 32);
+  columnFinishKernel<<<grid, block, 0, s>>>(partial, out, partialB, outB, chunks, cols, scale);
 }
 
 /// One thread per output: sums (or maxes) the reduced subspace. `s` maps the
@@ -281,16 +308,15 @@ __global__ void __launch_bounds__(256) normRowsBf16Kernel(const bf16 *x, DPtr g,
     }
 }
 
+/// A warp's row of a bf16 norm gradient in registers (h = 256 P): v becomes
+/// x-hat and d holds dy (times gamma where `scaled`); the row's mean, 1/std
+/// and the two means the input gradient subtracts: sd of dy * gamma (0 for
+/// RMSNorm) and sdx of dy * gamma * x-hat.
 template <int MaxP>
-__global__ void __launch_bounds__(256) normGradRowsBf16Kernel(const bf16 *x, DPtr g, const bf16 *dy, bf16 *dx,
-                                                              int64_t rows, int P, float eps, bool rms,
-                                                              float *meanOut, float *rstdOut,
-                                                              const bf16 *res = nullptr) {
-  int64_t row = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
-  if (row >= rows)
-    return;
+__device__ inline void normGradRow(const bf16 *x, DPtr g, const bf16 *dy, int64_t row, int P, bool rms, float eps,
+                                   bool scaled, float (&v)[MaxP][8], float (&d)[MaxP][8], float &mean, float &rstd,
+                                   float &sd, float &sdx) {
   int lane = threadIdx.x % 32, h = 256 * P;
-  float v[MaxP][8], d[MaxP][8];
 #pragma unroll
   for (int k = 0; k < MaxP; ++k)
     if (k < P) {
@@ -300,8 +326,8 @@ __global__ void __launch_bounds__(256) normGradRowsBf16Kernel(const bf16 *x, DPt
       for (int e = 0; e < 8; ++e)
         v[k][e] = __bfloat162float(px.v[e]), d[k][e] = __bfloat162float(pd.v[e]);
     }
-  float mean, rstd, sd = 0, sdx = 0;
   registerRowMoments<MaxP>(v, P, h, rms, eps, mean, rstd);
+  sd = 0, sdx = 0;
 #pragma unroll
   for (int k = 0; k < MaxP; ++k)
     if (k < P) {
@@ -310,11 +336,26 @@ __global__ void __launch_bounds__(256) normGradRowsBf16Kernel(const bf16 *x, DPt
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         v[k][e] = (v[k][e] - mean) * rstd; // x-hat from here on
-        d[k][e] *= gg[e];                  // dy * gamma
-        sd += d[k][e], sdx += d[k][e] * v[k][e];
+        float dg = d[k][e] * gg[e];        // dy * gamma
+        if (scaled)
+          d[k][e] = dg;
+        sd += dg, sdx += dg * v[k][e];
       }
     }
   sd = rms ? 0.0f : warpSum(sd) / h, sdx = warpSum(sdx) / h;
+}
+
+template <int MaxP>
+__global__ void __launch_bounds__(256) normGradRowsBf16Kernel(const bf16 *x, DPtr g, const bf16 *dy, bf16 *dx,
+                                                              int64_t rows, int P, float eps, bool rms,
+                                                              float *meanOut, float *rstdOut,
+                                                              const bf16 *res = nullptr) {
+  int64_t row = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
+  if (row >= rows)
+    return;
+  int lane = threadIdx.x % 32, h = 256 * P;
+  float v[MaxP][8], d[MaxP][8], mean, rstd, sd, sdx;
+  normGradRow<MaxP>(x, g, dy, row, P, rms, eps, true, v, d, mean, rstd, sd, sdx);
 #pragma unroll
   for (int k = 0; k < MaxP; ++k)
     if (k < P) {
@@ -333,6 +374,69 @@ __global__ void __launch_bounds__(256) normGradRowsBf16Kernel(const bf16 *x, DPt
   if (lane == 0) {
     meanOut[row] = mean;
     rstdOut[row] = rstd;
+  }
+}
+
+/// The bf16 norm gradient in one pass over its rows: a warp per row, as
+/// normGradRowsBf16Kernel (dx, plus the residual stream's gradient), with
+/// the norm parameters' gradients summed on the way. Each warp adds its
+/// rows' dy * x-hat and dy into its own row of shared memory (no atomics),
+/// the block adds its warps' rows in order into partial[block], and
+/// columnFinishKernel adds the blocks' in order: deterministic, and x and dy
+/// are read once (the two-pass form read both again for the column sums).
+/// Warps: 8 for rows of up to 1024, 4 for up to 2048 (shared memory of
+/// 2 h floats a warp: 64 KB either way); registers held to two blocks an SM.
+template <int MaxP, int Warps>
+__global__ void __launch_bounds__(Warps * 32, 16 / Warps) normGradFusedBf16Kernel(
+    const bf16 *x, DPtr g, const bf16 *dy, bf16 *dx, int64_t rows, int P, float eps, bool rms, const bf16 *res,
+    float *partial, float *partialB, int64_t rowsPerBlock) {
+  extern __shared__ float acc[]; // [Warps][2][h]: dy * x-hat, then dy
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, h = 256 * P;
+  float *mine = acc + int64_t(warp) * 2 * h;
+  for (int i = lane * 4; i < 2 * h; i += 128)
+    *reinterpret_cast<float4 *>(mine + i) = make_float4(0, 0, 0, 0);
+  __syncwarp();
+  int64_t r0 = int64_t(blockIdx.x) * rowsPerBlock, r1 = min(rows, r0 + rowsPerBlock);
+  for (int64_t row = r0 + warp; row < r1; row += Warps) {
+    float v[MaxP][8], d[MaxP][8], mean, rstd, sd, sdx; // d stays dy: the bias gradient sums it
+    normGradRow<MaxP>(x, g, dy, row, P, rms, eps, false, v, d, mean, rstd, sd, sdx);
+#pragma unroll
+    for (int k = 0; k < MaxP; ++k)
+      if (k < P) {
+        int col = (k * 32 + lane) * 8;
+        float gg[8], o[8];
+        load8(g, col, gg);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          o[e] = rstd * (d[k][e] * gg[e] - sd - v[k][e] * sdx);
+        if (res) { // possibly dx itself: each lane reads its own elements before it writes them
+          Pack<bf16> pr = load(res + row * h + col);
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            o[e] += __bfloat162float(pr.v[e]);
+        }
+        store8(dx + row * h + col, o);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float4 a = *reinterpret_cast<const float4 *>(mine + col + 4 * half);
+          float4 b = *reinterpret_cast<const float4 *>(mine + h + col + 4 * half);
+          const float *vv = v[k] + 4 * half, *dd = d[k] + 4 * half;
+          a.x += dd[0] * vv[0], a.y += dd[1] * vv[1], a.z += dd[2] * vv[2], a.w += dd[3] * vv[3];
+          b.x += dd[0], b.y += dd[1], b.z += dd[2], b.w += dd[3];
+          *reinterpret_cast<float4 *>(mine + col + 4 * half) = a;
+          *reinterpret_cast<float4 *>(mine + h + col + 4 * half) = b;
+        }
+      }
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < h; c += blockDim.x) {
+    float sg = 0, sb = 0;
+#pragma unroll
+    for (int w = 0; w < Warps; ++w)
+      sg += acc[int64_t(w) * 2 * h + c], sb += acc[int64_t(w) * 2 * h + h + c];
+    partial[int64_t(blockIdx.x) * h + c] = sg;
+    if (partialB)
+      partialB[int64_t(blockIdx.x) * h + c] = sb;
   }
 }
 
@@ -433,7 +537,7 @@ Launch CudaBackendImpl::buildReduce(const Instruction &ins) {
         dim3 grid(unsigned((cols + 31) / 32), unsigned(chunks)), block(32, 8);
         columnPartialKernel<<<grid, block, 0, s>>>(px, nullptr, nullptr, DPtr{}, partial, nullptr, rows, cols, per);
       }
-      columnFinishKernel<<<blocksFor(cols), kThreads, 0, s>>>(partial, py, chunks, cols, scale);
+      columnFinish(partial, py, nullptr, DPtr{}, chunks, cols, scale, s);
     };
   }
   if (keptShape.empty())
@@ -482,6 +586,29 @@ Launch CudaBackendImpl::buildNormGrad(const Instruction &ins) {
   DPtr res = ins.in.size() == 4 ? fp(ins.in[3]) : DPtr{};
   int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(rows / 64, 512)), per = (rows + chunks - 1) / chunks;
   bool fast = bf16Rows(ins, h) && (!res.p || (res.bf && reinterpret_cast<uintptr_t>(res.p) % 16 == 0));
+  // One pass (normGradFusedBf16Kernel): about two blocks an SM, each a run
+  // of rows; LOOM_CUDA_NORM_GRAD=two-pass runs the row and column kernels.
+  static const bool twoPass = [] {
+    const char *e = std::getenv("LOOM_CUDA_NORM_GRAD");
+    return e && std::string(e) == "two-pass";
+  }();
+  bool fused = fast && !twoPass;
+  int warps = h <= 1024 ? 8 : 4;
+  size_t shared = size_t(warps) * 2 * size_t(h) * sizeof(float);
+  if (fused) {
+    int sms = 0;
+    LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    per = (rows + 2 * sms - 1) / (2 * sms);
+    per = std::max<int64_t>(warps, (per + warps - 1) / warps * warps);
+    chunks = (rows + per - 1) / per;
+    // The opt-in to 64 KB of shared memory is per device: on this one's.
+    if (warps == 8)
+      LOOM_CUDA_CHECK(cudaFuncSetAttribute(normGradFusedBf16Kernel<4, 8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(shared)));
+    else
+      LOOM_CUDA_CHECK(cudaFuncSetAttribute(normGradFusedBf16Kernel<8, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(shared)));
+  }
   int64_t stats = (2 * rows + 2 * chunks * h) * int64_t(sizeof(float));
   stats = (stats + 255) / 256 * 256;
   reserve(stats + (res.p && !fast ? rows * h * int64_t(dx.bf ? 2 : 4) : 0));
@@ -489,7 +616,18 @@ Launch CudaBackendImpl::buildNormGrad(const Instruction &ins) {
     float *mean = reinterpret_cast<float *>(workspace), *rstd = mean + rows;
     float *partial = rstd + rows, *partialB = partial + chunks * h;
     DPtr out = res.p && !fast ? DPtr{static_cast<char *>(workspace) + stats, dx.bf} : dx;
-    if (fast) {
+    if (fused) {
+      int P = int(h / 256);
+      const bf16 *xb = static_cast<const bf16 *>(px.p), *dyb = static_cast<const bf16 *>(dy.p);
+      const bf16 *rb = static_cast<const bf16 *>(res.p);
+      bf16 *dxb = static_cast<bf16 *>(dx.p);
+      if (warps == 8)
+        normGradFusedBf16Kernel<4, 8><<<unsigned(chunks), 256, shared, s>>>(xb, g, dyb, dxb, rows, P, eps, rms, rb,
+                                                                            partial, db ? partialB : nullptr, per);
+      else
+        normGradFusedBf16Kernel<8, 4><<<unsigned(chunks), 128, shared, s>>>(xb, g, dyb, dxb, rows, P, eps, rms, rb,
+                                                                            partial, db ? partialB : nullptr, per);
+    } else if (fast) {
       int P = int(h / 256);
       const bf16 *xb = static_cast<const bf16 *>(px.p), *dyb = static_cast<const bf16 *>(dy.p);
       const bf16 *rb = static_cast<const bf16 *>(res.p);
@@ -513,9 +651,7 @@ Launch CudaBackendImpl::buildNormGrad(const Instruction &ins) {
     }
     if (res.p && !fast)
       binaryContiguousKernel<<<blocksFor(rows * h), kThreads, 0, s>>>(kAdd, out, res, dx, rows * h, rows * h, rows * h);
-    columnFinishKernel<<<blocksFor(h), kThreads, 0, s>>>(partial, dg, chunks, h, 1.0f);
-    if (db)
-      columnFinishKernel<<<blocksFor(h), kThreads, 0, s>>>(partialB, db, chunks, h, 1.0f);
+    columnFinish(partial, dg, partialB, db, chunks, h, 1.0f, s);
   };
 }
 
