@@ -13,7 +13,8 @@
 #   resnet  ResNet-50 training, f32 and --target cuda, batch 32 (128 for --target cuda),
 #           and dp2 at 32 and 128 per GPU (scripts/device-resnet.sh)
 #   plans   two-GPU plans of GPT-2 350M and GPT 1.3B, forced and the planner's pick, each
-#           with its prediction (scripts/device-plans.sh; MODELS=gpt2-350m for one model)
+#           with its prediction (scripts/device-plans.sh; MODELS=gpt2-350m for one model;
+#           CLUSTER=h200:4 for four GPUs at global batch 32)
 # The named sets replace what was there: the carried tree must stay under 64 MiB
 # (bundles carry no weights; every set together is a few MiB).
 set -euo pipefail
@@ -197,21 +198,32 @@ plans() {
   "$B/compiler/loomc" models gpt --layers 24 --hidden 2048 --heads 16 --seq 1024 --vocab 50304 \
       -o .deps/gpt-1.3b.mlir
   model() { [ "$1" = gpt-1.3b ] && echo .deps/gpt-1.3b.mlir || echo models/$1.mlir; }
+  # CLUSTER=h200:4 makes the four-GPU set (global batch 32, its own forced plans).
+  cluster=${CLUSTER:-h200:2}
+  gpus=${cluster#*:}
+  batch=$((8 * gpus))
+  if [ "$gpus" = 4 ]; then
+    plans="pick dp=4,mb=1,zero=0 dp=4,mb=1,zero=1 dp=2,tp=2,mb=1,zero=0 tp=4,mb=1,zero=0 \
+           dp=2,pp=2,mb=4,schedule=zb-h1,zero=0 pp=4,mb=8,schedule=1f1b,zero=0 pp=4,mb=8,schedule=zb-h1,zero=0 \
+           tp=2,pp=2,mb=4,schedule=1f1b,zero=0"
+  else
+    plans="pick dp=2,mb=1,zero=0 dp=2,mb=2,zero=0 dp=2,mb=1,zero=1 tp=2,mb=1,zero=0 tp=2,mb=2,zero=0 \
+           pp=2,mb=4,schedule=1f1b,zero=0 pp=2,mb=8,schedule=1f1b,zero=0 pp=2,mb=8,schedule=zb-h1,zero=0"
+  fi
   for m in ${MODELS:-gpt2-350m gpt-1.3b}; do
-    # One GPU at the same batch per GPU as dp2 (8 sequences).
+    # One GPU at the same batch per GPU as the data-parallel plans (8 sequences).
     c $(model $m) --batch 8 --train --lr 3e-4 --target cuda -o $out/$m-plan-one.loom
-    for plan in pick dp=2,mb=1,zero=0 dp=2,mb=2,zero=0 dp=2,mb=1,zero=1 tp=2,mb=1,zero=0 tp=2,mb=2,zero=0 \
-                pp=2,mb=4,schedule=1f1b,zero=0 pp=2,mb=8,schedule=1f1b,zero=0 pp=2,mb=8,schedule=zb-h1,zero=0; do
+    for plan in $plans; do
       name=$(echo "$plan" | tr '=,' '-_')
       force=(); [ "$plan" = pick ] || force=(--force "$plan")
-      "$B/compiler/loomc" plan $(model $m) --cluster h200:2 --batch 16 --profile $prof "${force[@]}" \
+      "$B/compiler/loomc" plan $(model $m) --cluster $cluster --batch $batch --profile $prof "${force[@]}" \
           --json "$out/$m-plan-$name.json" > "$out/$m-plan-$name.txt"
-      c $(model $m) --batch 16 --train --lr 3e-4 --target cuda --cluster h200:2 --plan "$out/$m-plan-$name.json" \
+      c $(model $m) --batch $batch --train --lr 3e-4 --target cuda --cluster $cluster --plan "$out/$m-plan-$name.json" \
           -o "$out/$m-plan-$name.loom"
     done
-    # dp2 with the bf16 gradients averaged as bf16 (--grad-reduce bf16).
-    c $(model $m) --batch 16 --train --lr 3e-4 --target cuda --cluster h200:2 --force dp=2,mb=1,zero=0 \
-        --grad-reduce bf16 -o "$out/$m-plan-dp-2_mb-1_zero-0_wire-bf16.loom"
+    # Data parallelism over every GPU with the bf16 gradients averaged as bf16 (--grad-reduce bf16).
+    c $(model $m) --batch $batch --train --lr 3e-4 --target cuda --cluster $cluster --force dp=$gpus,mb=1,zero=0 \
+        --grad-reduce bf16 -o "$out/$m-plan-dp-${gpus}_mb-1_zero-0_wire-bf16.loom"
   done
 }
 for set_name in "${sets[@]}"; do

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine with 2 GPUs (issue #18): trains GPT-2 350M and GPT 1.3B
-# with the planner's pick and with forced plans (bf16, global batch 16), one
+# with the planner's pick and with forced plans (bf16, global batch 8 a GPU), one
 # GPU beside them, then PyTorch DDP and FSDP2 on the same model and cards, and
 # prints each plan's prediction against its measurement: step time and GPU
 # memory, and whether the pick is within 5% of the fastest plan measured.
@@ -14,6 +14,7 @@ B=build-device/runtime
 R=.deps/bundles
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sort | uniq -c
+gpus=$(nvidia-smi -L | wc -l) # the bundles' ranks (scripts/device-bundles.sh plans, CLUSTER=h200:N)
 status=0
 for m in ${MODELS:-gpt2-350m gpt-1.3b}; do
   [ -d "$R/$m-plan-one.loom" ] || { echo "no $R/$m-plan-one.loom: run scripts/device-bundles.sh plans"; exit 1; }
@@ -25,9 +26,10 @@ for m in ${MODELS:-gpt2-350m gpt-1.3b}; do
     timeout 300 $B/loom-run "$R/$name.loom" --backend cuda --steps 10 > "$out/$name.log" 2>&1 ||
       { echo "FAILED: $name"; tail -3 "$out/$name.log"; status=1; }
   done
-  python3 - "$R" "$out" "$m" <<'PY' || status=1
+  python3 - "$R" "$out" "$m" "$gpus" <<'PY' || status=1
 import glob, os, re, sys
-R, out, m = sys.argv[1:]
+R, out, m, gpus = sys.argv[1:]
+gpus = int(gpus)
 def measured(log):
     text = open(log).read() if os.path.exists(log) else ""
     ms = re.findall(r"^trained: ([\d.]+) ms per step", text, re.M)
@@ -56,7 +58,7 @@ print(f"one GPU, batch 8: {f(one, '%.1f')} ms/step")
 print(f"{'plan':34s} {'predicted':>9s} {'measured':>9s} {'error':>7s} {'vs 1 GPU':>8s}   "
       f"{'arena pred.':>11s} {'arena':>6s} {'error':>7s}   {'peak pred.':>10s} {'in use':>7s} {'error':>7s}")
 for name, shape, pred, ms, pmem, mem, arena, parena in rows:
-    speed = f"{2 * one / ms:.2f}x" if one and ms else "n/a"  # twice the tokens of the one-GPU step
+    speed = f"{gpus * one / ms:.2f}x" if one and ms else "n/a"  # gpus times the tokens of the one-GPU step
     print(f"{name:34s} {f(pred, '%9.1f')} {f(ms, '%9.1f')} {err(pred, ms):>7s} {speed:>8s}   "
           f"{f(parena, '%9.1f G')} {f(arena, '%4.1f G')} {err(parena, arena):>7s}   "
           f"{f(pmem, '%8.1f G')} {f(mem, '%5.1f G')} {err(pmem, mem):>7s}")
@@ -70,8 +72,8 @@ if done:
 PY
   if [ -z "${SKIP_TORCH:-}" ]; then
     case $m in gpt2-350m) dims="--layers 24 --hidden 1024 --heads 16" ;; *) dims="--layers 24 --hidden 2048 --heads 16" ;; esac
-    echo "== PyTorch on the same model and cards, global batch 16 (bf16 autocast)"
-    timeout 400 torchrun --nproc_per_node=2 bench/torch_ddp.py $dims --batch 16 --steps 10 \
+    echo "== PyTorch on the same model and cards, global batch $((8 * gpus)) (bf16 autocast)"
+    timeout 400 torchrun --nproc_per_node=$gpus bench/torch_ddp.py $dims --batch $((8 * gpus)) --steps 10 \
         --modes ddp-bf16,fsdp2-bf16 2>&1 | grep -vE "^W[0-9]|OMP_NUM_THREADS|^\*+$" || status=1
   fi
 done
