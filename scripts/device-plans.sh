@@ -70,6 +70,22 @@ if done:
           + (f"the pick ({pick[1]}) {pick[3]:.1f} ms, {(pick[3] / fastest[3] - 1) * 100:.1f}% slower "
              f"({'within' if pick[3] <= 1.05 * fastest[3] else 'NOT within'} 5%)" if pick else "the pick did not run"))
 PY
+  # Data parallelism with the bf16 gradients averaged as bf16 (--grad-reduce bf16): a
+  # compile option, not a plan the planner prices, so measured without a prediction.
+  for b in "$R/$m"-plan-*wire-bf16.loom; do
+    [ -d "$b" ] || continue
+    name=$(basename "$b" .loom)
+    if timeout 300 $B/loom-run "$b" --backend cuda --steps 10 > "$out/$name.log" 2>&1; then
+      python3 - "$out/$m-plan-one.log" "$out/$name.log" "$gpus" "${name#$m-plan-}" <<'PY'
+import re, sys
+ms = lambda p: float((re.findall(r"^trained: ([\d.]+) ms per step", open(p).read(), re.M) or ["nan"])[0])
+one, this, gpus = ms(sys.argv[1]), ms(sys.argv[2]), int(sys.argv[3])
+print(f"{sys.argv[4]:34s} {'':>9s} {this:9.1f} {'':>7s} {gpus * one / this:7.2f}x   (--grad-reduce bf16: no prediction)")
+PY
+    else
+      echo "FAILED: $name"; tail -3 "$out/$name.log"; status=1
+    fi
+  done
   if [ -z "${SKIP_TORCH:-}" ]; then
     case $m in gpt2-350m) dims="--layers 24 --hidden 1024 --heads 16" ;; *) dims="--layers 24 --hidden 2048 --heads 16" ;; esac
     echo "== PyTorch on the same model and cards, global batch $((8 * gpus)) (bf16 autocast)"
