@@ -133,8 +133,15 @@ CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &
                        bool allocate, Communicator *comm, AsyncComm *async) {
   static const std::set<std::string> bytewise = {"cast", "slice", "transpose", "concat",
                                                  "broadcast", "send", "recv", "kv_write"};
-  // Operands a kernel reads in their own dtype: the key/value caches.
-  static const std::map<std::string, std::set<size_t>> native = {{"paged_attention", {1, 2}}};
+  // Operands a kernel reads, and results it writes, in their own dtype: the
+  // key/value caches; the bf16 weight copies the optimizers write
+  // (loom-update-copies), rounded in the kernel's own threads.
+  static const std::map<std::string, std::set<size_t>> nativeIn = {{"paged_attention", {1, 2}}};
+  static const std::map<std::string, std::set<size_t>> nativeOut = {{"adamw", {3}}, {"sgd", {2}}};
+  auto native = [](const std::map<std::string, std::set<size_t>> &table, const std::string &op, size_t k) {
+    auto it = table.find(op);
+    return it != table.end() && it->second.count(k) > 0;
+  };
   // Collectives may still read their operands after the next instructions
   // start (asynchronous ones): their f32 copies are their own. Every other
   // instruction's copies live only while it runs, so they share one buffer
@@ -142,8 +149,13 @@ CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &
   static const std::set<std::string> collectives = {"all_reduce", "reduce_scatter", "all_gather",
                                                     "broadcast_from", "shard_of"};
   auto widenedCount = [&](const Instruction &ins) {
-    std::set<int64_t> ids(ins.in.begin(), ins.in.end());
-    ids.insert(ins.out.begin(), ins.out.end());
+    std::set<int64_t> ids;
+    for (size_t k = 0; k < ins.in.size(); ++k)
+      if (!native(nativeIn, ins.op, k))
+        ids.insert(ins.in[k]);
+    for (size_t k = 0; k < ins.out.size(); ++k)
+      if (!native(nativeOut, ins.op, k))
+        ids.insert(ins.out[k]);
     int64_t n = 0;
     for (int64_t id : ids)
       if (rank.buffers[id].dtype == LOOM_BF16)
@@ -194,12 +206,12 @@ CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &
         widened[id] = copy;
         list.push_back({arena + b.offset, copy, n});
       };
-      auto nativeOperands = native.find(ins.op);
       for (size_t k = 0; k < ins.in.size(); ++k)
-        if (nativeOperands == native.end() || !nativeOperands->second.count(k))
+        if (!native(nativeIn, ins.op, k))
           add(ins.in[k], widen);
-      for (int64_t id : ins.out)
-        add(id, narrow);
+      for (size_t k = 0; k < ins.out.size(); ++k)
+        if (!native(nativeOut, ins.op, k))
+          add(ins.out[k], narrow);
     }
     cpu::Ctx ctx{ins, rank, arena, pool, where, widened, comm, async};
     std::function<void()> kernel = it->second(ctx);

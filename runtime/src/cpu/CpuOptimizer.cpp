@@ -118,15 +118,20 @@ Kernel buildOptimizer(const Ctx &c, bool adam) {
     c.bad("updates the parameter and its state in place");
   for (size_t i = 1; i < (adam ? 4u : 3u); ++i)
     c.sameShape(c.in(0), c.in(i));
-  // Written as f32 into the copy's widened buffer; narrowed to bf16 after
-  // the kernel with the cast's rounding.
-  float *copy = nullptr;
+  // Written as bf16 here (the backend does not widen it: CpuBackend.cpp's
+  // nativeOut), with the cast's rounding, by the threads that update.
+  uint16_t *copy = nullptr;
   if (c.ins.out.size() == outs + 1) {
     if (c.out(outs).dtype != LOOM_BF16)
       c.bad(cat("copy '", c.out(outs).name, "' must be bf16, got ", dtypeName(c.out(outs).dtype)));
     c.sameShape(c.in(0), c.out(outs));
-    copy = c.f32(c.out(outs));
+    copy = c.ptr<uint16_t>(c.out(outs));
   }
+  auto writeCopy = [copy](const float *p, int64_t begin, int64_t end) {
+    if (copy)
+      for (int64_t i = begin; i < end; ++i)
+        copy[i] = floatToBf16(p[i]);
+  };
   double lr = c.attrFloat("lr"), minLr = c.attrFloat("min_lr", 0), wd = c.attrFloat("weight_decay", 0);
   double clip = c.attrFloat("clip", 0), warmup = c.attrFloat("warmup", 0), total = c.attrFloat("total_steps", 0);
   double b1 = adam ? c.attrFloat("beta1") : 0, b2 = adam ? c.attrFloat("beta2") : 0;
@@ -144,8 +149,7 @@ Kernel buildOptimizer(const Ctx &c, bool adam) {
       double c1 = 1 - std::pow(b1, t), c2 = 1 - std::pow(b2, t);
       pool->parallelFor(n, 20.0, [&](int64_t begin, int64_t end) {
         adamwRange(p, g, m, v, begin, end, scale, b1, b2, c1, c2, eps, wd, rate);
-        if (copy)
-          std::copy(p + begin, p + end, copy + begin);
+        writeCopy(p, begin, end);
       });
     } else {
       pool->parallelFor(n, 4.0, [&](int64_t begin, int64_t end) {
@@ -154,8 +158,7 @@ Kernel buildOptimizer(const Ctx &c, bool adam) {
           m[i] = static_cast<float>(momentum * m[i] + gi);
           p[i] = static_cast<float>(p[i] - rate * m[i]);
         }
-        if (copy)
-          std::copy(p + begin, p + end, copy + begin);
+        writeCopy(p, begin, end);
       });
     }
   };
