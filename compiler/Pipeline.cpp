@@ -56,6 +56,8 @@ void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o,
     if (o.bf16)
       add(createUpdateCopies());
   }
+  if (o.fuse && o.train)
+    add(createFuseLossGradient());
   if (o.fuse)
     add(createFuseElementwise());
   if (o.train && (pipelined || dp * tp * pp > 1))

@@ -117,6 +117,25 @@ public:
 
   pl::LayerSpec finish() {
     countDeferredGradients();
+    layer.largestGradBesideLoss = 0;
+    layer.largestGradBesideLossSharded = false;
+    // The logits usually come back from a call (@forward's result), so the
+    // gradient left out is one of the logits' size, made in this layer.
+    bool left = false;
+    for (const GradSize &g : gradSizes) {
+      if (!left && lossLogits > 0 && g.elements == lossLogits) {
+        left = true;
+        continue;
+      }
+      if (g.elements > layer.largestGradBesideLoss) {
+        layer.largestGradBesideLoss = g.elements;
+        layer.largestGradBesideLossSharded = g.sharded;
+      }
+    }
+    if (!left) {
+      layer.largestGradBesideLoss = layer.largestGradElements;
+      layer.largestGradBesideLossSharded = layer.largestGradSharded;
+    }
     layer.tpDivisor = noRule || divisor == 0 ? 1 : divisor;
     return layer;
   }
@@ -140,15 +159,21 @@ private:
   /// gradients keep what they read, forward values and result gradients.
   void keepForBackward(Operation &op, const Layouts &split) {
     BackwardReadSet reads = backwardReads(&op);
-    if (reads.largestGrad > layer.largestGradElements) {
-      layer.largestGradElements = reads.largestGrad;
-      layer.largestGradSharded = op.getNumResults() > 0 && split.lookup(op.getResult(0)).split;
-    }
     auto storage = [](Value v) {
       while (auto reshape = v.getDefiningOp<ReshapeOp>())
         v = reshape.getX();
       return v;
     };
+    if (reads.largestGrad > 0 && op.getNumResults() > 0)
+      gradSizes.push_back({reads.largestGrad, split.lookup(op.getResult(0)).split});
+    if (reads.largestGrad > layer.largestGradElements) {
+      layer.largestGradElements = reads.largestGrad;
+      layer.largestGradSharded = op.getNumResults() > 0 && split.lookup(op.getResult(0)).split;
+    }
+    // The logits' gradient, which loom-fuse-loss-gradient writes over the
+    // logits (kept for the loss's own gradient anyway).
+    if (auto ce = dyn_cast<CrossEntropyOp>(op))
+      lossLogits = elements(ce->getOperand(0));
     auto add = [&](DenseSet<Value> &seen, Value v, double &all, double &sharded) {
       if (!seen.insert(v).second)
         return;
@@ -195,6 +220,12 @@ private:
   }
 
   pl::LayerSpec layer;
+  struct GradSize {
+    double elements; // of the gradient of an op's result
+    bool sharded;
+  };
+  std::vector<GradSize> gradSizes;
+  double lossLogits = 0; // elements of the loss's logits; 0 without a loss
   std::map<std::string, std::pair<double, bool>> params;
   std::set<std::string> copied;
   DenseSet<Value> kept, deferred;

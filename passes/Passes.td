@@ -260,6 +260,19 @@ def UpdateCopies : Pass<"loom-update-copies", "::mlir::ModuleOp"> {
   }];
 }
 
+def FuseLossGradient : Pass<"loom-fuse-loss-gradient", "::mlir::ModuleOp"> {
+  let summary = "The cross-entropy loss writes its gradient over the logits";
+  let description = [{
+    Where a training step's cross_entropy and its cross_entropy_grad read
+    the same logits and targets, nothing else reads the logits, and the
+    gradient's seed is a fill of a constant, the loss gets a second output,
+    the logits themselves, which it overwrites with their gradient (scaled
+    by the constant, attribute `grad_scale`); the gradient and the fill go,
+    and the gradient's readers read the logits' buffer. One read of the
+    logits instead of three, and no memory of the gradient's own.
+  }];
+}
+
 def FuseElementwise : Pass<"loom-fuse-elementwise", "::mlir::ModuleOp"> {
   let summary = "Elementwise chains into generated kernels, GEMM epilogues, named row kernels";
   let description = [{

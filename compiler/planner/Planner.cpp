@@ -314,7 +314,9 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     // et al.'s 5as^2 bytes at 16 bits (softmax output, dropout mask and output).
     if (options.materializedAttention && l.isTransformer && plan.recompute == Recompute::None)
       kept += b * 5.0 * l.heads * l.seq * l.seq / lt * keptWidth / 2;
-    mem.backwardBytes = b * keptWidth * l.largestGradElements / (l.largestGradSharded ? lt : 1);
+    bool inPlace = options.lossGradientInPlace && lt == 1;
+    mem.backwardBytes = inPlace ? b * keptWidth * l.largestGradBesideLoss / (l.largestGradBesideLossSharded ? lt : 1)
+                                : b * keptWidth * l.largestGradElements / (l.largestGradSharded ? lt : 1);
     mem.deferredBytes = b * keptWidth * (l.deferredShardedElements / lt + (l.deferredElements - l.deferredShardedElements));
     mem.recomputed = plan.recompute == Recompute::Full && l.checkpointElements > 0;
     if (mem.recomputed) { // keeps its input; its backward rebuilds the rest first

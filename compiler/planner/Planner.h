@@ -57,6 +57,11 @@ struct LayerSpec {
   /// The largest gradient the layer's backward makes (the logits' for the head).
   double largestGradElements = 0;
   bool largestGradSharded = false;
+  /// The same leaving out the logits' gradient, which a fused step writes
+  /// over the logits (loom-fuse-loss-gradient); equal where the layer has
+  /// no loss.
+  double largestGradBesideLoss = 0;
+  bool largestGradBesideLossSharded = false;
   /// Parameters whose bf16 copy the backward reads (matrices; not the
   /// embedding table or biases), so the copy lives until then.
   double backwardReadParams = 0, backwardReadShardedParams = 0;
@@ -99,6 +104,10 @@ struct CostOptions {
   double memoryEfficiency = 0.80;
   double linkEfficiency = 0.80;     // fraction of link bandwidth NCCL collectives reach
   bool materializedAttention = false; // scores written to HBM (no flash attention)
+  /// The step's loss writes its gradient over the logits (--fuse, the
+  /// CUDA target: loom-fuse-loss-gradient), so the logits' gradient takes no
+  /// memory of its own; not where tensor parallelism splits the vocabulary.
+  bool lossGradientInPlace = true;
   /// loomc compile --grad-reduce bf16: the data-parallel all-reduce moves
   /// bf16 gradients (2 bytes a parameter) instead of f32 ones.
   bool gradReduceBf16 = false;

@@ -502,6 +502,7 @@ int runCompile() {
     ::loom::planner::CostOptions costs;
     costs.precision = precision; // the memory predicted is the bundle's
     costs.gradReduceBf16 = gradReduceBf16;
+    costs.lossGradientInPlace = compileFuse || cuda;
     ::loom::planner::Planner planner(*spec, cluster, costs);
     ::loom::planner::PlanResult result = planner.search(compileBatch, force);
     if (!result.found)
@@ -593,7 +594,7 @@ int runCompile() {
                  << ", max sequence " << sv.maxSeq << "\n";
   }
   // What the compiler's rewrites did to rank 0, read back from its programs.
-  int64_t packed = 0, epilogues = 0, fused = 0, rowKernels = 0, bf16Grads = 0;
+  int64_t packed = 0, epilogues = 0, fused = 0, rowKernels = 0, bf16Grads = 0, lossGrads = 0;
   std::map<std::string, int64_t> epilogueKinds;
   std::set<std::string> adamKernels;
   for (const auto &[name, program] : rank.programs)
@@ -602,6 +603,7 @@ int runCompile() {
       if (ins.op == "matmul" && ins.attrs.contains("epilogue"))
         ++epilogues, ++epilogueKinds[ins.attrs.value("epilogue", std::string("?"))];
       fused += ins.op == "fused";
+      lossGrads += ins.op == "cross_entropy" && ins.out.size() == 2;
       bool generated = ins.op != "fused" && ins.attrs.is_object() && ins.attrs.contains("kernel");
       rowKernels += generated && ins.op != "adamw";
       if (generated && ins.op == "adamw")
@@ -625,6 +627,8 @@ int runCompile() {
     notes.push_back(std::to_string(fused) + " generated kernel(s)");
   if (rowKernels)
     notes.push_back(std::to_string(rowKernels) + " row kernel(s) generated (norms, softmax, cross-entropy)");
+  if (lossGrads)
+    notes.push_back(std::to_string(lossGrads) + " loss(es) write their gradient over the logits");
   if (!adamKernels.empty())
     notes.push_back("AdamW in " + std::to_string(adamKernels.size()) + " generated kernel(s)");
   if (!notes.empty()) {
@@ -649,6 +653,9 @@ int runPlan() {
     return fail(error);
   ::loom::planner::CostOptions costs;
   costs.materializedAttention = planMaterialized;
+  // GPUs run the CUDA target's fused step, whose loss writes its gradient
+  // over the logits; a CPU cluster's bundles are compiled without --fuse.
+  costs.lossGradientInPlace = cluster.device.name != "cpu";
   if (!::loom::planner::parsePrecision(planPrecision, costs.precision))
     return fail("--precision must be f32 or bf16, got '" + planPrecision + "'");
   if (!parseGradReduce(planGradReduce, costs.gradReduceBf16))

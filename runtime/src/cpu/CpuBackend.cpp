@@ -192,8 +192,15 @@ CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &
       int64_t next = 0; // in the shared buffer
       auto add = [&](int64_t id, std::vector<Copy> &list) {
         const Buffer &b = rank.buffers[id];
-        if (b.dtype != LOOM_BF16 || widened.count(id))
+        if (b.dtype != LOOM_BF16)
           return;
+        if (auto w = widened.find(id); w != widened.end()) {
+          // A result written over an operand (the loss's gradient over the
+          // logits) is narrowed back from the operand's copy.
+          if (&list == &narrow && !own)
+            narrow.push_back({arena + b.offset, w->second, numElements(b.shape).value_or(0)});
+          return;
+        }
         int64_t n = numElements(b.shape).value_or(0);
         float *copy = reinterpret_cast<float *>(arena); // validation only: never run
         if (allocate && own) {

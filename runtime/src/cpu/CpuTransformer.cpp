@@ -415,17 +415,53 @@ Kernel buildAttention(const Ctx &c) {
   return [=] { attentionForward(*pool, d, pq, pk, pv, po); };
 }
 
+/// With a second output (loom-fuse-loss-gradient), the logits themselves,
+/// each row is overwritten by its gradient once its loss is taken: the
+/// values cross_entropy_grad computes with a seed of grad_scale.
 Kernel buildCrossEntropy(const Ctx &c) {
-  c.arity(2, 1);
+  bool withGrad = c.ins.out.size() == 2;
+  c.arity(2, withGrad ? 2 : 1);
   const Buffer &logits = c.in(0), &targets = c.in(1), &o = c.out();
   c.needF32(logits), c.needInt(targets), c.needF32(o);
   if (logits.shape.empty() || Shape(logits.shape.begin(), logits.shape.end() - 1) != targets.shape ||
       count(o.shape) != 1)
     c.bad("expects logits [..., V], targets [...] and a scalar result");
+  if (withGrad && c.ins.out[1] != c.ins.in[0])
+    c.bad("writes the loss's gradient over the logits: its second output must be its first input");
   int64_t V = logits.shape.back(), rows = count(targets.shape);
   IndexReader read{c.arena + targets.offset, targets.dtype == LOOM_I64};
   float *pl = c.f32(logits), *po = c.f32(o);
   std::string where = c.where, name = targets.name;
+  if (withGrad) {
+    if (vocabSlice(c, V).second > 1)
+      c.bad("a vocabulary split over ranks computes its gradient in cross_entropy_grad");
+    float seed = static_cast<float>(c.attrFloat("grad_scale"));
+    ThreadPool *pool = &c.pool;
+    return [=] {
+      checkIndices(where, "target class in '" + name + "'", read, rows, V);
+      // As cross_entropy and cross_entropy_grad compute them, row by row.
+      float scale = seed / float(std::max<int64_t>(rows, 1));
+      std::vector<double> losses(rows);
+      pool->parallelFor(rows, double(V * 20), [&](int64_t r0, int64_t r1) {
+        std::vector<double> e(V);
+        for (int64_t r = r0; r < r1; ++r) {
+          float *row = pl + r * V;
+          float mx = *std::max_element(row, row + V);
+          double sum = 0;
+          for (int64_t j = 0; j < V; ++j)
+            sum += (e[j] = std::exp(double(row[j]) - mx));
+          losses[r] = std::log(sum) + mx - row[read(r)];
+          for (int64_t j = 0; j < V; ++j)
+            row[j] = static_cast<float>(e[j] / sum) * scale;
+          row[read(r)] -= scale;
+        }
+      });
+      double total = 0;
+      for (double l : losses)
+        total += l;
+      *po = static_cast<float>(total / std::max<int64_t>(rows, 1));
+    };
+  }
   if (auto [start, parts] = vocabSlice(c, V); parts > 1) {
     VocabStats stats(c, V, rows, start, parts);
     return [=]() mutable {

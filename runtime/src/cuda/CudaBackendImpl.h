@@ -375,6 +375,7 @@ private:
                        char *clear, int64_t clearBytes);
   // CudaLoss.cu
   Launch buildCrossEntropy(const Instruction &ins);
+  Launch buildFusedCrossEntropy(const Instruction &ins);
   // CudaGenerated.cu
   Launch buildFused(const Instruction &ins);
   Launch buildRowKernel(const Instruction &ins);

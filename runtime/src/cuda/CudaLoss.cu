@@ -118,6 +118,98 @@ __global__ void crossEntropyGradKernel(DPtr logits, const void *targets, bool wi
     out.st(j, (expf(lr[j] - mx) * inv - (j == t ? 1.0f : 0.0f)) * scale);
 }
 
+/// The loss and its gradient over the logits in place (loom-fuse-loss-
+/// gradient): each row's statistics and loss, then the row overwritten by
+/// (softmax - onehot) * scale. Every read of the row comes before the
+/// block's first barrier in rowStats, every write after it.
+__global__ void crossEntropyFusedKernel(DPtr logits, const void *targets, bool wide, float *rowLoss, float scale,
+                                        int64_t v, long long *err) {
+  int64_t row = blockIdx.x;
+  DPtr lr = logits + row * v;
+  int64_t t = readIndex(targets, wide, row);
+  if (t < 0 || t >= v) {
+    if (threadIdx.x == 0)
+      raise(err, 2, row, t);
+    return;
+  }
+  float xt = threadIdx.x == 0 ? lr[t] : 0.0f;
+  float mx, sum;
+  rowStats(lr, v, mx, sum);
+  if (threadIdx.x == 0)
+    rowLoss[row] = logf(sum) + mx - xt;
+  float inv = 1.0f / sum;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
+    lr.st(j, (expf(lr[j] - mx) * inv - (j == t ? 1.0f : 0.0f)) * scale);
+}
+
+/// The same for bf16 rows of v (a multiple of 8) that fit in shared memory:
+/// the row is read from memory once, into shared memory as its statistics
+/// are taken, and the gradient computed from there. Two blocks of 1024
+/// threads an SM where a row is at most about 113 KB (GPT-2's 50,304: 98 KB).
+constexpr int kFusedLossThreads = 1024;
+__global__ void __launch_bounds__(kFusedLossThreads, 2)
+    crossEntropyFusedBf16Kernel(bf16 *logits, const void *targets, bool wide, float *rowLoss, float scale, int64_t v,
+                                long long *err) {
+  extern __shared__ uint4 rowCopy[];
+  __shared__ float sm[32], ss[32];
+  int64_t row = blockIdx.x;
+  uint4 *lr = reinterpret_cast<uint4 *>(logits + row * v);
+  int64_t t = readIndex(targets, wide, row);
+  if (t < 0 || t >= v) {
+    if (threadIdx.x == 0)
+      raise(err, 2, row, t);
+    return;
+  }
+  int n = int(v / 8);
+  float m = -INFINITY, s = 0;
+  auto add8 = [&](const uint4 &q) {
+    const bf16 *h = reinterpret_cast<const bf16 *>(&q);
+    float x[8], vm = -INFINITY;
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      x[e] = __bfloat162float(h[e]), vm = fmaxf(vm, x[e]);
+    if (vm == -INFINITY)
+      return;
+    if (vm > m)
+      s = (m == -INFINITY ? 0.0f : s * expf(m - vm)), m = vm;
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      s += expf(x[e] - m);
+  };
+  // Two 16-byte loads in flight a thread before either is used.
+  for (int j = threadIdx.x; j < n; j += 2 * kFusedLossThreads) {
+    int j2 = j + kFusedLossThreads;
+    uint4 a = lr[j], b = j2 < n ? lr[j2] : make_uint4(0, 0, 0, 0);
+    rowCopy[j] = a;
+    add8(a);
+    if (j2 < n) {
+      rowCopy[j2] = b;
+      add8(b);
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1)
+    onlineMerge(m, s, __shfl_xor_sync(0xffffffff, m, o), __shfl_xor_sync(0xffffffff, s, o));
+  if (threadIdx.x % 32 == 0)
+    sm[threadIdx.x / 32] = m, ss[threadIdx.x / 32] = s;
+  __syncthreads();
+  m = -INFINITY, s = 0;
+  for (int w = 0; w < kFusedLossThreads / 32; ++w)
+    onlineMerge(m, s, sm[w], ss[w]);
+  const bf16 *copy = reinterpret_cast<const bf16 *>(rowCopy);
+  if (threadIdx.x == 0)
+    rowLoss[row] = logf(s) + m - __bfloat162float(copy[t]);
+  float inv = 1.0f / s;
+  for (int j = threadIdx.x; j < n; j += kFusedLossThreads) {
+    uint4 q = rowCopy[j];
+    const bf16 *h = reinterpret_cast<const bf16 *>(&q);
+    float y[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      y[e] = (expf(__bfloat162float(h[e]) - m) * inv - (8 * int64_t(j) + e == t ? 1.0f : 0.0f)) * scale;
+    store8(reinterpret_cast<bf16 *>(lr + j), y);
+  }
+}
+
 } // namespace
 
 __global__ void meanKernel(const float *x, int64_t n, float *out) {
@@ -181,6 +273,8 @@ Launch CudaBackendImpl::buildCrossEntropy(const Instruction &ins) {
   long long *err = errorWord;
   if (ins.attrs.contains("vocab_group"))
     return buildCommunication(ins);
+  if (op == "cross_entropy" && ins.out.size() == 2)
+    return buildFusedCrossEntropy(ins);
   if (op == "cross_entropy") {
     float *out = f(ins.out[0]);
     reserve(rows * sizeof(float));
@@ -193,6 +287,51 @@ Launch CudaBackendImpl::buildCrossEntropy(const Instruction &ins) {
   float *dl = f(ins.in[2]);
   DPtr out = fp(ins.out[0]);
   return [=](cudaStream_t s) { crossEntropyGradKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, dl, out, rows, v); };
+}
+
+/// The loss with its gradient written over the logits (loom-fuse-loss-
+/// gradient): the bf16 rows through shared memory where they fit, else a
+/// block per row reading it twice.
+Launch CudaBackendImpl::buildFusedCrossEntropy(const Instruction &ins) {
+  const Buffer &logits = buf(ins.in[0]), &targets = buf(ins.in[1]);
+  if (ins.out[1] != ins.in[0])
+    fail(LOOM_INVALID_BUNDLE, where, ": writes the loss's gradient over the logits: its second output must be its "
+         "first input");
+  if (!ins.attrs.contains("grad_scale") || !ins.attrs["grad_scale"].is_number())
+    fail(LOOM_INVALID_BUNDLE, where, ": attribute 'grad_scale' (a number) is missing");
+  int64_t v = logits.shape.back(), rows = count(targets.shape);
+  bool wide = targets.dtype == LOOM_I64;
+  void *pt = ptr(targets);
+  DPtr pl = fp(ins.in[0]);
+  long long *err = errorWord;
+  float *out = f(ins.out[0]);
+  float scale = static_cast<float>(ins.attrs["grad_scale"].get<double>()) / float(std::max<int64_t>(rows, 1));
+  reserve(rows * sizeof(float));
+  size_t shared = size_t(v) * sizeof(bf16);
+  // LOOM_CUDA_FUSED_LOSS=global reads each row twice from memory instead.
+  static const bool global = [] {
+    const char *e = std::getenv("LOOM_CUDA_FUSED_LOSS");
+    return e && std::string(e) == "global";
+  }();
+  bool inShared = pl.bf && v % 8 == 0 && reinterpret_cast<uintptr_t>(pl.p) % 16 == 0 && shared <= 200 * 1024 && !global;
+  if (inShared) {
+    int device = 0, most = 0;
+    LOOM_CUDA_CHECK(cudaGetDevice(&device));
+    LOOM_CUDA_CHECK(cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    inShared = shared + 256 <= size_t(most);
+    if (inShared)
+      LOOM_CUDA_CHECK(cudaFuncSetAttribute(crossEntropyFusedBf16Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(shared)));
+  }
+  return [=](cudaStream_t s) {
+    float *rowLoss = reinterpret_cast<float *>(workspace);
+    if (inShared)
+      crossEntropyFusedBf16Kernel<<<int(rows), kFusedLossThreads, shared, s>>>(static_cast<bf16 *>(pl.p), pt, wide,
+                                                                               rowLoss, scale, v, err);
+    else
+      crossEntropyFusedKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowLoss, scale, v, err);
+    meanKernel<<<1, 1024, 0, s>>>(rowLoss, rows, out);
+  };
 }
 
 void CudaBackendImpl::addLossBuilders(BuilderTable &table) {
