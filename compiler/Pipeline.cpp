@@ -9,10 +9,28 @@
 using namespace mlir;
 using namespace mlir::loom;
 
+namespace {
+const char *const kSkippable[] = {"loom-fuse-loss-gradient", "loom-update-copies", "loom-packed-qkv-attention",
+                                  "loom-join-slice-gradients"};
+} // namespace
+
+bool mlir::loom::isSkippablePass(StringRef name) {
+  return std::find(std::begin(kSkippable), std::end(kSkippable), name) != std::end(kSkippable);
+}
+
+std::string mlir::loom::skippablePasses() {
+  std::string list;
+  for (const char *name : kSkippable)
+    list += (list.empty() ? "" : ", ") + std::string(name);
+  return list;
+}
+
 void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o, StringRef until) {
   bool stopped = false;
   auto add = [&](std::unique_ptr<Pass> pass) {
     if (stopped)
+      return;
+    if (o.skipPasses.count(pass->getArgument().str()) && isSkippablePass(pass->getArgument()))
       return;
     stopped = !until.empty() && pass->getArgument() == until;
     pm.addPass(std::move(pass));

@@ -22,6 +22,11 @@ namespace mlir::loom {
 /// the pass of that argument (for tests that check one stage's input).
 void buildCompilePipeline(OpPassManager &pm, const BundleOptions &options, StringRef until = "");
 
+/// Whether `name` is an optional rewrite that BundleOptions::skipPasses may
+/// leave out (the bundle stays valid without it), and the list of them.
+bool isSkippablePass(StringRef name);
+std::string skippablePasses();
+
 /// Registers `loom-compile` (with its options) for loom-opt.
 void registerCompilePipeline();
 

@@ -94,6 +94,9 @@ struct BundleOptions {
   nlohmann::json plan = nlohmann::json::object();
   TrainOptions training;
   ServeOptions serve;
+  /// Optional rewrites the pipeline leaves out (loomc compile --skip-pass),
+  /// by pass argument; not recorded on the module.
+  std::set<std::string> skipPasses;
 };
 
 /// Writes `options` onto the module as `loom.options` (batch, seed,

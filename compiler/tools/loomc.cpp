@@ -10,6 +10,7 @@
 #include "compiler/import/HfCheckpoint.h"
 #include "compiler/NestingLimit.h"
 #include "compiler/tools/LoomcInspect.h"
+#include "compiler/Pipeline.h"
 #include "compiler/PlannerModel.h"
 #include "compiler/planner/PlanFile.h"
 #include "loom/rt/Bundle.h"
@@ -160,6 +161,11 @@ cl::opt<bool> compileFuse("fuse",
                           cl::desc("Fuse chains of elementwise instructions into kernels generated "
                                    "through MLIR's gpu dialect (PTX in OUT.loom/kernels.ptx)"),
                           cl::sub(compileCmd));
+cl::list<std::string> compileSkipPass("skip-pass",
+                                      cl::desc("Leave out an optional rewrite of the pipeline, to measure what it "
+                                               "does (loom-fuse-loss-gradient, loom-update-copies, "
+                                               "loom-packed-qkv-attention, loom-join-slice-gradients)"),
+                                      cl::CommaSeparated, cl::value_desc("pass"), cl::sub(compileCmd));
 cl::opt<bool> compileNoWeights("no-weights",
                                cl::desc("Write no weights file; the runtime initialises the "
                                         "parameters from --seed when it loads the bundle"),
@@ -520,6 +526,12 @@ int runCompile() {
   options.bf16 = precision == ::loom::planner::Precision::Bf16;
   options.noWeights = compileNoWeights;
   options.fuse = compileFuse || cuda;
+  for (const std::string &name : compileSkipPass) {
+    if (!mlir::loom::isSkippablePass(name))
+      return fail("--skip-pass " + name + ": only optional rewrites can be left out (" +
+                  mlir::loom::skippablePasses() + ")");
+    options.skipPasses.insert(name);
+  }
   if (!compileLayout.empty() && compileLayout != "nchw" && compileLayout != "nhwc")
     return fail("--layout must be nchw or nhwc, got '" + compileLayout + "'");
   options.nhwc = compileLayout.empty() ? cuda : compileLayout == "nhwc";
