@@ -221,12 +221,14 @@ def PackedQkvAttention : Pass<"loom-packed-qkv-attention", "::mlir::ModuleOp"> {
 def Bf16StepCasts : Pass<"loom-bf16-step-casts", "::mlir::ModuleOp"> {
   let summary = "Fewer and earlier bf16 casts in the training step";
   let description = [{
-    Six rewrites of training steps: a pipelined step casts each weight once
+    Rewrites of training steps: a pipelined step casts each weight once
     for every microbatch; the optimizer and the clipping norm read bf16
     gradients directly where nothing else reads their f32 copies; adds into
     f32 gradient sums read the bf16 values; a data-parallel bucket's
     all-reduce reads the bf16 gradients and writes their f32 means, without
-    a cast of each; a sum's first add becomes a cast
+    a cast of each, and ZeRO-1's reduce-scatter reads them too (writing f32
+    slices); with --grad-reduce bf16 the buckets average bf16 in place; a
+    sum's first add becomes a cast
     of that gradient into it, without the fill of zeros before it; the
     weights' casts move to the start of the forward, where the runtime
     converts them in one launch.

@@ -508,9 +508,11 @@ private:
   /// The device table of whole tensors and their shards (wholes[i] and
   /// shards[i]), packed one after another; `span` receives the shards'
   /// total length. The shards are f32; the wholes too, or every one bf16
-  /// with `bf16Wholes` (its address then stands in PackedTensor::whole).
+  /// with `bf16Wholes` (its address then stands in PackedTensor::whole), or
+  /// with `eitherWholes` each its own (bf16 ones flagged bf16Whole).
   const PackedTensor *packedTensors(const std::vector<int64_t> &wholes, const std::vector<int64_t> &shards,
-                                    int64_t parts, int64_t &span, bool bf16Wholes = false);
+                                    int64_t parts, int64_t &span, bool bf16Wholes = false,
+                                    bool eitherWholes = false);
   /// An async collective (one with an event): `work` on the communication
   /// stream once the compute stream reaches it, recording the event.
   bool asyncCollective(const Instruction &ins);

@@ -43,7 +43,9 @@ __global__ void packPartsKernel(const PackedTensor *t, int count, int64_t span, 
     int64_t p = i / span, j = i % span;
     const PackedTensor &x = t[tensorOf(t, count, j)];
     int64_t at = p * x.k + (j - x.offset);
-    packed[i] = at < x.n ? x.whole[at] : 0.0f;
+    packed[i] = at >= x.n       ? 0.0f
+                : x.bf16Whole ? __bfloat162float(reinterpret_cast<const __nv_bfloat16 *>(x.whole)[at])
+                              : x.whole[at];
   }
 }
 
@@ -143,7 +145,7 @@ bool CudaBackendImpl::shardsTogether(const Instruction &a, const Instruction &b)
 
 const PackedTensor *CudaBackendImpl::packedTensors(const std::vector<int64_t> &wholes,
                                                    const std::vector<int64_t> &shards, int64_t parts, int64_t &span,
-                                                   bool bf16Wholes) {
+                                                   bool bf16Wholes, bool eitherWholes) {
   if (wholes.size() != shards.size())
     fail(LOOM_INVALID_BUNDLE, where, ": ", wholes.size(), " tensors but ", shards.size(), " shards");
   std::vector<PackedTensor> list;
@@ -155,8 +157,10 @@ const PackedTensor *CudaBackendImpl::packedTensors(const std::vector<int64_t> &w
       fail(LOOM_INVALID_BUNDLE, where, ": shard ", i, " holds ", k, " elements; ", parts, " of them cannot hold ", n);
     if (bf16Wholes && buf(whole).dtype != LOOM_BF16)
       fail(LOOM_INVALID_BUNDLE, where, ": gathers into f32 and bf16 tensors at once; one dtype per all_gather");
-    float *w = bf16Wholes ? reinterpret_cast<float *>(ptr(buf(whole))) : f(whole);
-    list.push_back({w, f(shard), n, k, span});
+    // A reduce-scatter's bf16 gradient (loom-bf16-step-casts), widened as it is packed.
+    bool bf = bf16Wholes || (eitherWholes && buf(whole).dtype == LOOM_BF16);
+    float *w = bf ? reinterpret_cast<float *>(ptr(buf(whole))) : f(whole);
+    list.push_back({w, f(shard), n, k, span, int32_t(eitherWholes && bf)});
     span += k;
   }
   return deviceArray(list);
@@ -188,7 +192,8 @@ Launch CudaBackendImpl::buildPackedReduceScatter(const Instruction &ins, int64_t
                                                  ncclComm_t comm) {
   bool mean = ins.attrs.value("reduction", std::string("mean")) == "mean";
   int64_t span = 0;
-  const PackedTensor *table = packedTensors(ins.in, ins.out, parts, span); // gradients, their shards
+  // gradients (f32, or bf16 widened as they are packed), their shards
+  const PackedTensor *table = packedTensors(ins.in, ins.out, parts, span, false, /*eitherWholes=*/true);
   int count = int(ins.in.size());
   commWorkspaceBytes = std::max(commWorkspaceBytes, size_t((parts + 1) * span) * sizeof(float));
   int64_t self = index;

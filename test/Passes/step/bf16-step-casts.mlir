@@ -4,6 +4,8 @@
 // RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=2 mb=2 precision=bf16 until=loom-packed-qkv-attention" | loom-opt --loom-bf16-step-casts | FileCheck %s --check-prefix=MB
 // RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=4 dp=2 precision=bf16 until=loom-packed-qkv-attention" | FileCheck %s --check-prefix=DP-BEFORE
 // RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=4 dp=2 precision=bf16 until=loom-packed-qkv-attention" | loom-opt --loom-bf16-step-casts | FileCheck %s --check-prefix=DP
+// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=4 dp=2 zero=1 precision=bf16 until=loom-packed-qkv-attention" | FileCheck %s --check-prefix=ZERO-BEFORE
+// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=4 dp=2 zero=1 precision=bf16 until=loom-packed-qkv-attention" | loom-opt --loom-bf16-step-casts | FileCheck %s --check-prefix=ZERO
 
 // loom-bf16-step-casts: the optimizer and the clipping norm read bf16
 // gradients directly where nothing else reads their f32 copies; the weights'
@@ -71,3 +73,20 @@
 // DP: loomrt.instr "layernorm_grad" [89, 91, 103] -> [106, 107, 108]
 // DP-NOT: loomrt.instr "cast" [{{107|108|112}}]
 // DP: loomrt.instr "all_reduce" [108, 107, 112, {{.*}}] -> [109, 110, 118, {{.*}}] {async = true, event = 0 : i64
+
+// ZeRO-1: each bucket's reduce-scatter read the f32 copies that a cast per
+// gradient wrote; it reads the bf16 gradients instead (widened as the
+// bucket is packed), and a parameter's gradient is its bf16 one. The tied
+// embedding's f32 sum (229) stays as it is.
+// ZERO-BEFORE-LABEL: loomrt.rank 0
+// ZERO-BEFORE: loomrt.param "wpe" = 3 "normal"(1.000000e-02) {grad = 230 : i64}
+// ZERO-BEFORE: loomrt.instr "cast" [108] -> [109]
+// ZERO-BEFORE: loomrt.instr "cast" [226] -> [230]
+// ZERO-BEFORE-NEXT: loomrt.instr "reduce_scatter" [109, 110, {{.*}}, 229, 230] -> [258, 257, {{.*}}] {async = true
+// ZERO-LABEL: loomrt.rank 0
+// ZERO: loomrt.param "wpe" = 3 "normal"(1.000000e-02) {grad = 226 : i64}
+// ZERO: loomrt.program "backward" {
+// ZERO-NOT: "cast"
+// ZERO: loomrt.instr "reduce_scatter" [108, 107, {{.*}}, 229, 226] -> [258, 257, {{.*}}] {async = true
+// ZERO-NOT: "cast"
+// ZERO: loomrt.program "forward" {
