@@ -143,19 +143,43 @@ __global__ void crossEntropyFusedKernel(DPtr logits, const void *targets, bool w
 }
 
 /// The same for bf16 rows of v (a multiple of 8) that fit in shared memory:
-/// the row is read from memory once, into shared memory as its statistics
-/// are taken, and the gradient computed from there. Two blocks of 1024
-/// threads an SM where a row is at most about 113 KB (GPT-2's 50,304: 98 KB).
-/// Exponentials by the hardware's ex2 (__expf, a relative error of about
-/// 2^-21): with expf's accurate sequence the kernel was bound by its
-/// instructions, not by memory (1.19 ms for GPT-2 350M's logits on an H200,
-/// 28% of the memory's bandwidth).
+/// the row is read from memory once, into shared memory as its maximum is
+/// taken; the sum of exponentials and then the gradient come from there.
+/// Two blocks of 1024 threads an SM where a row is at most about 113 KB
+/// (GPT-2's 50,304: 98 KB). The block's maximum and sum are plain float
+/// reductions (warp shuffles, then warp 0 over the 32 warps' values), and
+/// exponentials are the hardware's ex2 (__expf, a relative error of about
+/// 2^-21): an online softmax merged by every thread, with expf's accurate
+/// sequence, made the kernel bound by its instructions (1.10-1.19 ms for
+/// GPT-2 350M's logits on an H200 under ncu, 87% of the SMs' issue rate and
+/// 28-31% of the memory's bandwidth).
 constexpr int kFusedLossThreads = 1024;
+__device__ inline float blockReduce(float v, float *partial, float *result, bool max) {
+  for (int o = 16; o > 0; o >>= 1) {
+    float other = __shfl_xor_sync(0xffffffff, v, o);
+    v = max ? fmaxf(v, other) : v + other;
+  }
+  if (threadIdx.x % 32 == 0)
+    partial[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    v = partial[threadIdx.x]; // 32 warps
+    for (int o = 16; o > 0; o >>= 1) {
+      float other = __shfl_xor_sync(0xffffffff, v, o);
+      v = max ? fmaxf(v, other) : v + other;
+    }
+    if (threadIdx.x == 0)
+      *result = v;
+  }
+  __syncthreads();
+  return *result;
+}
+
 __global__ void __launch_bounds__(kFusedLossThreads, 2)
     crossEntropyFusedBf16Kernel(bf16 *logits, const void *targets, bool wide, float *rowLoss, float scale, int64_t v,
                                 long long *err) {
   extern __shared__ uint4 rowCopy[];
-  __shared__ float sm[32], ss[32];
+  __shared__ float partial[32], maxOf, sumOf;
   int64_t row = blockIdx.x;
   uint4 *lr = reinterpret_cast<uint4 *>(logits + row * v);
   int64_t t = readIndex(targets, wide, row);
@@ -165,40 +189,35 @@ __global__ void __launch_bounds__(kFusedLossThreads, 2)
     return;
   }
   int n = int(v / 8);
-  float m = -INFINITY, s = 0;
-  auto add8 = [&](const uint4 &q) {
+  auto max8 = [](const uint4 &q, float m) {
     const bf16 *h = reinterpret_cast<const bf16 *>(&q);
-    float x[8], vm = -INFINITY;
 #pragma unroll
     for (int e = 0; e < 8; ++e)
-      x[e] = __bfloat162float(h[e]), vm = fmaxf(vm, x[e]);
-    if (vm == -INFINITY)
-      return;
-    if (vm > m)
-      s = (m == -INFINITY ? 0.0f : s * __expf(m - vm)), m = vm;
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      s += __expf(x[e] - m);
+      m = fmaxf(m, __bfloat162float(h[e]));
+    return m;
   };
-  // Two 16-byte loads in flight a thread before either is used.
+  // The row into shared memory, two 16-byte loads in flight a thread.
+  float m = -INFINITY;
   for (int j = threadIdx.x; j < n; j += 2 * kFusedLossThreads) {
     int j2 = j + kFusedLossThreads;
     uint4 a = lr[j], b = j2 < n ? lr[j2] : make_uint4(0, 0, 0, 0);
     rowCopy[j] = a;
-    add8(a);
+    m = max8(a, m);
     if (j2 < n) {
       rowCopy[j2] = b;
-      add8(b);
+      m = max8(b, m);
     }
   }
-  for (int o = 16; o > 0; o >>= 1)
-    onlineMerge(m, s, __shfl_xor_sync(0xffffffff, m, o), __shfl_xor_sync(0xffffffff, s, o));
-  if (threadIdx.x % 32 == 0)
-    sm[threadIdx.x / 32] = m, ss[threadIdx.x / 32] = s;
-  __syncthreads();
-  m = -INFINITY, s = 0;
-  for (int w = 0; w < kFusedLossThreads / 32; ++w)
-    onlineMerge(m, s, sm[w], ss[w]);
+  m = blockReduce(m, partial, &maxOf, true);
+  float s = 0;
+  for (int j = threadIdx.x; j < n; j += kFusedLossThreads) {
+    uint4 q = rowCopy[j];
+    const bf16 *h = reinterpret_cast<const bf16 *>(&q);
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      s += __expf(__bfloat162float(h[e]) - m);
+  }
+  s = blockReduce(s, partial, &sumOf, false);
   const bf16 *copy = reinterpret_cast<const bf16 *>(rowCopy);
   if (threadIdx.x == 0)
     rowLoss[row] = logf(s) + m - __bfloat162float(copy[t]);
@@ -206,7 +225,7 @@ __global__ void __launch_bounds__(kFusedLossThreads, 2)
   for (int j = threadIdx.x; j < n; j += kFusedLossThreads) {
     uint4 q = rowCopy[j];
     const bf16 *h = reinterpret_cast<const bf16 *>(&q);
-    int64_t at = t - 8 * int64_t(j); // the target's place in this vector, if it is here
+    int at = int(t - 8 * int64_t(j)); // the target's place in this vector, if it is here
     float y[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e)
