@@ -108,6 +108,7 @@ public:
                  : task.kind == planner::TaskKind::Backward ? 1
                                                             : 2;
       receive(chunk, pass, k);
+      size_t taskStart = step.size();
       const auto &list = pass ? l.backward : l.forward;
       const auto &chunkOf = pass ? l.backwardChunk : l.forwardChunk;
       for (size_t i = 0; i < list.size(); ++i) {
@@ -122,12 +123,41 @@ public:
       }
       if (pass == 0 && producer.count(root(l.loss)) && producer[root(l.loss)].first == chunk)
         step.push_back({"add", {lossSum.id, copy(l.loss, k)}, {lossSum.id}, json::object()});
-      // The gradients are summed once the task that finishes them has run.
-      if (pass == (schedule == planner::Schedule::ZeroBubbleH1 ? 2 : 1))
-        for (auto &[key, grad] : l.paramGrads)
-          if (key.second == chunk)
-            step.push_back({"add", {accumulator[key.first], copy(grad, k)},
-                            {accumulator[key.first]}, json::object()});
+      // Each gradient is added to its sum right after the task's last write
+      // of it, so that the last microbatch's sums are finished (and their
+      // data-parallel buckets can go out) while the rest of its backward
+      // runs, not all at its end; the order of the adds into one sum, and
+      // so the sums, are the same.
+      if (pass == (schedule == planner::Schedule::ZeroBubbleH1 ? 2 : 1)) {
+        std::vector<std::pair<size_t, rt::Instruction>> adds; // (after step[i], the add)
+        for (auto &[key, grad] : l.paramGrads) {
+          if (key.second != chunk)
+            continue;
+          int64_t g = copy(grad, k), storage = rt::storageOf(r, g);
+          size_t at = step.size() - 1; // the task's end where nothing in it writes the gradient
+          for (size_t i = step.size(); i-- > taskStart;) {
+            bool writes = false;
+            for (int64_t id : step[i].out)
+              writes |= rt::storageOf(r, id) == storage;
+            if (writes) {
+              at = i;
+              break;
+            }
+          }
+          adds.push_back({at, {"add", {accumulator[key.first], g}, {accumulator[key.first]}, json::object()}});
+        }
+        std::stable_sort(adds.begin(), adds.end(), [](const auto &a, const auto &b) { return a.first < b.first; });
+        std::vector<rt::Instruction> merged(step.begin(), step.begin() + taskStart);
+        size_t next = 0;
+        for (size_t i = taskStart; i < step.size(); ++i) {
+          merged.push_back(std::move(step[i]));
+          for (; next < adds.size() && adds[next].first == i; ++next)
+            merged.push_back(std::move(adds[next].second));
+        }
+        for (; next < adds.size(); ++next)
+          merged.push_back(std::move(adds[next].second));
+        step = std::move(merged);
+      }
       sendAfter(chunk, pass, k);
     }
     if (producer[root(l.loss)].first % grid.pp == stage && m > 1)
