@@ -13,6 +13,16 @@
 namespace loom::rt::cuda {
 namespace {
 
+/// Whether row's target t is outside [0, v); thread 0 raises the error word
+/// (code 2: the row and the value).
+__device__ inline bool targetOutside(long long *err, int64_t row, int64_t t, int64_t v) {
+  if (t >= 0 && t < v)
+    return false;
+  if (threadIdx.x == 0)
+    raise(err, 2, row, t);
+  return true;
+}
+
 /// Maximum of a row of v values, and the sum of exp(x - max) over it, by
 /// one block (every thread gets the result).
 __device__ float rowMax(DPtr lr, int64_t v, float *shared) {
@@ -84,11 +94,8 @@ __global__ void crossEntropyRowsKernel(DPtr logits, const void *targets, bool wi
   int64_t row = blockIdx.x;
   DPtr lr = logits + row * v;
   int64_t t = readIndex(targets, wide, row);
-  if (t < 0 || t >= v) {
-    if (threadIdx.x == 0)
-      raise(err, 2, row, t);
+  if (targetOutside(err, row, t, v))
     return;
-  }
   float mx, sum;
   rowStats(lr, v, mx, sum);
   if (threadIdx.x == 0)
@@ -127,11 +134,8 @@ __global__ void crossEntropyFusedKernel(DPtr logits, const void *targets, bool w
   int64_t row = blockIdx.x;
   DPtr lr = logits + row * v;
   int64_t t = readIndex(targets, wide, row);
-  if (t < 0 || t >= v) {
-    if (threadIdx.x == 0)
-      raise(err, 2, row, t);
+  if (targetOutside(err, row, t, v))
     return;
-  }
   float xt = threadIdx.x == 0 ? lr[t] : 0.0f;
   float mx, sum;
   rowStats(lr, v, mx, sum);
@@ -183,11 +187,8 @@ __global__ void __launch_bounds__(kFusedLossThreads, 2)
   int64_t row = blockIdx.x;
   uint4 *lr = reinterpret_cast<uint4 *>(logits + row * v);
   int64_t t = readIndex(targets, wide, row);
-  if (t < 0 || t >= v) {
-    if (threadIdx.x == 0)
-      raise(err, 2, row, t);
+  if (targetOutside(err, row, t, v))
     return;
-  }
   int n = int(v / 8);
   auto max8 = [](const uint4 &q, float m) {
     const bf16 *h = reinterpret_cast<const bf16 *>(&q);
@@ -262,11 +263,8 @@ __global__ void rowSumTargetKernel(DPtr logits, const void *targets, bool wide, 
   int64_t row = blockIdx.x;
   DPtr lr = logits + row * v;
   int64_t t = readIndex(targets, wide, row);
-  if (t < 0 || t >= full) {
-    if (threadIdx.x == 0)
-      raise(err, 2, row, t);
+  if (targetOutside(err, row, t, full))
     return;
-  }
   float mx = rowMax[row], sum = rowSumExp(lr, v, mx, shared);
   if (threadIdx.x == 0) {
     stats[row] = sum;
