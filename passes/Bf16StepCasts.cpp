@@ -134,6 +134,37 @@ int64_t addsReadBf16Gradients(rt::RankProgram &r) {
   return changed;
 }
 
+/// What the two rewrites after it share: in each program, every operand `id`
+/// of a bucket collective (`isBucket`) that a cast from bf16 wrote earlier
+/// in the program is offered to `fold(program, list, collective's index,
+/// cast's index, id)`; where it agrees, the collective reads the cast's bf16
+/// source instead and the cast goes.
+template <typename IsBucket, typename Fold>
+int64_t foldBucketCasts(rt::RankProgram &r, IsBucket isBucket, Fold fold) {
+  int64_t changed = 0;
+  for (auto &[name, list] : r.programs) {
+    std::map<int64_t, size_t> castOf; // f32 result -> its cast
+    std::vector<bool> dropped(list.size(), false);
+    for (size_t j = 0; j < list.size(); ++j) {
+      rt::Instruction &ins = list[j];
+      if (widensBf16(r, ins))
+        castOf[ins.out[0]] = j;
+      if (!isBucket(ins))
+        continue;
+      for (int64_t &id : ins.in) {
+        auto it = castOf.find(id);
+        if (it == castOf.end() || dropped[it->second] || !fold(name, list, j, it->second, id))
+          continue;
+        id = list[it->second].in[0];
+        dropped[it->second] = true;
+        ++changed;
+      }
+    }
+    eraseMarked(list, dropped);
+  }
+  return changed;
+}
+
 /// Data parallelism averages each gradient in f32: a cast widens the bf16
 /// gradient into an f32 copy and its bucket's async all-reduce averages the
 /// copies in place. The all-reduce reads the bf16 gradients instead: it
@@ -148,48 +179,33 @@ int64_t bucketsWidenBf16Gradients(rt::RankProgram &r) {
   auto root = [&](int64_t id) { return rt::storageOf(r, id); };
   auto [reads, writes, readIn] = accessesOf(r);
   std::set<int64_t> kept = keptBuffers(r), viewed = viewedBuffers(r);
-  int64_t changed = 0;
-  for (auto &[name, list] : r.programs) {
-    std::map<int64_t, size_t> castOf; // f32 result -> its cast
-    std::vector<bool> dropped(list.size(), false);
-    for (size_t j = 0; j < list.size(); ++j) {
-      rt::Instruction &ins = list[j];
-      if (widensBf16(r, ins))
-        castOf[ins.out[0]] = j;
-      if (ins.op != "all_reduce" || ins.in != ins.out || !flagAttr(ins, "async") || !ins.attrs.contains("event"))
-        continue;
-      for (int64_t &id : ins.in) {
-        auto it = castOf.find(id);
-        // Written by its cast and this all-reduce only.
-        if (it == castOf.end() || dropped[it->second] || writes[id] != 2 || r.buffers[id].viewOf >= 0 ||
-            viewed.count(id))
-          continue;
-        size_t at = it->second;
-        int64_t source = list[at].in[0], storage = root(source);
-        // Read by its cast alone, its storage written once and not kept
-        // past the step (an output, or a parameter's gradient); a view (a
-        // bias's gradient), or a buffer nothing views.
-        if (reads[source] != 1 || writes[storage] != 1 || kept.count(source) || kept.count(storage) ||
-            (source == storage && viewed.count(source)) || r.buffers[source].shape != r.buffers[id].shape)
-          continue;
-        // Nothing else reads the f32 copy before the all-reduce writes it:
-        // in this program only after it, elsewhere only in the update.
-        bool readEarly = false;
-        for (size_t k = at + 1; k < j && !readEarly; ++k)
-          for (int64_t x : list[k].in)
-            readEarly |= root(x) == id;
-        for (const std::string &p : readIn[id])
-          readEarly |= p != name && p != "update";
-        if (readEarly)
-          continue;
-        id = source;
-        dropped[at] = true;
-        ++changed;
-      }
-    }
-    eraseMarked(list, dropped);
-  }
-  return changed;
+  auto isBucket = [](const rt::Instruction &ins) {
+    return ins.op == "all_reduce" && ins.in == ins.out && flagAttr(ins, "async") && ins.attrs.contains("event");
+  };
+  auto fold = [&](const std::string &name, const std::vector<rt::Instruction> &list, size_t j, size_t at,
+                  int64_t id) {
+    // Written by its cast and this all-reduce only.
+    if (writes[id] != 2 || r.buffers[id].viewOf >= 0 || viewed.count(id))
+      return false;
+    int64_t source = list[at].in[0], storage = root(source);
+    // Read by its cast alone, its storage written once and not kept
+    // past the step (an output, or a parameter's gradient); a view (a
+    // bias's gradient), or a buffer nothing views.
+    if (reads[source] != 1 || writes[storage] != 1 || kept.count(source) || kept.count(storage) ||
+        (source == storage && viewed.count(source)) || r.buffers[source].shape != r.buffers[id].shape)
+      return false;
+    // Nothing else reads the f32 copy before the all-reduce writes it:
+    // in this program only after it, elsewhere only in the update.
+    for (size_t k = at + 1; k < j; ++k)
+      for (int64_t x : list[k].in)
+        if (root(x) == id)
+          return false;
+    for (const std::string &p : readIn[id])
+      if (p != name && p != "update")
+        return false;
+    return true;
+  };
+  return foldBucketCasts(r, isBucket, fold);
 }
 
 /// ZeRO-1's buckets the same way: a reduce-scatter reads each bf16
@@ -207,41 +223,26 @@ int64_t shardedBucketsReadBf16Gradients(rt::RankProgram &r) {
   for (rt::Parameter &p : r.params)
     if (p.grad >= 0)
       paramOfGrad[p.grad] = &p;
-  int64_t changed = 0;
-  for (auto &[name, list] : r.programs) {
-    std::map<int64_t, size_t> castOf; // f32 result -> its cast
-    std::vector<bool> dropped(list.size(), false);
-    for (size_t j = 0; j < list.size(); ++j) {
-      rt::Instruction &ins = list[j];
-      if (widensBf16(r, ins))
-        castOf[ins.out[0]] = j;
-      if (ins.op != "reduce_scatter" || ins.in.size() != ins.out.size() || !flagAttr(ins, "async") ||
-          !ins.attrs.contains("event"))
-        continue;
-      for (int64_t &id : ins.in) {
-        auto it = castOf.find(id);
-        // The f32 copy: written by its cast, read by this reduce-scatter
-        // alone, a parameter's gradient or nothing kept.
-        if (it == castOf.end() || dropped[it->second] || writes[id] != 1 || reads[id] != 1 ||
-            r.buffers[id].viewOf >= 0 || viewed.count(id) || outputs.count(id) ||
-            (kept.count(id) && !paramOfGrad.count(id)))
-          continue;
-        size_t at = it->second;
-        int64_t source = list[at].in[0], storage = root(source);
-        if (reads[source] != 1 || writes[storage] != 1 || kept.count(source) || kept.count(storage) ||
-            outputs.count(source) || (source == storage && viewed.count(source)) ||
-            r.buffers[source].shape != r.buffers[id].shape)
-          continue;
-        if (auto p = paramOfGrad.find(id); p != paramOfGrad.end())
-          p->second->grad = source;
-        id = source;
-        dropped[at] = true;
-        ++changed;
-      }
-    }
-    eraseMarked(list, dropped);
-  }
-  return changed;
+  auto isBucket = [](const rt::Instruction &ins) {
+    return ins.op == "reduce_scatter" && ins.in.size() == ins.out.size() && flagAttr(ins, "async") &&
+           ins.attrs.contains("event");
+  };
+  auto fold = [&](const std::string &, const std::vector<rt::Instruction> &list, size_t, size_t at, int64_t id) {
+    // The f32 copy: written by its cast, read by this reduce-scatter alone,
+    // a parameter's gradient or nothing kept.
+    if (writes[id] != 1 || reads[id] != 1 || r.buffers[id].viewOf >= 0 || viewed.count(id) || outputs.count(id) ||
+        (kept.count(id) && !paramOfGrad.count(id)))
+      return false;
+    int64_t source = list[at].in[0], storage = root(source);
+    if (reads[source] != 1 || writes[storage] != 1 || kept.count(source) || kept.count(storage) ||
+        outputs.count(source) || (source == storage && viewed.count(source)) ||
+        r.buffers[source].shape != r.buffers[id].shape)
+      return false;
+    if (auto p = paramOfGrad.find(id); p != paramOfGrad.end())
+      p->second->grad = source;
+    return true;
+  };
+  return foldBucketCasts(r, isBucket, fold);
 }
 
 /// --grad-reduce bf16: a bucket whose bf16 gradients are widened into f32
