@@ -331,10 +331,7 @@ Launch CudaBackendImpl::buildFusedCrossEntropy(const Instruction &ins) {
   reserve(rows * sizeof(float));
   size_t shared = size_t(v) * sizeof(bf16);
   // LOOM_CUDA_FUSED_LOSS=global reads each row twice from memory instead.
-  static const bool global = [] {
-    const char *e = std::getenv("LOOM_CUDA_FUSED_LOSS");
-    return e && std::string(e) == "global";
-  }();
+  static const bool global = envIs("LOOM_CUDA_FUSED_LOSS", "global");
   bool inShared = pl.bf && v % 8 == 0 && reinterpret_cast<uintptr_t>(pl.p) % 16 == 0 && shared <= 200 * 1024 && !global;
   if (inShared) {
     int device = 0, most = 0;
