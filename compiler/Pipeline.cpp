@@ -11,7 +11,7 @@ using namespace mlir::loom;
 
 namespace {
 const char *const kSkippable[] = {"loom-fuse-loss-gradient", "loom-update-copies", "loom-packed-qkv-attention",
-                                  "loom-join-slice-gradients"};
+                                  "loom-join-slice-gradients", "loom-overlap-tensor-reduce"};
 } // namespace
 
 bool mlir::loom::isSkippablePass(StringRef name) {
@@ -78,6 +78,8 @@ void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o,
     add(createFuseLossGradient());
   if (o.fuse)
     add(createFuseElementwise());
+  if (o.train && tp > 1)
+    add(createOverlapTensorReduce());
   if (o.train && (pipelined || dp * tp * pp > 1))
     add(createCompactRanks());
   add(createPlanMemory());

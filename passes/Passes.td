@@ -287,6 +287,19 @@ def FuseElementwise : Pass<"loom-fuse-elementwise", "::mlir::ModuleOp"> {
   }];
 }
 
+def OverlapTensorReduce : Pass<"loom-overlap-tensor-reduce", "::mlir::ModuleOp"> {
+  let summary = "Tensor-parallel all-reduces go out beside the compute that does not need them";
+  let description = [{
+    Moves each synchronous all-reduce over the "tp" group up to right after
+    the instruction that writes its input, marks it async (the
+    communication stream) with a new event, and has the first instruction
+    that reads its result wait for that event: a layer's backward
+    all-reduces its input gradient while its weight gradient's product
+    runs. Left alone where nothing would run beside it, and on ranks whose
+    programs already have async collectives (data-parallel buckets).
+  }];
+}
+
 def CompactRanks : Pass<"loom-compact-ranks", "::mlir::ModuleOp"> {
   let summary = "Drops the buffers and parameters a rank never touches; renumbers the rest";
 }

@@ -606,7 +606,7 @@ int runCompile() {
                  << ", max sequence " << sv.maxSeq << "\n";
   }
   // What the compiler's rewrites did to rank 0, read back from its programs.
-  int64_t packed = 0, epilogues = 0, fused = 0, rowKernels = 0, bf16Grads = 0, lossGrads = 0;
+  int64_t packed = 0, epilogues = 0, fused = 0, rowKernels = 0, bf16Grads = 0, lossGrads = 0, tpOverlapped = 0;
   std::map<std::string, int64_t> epilogueKinds;
   std::set<std::string> adamKernels;
   for (const auto &[name, program] : rank.programs)
@@ -616,6 +616,8 @@ int runCompile() {
         ++epilogues, ++epilogueKinds[ins.attrs.value("epilogue", std::string("?"))];
       fused += ins.op == "fused";
       lossGrads += ins.op == "cross_entropy" && ins.out.size() == 2;
+      tpOverlapped += ins.op == "all_reduce" && ins.attrs.is_object() && ins.attrs.value("async", false) &&
+                      ins.attrs.value("group", std::string()) == "tp";
       bool generated = ins.op != "fused" && ins.attrs.is_object() && ins.attrs.contains("kernel");
       rowKernels += generated && ins.op != "adamw";
       if (generated && ins.op == "adamw")
@@ -641,6 +643,8 @@ int runCompile() {
     notes.push_back(std::to_string(rowKernels) + " row kernel(s) generated (norms, softmax, cross-entropy)");
   if (lossGrads)
     notes.push_back(std::to_string(lossGrads) + " loss(es) write their gradient over the logits");
+  if (tpOverlapped)
+    notes.push_back(std::to_string(tpOverlapped) + " tensor-parallel all-reduce(s) beside the weight gradients");
   if (!adamKernels.empty())
     notes.push_back("AdamW in " + std::to_string(adamKernels.size()) + " generated kernel(s)");
   if (!notes.empty()) {
