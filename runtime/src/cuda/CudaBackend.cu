@@ -534,12 +534,25 @@ void CudaBackendImpl::run(const std::string &program) {
   }
   bool done = false;
   if (graphable && g.exec) {
-    if (std::all_of(g.hooks.begin(), g.hooks.end(),
-                    [&](size_t i) { return !steps[i].replayable || steps[i].replayable(); })) {
+    // Each step's host state is checked as the replay will find it: the
+    // steps before it have had their effect (an attention's backward reads
+    // what its forward saved earlier in the same program, as a microbatched
+    // step's do). Checked all at once after the launch instead, such a
+    // program failed every check, ran eagerly and was captured again on
+    // alternate runs (GPT-2 350M with two microbatches on one H200: 55.7 ms
+    // a step against 40.6 with one). A failed check leaves only effects
+    // that the eager run of the same steps has too.
+    bool replayable = true;
+    for (size_t i : g.hooks) {
+      if (steps[i].replayable && !steps[i].replayable()) {
+        replayable = false;
+        break;
+      }
+      if (steps[i].replayed)
+        steps[i].replayed();
+    }
+    if (replayable) {
       LOOM_CUDA_CHECK(cudaGraphLaunch(g.exec, stream));
-      for (size_t i : g.hooks)
-        if (steps[i].replayed)
-          steps[i].replayed();
       done = true;
     } else { // host state differs from the capture's: run eagerly, capture again next time
       cudaGraphExecDestroy(g.exec), g.exec = nullptr;
