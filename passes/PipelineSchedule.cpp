@@ -123,11 +123,11 @@ public:
       }
       if (pass == 0 && producer.count(root(l.loss)) && producer[root(l.loss)].first == chunk)
         step.push_back({"add", {lossSum.id, copy(l.loss, k)}, {lossSum.id}, json::object()});
-      // Each gradient is added to its sum right after the task's last write
-      // of it, so that the last microbatch's sums are finished (and their
-      // data-parallel buckets can go out) while the rest of its backward
-      // runs, not all at its end; the order of the adds into one sum, and
-      // so the sums, are the same.
+      // Each gradient is added to its sum soon after the task's last write
+      // of it (in runs, below), so that the last microbatch's sums are
+      // finished (and their data-parallel buckets can go out) while the rest
+      // of its backward runs, not all at its end; the order of the adds into
+      // one sum, and so the sums, are the same.
       if (pass == (schedule == planner::Schedule::ZeroBubbleH1 ? 2 : 1)) {
         std::vector<std::pair<size_t, rt::Instruction>> adds; // (after step[i], the add)
         for (auto &[key, grad] : l.paramGrads) {
@@ -147,15 +147,31 @@ public:
           adds.push_back({at, {"add", {accumulator[key.first], g}, {accumulator[key.first]}, json::object()}});
         }
         std::stable_sort(adds.begin(), adds.end(), [](const auto &a, const auto &b) { return a.first < b.first; });
-        std::vector<rt::Instruction> merged(step.begin(), step.begin() + taskStart);
+        // The adds go in runs of about kAccumulateRun bytes of sums, each
+        // after the last write of its last gradient: a run is one launch on
+        // the GPU (GPT-2 350M: a layer's dozen sums), where an add a tensor
+        // paid a launch each, most of them for biases and norms.
+        constexpr int64_t kAccumulateRun = 32 << 20;
+        std::vector<rt::Instruction> merged(step.begin(), step.begin() + taskStart), pending;
+        int64_t pendingBytes = 0;
+        auto flush = [&] {
+          for (rt::Instruction &add : pending)
+            merged.push_back(std::move(add));
+          pending.clear(), pendingBytes = 0;
+        };
         size_t next = 0;
         for (size_t i = taskStart; i < step.size(); ++i) {
           merged.push_back(std::move(step[i]));
-          for (; next < adds.size() && adds[next].first == i; ++next)
-            merged.push_back(std::move(adds[next].second));
+          for (; next < adds.size() && adds[next].first == i; ++next) {
+            pendingBytes += r.buffers[adds[next].second.out[0]].bytes;
+            pending.push_back(std::move(adds[next].second));
+          }
+          if (pendingBytes >= kAccumulateRun)
+            flush();
         }
         for (; next < adds.size(); ++next)
-          merged.push_back(std::move(adds[next].second));
+          pending.push_back(std::move(adds[next].second));
+        flush();
         step = std::move(merged);
       }
       sendAfter(chunk, pass, k);

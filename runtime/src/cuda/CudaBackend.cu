@@ -125,6 +125,16 @@ static bool isFloatCast(const RankProgram &rank, const Instruction &ins) {
   return a != b && (a == LOOM_F32 || a == LOOM_BF16) && (b == LOOM_F32 || b == LOOM_BF16);
 }
 
+/// A gradient accumulation: an f32 sum plus an f32 or bf16 tensor of its
+/// size, written over the sum (those of a run share one launch).
+static bool isAccumulate(const RankProgram &rank, const Instruction &ins) {
+  if (ins.op != "add" || ins.in.size() != 2 || ins.out.size() != 1 || (ins.in[0] == ins.out[0]) == (ins.in[1] == ins.out[0]))
+    return false;
+  const Buffer &sum = rank.buffers[ins.out[0]], &g = rank.buffers[ins.in[0] == ins.out[0] ? ins.in[1] : ins.in[0]];
+  return sum.dtype == LOOM_F32 && (g.dtype == LOOM_F32 || g.dtype == LOOM_BF16) && sum.shape == g.shape &&
+         sum.viewOf < 0;
+}
+
 } // namespace
 
 CudaBackendImpl::CudaBackendImpl(const RankProgram &rank, int device, NcclWorld *world, const std::string &ptx)
@@ -326,6 +336,26 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
       size_t end = runOf(unbounded, [&](const Instruction &x) { return isFloatCast(rank, x); });
       together(end, buildCasts(instrs, i, end), label);
       continue;
+    }
+    // LOOM_CUDA_ACCUMULATE_RUNS=0: a launch an add, to measure the runs.
+    static const bool accumulateRuns = !envIs("LOOM_CUDA_ACCUMULATE_RUNS", "0");
+    if (accumulateRuns && isAccumulate(rank, instrs[i]) && i + 1 < instrs.size() && isAccumulate(rank, instrs[i + 1])) {
+      // A run's sums are distinct and no add reads another's sum: the
+      // chunks of one launch run in any order.
+      std::set<int64_t> sums, reads;
+      size_t end = i;
+      while (end < instrs.size() && isAccumulate(rank, instrs[end])) {
+        const Instruction &x = instrs[end];
+        int64_t sum = storageOf(rank, x.out[0]), g = storageOf(rank, x.in[0] == x.out[0] ? x.in[1] : x.in[0]);
+        if (sums.count(sum) || sums.count(g) || reads.count(sum))
+          break;
+        sums.insert(sum), reads.insert(g);
+        ++end;
+      }
+      if (end - i >= 2) {
+        together(end, buildAccumulates(instrs, i, end), label);
+        continue;
+      }
     }
     if (i + 1 < instrs.size() && slicesTogether(instrs[i], instrs[i + 1])) { // q, k and v of one product
       size_t end = runOf(8, [&](const Instruction &x) { return slicesTogether(instrs[i], x); });

@@ -402,6 +402,9 @@ private:
     return kernelsLibrary && generatedKernelsOn() && ins.attrs.is_object() && ins.attrs.contains("kernel");
   }
   Launch buildCasts(const std::vector<Instruction> &instrs, size_t begin, size_t end);
+  /// Gradient accumulations instrs[begin, end) (each an f32 sum += an f32
+  /// or bf16 gradient, in place) in one launch (CudaOptimizer.cu).
+  Launch buildAccumulates(const std::vector<Instruction> &instrs, size_t begin, size_t end);
   OptimizerArgs optimizerArgs(const Instruction &ins);
   Launch buildSgd(const Instruction &ins);
   Launch buildGlobalNorm(const Instruction &ins);

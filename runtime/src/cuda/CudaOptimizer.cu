@@ -43,6 +43,33 @@ __global__ void __launch_bounds__(256) castChunksKernel(const CastChunk *chunks)
     c.out.st(i, c.in[i]);
 }
 
+/// Gradient sums of many tensors in one launch (a microbatched step's
+/// accumulations, loom-pipeline-schedule's runs): sum[i] += g[i], g f32 or
+/// bf16, a block per chunk.
+struct AccumulateChunk {
+  float *sum;
+  DPtr g;
+  int64_t begin, end;
+};
+__global__ void __launch_bounds__(256) accumulateChunksKernel(const AccumulateChunk *chunks) {
+  AccumulateChunk c = chunks[blockIdx.x];
+  int64_t begin = c.begin;
+  if (((reinterpret_cast<uintptr_t>(c.sum) | reinterpret_cast<uintptr_t>(c.g.p)) % 16) == 0) {
+    int64_t end8 = begin + (c.end - begin) / 8 * 8;
+    for (int64_t i = begin + int64_t(threadIdx.x) * 8; i < end8; i += int64_t(blockDim.x) * 8) {
+      float g[8];
+      load8(c.g, i, g);
+      float4 *s = reinterpret_cast<float4 *>(c.sum + i);
+      float4 a = s[0], b = s[1];
+      s[0] = make_float4(a.x + g[0], a.y + g[1], a.z + g[2], a.w + g[3]);
+      s[1] = make_float4(b.x + g[4], b.y + g[5], b.z + g[6], b.w + g[7]);
+    }
+    begin = end8;
+  }
+  for (int64_t i = begin + threadIdx.x; i < c.end; i += blockDim.x)
+    c.sum[i] += c.g[i];
+}
+
 /// Sums of squares over many tensors: each block sums one chunk (16-byte
 /// loads where aligned) into its own partial; sumPartialsKernel adds them
 /// in a fixed order (deterministic, unlike atomics).
@@ -261,6 +288,24 @@ Launch CudaBackendImpl::buildCasts(const std::vector<Instruction> &instrs, size_
   const CastChunk *dc = deviceArray(chunks);
   unsigned blocks = unsigned(chunks.size());
   return [=](cudaStream_t s) { castChunksKernel<<<blocks, 256, 0, s>>>(dc); };
+}
+
+Launch CudaBackendImpl::buildAccumulates(const std::vector<Instruction> &instrs, size_t begin, size_t end) {
+  std::vector<AccumulateChunk> chunks;
+  for (size_t i = begin; i < end; ++i) {
+    const Instruction &ins = instrs[i];
+    int64_t sum = ins.out[0], g = ins.in[0] == sum ? ins.in[1] : ins.in[0];
+    int64_t cnt = count(buf(sum).shape);
+    for (int64_t b = 0, step = chunkElements(); b < cnt; b += step)
+      chunks.push_back({f(sum), fp(g), b, std::min(cnt, b + step)});
+  }
+  if (chunks.empty())
+    return [](cudaStream_t) {};
+  if (chunks.size() > (size_t(1) << 31) - 1)
+    fail(LOOM_UNSUPPORTED, where, ": ", chunks.size(), " accumulation chunks exceed one launch's grid");
+  const AccumulateChunk *dc = deviceArray(chunks);
+  unsigned blocks = unsigned(chunks.size());
+  return [=](cudaStream_t s) { accumulateChunksKernel<<<blocks, 256, 0, s>>>(dc); };
 }
 
 /// An update's bf16 copy of its parameter (output `at`, where

@@ -154,16 +154,17 @@
 // ZBH1: loomrt.instr "cross_entropy_grad" {{.*}} -> [[[DL1:[0-9]+]]]
 // ZBH1-NOT: transpose_a
 // ZBH1: loomrt.instr "send" {{.*}}peer = 0
-// W0: the bias and weight gradients of microbatch 0, each summed into its
-// accumulator right after it is made (a data-parallel bucket can then go out
-// before the task ends).
+// W0: the bias and weight gradients of microbatch 0, then their adds into
+// the accumulators, one run (one launch on the GPU; a run closes once it
+// holds 32 MiB of sums, so that a data-parallel bucket can go out before the
+// task ends).
 // ZBH1-NEXT: loomrt.instr "reduce_sum" [[[DL0]]]
-// ZBH1-NEXT: loomrt.instr "add" [[[ACC1:[0-9]+]], {{[0-9]+}}] -> [[[ACC1]]]
 // ZBH1-NEXT: loomrt.instr "matmul" [{{[0-9]+}}, [[DL0]]] -> [[[W1:[0-9]+]]] {transpose_a = true}
-// ZBH1-NEXT: loomrt.instr "add" [[[ACC2:[0-9]+]], [[W1]]] -> [[[ACC2]]]
 // ZBH1-NEXT: loomrt.instr "reduce_sum" [[[DH0]]]
-// ZBH1-NEXT: loomrt.instr "add"
 // ZBH1-NEXT: loomrt.instr "matmul" [{{[0-9]+}}, [[DH0]]] -> [[[W2:[0-9]+]]] {transpose_a = true}
+// ZBH1-NEXT: loomrt.instr "add" [[[ACC1:[0-9]+]], {{[0-9]+}}] -> [[[ACC1]]]
+// ZBH1-NEXT: loomrt.instr "add" [[[ACC2:[0-9]+]], [[W1]]] -> [[[ACC2]]]
+// ZBH1-NEXT: loomrt.instr "add"
 // ZBH1-NEXT: loomrt.instr "add" [{{[0-9]+}}, [[W2]]]
 // F2, B2, W1.
 // ZBH1-NEXT: loomrt.instr "recv" {{.*}}peer = 0
