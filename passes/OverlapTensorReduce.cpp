@@ -48,6 +48,15 @@ namespace {
 
 bool asyncCollective(const rt::Instruction &ins) { return flagAttr(ins, "async"); }
 
+/// Whether the instruction talks to other ranks or waits for a collective:
+/// a moved all-reduce passes none of these (every rank's stream must issue
+/// its collectives in the same order).
+bool ordersCollectives(const rt::Instruction &ins) {
+  static const std::set<std::string> ops = {"all_reduce", "reduce_scatter", "all_gather", "send",     "recv",
+                                            "broadcast_from", "global_norm", "event_wait"};
+  return ops.count(ins.op) || (ins.attrs.is_object() && ins.attrs.contains("vocab_group"));
+}
+
 /// Storages an instruction reads and writes (views resolved).
 struct Uses {
   std::set<int64_t> reads, writes;
@@ -88,10 +97,7 @@ int64_t overlap(rt::RankProgram &r, std::vector<rt::Instruction> &list, int64_t 
     size_t until = list.size();
     for (size_t j = i + 1; j < list.size(); ++j) {
       Uses u = usesOf(r, list[j]);
-      if (u.reads.count(out) || u.writes.count(out) || u.writes.count(in) || list[j].op == "event_wait" ||
-          list[j].op == "all_reduce" || list[j].op == "reduce_scatter" || list[j].op == "all_gather" ||
-          list[j].op == "send" || list[j].op == "recv" || list[j].op == "broadcast_from" ||
-          list[j].op == "global_norm" || (list[j].attrs.is_object() && list[j].attrs.contains("vocab_group"))) {
+      if (u.reads.count(out) || u.writes.count(out) || u.writes.count(in) || ordersCollectives(list[j])) {
         until = j;
         break;
       }
@@ -102,9 +108,7 @@ int64_t overlap(rt::RankProgram &r, std::vector<rt::Instruction> &list, int64_t 
     // No collective of this group may be passed over on its way up either.
     bool crosses = false;
     for (size_t j = from; j < i; ++j)
-      crosses |= list[j].op == "all_reduce" || list[j].op == "event_wait" || list[j].op == "send" ||
-                 list[j].op == "recv" || list[j].op == "broadcast_from" || list[j].op == "global_norm" ||
-                 (list[j].attrs.is_object() && list[j].attrs.contains("vocab_group"));
+      crosses |= ordersCollectives(list[j]);
     if (crosses)
       continue;
     rt::Instruction reduce = std::move(ins);
