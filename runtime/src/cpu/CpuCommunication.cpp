@@ -63,18 +63,19 @@ Kernel buildAllReduce(const Ctx &c) {
     if (inPlace) {
       if (in.dtype != LOOM_F32 && in.dtype != LOOM_BF16)
         c.bad("reduces f32 or bf16 tensors; tensor " + std::to_string(i) + " is " + dtypeName(in.dtype));
-    } else if (!(out.dtype == LOOM_F32 && (in.dtype == LOOM_F32 || in.dtype == LOOM_BF16)) &&
-               !(out.dtype == LOOM_BF16 && in.dtype == LOOM_BF16)) {
+    } else if (bool intoF32 = out.dtype == LOOM_F32 && (in.dtype == LOOM_F32 || in.dtype == LOOM_BF16);
+               !intoF32 && !(out.dtype == LOOM_BF16 && in.dtype == LOOM_BF16)) {
       c.bad("reduces f32 or bf16 tensors into f32 ones, or bf16 into bf16; tensor " + std::to_string(i) + " is " +
             dtypeName(in.dtype) + " into " + dtypeName(out.dtype));
     } else {
       c.sameShape(in, out);
     }
-    // bf16 into bf16 (a tensor-parallel sum overlapped with compute,
-    // loom-overlap-tensor-reduce): rounded and stored as the sync path's.
+    // A bf16 result (reduced in place, or bf16 into bf16: a tensor-parallel
+    // sum overlapped with compute, loom-overlap-tensor-reduce) is rounded and
+    // stored as the sync path's.
     bool bf16Out = out.dtype == LOOM_BF16;
-    bool roundsToBf16 = in.dtype == LOOM_BF16 && (wire == "bf16" || inPlace || bf16Out);
-    uint16_t *storage = (inPlace && in.dtype == LOOM_BF16) || bf16Out ? c.ptr<uint16_t>(out) : nullptr;
+    bool roundsToBf16 = in.dtype == LOOM_BF16 && (wire == "bf16" || bf16Out);
+    uint16_t *storage = bf16Out ? c.ptr<uint16_t>(out) : nullptr;
     parts.push_back({c.f32(in), c.f32(out), count(in.shape), roundsToBf16, storage});
     total += count(in.shape);
   }

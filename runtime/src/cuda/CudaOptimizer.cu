@@ -22,12 +22,14 @@ namespace {
 __global__ void stepKernel(float *s) { *s += 1.0f; }
 
 /// f32 <-> bf16 conversions of many tensors in one launch (the parameters'
-/// casts at the start of a mixed-precision forward): a block per chunk.
+/// casts at the start of a mixed-precision forward), or with `Accumulate`
+/// gradient sums (a microbatched step's runs of adds, loom-pipeline-
+/// schedule's): out[i] += in[i], out f32. A block per chunk.
 struct CastChunk {
   DPtr in, out;
   int64_t begin, end;
 };
-__global__ void __launch_bounds__(256) castChunksKernel(const CastChunk *chunks) {
+template <bool Accumulate> __global__ void __launch_bounds__(256) castChunksKernel(const CastChunk *chunks) {
   CastChunk c = chunks[blockIdx.x];
   int64_t begin = c.begin;
   if (((reinterpret_cast<uintptr_t>(c.in.p) | reinterpret_cast<uintptr_t>(c.out.p)) % 16) == 0) {
@@ -35,39 +37,18 @@ __global__ void __launch_bounds__(256) castChunksKernel(const CastChunk *chunks)
     for (int64_t i = begin + int64_t(threadIdx.x) * 8; i < end8; i += int64_t(blockDim.x) * 8) {
       float v[8];
       load8(c.in, i, v);
+      if (Accumulate) {
+        float sum[8];
+        load8(c.out, i, sum);
+        for (int k = 0; k < 8; ++k)
+          v[k] = sum[k] + v[k];
+      }
       store8(c.out, i, v);
     }
     begin = end8;
   }
   for (int64_t i = begin + threadIdx.x; i < c.end; i += blockDim.x)
-    c.out.st(i, c.in[i]);
-}
-
-/// Gradient sums of many tensors in one launch (a microbatched step's
-/// accumulations, loom-pipeline-schedule's runs): sum[i] += g[i], g f32 or
-/// bf16, a block per chunk.
-struct AccumulateChunk {
-  float *sum;
-  DPtr g;
-  int64_t begin, end;
-};
-__global__ void __launch_bounds__(256) accumulateChunksKernel(const AccumulateChunk *chunks) {
-  AccumulateChunk c = chunks[blockIdx.x];
-  int64_t begin = c.begin;
-  if (((reinterpret_cast<uintptr_t>(c.sum) | reinterpret_cast<uintptr_t>(c.g.p)) % 16) == 0) {
-    int64_t end8 = begin + (c.end - begin) / 8 * 8;
-    for (int64_t i = begin + int64_t(threadIdx.x) * 8; i < end8; i += int64_t(blockDim.x) * 8) {
-      float g[8];
-      load8(c.g, i, g);
-      float4 *s = reinterpret_cast<float4 *>(c.sum + i);
-      float4 a = s[0], b = s[1];
-      s[0] = make_float4(a.x + g[0], a.y + g[1], a.z + g[2], a.w + g[3]);
-      s[1] = make_float4(b.x + g[4], b.y + g[5], b.z + g[6], b.w + g[7]);
-    }
-    begin = end8;
-  }
-  for (int64_t i = begin + threadIdx.x; i < c.end; i += blockDim.x)
-    c.sum[i] += c.g[i];
+    c.out.st(i, Accumulate ? c.out[i] + c.in[i] : c.in[i]);
 }
 
 /// Sums of squares over many tensors: each block sums one chunk (16-byte
@@ -273,39 +254,50 @@ OptimizerArgs CudaBackendImpl::optimizerArgs(const Instruction &ins) {
           num(ins, "beta2", 0.999),  num(ins, "eps", 1e-8),  num(ins, "momentum", 0)};
 }
 
+/// A chunk table over (input, output) pairs, made once here.
+static std::vector<CastChunk> castChunks(const std::vector<std::pair<DPtr, DPtr>> &pairs,
+                                         const std::vector<int64_t> &counts) {
+  std::vector<CastChunk> chunks;
+  for (size_t t = 0; t < pairs.size(); ++t)
+    for (int64_t b = 0, step = chunkElements(); b < counts[t]; b += step)
+      chunks.push_back({pairs[t].first, pairs[t].second, b, std::min(counts[t], b + step)});
+  return chunks;
+}
+
 /// The casts instrs[begin, end) in one launch (a table of chunks).
 Launch CudaBackendImpl::buildCasts(const std::vector<Instruction> &instrs, size_t begin, size_t end) {
-  std::vector<CastChunk> chunks;
+  std::vector<std::pair<DPtr, DPtr>> pairs;
+  std::vector<int64_t> counts;
   for (size_t i = begin; i < end; ++i) {
     int64_t cnt = count(buf(instrs[i].out[0]).shape);
     if (count(buf(instrs[i].in[0]).shape) != cnt)
       fail(LOOM_INVALID_BUNDLE, "instruction [", i, "] 'cast': input and output sizes differ");
-    for (int64_t b = 0, step = chunkElements(); b < cnt; b += step)
-      chunks.push_back({fp(instrs[i].in[0]), fp(instrs[i].out[0]), b, std::min(cnt, b + step)});
+    pairs.push_back({fp(instrs[i].in[0]), fp(instrs[i].out[0])}), counts.push_back(cnt);
   }
+  std::vector<CastChunk> chunks = castChunks(pairs, counts);
   if (chunks.empty())
     return [](cudaStream_t) {};
   const CastChunk *dc = deviceArray(chunks);
   unsigned blocks = unsigned(chunks.size());
-  return [=](cudaStream_t s) { castChunksKernel<<<blocks, 256, 0, s>>>(dc); };
+  return [=](cudaStream_t s) { castChunksKernel<false><<<blocks, 256, 0, s>>>(dc); };
 }
 
 Launch CudaBackendImpl::buildAccumulates(const std::vector<Instruction> &instrs, size_t begin, size_t end) {
-  std::vector<AccumulateChunk> chunks;
+  std::vector<std::pair<DPtr, DPtr>> pairs; // (gradient, its f32 sum)
+  std::vector<int64_t> counts;
   for (size_t i = begin; i < end; ++i) {
     const Instruction &ins = instrs[i];
     int64_t sum = ins.out[0], g = ins.in[0] == sum ? ins.in[1] : ins.in[0];
-    int64_t cnt = count(buf(sum).shape);
-    for (int64_t b = 0, step = chunkElements(); b < cnt; b += step)
-      chunks.push_back({f(sum), fp(g), b, std::min(cnt, b + step)});
+    pairs.push_back({fp(g), fp(sum)}), counts.push_back(count(buf(sum).shape));
   }
+  std::vector<CastChunk> chunks = castChunks(pairs, counts);
   if (chunks.empty())
     return [](cudaStream_t) {};
   if (chunks.size() > (size_t(1) << 31) - 1)
     fail(LOOM_UNSUPPORTED, where, ": ", chunks.size(), " accumulation chunks exceed one launch's grid");
-  const AccumulateChunk *dc = deviceArray(chunks);
+  const CastChunk *dc = deviceArray(chunks);
   unsigned blocks = unsigned(chunks.size());
-  return [=](cudaStream_t s) { accumulateChunksKernel<<<blocks, 256, 0, s>>>(dc); };
+  return [=](cudaStream_t s) { castChunksKernel<true><<<blocks, 256, 0, s>>>(dc); };
 }
 
 /// An update's bf16 copy of its parameter (output `at`, where
