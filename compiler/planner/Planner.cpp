@@ -9,6 +9,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <set>
 #include <sstream>
 
 namespace loom::planner {
@@ -200,6 +202,39 @@ void Planner::calibrateToMeasuredStep() {
     note << " (the model the profile measured)";
   o.memoryEfficiency = efficiency;
   o.calibration = note.str();
+}
+
+int64_t communicatorsPerRank(int64_t dp, int64_t tp, int64_t pp, int64_t vpp, bool zero1, bool sharedAcrossStages,
+                             int64_t stage) {
+  // A group is known by the plan axes along which its members differ (of
+  // more than one rank): groups with the same axes have the same members.
+  std::set<std::string> groups;
+  auto name = [&](bool d, bool t, bool p) {
+    std::string axes = std::string(d && dp > 1 ? "d" : "") + (t && tp > 1 ? "t" : "") + (p && pp > 1 ? "p" : "");
+    if (!axes.empty())
+      groups.insert(axes);
+  };
+  name(true, false, false); // the gradients' all-reduce or ZeRO-1's collectives
+  name(false, true, false); // tensor-parallel activations
+  name(false, false, true); // the loss, broadcast from the last stage
+  if (zero1)
+    name(true, true, true); // the clipping norm over every slice
+  else
+    name(false, true, true); // ... over the model-parallel ranks
+  // A tensor shared by the first and last stages is summed over those two
+  // (the whole pipeline when there are only two).
+  if (sharedAcrossStages && pp > 1 && (stage == 0 || stage == pp - 1))
+    groups.insert(pp == 2 ? "p" : "first-last");
+  // Sends and receives: a communicator per direction to each neighbour;
+  // interleaving also joins the last stage to the first.
+  std::set<int64_t> neighbours;
+  if (pp > 1) {
+    if (stage > 0 || vpp > 1)
+      neighbours.insert((stage + pp - 1) % pp);
+    if (stage < pp - 1 || vpp > 1)
+      neighbours.insert((stage + 1) % pp);
+  }
+  return int64_t(groups.size() + 2 * neighbours.size());
 }
 
 Plan Planner::evaluate(int64_t batch, Plan plan) const {
@@ -402,6 +437,18 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
       pack(hi, bounds);
   }
 
+  // Whether a tensor is read in both the first and the last stage (GPT's
+  // tied embedding and head): the two sum its gradient over a group of their own.
+  bool sharedAcrossStages = false;
+  {
+    std::map<std::string, std::set<int64_t>> stagesOfTie;
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t i = bounds[c]; i < bounds[c + 1]; ++i)
+        for (const TiedParam &tie : spec.layers[i].tied)
+          stagesOfTie[tie.name].insert(c % p);
+    for (const auto &[tie, stages] : stagesOfTie)
+      sharedAcrossStages |= stages.size() > 1;
+  }
   plan.stages.assign(p, StagePlan());
   std::vector<double> paramsPerStage(p, 0);
   std::vector<std::vector<std::vector<LayerMemory>>> stageChunks(p);
@@ -445,7 +492,9 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     StageMemory mem = stageMemory(stageChunks[st], perParam, held);
     s.weightBytes = mem.persistentBytes;
     s.activationBytes = mem.peakBytes;
-    s.memoryBytes = s.weightBytes + s.activationBytes + options.reservedBytes;
+    s.memoryBytes = s.weightBytes + s.activationBytes + options.runtimeBytes +
+                    options.communicatorBytes *
+                        double(communicatorsPerRank(d, t, p, v, plan.zero > 0, sharedAcrossStages, st));
     double stageTime = s.forwardTime + s.backwardTime;
     if (stageTime > slowest) {
       slowest = stageTime;

@@ -137,7 +137,17 @@ struct CostOptions {
   /// The search weighs ZB-H1 (backward split into input- and weight-gradient
   /// tasks) for pipelined plans; false: only the schedules of Megatron-LM 2021.
   bool zeroBubbleSchedule = true;
-  double reservedBytes = 3.0 * (1ull << 30); // CUDA context, NCCL and cuBLAS workspaces
+  /// GPU memory outside the compiled arena: `runtimeBytes` on every device
+  /// (the CUDA context, cuBLAS's workspace, the loaded kernels: 0.87 GiB
+  /// for GPT-2 350M on one H200) and `communicatorBytes` for each NCCL
+  /// communicator a rank joins (`communicatorsPerRank`): NCCL's buffers for
+  /// every channel and protocol, allocated at creation because the runtime
+  /// makes every connection then. Fitted to the memory in use on two and
+  /// four H200s (issue #18, seventeenth and eighteenth sessions: one GPU
+  /// 0.87 GiB beside the arena, a rank in one communicator 1.9-2.5, in three
+  /// 3.6-3.9, in five 4.8-6.0).
+  double runtimeBytes = 0.9 * (1ull << 30);
+  double communicatorBytes = 1.0 * (1ull << 30);
   /// The compiled step's element types (loomc compile --precision), for its
   /// memory; the step time's activation width is `activationBytes`.
   Precision precision = Precision::Bf16;
@@ -198,6 +208,18 @@ struct Constraints {
   std::optional<Recompute> recompute;
   std::optional<int> zero;
 };
+
+/// How many NCCL communicators a rank of pipeline stage `stage` joins in a
+/// training step of the plan, as the runtime creates them
+/// (`loom::rt::communicatorsOf`): one per distinct member list of the groups
+/// its collectives name (data-parallel gradients; tensor-parallel
+/// activations; the loss broadcast over the pipeline; the clipping norm over
+/// the model-parallel ranks, or every rank with ZeRO-1; a tensor shared by
+/// the first and last stages) and one per direction to each neighbouring
+/// stage. `sharedAcrossStages`: the model ties a tensor of the first stage
+/// to one of the last (GPT's embedding and head).
+int64_t communicatorsPerRank(int64_t dp, int64_t tp, int64_t pp, int64_t vpp, bool zero1, bool sharedAcrossStages,
+                             int64_t stage);
 
 /// "dp=2,tp=2,pp=2,mb=8,schedule=1f1b": false with a message on bad input.
 bool parseConstraints(const std::string &text, Constraints &out, std::string &error);

@@ -51,7 +51,7 @@ ServePlan planServing(const ModelSpec &spec, const Cluster &cluster, int64_t max
     }
     double cache = cachePerToken * double(maxBatch) * double(maxSeq);
     c.memoryBytes = weights + cache;
-    double usable = dev.memoryBytes - options.reservedBytes;
+    double usable = dev.memoryBytes - options.runtimeBytes - (t > 1 ? options.communicatorBytes : 0.0);
     if (c.memoryBytes > usable) {
       char buf[160];
       std::snprintf(buf, sizeof buf, "needs %.1f GiB a GPU (weights %.1f, cache %.1f); a %s has %.1f", c.memoryBytes / 1073741824.0,

@@ -481,6 +481,47 @@ Manifest parseManifest(const json &doc, const std::string &where) {
   return m;
 }
 
+Communicators communicatorsOf(const Manifest &m) {
+  // The instructions that communicate over a group: the collectives, whose
+  // "group" defaults to the runtime's ("dp", or "tp" for an all_gather along
+  // an axis: both count), and the norm and loss of a split model, which
+  // reduce over theirs only when they name one.
+  static const std::set<std::string> defaulted = {"all_reduce", "reduce_scatter", "all_gather", "broadcast_from"};
+  static const std::set<std::string> naming = {"all_reduce", "reduce_scatter", "all_gather", "broadcast_from",
+                                               "global_norm", "cross_entropy", "cross_entropy_grad"};
+  Communicators c;
+  for (const RankProgram &r : m.ranks) {
+    std::set<std::string> named;
+    for (const auto &[program, list] : r.programs)
+      for (const Instruction &ins : list) {
+        if (!ins.attrs.is_object())
+          continue;
+        if (ins.op == "send")
+          c.links.insert({int(r.rank), int(ins.attrs.value("peer", int64_t(-1)))});
+        if (!naming.count(ins.op))
+          continue;
+        for (const char *key : {"group", "vocab_group"})
+          if (auto it = ins.attrs.find(key); it != ins.attrs.end() && it->is_string())
+            named.insert(it->get<std::string>());
+        if (defaulted.count(ins.op) && !ins.attrs.contains("group"))
+          named.insert({"dp", "tp"});
+      }
+    for (const std::string &name : named)
+      if (auto g = r.groups.find(name); g != r.groups.end() && g->second.size() > 1)
+        c.groups.insert(std::vector<int>(g->second.begin(), g->second.end()));
+  }
+  return c;
+}
+
+int64_t Communicators::joinedBy(int rank) const {
+  int64_t n = 0;
+  for (const std::vector<int> &g : groups)
+    n += std::count(g.begin(), g.end(), rank) > 0;
+  for (const auto &[from, to] : links)
+    n += from == rank || to == rank;
+  return n;
+}
+
 Manifest readManifest(const std::string &bundleDir) {
   std::string path = bundleDir + "/manifest.json";
   std::ifstream in(path);

@@ -11,6 +11,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "compiler/bundle/BundleWriter.h"
+#include "compiler/planner/Planner.h"
 #include "dialects/loom/IR/LoomDialect.h"
 #include "mlir/Dialect/Func/IR/FuncOps.h"
 #include "mlir/IR/MLIRContext.h"
@@ -279,5 +280,47 @@ TEST(ParallelBuckets, GradientBucketsGoOutDuringBackward) {
   for (const rt::Parameter &p : m->ranks[0].params)
     grads += p.grad >= 0;
   EXPECT_EQ(reduced, grads) << "every gradient in exactly one bucket";
+}
+} // namespace
+
+namespace {
+// The planner's count of the NCCL communicators a rank joins (what its memory
+// model charges) against the communicators the runtime creates for the
+// compiled bundle (loom::rt::communicatorsOf), for every rank of every plan.
+TEST(ParallelCommunicators, PlannerCountsWhatTheRuntimeCreates) {
+  MLIRContext context;
+  context.loadDialect<mlir::loom::LoomDialect, func::FuncDialect>();
+  // GPT-2 350M: enough layers for four stages of two chunks each.
+  auto module = parseSourceFile<ModuleOp>(std::string(LOOM_MODELS_DIR) + "/gpt2-350m.mlir", &context);
+  ASSERT_TRUE(module);
+  struct Case {
+    int64_t dp, tp, pp, vpp, m;
+    const char *schedule;
+    bool zero1;
+  };
+  const Case cases[] = {
+      {2, 1, 1, 1, 1, "1f1b", false}, {2, 1, 1, 1, 1, "1f1b", true},  {1, 2, 1, 1, 1, "1f1b", false},
+      {1, 1, 2, 1, 4, "1f1b", false}, {1, 1, 2, 1, 4, "zb-h1", false}, {2, 2, 1, 1, 1, "1f1b", false},
+      {2, 2, 1, 1, 1, "1f1b", true},  {2, 1, 2, 1, 4, "zb-h1", false}, {1, 2, 2, 1, 4, "1f1b", false},
+      {1, 1, 4, 1, 8, "1f1b", false}, {1, 1, 2, 2, 4, "interleaved", false}, {4, 1, 1, 1, 1, "1f1b", false},
+      {2, 1, 2, 1, 4, "1f1b", true},  {1, 1, 3, 1, 4, "1f1b", false}, {1, 1, 4, 2, 8, "interleaved", false},
+  };
+  for (const Case &c : cases) {
+    std::string name = "dp" + std::to_string(c.dp) + " tp" + std::to_string(c.tp) + " pp" + std::to_string(c.pp) +
+                       " vpp" + std::to_string(c.vpp) + " " + c.schedule + (c.zero1 ? " zero1" : "");
+    mlir::loom::BundleOptions o;
+    o.batch = 8, o.train = true;
+    o.dataParallel = c.dp, o.tensorParallel = c.tp, o.pipelineParallel = c.pp;
+    o.virtualStages = c.vpp, o.microbatches = c.m, o.schedule = c.schedule, o.zero1 = c.zero1;
+    FailureOr<rt::Manifest> m = mlir::loom::lowerForward(*module, o);
+    ASSERT_TRUE(succeeded(m)) << name;
+    rt::Communicators made = rt::communicatorsOf(*m);
+    for (const rt::RankProgram &r : m->ranks) {
+      int64_t stage = r.coords.at("pp");
+      EXPECT_EQ(made.joinedBy(int(r.rank)), ::loom::planner::communicatorsPerRank(c.dp, c.tp, c.pp, c.vpp, c.zero1,
+                                                                                  /*sharedAcrossStages=*/true, stage))
+          << name << ", rank " << r.rank << " (stage " << stage << ")";
+    }
+  }
 }
 } // namespace

@@ -34,7 +34,7 @@ void checkNccl(ncclResult_t r, const char *what, const char *file, int line) {
 #define LOOM_NCCL_CHECK(expr) checkNccl((expr), #expr, __FILE__, __LINE__)
 
 void NcclWorld::createAll(const std::vector<std::vector<int>> &lists, int self, Communicator *bootstrap,
-               std::vector<std::map<int, ncclComm_t> *> targets) {
+               std::vector<std::map<int, ncclComm_t> *> targets, const std::vector<int> &maxCTAs) {
   std::vector<ncclUniqueId> ids(lists.size());
   for (size_t g = 0; g < lists.size(); ++g) {
     if (self < 0 || self == lists[g][0])
@@ -65,7 +65,7 @@ void NcclWorld::createAll(const std::vector<std::vector<int>> &lists, int self, 
       if (self < 0 || lists[g][i] == self)
         shared->pending.push_back({g, lists[g][i], nullptr});
   std::vector<int> devs = devices;
-  std::thread([shared, lists, ids, devs] {
+  std::thread([shared, lists, ids, devs, maxCTAs] {
     std::string error;
     try {
       LOOM_NCCL_CHECK(ncclGroupStart());
@@ -73,7 +73,14 @@ void NcclWorld::createAll(const std::vector<std::vector<int>> &lists, int self, 
         const std::vector<int> &members = lists[p.list];
         int index = int(std::find(members.begin(), members.end(), p.member) - members.begin());
         LOOM_CUDA_CHECK(cudaSetDevice(devs[p.member]));
-        LOOM_NCCL_CHECK(ncclCommInitRank(&p.comm, int(members.size()), ids[p.list], index));
+        if (p.list < maxCTAs.size() && maxCTAs[p.list] > 0) {
+          ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+          config.maxCTAs = maxCTAs[p.list];
+          config.minCTAs = 1;
+          LOOM_NCCL_CHECK(ncclCommInitRankConfig(&p.comm, int(members.size()), ids[p.list], index, &config));
+        } else {
+          LOOM_NCCL_CHECK(ncclCommInitRank(&p.comm, int(members.size()), ids[p.list], index));
+        }
       }
       LOOM_NCCL_CHECK(ncclGroupEnd());
     } catch (const std::exception &e) {
@@ -140,17 +147,12 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<in
   world->devices = devices;
   world->timeoutSeconds = timeoutSeconds;
   world->bootstrap = bootstrap;
-  std::set<std::vector<int>> groups;
-  std::set<std::pair<int, int>> links;
-  for (const RankProgram &r : m.ranks) {
-    for (const auto &[name, members] : r.groups)
-      if (members.size() > 1)
-        groups.insert(std::vector<int>(members.begin(), members.end()));
-    for (const auto &[name, list] : r.programs)
-      for (const Instruction &ins : list)
-        if (ins.op == "send")
-          links.insert({int(r.rank), int(ins.attrs.value("peer", int64_t(-1)))});
-  }
+  // Only the groups some instruction names: a rank's "all" group, say, is
+  // often named by none, and a communicator costs about 1 GiB of GPU memory
+  // with its connections made at creation (below).
+  Communicators needed = communicatorsOf(m);
+  const std::set<std::vector<int>> &groups = needed.groups;
+  const std::set<std::pair<int, int>> &links = needed.links;
   // NCCL matches a link's sends and receives in order: both sides must list
   // the same transfers in the same order.
   for (auto [from, to] : links) {
@@ -172,15 +174,27 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<in
   std::vector<std::map<int, ncclComm_t> *> targets;
   for (const auto &g : groups)
     lists.push_back(g), targets.push_back(&world->groups[g]);
+  // LOOM_NCCL_LINK_CTAS=N caps the pipeline links' channels: they carry one
+  // activation at a time, and each channel holds its own buffers for every
+  // protocol (about 1 GiB a communicator at NCCL's default on an H200).
+  std::vector<int> maxCTAs(lists.size(), 0);
+  int linkCTAs = 0;
+  if (const char *v = std::getenv("LOOM_NCCL_LINK_CTAS"); v && *v) {
+    char *end = nullptr;
+    long n = std::strtol(v, &end, 10);
+    if (*end || n < 1 || n > 64)
+      fail(LOOM_INVALID_ARGUMENT, "LOOM_NCCL_LINK_CTAS must be a channel count from 1 to 64, got '", v, "'");
+    linkCTAs = int(n);
+  }
   for (auto [from, to] : links)
-    lists.push_back({from, to}), targets.push_back(&world->links[{from, to}]);
+    lists.push_back({from, to}), targets.push_back(&world->links[{from, to}]), maxCTAs.push_back(linkCTAs);
   // Every connection is made while the communicators are created (NCCL
   // otherwise makes them at a collective's first call, on the host, where a
   // peer whose collectives disagree blocks the call itself, beyond the
   // reach of waitForStreams's timeout: seen with a rank that skipped an
   // all-reduce, 2026-11-27). A user's own NCCL_RUNTIME_CONNECT stays.
   setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
-  world->createAll(lists, self, bootstrap, targets);
+  world->createAll(lists, self, bootstrap, targets, maxCTAs);
   return world;
 #endif
 }

@@ -56,9 +56,10 @@ public:
   /// deadlock). One process: all ranks; under mpirun: `self` only, with ids
   /// broadcast from each group's first member over `bootstrap`.
   /// Fails after `timeoutSeconds` (or when `bootstrap` reports a lost peer)
-  /// if a member never joins.
+  /// if a member never joins. `maxCTAs[i]` > 0 caps list i's channels
+  /// (NCCL's config.maxCTAs), and with them its buffers.
   void createAll(const std::vector<std::vector<int>> &lists, int self, Communicator *bootstrap,
-                 std::vector<std::map<int, ncclComm_t> *> targets);
+                 std::vector<std::map<int, ncclComm_t> *> targets, const std::vector<int> &maxCTAs);
 #endif
   ~NcclWorld();
 };

@@ -14,7 +14,9 @@
 #include <nlohmann/json.hpp>
 
 #include <map>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace loom::rt {
@@ -155,6 +157,20 @@ struct Manifest {
   ServeConfig serve;
   std::vector<RankProgram> ranks;
 };
+
+/// The communicators a multi-GPU run of the manifest needs: one for each
+/// distinct member list of the groups its collectives name (a group no
+/// instruction names needs none: each costs about 1 GiB of GPU memory with
+/// every connection made at creation), and one for each directed pair of
+/// ranks a send crosses. The runtime creates these; the planner predicts
+/// how many a rank joins (`loom::planner::communicatorsPerRank`).
+struct Communicators {
+  std::set<std::vector<int>> groups;
+  std::set<std::pair<int, int>> links; // (from, to)
+  /// How many of them `rank` belongs to.
+  int64_t joinedBy(int rank) const;
+};
+Communicators communicatorsOf(const Manifest &m);
 
 /// Reads DIR/manifest.json and validates it: every buffer in its arena, every
 /// instruction's buffers defined, names unique. Throws Error naming the field.
