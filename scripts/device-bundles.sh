@@ -221,6 +221,12 @@ plans() {
       c $(model $m) --batch $batch --train --lr 3e-4 --target cuda --cluster $cluster --plan "$out/$m-plan-$name.json" \
           -o "$out/$m-plan-$name.loom"
     done
+    # One GPU accumulating the microbatches of each pipelined plan (the issue's
+    # baseline for pipeline parallelism: the same global batch and microbatches).
+    for mb in $(echo "$plans" | tr ' ' '\n' | grep 'pp=' | sed -n 's/.*mb=\([0-9]*\).*/\1/p' | sort -un); do
+      c $(model $m) --batch $batch --train --lr 3e-4 --target cuda --cluster h200:1 --force mb=$mb,zero=0 \
+          -o "$out/$m-base-mb$mb.loom"
+    done
     # Data parallelism over every GPU with the bf16 gradients averaged as bf16 (--grad-reduce bf16).
     c $(model $m) --batch $batch --train --lr 3e-4 --target cuda --cluster $cluster --force dp=$gpus,mb=1,zero=0 \
         --grad-reduce bf16 -o "$out/$m-plan-dp-${gpus}_mb-1_zero-0_wire-bf16.loom"

@@ -86,6 +86,26 @@ PY
       echo "FAILED: $name"; tail -3 "$out/$name.log"; status=1
     fi
   done
+  # Pipeline parallelism against one GPU accumulating the same microbatches
+  # (the same global batch, in the same number of microbatches).
+  for b in "$R/$m"-base-mb*.loom; do
+    [ -d "$b" ] || continue
+    mb=${b##*-base-mb}; mb=${mb%.loom}
+    timeout 300 $B/loom-run "$b" --backend cuda --steps 10 > "$out/$m-base-mb$mb.log" 2>&1 ||
+      { echo "FAILED: one GPU, $mb microbatches"; tail -3 "$out/$m-base-mb$mb.log"; status=1; continue; }
+    python3 - "$out/$m-base-mb$mb.log" "$out" "$m" "$mb" <<'PY'
+import glob, os, re, sys
+ms = lambda p: (re.findall(r"^trained: ([\d.]+) ms per step", open(p).read(), re.M) or [None])[0]
+base, out, m, mb = sys.argv[1:]
+one = ms(base)
+print(f"one GPU accumulating {mb} microbatches (the global batch): {one} ms/step")
+for log in sorted(glob.glob(f"{out}/{m}-plan-pp-*_mb-{mb}_*.log")):  # pipeline only (no dp or tp)
+    this = ms(log)
+    if one and this:
+        name = os.path.basename(log)[len(m) + 6:-4]
+        print(f"  {name:40s} {float(this):7.1f} ms: {float(one) / float(this):.2f}x one GPU with the same microbatches")
+PY
+  done
   if [ -z "${SKIP_TORCH:-}" ]; then
     case $m in gpt2-350m) dims="--layers 24 --hidden 1024 --heads 16" ;; *) dims="--layers 24 --hidden 2048 --heads 16" ;; esac
     echo "== PyTorch on the same model and cards, global batch $((8 * gpus)) (bf16 autocast)"
