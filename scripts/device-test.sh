@@ -70,6 +70,13 @@ python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-bf16.fused.cuda.log"
 echo "== cuBLASLt epilogues (bias+GELU, GELU gradient, bias gradients) against the product and our kernels apart (LOOM_CUDA_EPILOGUES=0)"
 LOOM_CUDA_EPILOGUES=0 $B/loom-run $R/gpt-tiny-bf16-fused-train.loom --backend cuda --steps 20 > "$LOG/gpt-tiny-bf16.apart.log" || status=1
 python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-bf16.fused.cuda.log" "$LOG/gpt-tiny-bf16.apart.log" 2e-3 || status=1
+echo "== --deterministic: two processes, the same losses bit for bit (GPT-2 350M bf16, batch 8); gpt-tiny against the CPU"
+for k in 1 2; do
+  $B/loom-run $R/gpt2-350m-bf16-fused-train.loom --backend cuda --steps 8 --deterministic > "$LOG/350m.det$k.log" || status=1
+done
+python3 test/training/Inputs/close_losses.py "$LOG/350m.det1.log" "$LOG/350m.det2.log" 0 || status=1
+LOOM_CUDA_TF32=0 $B/loom-run $R/gpt-tiny-train.loom --backend cuda --steps 20 --deterministic > "$LOG/gpt-tiny.det.log" || status=1
+python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny.train.cpu.log" "$LOG/gpt-tiny.det.log" 1e-4 || status=1
 if [ -z "${LOOM_QUICK:-}" ]; then # the CPU side takes minutes
 echo "== the 1.1B Llama (22 layers, sequence 2048), batch 1: CUDA forward (full f32 products) vs CPU"
 $B/loom-run $R/llama-1.1b-b1.loom --backend cpu --seed 3 --output "$LOG/llama1b.cpu.safetensors" > /dev/null || status=1

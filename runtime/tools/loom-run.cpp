@@ -96,6 +96,11 @@ void usage(FILE *to) {
                "                          others in one collective or transfer before every\n"
                "                          rank stops with an error (default 300, at most 86400;\n"
                "                          threads, processes of mpirun or Slurm, NCCL on GPUs)\n"
+               "  --deterministic         the same results bit for bit in every run on the same\n"
+               "                          GPU (ordered sums instead of atomics, cuDNN's\n"
+               "                          deterministic attention backward, cuBLASLt's first\n"
+               "                          heuristic choice instead of the fastest; sets\n"
+               "                          LOOM_DETERMINISTIC=1)\n"
                "  --profile F.json        time every instruction by op, print the table and\n"
                "                          write the calibration profile for loomc plan --profile\n"
                "  --trace F.json          write every rank's instructions as a timeline (Chrome\n"
@@ -534,6 +539,8 @@ int run(int argc, char **argv) {
       if (v.empty() || *end)
         fail(LOOM_INVALID_ARGUMENT, "--timeout needs a number of seconds, got '", v, "'");
       checkTimeout(timeout, "--timeout");
+    } else if (a == "--deterministic") {
+      setenv("LOOM_DETERMINISTIC", "1", 1); // read where the CUDA backend builds its kernels
     } else if (a == "--profile") {
       profilePath = value();
     } else if (a == "--trace") {

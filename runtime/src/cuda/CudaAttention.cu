@@ -11,7 +11,9 @@
 #include "runtime/src/cuda/CudaBackendImpl.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <mutex>
 
 namespace loom::rt::cuda {
 namespace {
@@ -87,6 +89,13 @@ std::shared_ptr<cudnn::Attention> CudaBackendImpl::cudnnAttention(const flash::P
   std::shared_ptr<cudnn::Attention> a = cudnn::build(p, backward, why);
   if (!a && mode == "cudnn")
     fail(LOOM_UNSUPPORTED, where, ": LOOM_CUDA_ATTENTION=cudnn, but ", why);
+  if (!a && backward && deterministic()) {
+    static std::once_flag warned;
+    std::call_once(warned, [&] {
+      std::fprintf(stderr, "loom: LOOM_DETERMINISTIC=1, but %s: our attention backward sums dQ with atomics, so "
+                           "its results may differ between runs in the last bits\n", why.c_str());
+    });
+  }
   if (a)
     reserve(a->workspaceBytes());
   return a;

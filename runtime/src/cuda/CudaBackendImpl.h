@@ -69,6 +69,16 @@ inline bool envIs(const char *name, const char *value) {
   return e && std::string(e) == value;
 }
 
+/// LOOM_DETERMINISTIC=1 (`loom-run --deterministic`): the same bundle,
+/// inputs and GPU give the same results bit for bit in every process.
+/// Kernels that sum with atomics take ordered paths (the embedding's
+/// gradient), cuDNN's attention backward its deterministic engine, and
+/// cuBLASLt's first heuristic choice replaces the fastest timed candidate.
+inline bool deterministic() {
+  static const bool on = envIs("LOOM_DETERMINISTIC", "1");
+  return on;
+}
+
 /// Whether an instruction's `layout` says channels last (CudaConv.cu);
 /// `where` names it in the error for a layout other than nchw or nhwc.
 bool channelsLast(const Instruction &ins, const std::string &where);

@@ -9,6 +9,8 @@
 
 #include "runtime/src/cuda/CudaBackendImpl.h"
 
+#include <cub/device/device_radix_sort.cuh>
+
 namespace loom::rt::cuda {
 namespace {
 
@@ -48,6 +50,38 @@ __global__ void embeddingGradKernel(const void *ids, bool wide, DPtr dy, float *
     int64_t row = id - start;
     if (row >= 0 && row < vocab)
       atomicAdd(&dt[row * h + i % h], dy[i]);
+  }
+}
+
+/// The deterministic embedding gradient (LOOM_DETERMINISTIC=1): each token's
+/// table row (`vocab` for ids another rank holds, or out of range) and its
+/// position, sorted by row (a stable radix sort keeps positions in order),
+/// then each run of one row summed in token order by one block.
+__global__ void embeddingRowsKernel(const void *ids, bool wide, int *rows, int *positions, int64_t n,
+                                    int64_t vocab, long long *err, int64_t start, int64_t full) {
+  GRID_LOOP(t, n) {
+    int64_t id = readIndex(ids, wide, t), row = id - start;
+    if (id < 0 || id >= full)
+      raise(err, 1, t, id);
+    rows[t] = id >= 0 && id < full && row >= 0 && row < vocab ? int(row) : int(vocab);
+    positions[t] = int(t);
+  }
+}
+
+__global__ void embeddingRunsKernel(const int *rows, const int *positions, int64_t n, DPtr dy, float *dt, int64_t h,
+                                    int64_t vocab) {
+  int64_t first = blockIdx.x;
+  int row = rows[first];
+  if (row >= vocab || (first > 0 && rows[first - 1] == row))
+    return; // another rank's row, or not the run's first token
+  int64_t end = first + 1;
+  while (end < n && rows[end] == row)
+    ++end;
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+    float sum = 0;
+    for (int64_t q = first; q < end; ++q)
+      sum += dy[int64_t(positions[q]) * h + j];
+    dt[int64_t(row) * h + j] = sum;
   }
 }
 
@@ -210,8 +244,41 @@ Launch CudaBackendImpl::buildEmbedding(const Instruction &ins) {
   }
   // Accumulates in f32 (in the workspace for a bf16 table), rounding once.
   DPtr dy = fp(ins.in[1]), dt = fp(ins.out[0]);
+  size_t accBytes = dt.bf ? (size_t(vocab * h) * sizeof(float) + 255) / 256 * 256 : 0;
+  if (deterministic()) {
+    if (cnt > INT32_MAX || vocab >= INT32_MAX)
+      fail(LOOM_UNSUPPORTED, where, ": LOOM_DETERMINISTIC's embedding gradient takes at most 2^31 tokens and rows");
+    // After the f32 sums: rows and positions, sorted, and the sort's scratch.
+    int bits = 1;
+    while (bits < 31 && (int64_t(1) << bits) <= vocab)
+      ++bits;
+    size_t sortBytes = 0;
+    LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sortBytes, static_cast<const int *>(nullptr),
+                                                    static_cast<int *>(nullptr), static_cast<const int *>(nullptr),
+                                                    static_cast<int *>(nullptr), int(cnt), 0, bits));
+    size_t list = (size_t(cnt) * sizeof(int) + 255) / 256 * 256;
+    reserve(accBytes + 4 * list + sortBytes);
+    return [=](cudaStream_t s) {
+      char *w = static_cast<char *>(workspace);
+      float *acc = dt.bf ? reinterpret_cast<float *>(w) : static_cast<float *>(dt.p);
+      int *rows = reinterpret_cast<int *>(w + accBytes), *positions = reinterpret_cast<int *>(w + accBytes + list),
+          *sortedRows = reinterpret_cast<int *>(w + accBytes + 2 * list),
+          *sortedPositions = reinterpret_cast<int *>(w + accBytes + 3 * list);
+      size_t scratch = sortBytes;
+      LOOM_CUDA_CHECK(cudaMemsetAsync(acc, 0, vocab * h * sizeof(float), s));
+      if (cnt > 0) {
+        embeddingRowsKernel<<<blocksFor(cnt), kThreads, 0, s>>>(pid, wide, rows, positions, cnt, vocab, err, start,
+                                                                full);
+        LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(w + accBytes + 4 * list, scratch, rows, sortedRows,
+                                                        positions, sortedPositions, int(cnt), 0, bits, s));
+        embeddingRunsKernel<<<unsigned(cnt), 256, 0, s>>>(sortedRows, sortedPositions, cnt, dy, acc, h, vocab);
+      }
+      if (dt.bf)
+        castKernel<<<blocksFor(vocab * h), kThreads, 0, s>>>(DPtr{acc, false}, dt, vocab * h);
+    };
+  }
   if (dt.bf)
-    reserve(size_t(vocab * h) * sizeof(float));
+    reserve(accBytes);
   return [=](cudaStream_t s) {
     float *acc = dt.bf ? reinterpret_cast<float *>(workspace) : static_cast<float *>(dt.p);
     LOOM_CUDA_CHECK(cudaMemsetAsync(acc, 0, vocab * h * sizeof(float), s));

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #endif
 
@@ -84,6 +85,10 @@ std::string make(const flash::Params &p, cudnnHandle_t handle, bool backward, Bu
                                .set_stride({H * S, S, 1, 1})
                                .set_data_type(fe::DataType_t::FLOAT));
     auto options = fe::graph::SDPA_backward_attributes().set_name("loom_sdpa_backward").set_attn_scale(p.scale);
+    // LOOM_DETERMINISTIC=1: an engine whose dQ does not depend on the
+    // order its blocks finish in (cuDNN's default sums it with atomics).
+    if (const char *d = std::getenv("LOOM_DETERMINISTIC"); d && std::string(d) == "1")
+      options.set_deterministic_algorithm(true);
     if (p.causal)
       topLeft ? options.set_causal_mask(true) : options.set_causal_mask_bottom_right(true);
     auto [dQ, dK, dV] = g->sdpa_backward(q, k, v, o, dO, stats, options);
