@@ -227,6 +227,10 @@ plans() {
       c $(model $m) --batch $batch --train --lr 3e-4 --target cuda --cluster h200:1 --force mb=$mb,zero=0 \
           -o "$out/$m-base-mb$mb.loom"
     done
+    # Tensor parallelism without loom-overlap-tensor-reduce (the backward's
+    # all-reduces in place, synchronous), to time the rewrite against.
+    c $(model $m) --batch $batch --train --lr 3e-4 --target cuda --cluster $cluster --force tp=$gpus,mb=1,zero=0 \
+        --skip-pass loom-overlap-tensor-reduce -o "$out/$m-alt-tp-${gpus}_no-overlap.loom"
     # Data parallelism over every GPU with the bf16 gradients averaged as bf16 (--grad-reduce bf16).
     c $(model $m) --batch $batch --train --lr 3e-4 --target cuda --cluster $cluster --force dp=$gpus,mb=1,zero=0 \
         --grad-reduce bf16 -o "$out/$m-plan-dp-${gpus}_mb-1_zero-0_wire-bf16.loom"

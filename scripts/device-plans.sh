@@ -5,7 +5,9 @@
 # prints each plan's prediction against its measurement: step time and GPU
 # memory, and whether the pick is within 5% of the fastest plan measured.
 # Needs .deps (scripts/device-deps.sh, then scripts/device-bundles.sh plans).
-# MODELS="gpt2-350m" runs one model; SKIP_TORCH=1 leaves PyTorch out.
+# MODELS="gpt2-350m" runs one model; SKIP_TORCH=1 leaves PyTorch out; ALTERNATIVES=0
+# leaves out the pipelined plans with their sends in graphs or fewer link channels
+# and tensor parallelism without its all-reduces overlapped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0
@@ -106,6 +108,39 @@ for log in sorted(glob.glob(f"{out}/{m}-plan-pp-*_mb-{mb}_*.log")):  # pipeline 
         print(f"  {name:40s} {float(this):7.1f} ms: {float(one) / float(this):.2f}x one GPU with the same microbatches")
 PY
   done
+  # Runtime and compile alternatives beside the plans they change (ALTERNATIVES=0 skips):
+  # pipelined steps captured as CUDA graphs with their sends (LOOM_CUDA_GRAPHS_P2P=1),
+  # pipeline links with at most 4 NCCL channels (LOOM_NCCL_LINK_CTAS=4: fewer buffers),
+  # and tensor parallelism without loom-overlap-tensor-reduce.
+  if [ "${ALTERNATIVES:-1}" != 0 ]; then
+    row() { # name, log
+      python3 - "$2" "$1" <<'PY'
+import re, sys
+t = open(sys.argv[1]).read()
+ms = re.findall(r"^trained: ([\d.]+) ms per step", t, re.M)
+mem = [float(x) for x in re.findall(r"^device memory: rank \d+, GPU \d+: ([\d.]+) GiB in use", t, re.M)]
+print(f"  {sys.argv[2]:58s} {ms[0] if ms else 'FAILED':>7s} ms   {max(mem) if mem else float('nan'):5.2f} GiB in use")
+PY
+    }
+    echo "== alternatives (ms per step, the largest rank's GPU memory in use)"
+    for b in "$R/$m"-plan-pp-*.loom; do
+      [ -d "$b" ] || continue
+      name=$(basename "$b" .loom)
+      row "$name" "$out/$name.log"
+      for alt in LOOM_CUDA_GRAPHS_P2P=1 LOOM_NCCL_LINK_CTAS=4; do
+        env $alt timeout 300 $B/loom-run "$b" --backend cuda --steps 10 > "$out/$name-$alt.log" 2>&1 || status=1
+        row "$name $alt" "$out/$name-$alt.log"
+      done
+    done
+    for b in "$R/$m"-alt-tp-*_no-overlap.loom; do
+      [ -d "$b" ] || continue
+      name=$(basename "$b" .loom)
+      base=$(ls -d "$R/$m"-plan-tp-*_mb-1_zero-0.loom 2>/dev/null | head -1)
+      [ -n "$base" ] && row "$(basename "$base" .loom) (overlapped)" "$out/$(basename "$base" .loom).log"
+      timeout 300 $B/loom-run "$b" --backend cuda --steps 10 > "$out/$name.log" 2>&1 || status=1
+      row "$name" "$out/$name.log"
+    done
+  fi
   if [ -z "${SKIP_TORCH:-}" ]; then
     case $m in gpt2-350m) dims="--layers 24 --hidden 1024 --heads 16" ;; *) dims="--layers 24 --hidden 2048 --heads 16" ;; esac
     echo "== PyTorch on the same model and cards, global batch $((8 * gpus)) (bf16 autocast)"
