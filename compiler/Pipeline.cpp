@@ -11,7 +11,8 @@ using namespace mlir::loom;
 
 namespace {
 const char *const kSkippable[] = {"loom-fuse-loss-gradient", "loom-update-copies", "loom-packed-qkv-attention",
-                                  "loom-join-slice-gradients", "loom-overlap-tensor-reduce"};
+                                  "loom-join-slice-gradients", "loom-overlap-tensor-reduce",
+                                  "loom-accumulate-in-products"};
 } // namespace
 
 bool mlir::loom::isSkippablePass(StringRef name) {
@@ -78,6 +79,8 @@ void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o,
     add(createFuseLossGradient());
   if (o.fuse)
     add(createFuseElementwise());
+  if (o.fuse && o.train && pipelined)
+    add(createAccumulateInProducts());
   if (o.train && tp > 1)
     add(createOverlapTensorReduce());
   if (o.train && (pipelined || dp * tp * pp > 1))

@@ -287,6 +287,18 @@ def FuseElementwise : Pass<"loom-fuse-elementwise", "::mlir::ModuleOp"> {
   }];
 }
 
+def AccumulateInProducts : Pass<"loom-accumulate-in-products", "::mlir::ModuleOp"> {
+  let summary = "A microbatch's weight gradient added into its sum by its own product";
+  let description = [{
+    Where a microbatched step adds a product's result into an f32 gradient
+    sum (`add(acc, g) -> acc`) and nothing else reads it, the product takes
+    the sum as its C input with beta = 1 and writes it in place: epilogue
+    "residual", or "bgrad_residual" for a product that also writes its bias
+    gradient (widened to f32 when only its own sum's add reads it). The add
+    and the product's separate result go.
+  }];
+}
+
 def OverlapTensorReduce : Pass<"loom-overlap-tensor-reduce", "::mlir::ModuleOp"> {
   let summary = "Tensor-parallel all-reduces go out beside the compute that does not need them";
   let description = [{

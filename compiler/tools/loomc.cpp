@@ -607,6 +607,7 @@ int runCompile() {
   }
   // What the compiler's rewrites did to rank 0, read back from its programs.
   int64_t packed = 0, epilogues = 0, fused = 0, rowKernels = 0, bf16Grads = 0, lossGrads = 0, tpOverlapped = 0;
+  int64_t summedInProducts = 0;
   std::map<std::string, int64_t> epilogueKinds;
   std::set<std::string> adamKernels;
   for (const auto &[name, program] : rank.programs)
@@ -615,6 +616,7 @@ int runCompile() {
       if (ins.op == "matmul" && ins.attrs.contains("epilogue"))
         ++epilogues, ++epilogueKinds[ins.attrs.value("epilogue", std::string("?"))];
       fused += ins.op == "fused";
+      summedInProducts += ins.op == "matmul" && !ins.in.empty() && !ins.out.empty() && ins.in.back() == ins.out[0];
       lossGrads += ins.op == "cross_entropy" && ins.out.size() == 2;
       tpOverlapped += ins.op == "all_reduce" && ins.attrs.is_object() && ins.attrs.value("async", false) &&
                       ins.attrs.value("group", std::string()) == "tp";
@@ -645,6 +647,8 @@ int runCompile() {
     notes.push_back(std::to_string(lossGrads) + " loss(es) write their gradient over the logits");
   if (tpOverlapped)
     notes.push_back(std::to_string(tpOverlapped) + " tensor-parallel all-reduce(s) beside the weight gradients");
+  if (summedInProducts)
+    notes.push_back(std::to_string(summedInProducts) + " microbatch gradient(s) added into their sums by their products");
   if (!adamKernels.empty())
     notes.push_back("AdamW in " + std::to_string(adamKernels.size()) + " generated kernel(s)");
   if (!notes.empty()) {

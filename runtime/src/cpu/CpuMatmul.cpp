@@ -32,22 +32,28 @@ namespace {
 ///   "bias_residual"  inputs A, B, bias, R; C + bias + R.
 ///   "bgrad"      inputs A, B; outputs C and the column sums of B over the
 ///                product's k dimension (a bias gradient; B is not transposed).
+///   "bgrad_residual"  inputs A, B, R; outputs C + R and those column sums.
+/// R may be the result itself (a gradient added into its sum in place,
+/// loom-accumulate-in-products): the product then adds into it (beta = 1).
 /// The epilogue works on C's f32 values before anything is rounded.
 Kernel buildMatmul(const Ctx &c) {
   auto found = c.ins.attrs.find("epilogue");
   std::string epilogue = found != c.ins.attrs.end() && found->is_string() ? found->get<std::string>() : "";
   static const std::set<std::string> kEpilogues = {"", "bias", "bias_gelu", "dgelu", "bgrad", "residual",
-                                                    "bias_residual"};
+                                                    "bias_residual", "bgrad_residual"};
   if (!kEpilogues.count(epilogue))
     c.bad("unknown epilogue '" + epilogue +
-          "'; the matmul epilogues are: bias, bias_gelu, dgelu, bgrad, residual, bias_residual");
+          "'; the matmul epilogues are: bias, bias_gelu, dgelu, bgrad, residual, bias_residual, bgrad_residual");
   bool withBias = epilogue == "bias" || epilogue == "bias_gelu" || epilogue == "bias_residual";
-  bool gelu = epilogue == "bias_gelu", dgelu = epilogue == "dgelu", bgrad = epilogue == "bgrad";
-  bool residual = epilogue == "residual" || epilogue == "bias_residual";
+  bool gelu = epilogue == "bias_gelu", dgelu = epilogue == "dgelu";
+  bool bgrad = epilogue == "bgrad" || epilogue == "bgrad_residual";
+  bool residual = epilogue == "residual" || epilogue == "bias_residual" || epilogue == "bgrad_residual";
   if (gelu)
     c.arity(3, c.ins.out.size() == 2 ? 2 : 1);
   else if (epilogue == "bias_residual")
     c.arity(4, 1);
+  else if (epilogue == "bgrad_residual")
+    c.arity(3, 2);
   else
     c.arity(epilogue.empty() || bgrad ? 2 : 3, bgrad ? 2 : 1);
   const Buffer &a = c.in(0), &b = c.in(1), &o = c.out();
@@ -74,12 +80,16 @@ Kernel buildMatmul(const Ctx &c) {
   });
   float *pa = c.f32(a), *pb = c.f32(b), *po = c.f32(o);
   float *bias = nullptr, *pre = nullptr, *preIn = nullptr, *colSums = nullptr, *res = nullptr;
+  bool accumulate = false; // the residual is the result: add the product into it
   if (residual) {
     const Buffer &r = c.in(c.ins.in.size() - 1);
     c.needF32(r), c.sameShape(r, o);
-    if (r.offset < o.offset + o.bytes && o.offset < r.offset + r.bytes)
-      c.bad("the residual input must not overlap the result");
-    res = c.f32(r);
+    accumulate = r.offset == o.offset && r.bytes == o.bytes;
+    if (!accumulate && r.offset < o.offset + o.bytes && o.offset < r.offset + r.bytes)
+      c.bad("the residual input must be the result or not overlap it");
+    if (accumulate && (gelu || dgelu || withBias))
+      c.bad("a residual added in place takes no other epilogue than bgrad");
+    res = accumulate ? nullptr : c.f32(r);
   }
   if (withBias) {
     c.needF32(c.in(2));
@@ -139,7 +149,7 @@ Kernel buildMatmul(const Ctx &c) {
       for (int64_t t = begin; t < end;) {
         int64_t bi = t / m, i0 = t % m, rows = std::min(end - t, m - i0);
         const float *A = pa + offA[bi], *B = pb + offB[bi];
-        sgemm(ta, tb, rows, n, k, ta ? A + i0 : A + i0 * k, ta ? m : k, B, tb ? k : n, 0.0f,
+        sgemm(ta, tb, rows, n, k, ta ? A + i0 : A + i0 * k, ta ? m : k, B, tb ? k : n, accumulate ? 1.0f : 0.0f,
               po + (bi * m + i0) * n, n);
         for (int64_t i = i0; i < i0 + rows; ++i)
           epilogueRow(bi, i);

@@ -217,7 +217,11 @@ Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
   bool oneGemm = (!ta && batchB == 1) || (ta && ra == 2 && rb == 2 && o.shape.size() == 2);
   int64_t m = rows, k = ta ? a.shape[0] : a.shape[ra - 1], lda = a.shape[ra - 1];
   bool withBias = epilogue == "bias" || epilogue == "bias_gelu" || epilogue == "bias_residual";
-  bool withResidual = epilogue == "residual" || epilogue == "bias_residual";
+  bool withResidual = epilogue == "residual" || epilogue == "bias_residual" || epilogue == "bgrad_residual";
+  bool withBgrad = epilogue == "bgrad" || epilogue == "bgrad_residual";
+  // The residual is the result itself: the product adds into it (a gradient
+  // into its f32 sum, loom-accumulate-in-products).
+  bool inPlace = withResidual && buf(ins.in.back()).offset == o.offset && buf(ins.in.back()).bytes == o.bytes;
   GemmEpilogue e;
   if (withBias) {
     e.kind = CUBLASLT_EPILOGUE_BIAS, e.bias = ptr(buf(ins.in[2]));
@@ -233,7 +237,7 @@ Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
     e.kind = aux >= 0 ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_BIAS;
   if (epilogue == "dgelu")
     e.kind = CUBLASLT_EPILOGUE_DGELU;
-  if (epilogue == "bgrad") {
+  if (withBgrad) {
     e.kind = CUBLASLT_EPILOGUE_BGRADA, e.bias = ptr(buf(ins.out[1]));
     oneGemm &= buf(ins.out[1]).dtype == o.dtype;
   }
@@ -251,6 +255,26 @@ Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
   // Apart: the product (with its bias in cuBLASLt's epilogue where it can
   // be), then our kernels for the rest.
   std::vector<Launch> steps;
+  if (inPlace) { // the product added into the result (beta = 1), then the bias gradient
+    bool twoD = ra == 2 && rb == 2 && o.shape.size() == 2;
+    if (withBias || aux >= 0 || epilogue == "dgelu" || !twoD)
+      fail(LOOM_UNSUPPORTED, where, ": a residual added in place takes 2-D operands and no epilogue but bgrad");
+    GemmTypes t = gemmTypes(a, b, o);
+    char *pa = ptr(a), *pb = ptr(b), *po = ptr(o);
+    int64_t ldb = b.shape[rb - 1];
+    steps.push_back([=](cudaStream_t) {
+      float one = 1.0f;
+      LOOM_CUBLAS_CHECK(cublasGemmEx(blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, int(n),
+                                     int(m), int(k), &one, pb, t.ab, int(ldb), pa, t.ab, int(lda), &one, po, t.c,
+                                     int(n), t.compute, CUBLAS_GEMM_DEFAULT));
+    });
+    if (withBgrad)
+      steps.push_back(build(Instruction{"reduce_sum", {ins.in[1]}, {ins.out[1]}, nlohmann::json{{"axes", {0}}}}));
+    return [steps](cudaStream_t s) {
+      for (const Launch &step : steps)
+        step(s);
+    };
+  }
   int64_t result = aux >= 0 && epilogue == "bias_gelu" ? aux : ins.out[0]; // the pre-activation lands in aux
   Instruction product{"matmul", {ins.in[0], ins.in[1]}, {result}, ins.attrs};
   product.attrs.erase("epilogue");
@@ -275,7 +299,7 @@ Launch CudaBackendImpl::buildMatmul(const Instruction &ins) {
   if (epilogue == "dgelu")
     steps.push_back(build(Instruction{"unary_grad", {ins.in[2], ins.in[2], ins.out[0]}, {ins.out[0]},
                                       nlohmann::json{{"fn", "gelu_tanh"}}}));
-  if (epilogue == "bgrad") // the column sums of B (2-D, [k, n])
+  if (withBgrad) // the column sums of B (2-D, [k, n])
     steps.push_back(build(Instruction{"reduce_sum", {ins.in[1]}, {ins.out[1]}, nlohmann::json{{"axes", {0}}}}));
   return [steps](cudaStream_t s) {
     for (const Launch &step : steps)
