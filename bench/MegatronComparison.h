@@ -84,6 +84,7 @@ inline std::vector<MegatronRow> runMegatronComparison(const std::string &dataPat
     costs.overlapGradientReduce = false;  // 2021: gradient all-reduce after the pipeline flush
     costs.zeroBubbleSchedule = false;     // 2021: 1F1B and interleaved 1F1B
     costs.pipelineSendsOverlap = false;   // 2021: blocking sends and receives between stages
+    costs.accumulateInProducts = false;   // 2021: gradients added to their fp32 sums after each product
     costs.zeroPackedCollectives = true;   // sharded optimizer states collected per bucket, not Loom's per tensor
     costs.zeroPackBytesPerParam = 0;      // contiguous gradient and parameter buffers: nothing to pack
     planner::Planner planner(*spec, cluster, costs);

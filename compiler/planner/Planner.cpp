@@ -315,12 +315,15 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     lt_.backward = 2 * fwdCompute + 2 * fwdMemory + 1.4 * launches;
     // With several microbatches each backward adds its weight gradients into
     // f32 accumulators: read 4 + write 4 bytes a parameter, plus the 16-bit
-    // gradient it adds.
+    // gradient it adds; or, where the products add them in
+    // (accumulateInProducts), the products' weights 6 bytes more each.
     // Weight gradients: one GEMM per weight matmul of the forward (the
     // attention scores and values have no weights), plus that accumulation.
     lt_.weightGrad = l.flops > 0 ? fwdCompute * (1 - l.attentionFlops / l.flops) : 0;
     if (m > 1) {
-      double accumulate = (l.shardedParams / lt + (l.params - l.shardedParams)) * (8 + 2) / memRate;
+      double inProducts = options.accumulateInProducts ? l.shardedParams / lt : 0;
+      double accumulate = ((l.shardedParams / lt + (l.params - l.shardedParams) - inProducts) * (8 + 2) +
+                           inProducts * 6) / memRate;
       lt_.backward += accumulate;
       lt_.weightGrad += accumulate;
     }

@@ -134,6 +134,11 @@ struct CostOptions {
   /// (Megatron-LM 2021's batched send/receive, then a device synchronize).
   /// Only the interleaved schedule's simulation distinguishes the two.
   bool pipelineSendsOverlap = true;
+  /// A microbatch's weight gradient goes into its f32 sum through its own
+  /// product (loom-accumulate-in-products: C read and written in f32, 6
+  /// bytes a weight more than a bf16 result), not in an add after it (8
+  /// bytes of sum and 2 of gradient); false: the add (Megatron-LM 2021).
+  bool accumulateInProducts = true;
   /// The search weighs ZB-H1 (backward split into input- and weight-gradient
   /// tasks) for pipelined plans; false: only the schedules of Megatron-LM 2021.
   bool zeroBubbleSchedule = true;

@@ -509,6 +509,7 @@ int runCompile() {
     costs.precision = precision; // the memory predicted is the bundle's
     costs.gradReduceBf16 = gradReduceBf16;
     costs.lossGradientInPlace = compileFuse || cuda;
+    costs.accumulateInProducts = compileFuse || cuda; // loom-accumulate-in-products runs with --fuse
     ::loom::planner::Planner planner(*spec, cluster, costs);
     ::loom::planner::PlanResult result = planner.search(compileBatch, force);
     if (!result.found)
@@ -676,6 +677,7 @@ int runPlan() {
   // GPUs run the CUDA target's fused step, whose loss writes its gradient
   // over the logits; a CPU cluster's bundles are compiled without --fuse.
   costs.lossGradientInPlace = cluster.device.name != "cpu";
+  costs.accumulateInProducts = cluster.device.name != "cpu";
   if (!::loom::planner::parsePrecision(planPrecision, costs.precision))
     return fail("--precision must be f32 or bf16, got '" + planPrecision + "'");
   if (!parseGradReduce(planGradReduce, costs.gradReduceBf16))

@@ -308,10 +308,11 @@ TEST(Planner, ZeroBubbleH1CutsTheBubble) {
   ASSERT_TRUE(plain.found && zb.found) << plain.error << zb.error;
   EXPECT_EQ(zb.best.schedule, Schedule::ZeroBubbleH1);
   // The weight gradients are about a third of a microbatch's work (less
-  // under full recomputation, which B redoes), so about 0.4 of 1F1B's bubble.
+  // under full recomputation, which B redoes, and with their f32 sums added
+  // in their products rather than after them), so 0.4-0.65 of 1F1B's bubble.
   double ratio = zb.best.bubbleTime / plain.best.bubbleTime;
   EXPECT_GT(ratio, 0.3);
-  EXPECT_LT(ratio, 0.6);
+  EXPECT_LT(ratio, 0.65);
   const StagePlan &s = zb.best.stages[0];
   EXPECT_NEAR(ratio, (s.forwardTime + s.backwardTime - 2 * s.weightGradTime) /
                          (s.forwardTime + s.backwardTime), 0.05);
