@@ -183,6 +183,10 @@ c models/gpt2-350m.mlir --batch 1 --train --lr 3e-4 --precision bf16 -o $out/gpt
 c models/gpt-tiny.mlir --batch 4 --train --lr 1e-3 --precision bf16 --fuse -o $out/gpt-tiny-bf16-fused-train.loom
 c models/llama-tiny.mlir --batch 4 --train --lr 1e-3 --precision bf16 --fuse -o $out/llama-tiny-bf16-fused-train.loom
 c models/llama-tiny.mlir --batch 4 --precision bf16 --fuse -o $out/llama-tiny-bf16-fused-infer.loom
+# Two microbatches: the weight gradients added into their sums by their products
+# (loom-accumulate-in-products), against the CPU.
+c models/gpt-tiny.mlir --batch 4 --train --lr 1e-3 --precision bf16 --fuse --cluster h100:1 --force mb=2,zero=0 \
+    -o $out/gpt-tiny-bf16-fused-mb2-train.loom
 # Generated row kernels (layernorm, rmsnorm, softmax) against the CPU's, f32 and bf16.
 c test/runtime/Inputs/rows.mlir --batch 16 --fuse -o $out/rows-fused-infer.loom
 c test/runtime/Inputs/rows.mlir --batch 16 --target cuda -o $out/rows-bf16-fused-infer.loom

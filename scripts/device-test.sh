@@ -70,6 +70,12 @@ python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-bf16.fused.cuda.log"
 echo "== cuBLASLt epilogues (bias+GELU, GELU gradient, bias gradients) against the product and our kernels apart (LOOM_CUDA_EPILOGUES=0)"
 LOOM_CUDA_EPILOGUES=0 $B/loom-run $R/gpt-tiny-bf16-fused-train.loom --backend cuda --steps 20 > "$LOG/gpt-tiny-bf16.apart.log" || status=1
 python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-bf16.fused.cuda.log" "$LOG/gpt-tiny-bf16.apart.log" 2e-3 || status=1
+echo "== two microbatches, the weight gradients summed in their products: CUDA vs CPU (bf16, 3e-2), cuBLASLt's epilogue vs cublasGemmEx (2e-3)"
+$B/loom-run $R/gpt-tiny-bf16-fused-mb2-train.loom --backend cpu --steps 20 > "$LOG/gpt-tiny-mb2.cpu.log" || status=1
+$B/loom-run $R/gpt-tiny-bf16-fused-mb2-train.loom --backend cuda --steps 20 > "$LOG/gpt-tiny-mb2.cuda.log" || status=1
+LOOM_CUDA_EPILOGUES=0 $B/loom-run $R/gpt-tiny-bf16-fused-mb2-train.loom --backend cuda --steps 20 > "$LOG/gpt-tiny-mb2.apart.log" || status=1
+python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-mb2.cpu.log" "$LOG/gpt-tiny-mb2.cuda.log" 3e-2 || status=1
+python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-mb2.cuda.log" "$LOG/gpt-tiny-mb2.apart.log" 2e-3 || status=1
 echo "== --deterministic: two processes, the same losses bit for bit (GPT-2 350M bf16, batch 8); gpt-tiny against the CPU"
 for k in 1 2; do
   $B/loom-run $R/gpt2-350m-bf16-fused-train.loom --backend cuda --steps 8 --deterministic > "$LOG/350m.det$k.log" || status=1
