@@ -101,6 +101,17 @@ bool accumulation(const rt::RankProgram &r, const rt::Instruction &ins, int64_t 
   return r.buffers[acc].dtype == LOOM_F32 && r.buffers[acc].viewOf < 0 && g != acc;
 }
 
+/// Whether a program other than `list` reads or writes storage `s`.
+bool usedElsewhere(const rt::RankProgram &r, const std::vector<rt::Instruction> &list, int64_t s) {
+  for (const auto &[name, other] : r.programs)
+    if (&other != &list) {
+      Touches t = touches(r, other, s);
+      if (t.reads || t.writes)
+        return true;
+    }
+  return false;
+}
+
 /// Folds the program's accumulations into their products; returns how many.
 int64_t fold(rt::RankProgram &r, std::vector<rt::Instruction> &list, const std::set<int64_t> &kept) {
   int64_t folded = 0;
@@ -131,7 +142,7 @@ int64_t fold(rt::RankProgram &r, std::vector<rt::Instruction> &list, const std::
         mm.in.size() != 2 || r.buffers[mm.in[0]].shape.size() != 2 || r.buffers[mm.in[1]].shape.size() != 2)
       continue;
     Touches t = touches(r, list, g);
-    if (t.writes != 1 || t.reads != 1)
+    if (t.writes != 1 || t.reads != 1 || usedElsewhere(r, list, g))
       continue;
     // Nothing between the product and the add may see the sum change early.
     if (touchesBetween(r, list, w, i, acc))
@@ -144,7 +155,7 @@ int64_t fold(rt::RankProgram &r, std::vector<rt::Instruction> &list, const std::
       if (r.buffers[bias].viewOf >= 0 || kept.count(bias))
         continue;
       Touches tb = touches(r, list, bias);
-      bool summed = tb.writes == 1 && tb.reads == 1;
+      bool summed = tb.writes == 1 && tb.reads == 1 && !usedElsewhere(r, list, bias);
       if (summed) {
         summed = false;
         for (const rt::Instruction &ins : list) {
