@@ -17,10 +17,9 @@
 //
 // The first microbatch's gradient is cast into the sum rather than added:
 // that product writes the sum directly. A product without an epilogue
-// becomes "residual"; one whose bias gradient
-// comes out of the same call ("bgrad") keeps it, widened to f32 where only
-// the add into its own f32 sum reads it (cuBLASLt writes the bias gradient
-// in the result's type). The sum now also keeps the product's bits beyond
+// becomes "residual"; one whose bias gradient comes out of the same call
+// ("bgrad") keeps it, widened to f32 where only the add into its own f32
+// sum reads it (cuBLASLt writes the bias gradient in the result's type). The sum now also keeps the product's bits beyond
 // bf16's, so the step's values change by bf16 rounding; the order of the
 // additions into each sum does not.
 //
@@ -40,38 +39,6 @@ namespace rt = ::loom::rt;
 using json = nlohmann::json;
 
 namespace {
-
-/// How many instructions of `list` read and write storage `s`, and the last
-/// writer before `before`.
-struct Touches {
-  int64_t reads = 0, writes = 0;
-};
-
-Touches touches(const rt::RankProgram &r, const std::vector<rt::Instruction> &list, int64_t s) {
-  Touches t;
-  for (const rt::Instruction &ins : list) {
-    bool reads = false, writes = false;
-    for (int64_t id : ins.in)
-      reads |= rt::storageOf(r, id) == s;
-    for (int64_t id : ins.out)
-      writes |= rt::storageOf(r, id) == s;
-    t.reads += reads, t.writes += writes;
-  }
-  return t;
-}
-
-bool touchesBetween(const rt::RankProgram &r, const std::vector<rt::Instruction> &list, size_t from, size_t to,
-                    int64_t s) {
-  for (size_t j = from; j < to; ++j) {
-    for (int64_t id : list[j].in)
-      if (rt::storageOf(r, id) == s)
-        return true;
-    for (int64_t id : list[j].out)
-      if (rt::storageOf(r, id) == s)
-        return true;
-  }
-  return false;
-}
 
 std::string epilogueOf(const rt::Instruction &ins) {
   if (!ins.attrs.is_object())
@@ -101,19 +68,67 @@ bool accumulation(const rt::RankProgram &r, const rt::Instruction &ins, int64_t 
   return r.buffers[acc].dtype == LOOM_F32 && r.buffers[acc].viewOf < 0 && g != acc;
 }
 
-/// Whether a program other than `list` reads or writes storage `s`.
-bool usedElsewhere(const rt::RankProgram &r, const std::vector<rt::Instruction> &list, int64_t s) {
-  for (const auto &[name, other] : r.programs)
-    if (&other != &list) {
-      Touches t = touches(r, other, s);
-      if (t.reads || t.writes)
+/// Who touches each storage in one program, counted once before the folds:
+/// a fold only ever removes the product's own result and its add, whose
+/// storages no other fold looks at.
+struct Uses {
+  std::vector<int64_t> root;                  // buffer id -> its storage
+  std::vector<int64_t> reads, writes;         // instructions reading / writing each storage
+  std::vector<size_t> reader, writer;         // the last of them (the only one where the count is 1)
+  std::vector<bool> elsewhere;                // touched by another program of the rank
+  std::vector<std::vector<int64_t>> views;    // storage -> the buffers that are it or view it
+
+  Uses(const rt::RankProgram &r, const std::vector<rt::Instruction> &list) {
+    size_t n = r.buffers.size();
+    root.resize(n), reads.assign(n, 0), writes.assign(n, 0), reader.assign(n, 0), writer.assign(n, 0);
+    elsewhere.assign(n, false), views.resize(n);
+    for (size_t b = 0; b < n; ++b)
+      root[b] = rt::storageOf(r, int64_t(b)), views[root[b]].push_back(int64_t(b));
+    for (size_t i = 0; i < list.size(); ++i)
+      count(list[i], i);
+    for (const auto &[name, other] : r.programs)
+      if (&other != &list)
+        for (const rt::Instruction &ins : other) {
+          for (int64_t id : ins.in)
+            elsewhere[root[id]] = true;
+          for (int64_t id : ins.out)
+            elsewhere[root[id]] = true;
+        }
+  }
+  void count(const rt::Instruction &ins, size_t at) {
+    std::set<int64_t> in, out;
+    for (int64_t id : ins.in)
+      in.insert(root[id]);
+    for (int64_t id : ins.out)
+      out.insert(root[id]);
+    for (int64_t s : in)
+      ++reads[s], reader[s] = at;
+    for (int64_t s : out)
+      ++writes[s], writer[s] = at;
+  }
+  /// Read and written by one instruction each, here and in no other program.
+  bool once(int64_t s) const { return reads[s] == 1 && writes[s] == 1 && !elsewhere[s]; }
+};
+
+bool touchesBetween(const Uses &u, const std::vector<rt::Instruction> &list, const std::vector<bool> &dead,
+                    size_t from, size_t to, int64_t s) {
+  for (size_t j = from; j < to; ++j) {
+    if (dead[j])
+      continue;
+    for (int64_t id : list[j].in)
+      if (u.root[id] == s)
         return true;
-    }
+    for (int64_t id : list[j].out)
+      if (u.root[id] == s)
+        return true;
+  }
   return false;
 }
 
 /// Folds the program's accumulations into their products; returns how many.
 int64_t fold(rt::RankProgram &r, std::vector<rt::Instruction> &list, const std::set<int64_t> &kept) {
+  Uses u(r, list);
+  std::vector<bool> dead(list.size(), false); // the folded adds and casts, erased at the end
   int64_t folded = 0;
   for (size_t i = 0; i < list.size(); ++i) {
     int64_t acc = -1, g = -1;
@@ -123,54 +138,32 @@ int64_t fold(rt::RankProgram &r, std::vector<rt::Instruction> &list, const std::
     const rt::Buffer &gb = r.buffers[g], &sum = r.buffers[acc];
     if (gb.viewOf >= 0 || kept.count(g) || gb.shape != sum.shape || gb.shape.size() != 2)
       continue;
-    // g's one writer, before the add: a 2-D product with no epilogue or its bias gradient.
-    size_t w = list.size();
-    for (size_t j = i; j-- > 0;) {
-      bool writes = false;
-      for (int64_t id : list[j].out)
-        writes |= rt::storageOf(r, id) == g;
-      if (writes) {
-        w = j;
-        break;
-      }
-    }
-    if (w == list.size())
+    // g's one writer, before the add: a 2-D product with no epilogue or its
+    // bias gradient; the add its one reader.
+    if (!u.once(g) || u.writer[g] >= i)
       continue;
+    size_t w = u.writer[g];
     rt::Instruction &mm = list[w];
     std::string epilogue = epilogueOf(mm);
     if (mm.op != "matmul" || mm.out.empty() || mm.out[0] != g || (epilogue != "" && epilogue != "bgrad") ||
         mm.in.size() != 2 || r.buffers[mm.in[0]].shape.size() != 2 || r.buffers[mm.in[1]].shape.size() != 2)
       continue;
-    Touches t = touches(r, list, g);
-    if (t.writes != 1 || t.reads != 1 || usedElsewhere(r, list, g))
-      continue;
     // Nothing between the product and the add may see the sum change early.
-    if (touchesBetween(r, list, w, i, acc))
+    if (touchesBetween(u, list, dead, w, i, acc))
       continue;
     if (epilogue == "bgrad") {
       // The bias gradient comes out in the sum's type: only where the add
-      // into its own f32 sum is all that reads it.
-      // (The add may read it through a reshape: a view of the same storage.)
-      int64_t bias = mm.out[1];
-      if (r.buffers[bias].viewOf >= 0 || kept.count(bias))
+      // into its own f32 sum is all that reads it (perhaps through a
+      // reshape: a view of the same storage).
+      int64_t bias = mm.out[1], biasAcc = -1, other = -1;
+      bool cast = false;
+      if (r.buffers[bias].viewOf >= 0 || kept.count(bias) || !u.once(bias) ||
+          !accumulation(r, list[u.reader[bias]], biasAcc, other, cast) || u.root[other] != bias)
         continue;
-      Touches tb = touches(r, list, bias);
-      bool summed = tb.writes == 1 && tb.reads == 1 && !usedElsewhere(r, list, bias);
-      if (summed) {
-        summed = false;
-        for (const rt::Instruction &ins : list) {
-          int64_t biasAcc = -1, other = -1;
-          bool cast = false;
-          if (accumulation(r, ins, biasAcc, other, cast) && rt::storageOf(r, other) == bias)
-            summed = true;
-        }
-      }
-      if (!summed)
-        continue;
-      for (rt::Buffer &b : r.buffers) // the storage and its views
-        if (b.dtype != LOOM_F32 && (b.id == bias || rt::storageOf(r, b.id) == bias)) {
-          b.dtype = LOOM_F32;
-          b.bytes = rt::numElements(b.shape).value_or(0) * 4;
+      for (int64_t b : u.views[bias]) // the storage and its views
+        if (rt::Buffer &buf = r.buffers[b]; buf.dtype != LOOM_F32) {
+          buf.dtype = LOOM_F32;
+          buf.bytes = rt::numElements(buf.shape).value_or(0) * 4;
         }
     }
     mm.out[0] = acc;
@@ -178,10 +171,17 @@ int64_t fold(rt::RankProgram &r, std::vector<rt::Instruction> &list, const std::
       mm.in.push_back(acc);
       mm.attrs["epilogue"] = epilogue.empty() ? "residual" : "bgrad_residual";
     }
-    list.erase(list.begin() + std::ptrdiff_t(i));
-    --i;
+    dead[i] = true;
     ++folded;
   }
+  size_t live = 0;
+  for (size_t i = 0; i < list.size(); ++i)
+    if (!dead[i]) {
+      if (live != i)
+        list[live] = std::move(list[i]);
+      ++live;
+    }
+  list.resize(live);
   return folded;
 }
 

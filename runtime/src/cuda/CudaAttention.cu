@@ -86,7 +86,7 @@ std::shared_ptr<cudnn::Attention> CudaBackendImpl::cudnnAttention(const flash::P
   if (mode == "loom")
     return nullptr;
   std::string why;
-  std::shared_ptr<cudnn::Attention> a = cudnn::build(p, backward, why);
+  std::shared_ptr<cudnn::Attention> a = cudnn::build(p, backward, why, deterministic());
   if (!a && mode == "cudnn")
     fail(LOOM_UNSUPPORTED, where, ": LOOM_CUDA_ATTENTION=cudnn, but ", why);
   if (!a && backward && deterministic()) {

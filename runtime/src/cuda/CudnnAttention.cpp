@@ -16,7 +16,6 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
-#include <string>
 #include <unordered_map>
 #endif
 
@@ -26,7 +25,7 @@ namespace loom::rt::cudnn {
 
 bool compiledIn() { return false; }
 
-std::unique_ptr<Attention> build(const flash::Params &, bool, std::string &why) {
+std::unique_ptr<Attention> build(const flash::Params &, bool, std::string &why, bool) {
   why = "this runtime was built without cuDNN's frontend headers (scripts/deps.sh fetches them)";
   return nullptr;
 }
@@ -53,7 +52,7 @@ struct Built {
 };
 
 /// Builds the forward or backward graph into `out`; "" or why not.
-std::string make(const flash::Params &p, cudnnHandle_t handle, bool backward, Built &out) {
+std::string make(const flash::Params &p, cudnnHandle_t handle, bool backward, bool deterministic, Built &out) {
   auto g = std::make_shared<fe::graph::Graph>();
   g->set_io_data_type(fe::DataType_t::BFLOAT16)
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
@@ -85,9 +84,7 @@ std::string make(const flash::Params &p, cudnnHandle_t handle, bool backward, Bu
                                .set_stride({H * S, S, 1, 1})
                                .set_data_type(fe::DataType_t::FLOAT));
     auto options = fe::graph::SDPA_backward_attributes().set_name("loom_sdpa_backward").set_attn_scale(p.scale);
-    // LOOM_DETERMINISTIC=1: an engine whose dQ does not depend on the
-    // order its blocks finish in (cuDNN's default sums it with atomics).
-    if (const char *d = std::getenv("LOOM_DETERMINISTIC"); d && std::string(d) == "1")
+    if (deterministic)
       options.set_deterministic_algorithm(true);
     if (p.causal)
       topLeft ? options.set_causal_mask(true) : options.set_causal_mask_bottom_right(true);
@@ -162,7 +159,7 @@ private:
 
 bool compiledIn() { return true; }
 
-std::unique_ptr<Attention> build(const flash::Params &p, bool backward, std::string &why) {
+std::unique_ptr<Attention> build(const flash::Params &p, bool backward, std::string &why, bool deterministic) {
   if (cudnnGetVersion() < 90000) {
     why = "cuDNN " + std::to_string(cudnnGetVersion()) + " is older than 9";
     return nullptr;
@@ -175,10 +172,10 @@ std::unique_ptr<Attention> build(const flash::Params &p, bool backward, std::str
   // Everything a graph depends on (not the pointers); the forward's not the
   // gradients' layouts, so a forward and its backward share the forward.
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, float, int64_t, int64_t,
-                         int64_t, int64_t, bool>;
+                         int64_t, int64_t, bool, bool>;
   auto keyOf = [&](bool bwd) {
     return Key(device, p.batch, p.s, p.t, p.heads, p.kvHeads, p.headDim, p.causal, p.scale, p.ldq, p.ldk,
-               bwd ? p.lddq : 0, bwd ? p.lddk : 0, bwd);
+               bwd ? p.lddq : 0, bwd ? p.lddk : 0, bwd, bwd && deterministic);
   };
   static std::mutex mutex;
   static std::map<Key, std::shared_ptr<Built>> cache;
@@ -188,7 +185,7 @@ std::unique_ptr<Attention> build(const flash::Params &p, bool backward, std::str
     if (!built) {
       built = std::make_shared<Built>();
       try {
-        if (std::string e = make(p, handle, bwd, *built); !e.empty())
+        if (std::string e = make(p, handle, bwd, deterministic, *built); !e.empty())
           built->error = std::string("cuDNN has no ") + (bwd ? "backward" : "forward") + " engine: " + e;
       } catch (const std::exception &e) {
         built->error = std::string("cuDNN's frontend failed: ") + e.what();

@@ -42,7 +42,10 @@ bool compiledIn();
 /// Builds the forward and, with `backward`, the backward graph for `p` on
 /// the current device; null with the reason in `why` when this build has no
 /// cuDNN, cuDNN does not load, or it has no engine for these shapes.
-std::unique_ptr<Attention> build(const flash::Params &p, bool backward, std::string &why);
+/// `deterministic`: a backward engine whose dQ does not depend on the order
+/// its blocks finish in (cuDNN's default sums it with atomics).
+std::unique_ptr<Attention> build(const flash::Params &p, bool backward, std::string &why,
+                                 bool deterministic = false);
 
 } // namespace loom::rt::cudnn
 
