@@ -50,6 +50,8 @@ void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o,
   partition.tp = std::max<int64_t>(1, tp);
   partition.gatherOutputs = !o.train;
   add(createPartitionTensorParallel(partition));
+  if (o.train && tp > 1 && o.sequenceParallel)
+    add(createSequenceParallel());
   if (o.bf16)
     add(createMixedPrecision());
   if (o.nhwc)

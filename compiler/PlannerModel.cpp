@@ -81,6 +81,7 @@ public:
       countParam(v, false);
     for (auto [i, r] : llvm::enumerate(op.getResults()))
       split[r] = i < rule.results.size() ? rule.results[i] : TpState{};
+    gathered = rule.entersRegion ? op.getOperand(0) : Value();
     keepForBackward(op, split);
 
     if (auto mm = dyn_cast<MatmulOp>(op)) {
@@ -191,7 +192,11 @@ private:
           layer.backwardReadShardedParams += it->second.first;
         continue;
       }
-      add(kept, storage(v), layer.keptElements, layer.keptShardedElements);
+      Value s = storage(v);
+      bool fresh = !kept.contains(s);
+      add(kept, s, layer.keptElements, layer.keptShardedElements);
+      if (fresh && gathered && s == storage(gathered) && !split.lookup(s).split)
+        layer.keptGatheredElements += elements(s);
     }
     for (Value v : reads.weightGradValues)
       if (!v.getDefiningOp<GetOp>())
@@ -234,6 +239,7 @@ private:
   DenseMap<Value, bool> resultSplit;
   int64_t divisor = 0;
   bool noRule = false;
+  Value gathered; // the replicated input the op being visited enters a tp region with
 };
 
 class SpecBuilder {

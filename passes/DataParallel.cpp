@@ -30,7 +30,8 @@ namespace {
 /// Returns the last event recorded (-1 when no bucket).
 int64_t placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &program,
                              const std::vector<int64_t> &grads, int64_t bucketBytes,
-                             const std::map<int64_t, int64_t> &shards = {}) {
+                             const std::map<int64_t, int64_t> &shards = {}, const std::string &group = "dp",
+                             const std::string &reduction = "mean") {
   int64_t lastEvent = -1;
   auto root = [&](int64_t id) { return rt::storageOf(r, id); };
   std::map<int64_t, int64_t> lastWrite; // root -> instruction index
@@ -65,7 +66,7 @@ int64_t placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &p
     for (size_t i = begin; i < end; ++i)
       bucket.push_back(ready[i].second);
     // On the communication stream; each bucket records event `lastEvent`.
-    json attrs = {{"reduction", "mean"}, {"group", "dp"}, {"async", true}, {"event", ++lastEvent}};
+    json attrs = {{"reduction", reduction}, {"group", group}, {"async", true}, {"event", ++lastEvent}};
     if (shards.empty()) {
       after[ready[end - 1].first].push_back({"all_reduce", bucket, bucket, attrs});
     } else { // ZeRO-1: each rank keeps the mean of its slice of every gradient
@@ -85,6 +86,38 @@ int64_t placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &p
   }
   program = std::move(out);
   return lastEvent;
+}
+
+/// Sequence parallelism's gradient sums over `group` (without replicas): one
+/// async bucket after the program's last instruction that writes one of
+/// them or talks to other ranks, since a collective of the same group must
+/// not run beside it, and the backward's are the layers' (in every layer,
+/// to its end). The update waits for it. Returns its event.
+int64_t placePartialSums(rt::RankProgram &r, std::vector<rt::Instruction> &program, const std::vector<int64_t> &grads,
+                         const std::string &group) {
+  std::set<int64_t> roots;
+  for (int64_t g : grads)
+    roots.insert(rt::storageOf(r, g));
+  static const std::set<std::string> talks = {"all_reduce", "reduce_scatter", "all_gather",    "send",
+                                              "recv",       "broadcast_from", "global_norm", "event_wait"};
+  size_t after = 0;
+  for (size_t i = 0; i < program.size(); ++i) {
+    const rt::Instruction &ins = program[i];
+    bool writes = false;
+    for (int64_t id : ins.out)
+      writes |= roots.count(rt::storageOf(r, id)) > 0;
+    if (writes || talks.count(ins.op) || (ins.attrs.is_object() && ins.attrs.contains("vocab_group")))
+      after = i + 1;
+  }
+  int64_t event = 0;
+  for (const auto &[name, list] : r.programs)
+    for (const rt::Instruction &ins : list)
+      if (ins.attrs.is_object() && ins.attrs.contains("event") && ins.attrs["event"].is_number_integer())
+        event = std::max(event, ins.attrs["event"].get<int64_t>() + 1);
+  program.insert(program.begin() + std::ptrdiff_t(after),
+                 rt::Instruction{"all_reduce", grads, grads,
+                                 json{{"reduction", "sum"}, {"group", group}, {"async", true}, {"event", event}}});
+  return event;
 }
 
 struct DataParallelPass : mlir::loom::impl::DataParallelBase<DataParallelPass> {
@@ -119,9 +152,9 @@ struct DataParallelPass : mlir::loom::impl::DataParallelBase<DataParallelPass> {
           reduce.push_back({"all_reduce", {p.grad}, {p.grad}, json{{"reduction", "sum"}, {"group", name}}});
         }
         int64_t lastBucketEvent = -1;
+        std::map<int64_t, int64_t> shardOfGrad;
         if (dp > 1) {
           // ZeRO-1: a slice of ceil(n / dp) elements of every gradient per rank.
-          std::map<int64_t, int64_t> shardOfGrad;
           if (o->zero1)
             for (const rt::Parameter &p : r.params)
               if (p.grad >= 0) {
@@ -154,6 +187,31 @@ struct DataParallelPass : mlir::loom::impl::DataParallelBase<DataParallelPass> {
           if (stage == lossStage)
             reduce.push_back({"all_reduce", {r.outputs[0].buffer}, {r.outputs[0].buffer},
                               json{{"reduction", "mean"}, {"group", "dp"}}});
+        }
+        // Sequence parallelism: gradients each tensor-parallel rank computed
+        // from its own tokens (norms, biases, position embeddings), summed
+        // over the group. Without replicas, in buckets beside the backward as
+        // the replicas' are (which loom-bf16-step-casts then has read the
+        // bf16 gradients); with them, after their mean (of this rank's
+        // slice, with ZeRO-1), in one collective: sums and means commute.
+        std::map<std::string, std::vector<int64_t>> partialSums;
+        for (const rt::Parameter &p : r.params)
+          if (auto it = sr.partialGrads.find(p.buffer); p.grad >= 0 && it != sr.partialGrads.end()) {
+            if (!r.groups.count(it->second))
+              return module.emitError() << "parameter " << p.name << "'s gradient is summed over group '"
+                                        << it->second << "', which rank " << g << " does not have";
+            if (stagesOfParam[p.buffer].size() > 1)
+              return module.emitError() << "parameter " << p.name << " is read by several pipeline stages "
+                                        << "and summed over '" << it->second << "' by sequence parallelism; "
+                                        << "use sp=0 for this plan";
+            auto shard = shardOfGrad.find(p.grad);
+            partialSums[it->second].push_back(shard != shardOfGrad.end() ? shard->second : p.grad);
+          }
+        for (auto &[group, list] : partialSums) {
+          if (dp == 1 && lastBucketEvent < 0)
+            lastBucketEvent = placePartialSums(r, r.programs[pipelined ? "step" : "backward"], list, group);
+          else
+            reduce.push_back({"all_reduce", list, list, json{{"reduction", "sum"}, {"group", group}}});
         }
         if (pp > 1) // every rank reports the loss
           reduce.push_back({"broadcast_from", {r.outputs[0].buffer}, {r.outputs[0].buffer},

@@ -125,6 +125,9 @@ public:
     return std::move(rank);
   }
 
+  /// Parameter buffer -> the group its gradient is summed over (loom.partial_grad).
+  const std::map<int64_t, std::string> &partialGrads() const { return partial; }
+
 private:
   int64_t rootOf(int64_t id) const { return rt::storageOf(rank, id); }
 
@@ -173,6 +176,8 @@ private:
       p.shard.fullShape = rank.buffers[*id].shape;
       p.shard.fullShape[p.shard.axis] *= p.shard.parts;
     }
+    if (auto group = param->getAttrOfType<StringAttr>("loom.partial_grad"))
+      partial[*id] = group.str(); // sequence parallelism: summed over the group
     rank.params.push_back(p);
     params[name] = *id;
     return *id;
@@ -316,6 +321,7 @@ private:
   std::vector<rt::Instruction> program;
   std::map<std::string, int64_t> params;
   std::map<int64_t, int64_t> indexLimits;
+  std::map<int64_t, std::string> partial;
   SourceNames names;
   int64_t counter = 0;
 };
@@ -363,6 +369,7 @@ struct LowerToStepPass : mlir::loom::impl::LowerToStepBase<LowerToStepPass> {
     step.manifest.seed = options->seed;
     step.manifest.plan = options->plan;
     step.ranks.push_back({std::move(*rank)});
+    step.ranks.back().partialGrads = lowerer.partialGrads();
     if (!options->train)
       eraseModel(module);
     writeStep(module, step);

@@ -151,6 +151,7 @@ struct OptimizerUpdatePass : mlir::loom::impl::OptimizerUpdateBase<OptimizerUpda
         // Later passes renumber buffers: these notes are spent.
         sr.paramGrads.clear();
         sr.zeroShards.clear();
+        sr.partialGrads.clear();
       }
       return success();
     };

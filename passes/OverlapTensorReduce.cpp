@@ -25,9 +25,14 @@
 // it. An all-reduce is left alone where nothing would run beside it. The
 // values are the same: only the order of independent instructions changes.
 //
+// With sequence parallelism the input's gradient is reduce-scattered
+// instead (the gradient of the all-gather that entered the layer), and it
+// moves the same way.
+//
 // Only where the rank has no data-parallel buckets: those go out on the
 // same communication stream, in order, and a layer's all-reduce would wait
-// behind them.
+// behind them. (Sequence parallelism's own buckets, the norms' and biases'
+// gradient sums over the tensor-parallel group, are small and may stay.)
 //
 //===----------------------------------------------------------------------===//
 
@@ -76,8 +81,9 @@ int64_t overlap(rt::RankProgram &r, std::vector<rt::Instruction> &list, int64_t 
   int64_t moved = 0;
   for (size_t i = 0; i < list.size(); ++i) {
     rt::Instruction &ins = list[i];
-    if (ins.op != "all_reduce" || asyncCollective(ins) || ins.in.size() != 1 || ins.out.size() != 1 ||
-        !ins.attrs.is_object() || ins.attrs.value("group", std::string()) != "tp")
+    bool scatter = ins.op == "reduce_scatter" && ins.attrs.is_object() && ins.attrs.contains("axis");
+    if ((ins.op != "all_reduce" && !scatter) || asyncCollective(ins) || ins.in.size() != 1 ||
+        ins.out.size() != 1 || !ins.attrs.is_object() || ins.attrs.value("group", std::string()) != "tp")
       continue;
     int64_t in = rt::storageOf(r, ins.in[0]), out = rt::storageOf(r, ins.out[0]);
     // Where it can go: after the last instruction before it that writes its
@@ -138,7 +144,7 @@ struct OverlapTensorReducePass : mlir::loom::impl::OverlapTensorReduceBase<Overl
         for (const rt::Instruction &ins : list) {
           if (ins.attrs.is_object() && ins.attrs.contains("event") && ins.attrs["event"].is_number_integer())
             nextEvent = std::max(nextEvent, ins.attrs["event"].get<int64_t>() + 1);
-          busy |= asyncCollective(ins);
+          busy |= asyncCollective(ins) && !(ins.attrs.is_object() && ins.attrs.value("group", std::string()) == "tp");
         }
       if (busy)
         return;

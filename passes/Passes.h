@@ -40,6 +40,10 @@ LogicalResult applyMixedPrecision(ModuleOp module);
 /// (inference), split results of @forward are all-gathered whole.
 LogicalResult partitionTensorParallel(ModuleOp module, int64_t tp, bool gatherOutputs = false);
 
+/// Megatron's sequence parallelism on a tensor-parallel training module
+/// (the loom-sequence-parallel pass).
+LogicalResult applySequenceParallel(ModuleOp module);
+
 #define GEN_PASS_REGISTRATION
 #include "passes/Passes.h.inc"
 

@@ -48,6 +48,23 @@ def PartitionTensorParallel : Pass<"loom-partition-tp", "::mlir::ModuleOp"> {
   ];
 }
 
+def SequenceParallel : Pass<"loom-sequence-parallel", "::mlir::ModuleOp"> {
+  let summary = "Splits the tokens between tensor-parallel regions (Megatron's sequence parallelism)";
+  let description = [{
+    Runs on loom-partition-tp's output (a training step). Each
+    `loom.all_reduce` after a row-parallel layer (or the vocabulary-parallel
+    embedding) becomes a `loom.reduce_scatter` along axis 0 and each
+    `loom.grad_all_reduce` entering a column-parallel layer a
+    `loom.all_gather`, so that the residual adds, biases and norms between
+    them hold 1/tp of the tokens: the same bytes on the wire as the
+    all-reduces, 1/tp of the work and of the memory between them. The
+    parameters those ops read are marked `loom.partial_grad = "tp"`: each
+    rank computes their gradient from its own tokens and loom-data-parallel
+    sums it over the group. Anything else that reads split tokens is an
+    error naming the op; so is a leading dimension tp does not divide.
+  }];
+}
+
 def NhwcLayout : Pass<"loom-nhwc-layout", "::mlir::ModuleOp"> {
   let summary = "Runs a convolution network's convolutions, batch norms and pooling in NHWC";
   let description = [{

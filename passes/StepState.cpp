@@ -154,6 +154,8 @@ void mlir::loom::setCompileOptions(ModuleOp module, const BundleOptions &o) {
                {"record", o.plan}};
   if (o.gradReduceBf16) // recorded only when set: other bundles stay as they were
     plan["grad_reduce"] = "bf16";
+  if (o.sequenceParallel)
+    plan["sequence_parallel"] = true;
   if (o.serve.enabled)
     options["serve"] = {{"max_batch", o.serve.maxBatch},   {"max_seq", o.serve.maxSeq},
                         {"block_size", o.serve.blockSize}, {"kv_blocks", o.serve.kvBlocks},
@@ -220,6 +222,7 @@ FailureOr<BundleOptions> mlir::loom::getCompileOptions(ModuleOp module) {
     if (reduce != "f32" && reduce != "bf16")
       return module.emitError() << "'loom.plan' has grad_reduce '" << reduce << "'; expected f32 or bf16";
     o.gradReduceBf16 = reduce == "bf16";
+    o.sequenceParallel = plan.value("sequence_parallel", false);
     if (plan.contains("stages"))
       o.chunkUnits = plan["stages"].get<std::vector<int64_t>>();
     o.bucketBytes = plan.value("bucket_bytes", o.bucketBytes);
@@ -435,6 +438,8 @@ FailureOr<Step> mlir::loom::readStep(ModuleOp module, StringRef pass) {
         sr.paramGrads[{pg.getParam(), pg.getChunk()}] = pg.getGrad();
       } else if (auto z = dyn_cast<loomrt::ZeroShardOp>(op)) {
         sr.zeroShards[z.getParam()] = z.getShard();
+      } else if (auto pg = dyn_cast<loomrt::PartialGradOp>(op)) {
+        sr.partialGrads[pg.getParam()] = pg.getGroup().str();
       } else if (auto prog = dyn_cast<loomrt::ProgramOp>(op)) {
         std::vector<rt::Instruction> &list = r.programs[prog.getName().str()];
         for (Operation &o : prog.getBody().front()) {
@@ -518,6 +523,8 @@ void mlir::loom::writeStep(ModuleOp module, const Step &step) {
       b.create<loomrt::ParamGradOp>(loc, key.first, key.second, grad);
     for (auto &[param, shard] : sr.zeroShards)
       b.create<loomrt::ZeroShardOp>(loc, param, shard);
+    for (auto &[param, group] : sr.partialGrads)
+      b.create<loomrt::PartialGradOp>(loc, param, group);
     for (auto &[name, list] : r.programs) {
       b.setInsertionPointToEnd(rb);
       auto prog = b.create<loomrt::ProgramOp>(loc, name);

@@ -76,6 +76,9 @@ struct BundleOptions {
   bool gradReduceBf16 = false;
   /// Megatron tensor parallelism over this many ranks (loom-partition-tp).
   int64_t tensorParallel = 1;
+  /// Training with tp > 1: the tokens between the tensor-parallel layers
+  /// split over the tp ranks (loom-sequence-parallel).
+  bool sequenceParallel = false;
   /// Pipeline stages, virtual stages per rank (interleaved 1F1B) and
   /// microbatches per step; the schedule is gpipe, 1f1b, interleaved or zb-h1.
   int64_t pipelineParallel = 1, virtualStages = 1, microbatches = 1;
@@ -120,6 +123,10 @@ struct StepRank {
   std::map<std::pair<int64_t, int64_t>, int64_t> paramGrads;
   /// ZeRO-1: parameter buffer -> the gradient slice this rank updates.
   std::map<int64_t, int64_t> zeroShards;
+  /// Parameter buffer -> the group over which its gradient is summed: each
+  /// rank computed it from its own part of the tokens (sequence
+  /// parallelism's norms and biases; loom-data-parallel sums them).
+  std::map<int64_t, std::string> partialGrads;
 };
 
 struct Step {

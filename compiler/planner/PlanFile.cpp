@@ -65,6 +65,11 @@ private:
         return bad(key, "an integer of at least 1", plan[key]);
     if (!isInteger(plan["zero"], 0, 1))
       return bad("zero", "0 or 1 (ZeRO stage)", plan["zero"]);
+    if (plan.contains("sequence_parallel") && !plan["sequence_parallel"].is_boolean())
+      return bad("sequence_parallel", "true or false", plan["sequence_parallel"]);
+    if (plan.value("sequence_parallel", false) && isInteger(plan["tp"], 1) && plan["tp"].get<int64_t>() < 2)
+      return bad("sequence_parallel", "false where tp is 1 (it splits the tokens over tp)",
+                 plan["sequence_parallel"]);
     Schedule schedule;
     if (!plan["schedule"].is_string() || !parseSchedule(plan["schedule"].get<std::string>(), schedule))
       return bad("schedule", scheduleChoices(), plan["schedule"]);
@@ -214,6 +219,8 @@ std::string checkPlanFields(const json &plan, const std::string &path) {
   for (const char *key : {"schedule", "recompute"})
     if (plan.contains(key) && !plan[key].is_string())
       return bad(key, "a string", plan[key]);
+  if (plan.contains("sequence_parallel") && !plan["sequence_parallel"].is_boolean())
+    return bad("sequence_parallel", "true or false", plan["sequence_parallel"]);
   if (!plan.contains("stages"))
     return "";
   const json &stages = plan["stages"];

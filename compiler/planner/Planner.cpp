@@ -70,6 +70,8 @@ std::string Plan::shortName() const {
     os << " vpp" << vpp;
   os << " mbs" << microbatchSize << " mb" << microbatches << " " << scheduleName(schedule)
      << " recompute=" << recomputeName(recompute) << " zero" << zero;
+  if (sequenceParallel)
+    os << " sp";
   return os.str();
 }
 
@@ -124,9 +126,15 @@ bool parseConstraints(const std::string &text, Constraints &out, std::string &er
         return false;
       }
       out.zero = value == "1" ? 1 : 0;
+    } else if (key == "sp") {
+      if (value != "0" && value != "1") {
+        error = "--force sp (sequence parallelism) must be 0 or 1, got '" + value + "'";
+        return false;
+      }
+      out.sp = value == "1";
     } else {
       error = "--force has no key '" + key +
-              "'; use dp, tp, pp, vpp, mb, mbs, schedule, recompute or zero";
+              "'; use dp, tp, pp, vpp, mb, mbs, schedule, recompute, zero or sp";
       return false;
     }
   }
@@ -148,6 +156,8 @@ std::string describeConstraints(const Constraints &c) {
   if (c.recompute)
     os << (os.tellp() ? "," : "") << "recompute=" << recomputeName(*c.recompute);
   put("zero", c.zero);
+  if (c.sp)
+    os << (os.tellp() ? "," : "") << "sp=" << (*c.sp ? 1 : 0);
   return os.str();
 }
 
@@ -268,6 +278,11 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
                   std::to_string(numLayers) + " layers");
   if (plan.schedule == Schedule::Interleaved && (v < 2 || m % p != 0))
     return reject("interleaved 1F1B needs vpp >= 2 and microbatches divisible by pp");
+  if (plan.sequenceParallel && t == 1)
+    return reject("sequence parallelism splits the tokens over tensor-parallel ranks; it needs tp > 1");
+  if (plan.sequenceParallel && b % t != 0)
+    return reject("sequence parallelism splits each microbatch's sequences over tp=" + std::to_string(t) +
+                  ", which must divide the microbatch size " + std::to_string(b));
 
   Link intra{dev.intraNodeBandwidth * options.linkEfficiency, dev.intraNodeLatency};
   Link inter{dev.interNodeBandwidth * options.linkEfficiency, dev.interNodeLatency};
@@ -346,7 +361,12 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     mem.backwardReadParams = l.backwardReadShardedParams / lt + (l.backwardReadParams - l.backwardReadShardedParams);
     for (const TiedParam &tie : l.tied)
       mem.tied.push_back({tie.name, tie.sharded ? tie.elements / lt : tie.elements});
-    double kept = b * keptWidth * (l.keptShardedElements / lt + (l.keptElements - l.keptShardedElements));
+    // Sequence parallelism keeps the replicated values split over tp too,
+    // except the gathered inputs of the column-parallel products.
+    double replicated = l.keptElements - l.keptShardedElements;
+    if (plan.sequenceParallel && lt > 1)
+      replicated = l.keptGatheredElements + (replicated - l.keptGatheredElements) / lt;
+    double kept = b * keptWidth * (l.keptShardedElements / lt + replicated);
     // Attention that writes its scores (Megatron-LM 2021's; not the
     // runtime's flash attention) keeps them unless recomputed: Korthikanti
     // et al.'s 5as^2 bytes at 16 bits (softmax output, dropout mask and output).
@@ -606,13 +626,25 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     dpComm += allGatherTime(width * stageParams, d, dpLink) +
               options.zeroPackBytesPerParam * stageParams / (dev.memoryBandwidth * 0.8);
   }
+  // Sequence parallelism: the replicated parameters' gradients (norms,
+  // biases, position embeddings), each rank's from its own tokens, summed
+  // over tp in one f32 all-reduce at the start of the update.
+  double spSums = 0;
+  if (plan.sequenceParallel && t > 1)
+    for (const StagePlan &s : plan.stages) {
+      double replicated = 0;
+      for (auto [first, count] : s.chunks)
+        for (int64_t i = first; i < first + count && i < numLayers; ++i)
+          replicated += spec.layers[i].params - spec.layers[i].shardedParams;
+      spSums = std::max(spSums, allReduceTime(4 * replicated / (plan.zero ? d : 1), t, tpLink));
+    }
   // Adam reads and writes ~30 bytes per parameter (fp32 master, m, v, grad; bf16 weight).
   double optimizer = 30.0 * stageParams / (plan.zero ? d : 1) / memRate;
 
-  plan.stepTime = steady + bubble + dpComm + optimizer;
+  plan.stepTime = steady + bubble + dpComm + spSums + optimizer;
   plan.computeTime = m * (slowest - slowestTp); // dense and memory-bound work
   (void)slowestCompute;
-  plan.tpCommTime = m * slowestTp;
+  plan.tpCommTime = m * slowestTp + spSums;
   plan.ppCommTime = ppComm;
   plan.ppTransferTime = transfer;
   plan.dpCommTime = dpComm;
@@ -705,6 +737,9 @@ PlanResult Planner::search(int64_t batch, const Constraints &c) const {
               Plan plan;
               plan.dp = d, plan.tp = t, plan.pp = p, plan.vpp = v;
               plan.microbatchSize = b, plan.schedule = s, plan.recompute = r, plan.zero = z;
+              // Sequence parallelism only where forced: its speed is not yet
+              // measured (no two-GPU machine since it was built).
+              plan.sequenceParallel = c.sp.value_or(false);
               consider(plan);
             }
           }
@@ -720,6 +755,7 @@ PlanResult Planner::search(int64_t batch, const Constraints &c) const {
     plan.schedule = c.schedule.value_or(Schedule::OneFOneB);
     plan.recompute = c.recompute.value_or(Recompute::None);
     plan.zero = c.zero.value_or(0);
+    plan.sequenceParallel = c.sp.value_or(false);
     consider(plan);
   }
   // Ties (launch-bound models, where recomputing costs no predicted time)
@@ -799,7 +835,7 @@ json planToJson(const Plan &plan, const ModelSpec &model, const Cluster &cluster
       stages.back()["chunk_weight_grad_ms"] = msList(s.chunkWeightGradTimes);
     }
   }
-  return {{"format", "loom-plan"},
+  json out = {{"format", "loom-plan"},
           {"version", kPlanVersion},
           {"model", model.name},
           {"cluster", cluster.describe()},
@@ -831,6 +867,9 @@ json planToJson(const Plan &plan, const ModelSpec &model, const Cluster &cluster
             {"tflops_per_device", plan.tflopsPerDevice},
             {"mfu", plan.mfu},
             {"peak_memory_gib", plan.peakMemoryBytes / kGiB}}}};
+  if (plan.sequenceParallel) // recorded only when set: other plans' files stay as they were
+    out["sequence_parallel"] = true;
+  return out;
 }
 
 std::string explainPlan(const PlanResult &r, const ModelSpec &model, const Cluster &cluster,
@@ -842,7 +881,8 @@ std::string explainPlan(const PlanResult &r, const ModelSpec &model, const Clust
   os << "plan for " << model.name << " on " << cluster.describe() << ", batch " << batch
      << " (" << r.evaluated << " plans evaluated in " << r.searchSeconds * 1e3 << " ms)\n\n";
   os << "  data parallel    " << p.dp << (p.zero ? " (ZeRO-1: optimizer state sharded)" : "")
-     << "\n  tensor parallel  " << p.tp << "\n  pipeline         " << p.pp << " stages";
+     << "\n  tensor parallel  " << p.tp << (p.sequenceParallel ? " (sequence parallel: the tokens between its layers split too)" : "")
+     << "\n  pipeline         " << p.pp << " stages";
   if (p.schedule == Schedule::Interleaved)
     os << " x " << p.vpp << " virtual";
   os << ", " << scheduleName(p.schedule) << ", " << p.microbatches << " microbatches of "

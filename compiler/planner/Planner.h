@@ -47,6 +47,10 @@ struct LayerSpec {
   /// tensor parallelism splits. Kept: the forward values the layer's
   /// gradient rules read, which live from the forward to the backward.
   double keptElements = 0, keptShardedElements = 0;
+  /// The replicated part of keptElements that enters a column-parallel
+  /// product (a norm's output): sequence parallelism gathers it whole, so it
+  /// stays undivided; the rest of the replicated part is split over tp.
+  double keptGatheredElements = 0;
   /// What a microbatch whose weight gradients ZB-H1 defers holds until
   /// then: the forward values and result gradients the weight-gradient
   /// products read.
@@ -212,6 +216,8 @@ struct Constraints {
   std::optional<Schedule> schedule;
   std::optional<Recompute> recompute;
   std::optional<int> zero;
+  /// Sequence parallelism (tp > 1): only where forced, until it is measured.
+  std::optional<bool> sp;
 };
 
 /// How many NCCL communicators a rank of pipeline stage `stage` joins in a
@@ -254,6 +260,9 @@ struct Plan {
   Schedule schedule = Schedule::OneFOneB;
   Recompute recompute = Recompute::None;
   int zero = 0;
+  /// Megatron's sequence parallelism: the tokens between the tp regions split
+  /// over the tp ranks (loom-sequence-parallel).
+  bool sequenceParallel = false;
   std::vector<StagePlan> stages;
   // Predicted step time, split.
   double stepTime = 0, computeTime = 0, communicationTime = 0, bubbleTime = 0;

@@ -92,7 +92,7 @@ cl::opt<std::string> compileCluster("cluster", cl::desc("Cluster preset or JSON 
                                     cl::init("cpu:1"), cl::sub(compileCmd));
 cl::opt<std::string> compileForce("force", cl::desc("Fix parts of the parallel plan, as for "
                                                   "loomc plan (dp=,tp=,pp=,vpp=,mb=,schedule=,"
-                                                  "zero=,recompute=); the planner chooses the rest"),
+                                                  "zero=,recompute=,sp=); the planner chooses the rest"),
                                   cl::init(""), cl::sub(compileCmd));
 cl::opt<std::string> compilePlan("plan", cl::desc("Compile for this plan (loomc plan --json) "
                                                 "instead of planning"),
@@ -254,7 +254,8 @@ cl::opt<int64_t> planBatch("batch", cl::desc("Global batch in examples (sequence
                            cl::init(0), cl::sub(planCmd));
 cl::opt<std::string> planForce("force", cl::desc("Fix parts of the plan: dp=,tp=,pp=,vpp=,mb=,"
                                                  "mbs=,schedule=gpipe|1f1b|interleaved|zb-h1,"
-                                                 "recompute=none|selective|full,zero=0|1"),
+                                                 "recompute=none|selective|full,zero=0|1,"
+                                                 "sp=0|1 (sequence parallelism, with tp > 1)"),
                                cl::init(""), cl::sub(planCmd));
 cl::opt<std::string> planJson("json", cl::desc("Write the plan as JSON (for loomc inspect and "
                                                "loomc compile --plan)"),
@@ -436,6 +437,8 @@ int runCompile() {
     return fail(error);
   if (!compilePlan.empty() && !compileForce.empty())
     return fail("give --plan or --force, not both");
+  if (force.sp.value_or(false) && !compileTrain)
+    return fail("--force sp=1: sequence parallelism splits a training step's tokens; add --train");
   if (compileBatch < 1)
     return fail("--batch must be at least 1");
   ::loom::planner::Precision precision;
@@ -546,6 +549,7 @@ int runCompile() {
   // choice only applies where there are replicas to share the state.
   options.zero1 = force.zero ? *force.zero == 1 : degree("zero") == 1 && dp > 1;
   options.gradReduceBf16 = gradReduceBf16;
+  options.sequenceParallel = compileTrain && tp > 1 && plan.value("sequence_parallel", false);
   options.plan = plan;
   if (pp > 1)
     options.chunkUnits = ::loom::planner::planChunkUnits(plan);
@@ -586,7 +590,8 @@ int runCompile() {
     llvm::outs() << "plan: dp " << dp << " x tp " << tp << " x pp " << pp
                  << (options.virtualStages > 1 ? " x vpp " + std::to_string(options.virtualStages) : "")
                  << ", " << options.microbatches << " microbatch(es), schedule " << options.schedule
-                 << (options.zero1 ? ", ZeRO-1" : "") << "; " << manifest.ranks.size()
+                 << (options.zero1 ? ", ZeRO-1" : "")
+                 << (options.sequenceParallel ? ", sequence parallel" : "") << "; " << manifest.ranks.size()
                  << " ranks (rank 0 below)\n";
   llvm::outs() << "wrote " << compileOutput << ": " << instructions << " instructions, "
                << rank.params.size() << " parameter tensors ("
@@ -619,7 +624,13 @@ int runCompile() {
       fused += ins.op == "fused";
       summedInProducts += ins.op == "matmul" && !ins.in.empty() && !ins.out.empty() && ins.in.back() == ins.out[0];
       lossGrads += ins.op == "cross_entropy" && ins.out.size() == 2;
-      tpOverlapped += ins.op == "all_reduce" && ins.attrs.is_object() && ins.attrs.value("async", false) &&
+      // A layer's reduction beside the weight gradients: x -> y of one dtype
+      // (sequence parallelism's gradient-sum buckets, async too, reduce in
+      // place or widen).
+      bool layerReduce = (ins.op == "reduce_scatter" && ins.attrs.is_object() && ins.attrs.contains("axis")) ||
+                         (ins.op == "all_reduce" && ins.in.size() == 1 && ins.out.size() == 1 &&
+                          ins.in[0] != ins.out[0] && rank.buffers[ins.in[0]].dtype == rank.buffers[ins.out[0]].dtype);
+      tpOverlapped += layerReduce && ins.attrs.is_object() && ins.attrs.value("async", false) &&
                       ins.attrs.value("group", std::string()) == "tp";
       bool generated = ins.op != "fused" && ins.attrs.is_object() && ins.attrs.contains("kernel");
       rowKernels += generated && ins.op != "adamw";
@@ -647,7 +658,7 @@ int runCompile() {
   if (lossGrads)
     notes.push_back(std::to_string(lossGrads) + " loss(es) write their gradient over the logits");
   if (tpOverlapped)
-    notes.push_back(std::to_string(tpOverlapped) + " tensor-parallel all-reduce(s) beside the weight gradients");
+    notes.push_back(std::to_string(tpOverlapped) + " tensor-parallel reduction(s) beside the weight gradients");
   if (summedInProducts)
     notes.push_back(std::to_string(summedInProducts) + " microbatch gradient(s) added into their sums by their products");
   if (!adamKernels.empty())

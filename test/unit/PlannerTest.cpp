@@ -130,7 +130,12 @@ TEST(Constraints, ParseAndReject) {
   EXPECT_FALSE(parseConstraints("tp=0", d, error));
   EXPECT_NE(error.find("positive integer"), std::string::npos);
   EXPECT_FALSE(parseConstraints("sp=2", d, error));
-  EXPECT_NE(error.find("no key 'sp'"), std::string::npos);
+  EXPECT_NE(error.find("sp (sequence parallelism) must be 0 or 1"), std::string::npos) << error;
+  ASSERT_TRUE(parseConstraints("tp=2,sp=1", d, error)) << error;
+  EXPECT_TRUE(*d.sp);
+  EXPECT_EQ(describeConstraints(d), "tp=2,sp=1");
+  EXPECT_FALSE(parseConstraints("cp=2", d, error));
+  EXPECT_NE(error.find("no key 'cp'"), std::string::npos);
   EXPECT_FALSE(parseConstraints("schedule=zigzag", d, error));
   EXPECT_FALSE(parseConstraints("tp", d, error));
 }

@@ -84,6 +84,13 @@ LogicalResult LoomDialect::verifyOperationAttribute(Operation *op, NamedAttribut
       return op->emitError() << "'loom.shard' " << dict << " does not fit " << param.getType();
     return success();
   }
+  if (name == "loom.partial_grad") {
+    // Written by loom-sequence-parallel: each rank of the group computes
+    // part of the parameter's gradient (from its own tokens).
+    if (!isa<StringAttr>(attr.getValue()) || !isa<ParamOp>(op))
+      return op->emitError() << "'loom.partial_grad' must be a group name (a string) on a loom.param";
+    return success();
+  }
   // The compile options and plan (loom-configure) on the module.
   if (name == "loom.options" || name == "loom.plan") {
     if (!isa<DictionaryAttr>(attr.getValue()) || !isa<ModuleOp>(op))

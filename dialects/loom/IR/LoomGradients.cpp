@@ -297,8 +297,25 @@ LogicalResult AllReduceOp::buildGradient(GradientBuilder &b) {
   return success();
 }
 
-LogicalResult AllGatherOp::buildGradient(GradientBuilder &) {
-  return emitOpError() << "has no gradient rule yet: gathered outputs are for inference bundles";
+// Sequence parallelism's pair: each is the other's gradient (the sum of every
+// rank's gradient of the gathered whole, of which each keeps its own part;
+// the parts of the scattered sum's gradient, gathered).
+LogicalResult AllGatherOp::buildGradient(GradientBuilder &b) {
+  H dy = b.resultGrad();
+  if (dy >= 0 && b.needsGrad(0))
+    b.addGrad(0, b.emit1("reduce_scatter", {dy}, b.operand(0),
+                         {text(b, "group", getGroup()), integer(b, "axis", getAxis()),
+                          integer(b, "parts", getParts()), text(b, "reduction", "sum")}));
+  return success();
+}
+
+LogicalResult ReduceScatterOp::buildGradient(GradientBuilder &b) {
+  H dy = b.resultGrad();
+  if (dy >= 0 && b.needsGrad(0))
+    b.addGrad(0, b.emit1("all_gather", {dy}, b.operand(0),
+                         {text(b, "group", getGroup()), integer(b, "axis", getAxis()),
+                          integer(b, "parts", getParts())}));
+  return success();
 }
 
 LogicalResult GradAllReduceOp::buildGradient(GradientBuilder &b) {

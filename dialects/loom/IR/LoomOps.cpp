@@ -798,6 +798,30 @@ static LogicalResult inferAllGatherOp(MLIRContext *, std::optional<Location> loc
   return success();
 }
 LOOM_INFER_WITH_ADAPTOR(AllGatherOp)
+
+static LogicalResult inferReduceScatterOp(MLIRContext *, std::optional<Location> loc,
+                                          ReduceScatterOp::Adaptor adaptor, SmallVectorImpl<Type> &inferred) {
+  StringRef name = "loom.reduce_scatter";
+  auto x = rankedOperand(loc, name, "input", adaptor.getX());
+  if (failed(x))
+    return failure();
+  auto axis = normaliseAxis(adaptor.getAxis(), x->getRank());
+  if (failed(axis))
+    return inferError(loc, name, "axis ", adaptor.getAxis(), " is out of range for ", *x);
+  int64_t parts = adaptor.getParts();
+  if (parts < 1)
+    return inferError(loc, name, "needs parts >= 1, got ", parts);
+  SmallVector<int64_t> shape(x->getShape());
+  if (!isDyn(shape[*axis])) {
+    if (shape[*axis] % parts != 0)
+      return inferError(loc, name, "cannot split dimension ", *axis, " of ", *x, " into ", parts,
+                        " equal parts");
+    shape[*axis] /= parts;
+  }
+  inferred.push_back(RankedTensorType::get(shape, x->getElementType()));
+  return success();
+}
+LOOM_INFER_WITH_ADAPTOR(ReduceScatterOp)
 LOOM_INFER_WITH_ADAPTOR(ConcatOp)
 LOOM_INFER_WITH_ADAPTOR(Conv2DOp)
 LOOM_INFER_WITH_ADAPTOR(MaxPool2DOp)

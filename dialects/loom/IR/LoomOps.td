@@ -355,7 +355,24 @@ def Loom_AllGatherOp : Loom_Op<"all_gather", [DeclareOpInterfaceMethods<InferTyp
     Every rank of `group` holds `parts` equal slices along `axis`; each
     receives all of them, in the group's order. The partitioner gathers a
     model's split outputs with it when compiling for inference (the
-    vocabulary-parallel logits). It has no gradient rule yet.
+    vocabulary-parallel logits), and sequence parallelism gathers a
+    token-split activation before a column-parallel layer with it; its
+    gradient is `loom.reduce_scatter` of the result's gradient.
+  }];
+  let arguments = (ins Loom_FloatTensor:$x, StrAttr:$group, I64Attr:$axis, I64Attr:$parts);
+  let results = (outs Loom_FloatTensor:$result);
+  let assemblyFormat = "$x attr-dict `:` type($x)";
+}
+
+def Loom_ReduceScatterOp : Loom_Op<"reduce_scatter", [DeclareOpInterfaceMethods<InferTypeOpInterface>, DeclareOpInterfaceMethods<LoomDifferentiableOpInterface>]> {
+  let summary = "Sums a tensor over a group of ranks; each keeps its part along an axis";
+  let description = [{
+    Every rank of `group` contributes its whole `x`; rank `i` of the group
+    receives part `i` of the sum, one of `parts` equal slices along `axis`.
+    With sequence parallelism it replaces the all-reduce after a
+    row-parallel layer (Megatron's `g`): the same bytes, and what follows
+    (residual adds, norms) works on 1/`parts` of the tokens. Its gradient
+    is `loom.all_gather` of the result's gradient.
   }];
   let arguments = (ins Loom_FloatTensor:$x, StrAttr:$group, I64Attr:$axis, I64Attr:$parts);
   let results = (outs Loom_FloatTensor:$result);

@@ -112,6 +112,17 @@ def LoomRt_ZeroShardOp : LoomRt_Op<"zero_shard", [HasParent<"RankOp">]> {
   let assemblyFormat = "$param `=` $shard attr-dict";
 }
 
+def LoomRt_PartialGradOp : LoomRt_Op<"partial_grad", [HasParent<"RankOp">]> {
+  let summary = "Between passes: a parameter whose gradient each rank computes from its own tokens";
+  let description = [{
+    Written by `loom-lower-to-step` from a parameter's `loom.partial_grad`
+    (sequence parallelism) and read by `loom-data-parallel`, which sums the
+    gradient over `group`; not part of the bundle.
+  }];
+  let arguments = (ins I64Attr:$param, StrAttr:$group);
+  let assemblyFormat = "$param `over` $group attr-dict";
+}
+
 def LoomRt_ProgramOp : LoomRt_Op<"program", [NoTerminator, SingleBlock, HasParent<"RankOp">]> {
   let summary = "A named instruction stream (forward, backward, step, update)";
   let arguments = (ins StrAttr:$name);

@@ -127,6 +127,37 @@ void checkSlice(const Ctx &c, int64_t k, int64_t n, int64_t parts) {
 /// zeros to parts x k), of which this rank keeps slice `index` of k =
 /// ceil(n / parts) elements. On one process the exchange is an all-reduce.
 Kernel buildReduceScatter(const Ctx &c) {
+  if (c.ins.attrs.contains("axis")) { // x -> this rank's part of the sum (sequence parallelism)
+    c.arity(1, 1);
+    c.needF32(c.in(0)), c.needF32(c.out());
+    Communicator *comm = needComm(c);
+    std::vector<int> group = groupOf(c, attrString(c, "group", "tp"));
+    auto [index, parts] = placeIn(c, group);
+    const Shape &in = c.in(0).shape, &out = c.out().shape;
+    int64_t axis = c.axis(c.attrInt("axis"), in.size());
+    Shape want = in;
+    want[axis] /= parts;
+    if (in[axis] % parts != 0 || out != want)
+      c.bad(cat("scattering ", shapeStr(in), " over ", parts, " ranks along axis ", axis, " needs ", parts,
+                " equal parts", in[axis] % parts ? "" : cat(" of ", shapeStr(want)), ", not ", shapeStr(out)));
+    std::string kind = attrString(c, "reduction", "sum");
+    if (kind != "sum" && kind != "mean")
+      c.bad("reduction must be sum or mean, got '" + kind + "'");
+    Reduction op = kind == "sum" ? Reduction::Sum : Reduction::Mean;
+    int64_t outer = 1, inner = 1;
+    for (int64_t d = 0; d < axis; ++d)
+      outer *= in[d];
+    for (size_t d = axis; d < out.size(); ++d)
+      inner *= out[d]; // the part's contiguous run per outer index
+    float *src = c.f32(c.in(0)), *dst = c.f32(c.out());
+    int64_t rank = c.rank.rank, total = count(in), at = index, n = parts;
+    return [=] {
+      std::vector<float> whole(src, src + total);
+      comm->allReduce(int(rank), group, whole.data(), total, op);
+      for (int64_t o = 0; o < outer; ++o)
+        std::copy(whole.begin() + (o * n + at) * inner, whole.begin() + (o * n + at + 1) * inner, dst + o * inner);
+    };
+  }
   if (c.ins.in.empty() || c.ins.in.size() != c.ins.out.size())
     c.bad("expects one slice per gradient");
   Communicator *comm = needComm(c);

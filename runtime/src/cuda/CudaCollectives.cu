@@ -412,6 +412,48 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
         LOOM_CUDA_CHECK(cudaMemsetAsync(out + have, 0, (k - have) * sizeof(float), s));
     };
   }
+  if (op == "reduce_scatter" && ins.attrs.contains("axis")) { // x -> this rank's part of the sum
+    auto [index, parts] = place();
+    (void)index;
+    ncclComm_t comm = commOf(group);
+    const Shape &in = buf(ins.in[0]).shape;
+    int64_t axis = ins.attrs.at("axis").get<int64_t>();
+    axis = axis < 0 ? axis + int64_t(in.size()) : axis;
+    if (axis < 0 || axis >= int64_t(in.size()) || in[axis] % parts != 0)
+      fail(LOOM_INVALID_BUNDLE, where, ": reduce_scatter cannot split axis ", axis, " of ", shapeStr(in), " into ",
+           parts, " parts");
+    if (buf(ins.in[0]).dtype != buf(ins.out[0]).dtype)
+      fail(LOOM_INVALID_BUNDLE, where, ": reduce_scatter's input and output differ in dtype");
+    int64_t outer = 1, inner = 1; // the part's contiguous run per outer index
+    for (int64_t d = 0; d < axis; ++d)
+      outer *= in[d];
+    for (size_t d = axis; d < in.size(); ++d)
+      inner *= in[d];
+    inner /= parts;
+    bool mean = ins.attrs.value("reduction", std::string("sum")) == "mean";
+    char *src = ptr(fp(ins.in[0])), *dst = ptr(fp(ins.out[0]));
+    ncclDataType_t type = ncclType(ins.in[0]);
+    size_t width = buf(ins.in[0]).dtype == LOOM_BF16 ? 2 : 4;
+    if (outer > 1)
+      reserve(size_t(outer * inner * parts) * width);
+    int64_t count = parts;
+    return [=](cudaStream_t s) {
+      size_t row = size_t(inner) * width, slab = size_t(outer) * row;
+      if (!comm) { // a group of one: the whole sum is its part
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, slab, cudaMemcpyDeviceToDevice, s));
+        return;
+      }
+      const char *parted = src;
+      if (outer > 1) { // [outer][parts][inner] -> [parts][outer][inner]: each rank's part contiguous
+        char *packed = static_cast<char *>(workspace);
+        for (int64_t r = 0; r < count; ++r)
+          LOOM_CUDA_CHECK(cudaMemcpy2DAsync(packed + r * slab, row, src + r * row, count * row, row, outer,
+                                            cudaMemcpyDeviceToDevice, s));
+        parted = packed;
+      }
+      LOOM_NCCL_CHECK(ncclReduceScatter(parted, dst, size_t(outer * inner), type, mean ? ncclAvg : ncclSum, comm, s));
+    };
+  }
   if (op == "reduce_scatter" && zeroPacked()) {
     auto [index, parts] = place();
     return buildPackedReduceScatter(ins, index, parts, commOf(group));
@@ -465,11 +507,19 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     char *src = ptr(fp(ins.in[0])), *dst = ptr(fp(ins.out[0]));
     ncclDataType_t type = ncclType(ins.in[0]);
     size_t width = buf(ins.in[0]).dtype == LOOM_BF16 ? 2 : 4;
-    reserve(size_t(outer * inner * parts) * width);
+    if (outer > 1)
+      reserve(size_t(outer * inner * parts) * width);
     int64_t count = parts;
     return [=](cudaStream_t s) {
-      char *whole = static_cast<char *>(workspace); // [parts][outer][inner]
       size_t slab = size_t(outer * inner) * width, row = size_t(inner) * width;
+      if (outer == 1) { // the parts are contiguous in the result: gathered in place
+        if (comm)
+          LOOM_NCCL_CHECK(ncclAllGather(src, dst, size_t(inner), type, comm, s));
+        else
+          LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, slab, cudaMemcpyDeviceToDevice, s));
+        return;
+      }
+      char *whole = static_cast<char *>(workspace); // [parts][outer][inner]
       if (comm)
         LOOM_NCCL_CHECK(ncclAllGather(src, whole, size_t(outer * inner), type, comm, s));
       else
