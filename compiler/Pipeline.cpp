@@ -112,7 +112,7 @@ struct CompilePipelineOptions : public PassPipelineOptions<CompilePipelineOption
   Option<int64_t> mb{*this, "mb", llvm::cl::desc("Microbatches per step"), llvm::cl::init(1)};
   Option<std::string> schedule{*this, "schedule", llvm::cl::desc("gpipe, 1f1b, interleaved or zb-h1"),
                                llvm::cl::init("1f1b")};
-  Option<int64_t> zero{*this, "zero", llvm::cl::desc("ZeRO stage (0 or 1)"), llvm::cl::init(0)};
+  Option<int64_t> zero{*this, "zero", llvm::cl::desc("ZeRO stage (0, 1 or 2)"), llvm::cl::init(0)};
   Option<int64_t> seed{*this, "seed", llvm::cl::desc("Initialisation seed"), llvm::cl::init(0)};
   Option<bool> serve{*this, "serve", llvm::cl::desc("Serving step programs over a paged KV cache"),
                      llvm::cl::init(false)};
@@ -152,7 +152,8 @@ void mlir::loom::registerCompilePipeline() {
         o.dataParallel = p.dp, o.tensorParallel = p.tp, o.pipelineParallel = p.pp;
         o.virtualStages = p.vpp, o.microbatches = p.mb;
         o.schedule = p.schedule;
-        o.zero1 = p.zero == 1;
+        o.zero1 = p.zero >= 1;
+        o.zero2 = p.zero == 2;
         o.seed = p.seed;
         o.serve.enabled = p.serve;
         o.serve.maxBatch = p.maxBatch, o.serve.maxSeq = p.maxSeq, o.serve.blockSize = p.blockSize;

@@ -120,6 +120,24 @@ int64_t placePartialSums(rt::RankProgram &r, std::vector<rt::Instruction> &progr
   return event;
 }
 
+/// ZeRO-2: after each async bucket of the program but the first, a wait for
+/// the bucket before it; the last one's wait is the update's.
+void waitForEachBucketAtTheNext(std::vector<rt::Instruction> &program) {
+  std::vector<rt::Instruction> out;
+  int64_t previous = -1;
+  for (rt::Instruction &ins : program) {
+    bool bucket = ins.op == "reduce_scatter" && flagAttr(ins, "async") && ins.attrs.contains("event");
+    int64_t event = bucket ? ins.attrs["event"].get<int64_t>() : -1;
+    out.push_back(std::move(ins));
+    if (!bucket)
+      continue;
+    if (previous >= 0)
+      out.push_back(rt::Instruction{"event_wait", {}, {}, json{{"event", previous}}});
+    previous = event;
+  }
+  program = std::move(out);
+}
+
 struct DataParallelPass : mlir::loom::impl::DataParallelBase<DataParallelPass> {
   void runOnOperation() override {
     ModuleOp module = getOperation();
@@ -182,8 +200,18 @@ struct DataParallelPass : mlir::loom::impl::DataParallelBase<DataParallelPass> {
             else
               reduce.push_back({"all_reduce", {p.grad}, {p.grad}, json{{"reduction", "mean"}, {"group", "dp"}}});
           }
-          lastBucketEvent = placeGradientBuckets(r, r.programs[pipelined ? "step" : "backward"], early,
-                                                 o->bucketBytes, shardOfGrad);
+          std::vector<rt::Instruction> &program = r.programs[pipelined ? "step" : "backward"];
+          lastBucketEvent = placeGradientBuckets(r, program, early, o->bucketBytes, shardOfGrad);
+          if (o->zero2) {
+            // ZeRO-2: each rank keeps its gradients' slices, not the whole
+            // gradients: a bucket's are free once it is reduce-scattered,
+            // which the backward waits for as it issues the next one (the
+            // memory plan ends their lifetimes there).
+            waitForEachBucketAtTheNext(program);
+            for (rt::Parameter &p : r.params)
+              if (auto it = shardOfGrad.find(p.grad); it != shardOfGrad.end())
+                p.grad = it->second;
+          }
           if (stage == lossStage)
             reduce.push_back({"all_reduce", {r.outputs[0].buffer}, {r.outputs[0].buffer},
                               json{{"reduction", "mean"}, {"group", "dp"}}});

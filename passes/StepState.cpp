@@ -147,7 +147,7 @@ void mlir::loom::setCompileOptions(ModuleOp module, const BundleOptions &o) {
                {"vpp", o.virtualStages},
                {"microbatches", o.microbatches},
                {"schedule", o.schedule},
-               {"zero", o.zero1 ? 1 : 0},
+               {"zero", o.zero2 ? 2 : o.zero1 ? 1 : 0},
                {"stages", o.chunkUnits},
                {"bucket_bytes", o.bucketBytes},
                {"recompute", std::vector<std::string>(t.recompute.begin(), t.recompute.end())},
@@ -217,7 +217,11 @@ FailureOr<BundleOptions> mlir::loom::getCompileOptions(ModuleOp module) {
     o.virtualStages = plan.value("vpp", o.virtualStages);
     o.microbatches = plan.value("microbatches", o.microbatches);
     o.schedule = plan.value("schedule", o.schedule);
-    o.zero1 = plan.value("zero", 0) == 1;
+    int zero = plan.value("zero", 0);
+    if (zero < 0 || zero > 2)
+      return module.emitError() << "'loom.plan' has zero " << zero << "; expected 0, 1 or 2";
+    o.zero1 = zero >= 1;
+    o.zero2 = zero == 2;
     std::string reduce = plan.value("grad_reduce", std::string("f32"));
     if (reduce != "f32" && reduce != "bf16")
       return module.emitError() << "'loom.plan' has grad_reduce '" << reduce << "'; expected f32 or bf16";

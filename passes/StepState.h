@@ -70,6 +70,10 @@ struct BundleOptions {
   int64_t dataParallel = 1;
   /// ZeRO-1: optimizer state partitioned over the data-parallel ranks.
   bool zero1 = false;
+  /// ZeRO-2 (with zero1): the gradients too. Each rank keeps only its slice
+  /// of a gradient once its bucket is reduce-scattered; the whole one's
+  /// memory is free again for the rest of the backward. One microbatch.
+  bool zero2 = false;
   /// Mixed precision: the data-parallel all-reduces average bf16 gradients
   /// as bf16 on the wire (half the bytes; one more rounding of each mean)
   /// before widening them into their f32 copies; f32 by default.

@@ -123,6 +123,13 @@ ParameterBytes parameterBytes(Precision precision, int zeroStage, int64_t dp, in
   bool averagedInPlace = dp <= 1 || (gradReduceBf16 && zeroStage == 0);
   bytes.gradient = bf16 && averagedInPlace && microbatches <= 1 ? 2.0 : 4.0;
   bytes.newGradient = activationWidth(precision);
+  if (zeroStage >= 2 && dp > 1 && microbatches <= 1) {
+    // ZeRO-2: each rank keeps the f32 slices; a bucket's whole gradients
+    // (25 MiB of f32 gradients: 6.5M of them, in the activations' type) live
+    // until the next bucket goes out, so at most two buckets' worth.
+    bytes.gradient = 4.0 / double(dp);
+    bytes.gradientsInFlight = 2.0 * double(25 << 20) / 4.0 * activationWidth(precision);
+  }
   return bytes;
 }
 

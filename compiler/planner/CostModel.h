@@ -86,6 +86,9 @@ struct ParameterBytes {
   /// A weight gradient as the backward makes it, in the activations' type,
   /// before a step of several microbatches adds it to the f32 accumulator.
   double newGradient = 0;
+  /// ZeRO-2: the whole gradients of the buckets not yet reduce-scattered
+  /// (bytes; `gradient` is then the slices each rank keeps).
+  double gradientsInFlight = 0;
 };
 ParameterBytes parameterBytes(Precision precision, int zeroStage, int64_t dp, int64_t microbatches,
                               bool gradReduceBf16 = false);

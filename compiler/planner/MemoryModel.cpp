@@ -62,7 +62,7 @@ StageMemory stageMemory(const std::vector<std::vector<LayerMemory>> &chunks, con
       // Gradients after layer i, and after layer i's backward those of i too.
       auto grads = [&](double own) {
         return summed ? (chunkAbove - newGrads + own) * bytes.newGradient
-                      : (gradsAbove - gradParams[c][i] + own) * bytes.gradient;
+                      : (gradsAbove - gradParams[c][i] + own) * bytes.gradient + bytes.gradientsInFlight;
       };
       double copiesUpTo = summed ? 0 : (copiesBelow + l.backwardReadParams) * workingCopy;
       double copiesBefore = summed ? 0 : copiesBelow * workingCopy;

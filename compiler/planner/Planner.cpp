@@ -121,11 +121,11 @@ bool parseConstraints(const std::string &text, Constraints &out, std::string &er
       }
       out.recompute = r;
     } else if (key == "zero") {
-      if (value != "0" && value != "1") {
-        error = "--force zero must be 0 or 1, got '" + value + "'";
+      if (value != "0" && value != "1" && value != "2") {
+        error = "--force zero must be 0, 1 or 2 (the ZeRO stage), got '" + value + "'";
         return false;
       }
-      out.zero = value == "1" ? 1 : 0;
+      out.zero = value[0] - '0';
     } else if (key == "sp") {
       if (value != "0" && value != "1") {
         error = "--force sp (sequence parallelism) must be 0 or 1, got '" + value + "'";
@@ -278,6 +278,13 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
                   std::to_string(numLayers) + " layers");
   if (plan.schedule == Schedule::Interleaved && (v < 2 || m % p != 0))
     return reject("interleaved 1F1B needs vpp >= 2 and microbatches divisible by pp");
+  if (plan.zero == 2 && m > 1)
+    return reject("ZeRO-2 frees each gradient once it is reduce-scattered, but " + std::to_string(m) +
+                  " microbatches sum them through the step: use zero=1");
+  if (plan.zero >= 1 && d == 1)
+    return reject(std::string(plan.zero == 2 ? "ZeRO-2 partitions optimizer state and gradients"
+                                             : "ZeRO-1 partitions optimizer state") +
+                  " over data-parallel ranks: it needs dp >= 2");
   if (plan.sequenceParallel && t == 1)
     return reject("sequence parallelism splits the tokens over tensor-parallel ranks; it needs tp > 1");
   if (plan.sequenceParallel && b % t != 0)
@@ -689,7 +696,9 @@ PlanResult Planner::search(int64_t batch, const Constraints &c) const {
   auto consider = [&](Plan plan) {
     ++result.evaluated;
     Plan done = evaluate(batch, plan);
-    (done.feasible ? feasible : infeasible).push_back(std::move(done));
+    bool fits = done.feasible;
+    (fits ? feasible : infeasible).push_back(std::move(done));
+    return fits;
   };
   for (int64_t t : divisors(n)) {
     if (c.tp && *c.tp != t)
@@ -731,8 +740,13 @@ PlanResult Planner::search(int64_t batch, const Constraints &c) const {
           for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full}) {
             if (c.recompute && *c.recompute != r)
               continue;
-            for (int z : {0, 1}) {
-              if ((c.zero && *c.zero != z) || (z == 1 && d == 1 && !c.zero))
+            bool zero1Fits = true;
+            for (int z : {0, 1, 2}) {
+              if ((c.zero && *c.zero != z) || (z >= 1 && d == 1 && !c.zero))
+                continue;
+              // ZeRO-2 only where ZeRO-1 does not fit (or forced): its waits
+              // for each bucket are not yet measured against ZeRO-1's.
+              if (z == 2 && !c.zero && (zero1Fits || m > 1))
                 continue;
               Plan plan;
               plan.dp = d, plan.tp = t, plan.pp = p, plan.vpp = v;
@@ -740,7 +754,9 @@ PlanResult Planner::search(int64_t batch, const Constraints &c) const {
               // Sequence parallelism only where forced: its speed is not yet
               // measured (no two-GPU machine since it was built).
               plan.sequenceParallel = c.sp.value_or(false);
-              consider(plan);
+              bool fits = consider(plan);
+              if (z == 1)
+                zero1Fits = fits;
             }
           }
         }
@@ -880,7 +896,10 @@ std::string explainPlan(const PlanResult &r, const ModelSpec &model, const Clust
   const Plan &p = r.best;
   os << "plan for " << model.name << " on " << cluster.describe() << ", batch " << batch
      << " (" << r.evaluated << " plans evaluated in " << r.searchSeconds * 1e3 << " ms)\n\n";
-  os << "  data parallel    " << p.dp << (p.zero ? " (ZeRO-1: optimizer state sharded)" : "")
+  os << "  data parallel    " << p.dp
+     << (p.zero == 2 ? " (ZeRO-2: optimizer state and gradients sharded)"
+         : p.zero    ? " (ZeRO-1: optimizer state sharded)"
+                     : "")
      << "\n  tensor parallel  " << p.tp << (p.sequenceParallel ? " (sequence parallel: the tokens between its layers split too)" : "")
      << "\n  pipeline         " << p.pp << " stages";
   if (p.schedule == Schedule::Interleaved)

@@ -148,6 +148,11 @@ cl::opt<std::string> trainGradReduce("grad-reduce",
                                               "on the wire, half the bytes and one more rounding, then "
                                               "widened into their f32 copies)"),
                                      cl::init("f32"), cl::sub(compileCmd), cl::cat(trainCategory));
+cl::opt<double> trainBucketMb("bucket-mb",
+                              cl::desc("Data-parallel gradients go out in buckets of about this many MiB "
+                                       "(of f32 gradients), each as soon as its last gradient is made, "
+                                       "beside the rest of the backward (default 25, as PyTorch DDP's)"),
+                              cl::init(25.0), cl::sub(compileCmd), cl::cat(trainCategory));
 cl::opt<int64_t> compileBatch("batch", cl::desc("Batch size the dynamic batch dimension takes"),
                               cl::init(1), cl::sub(compileCmd));
 cl::opt<uint64_t> compileSeed("seed", cl::desc("Seed for initialising parameters"), cl::init(0),
@@ -254,7 +259,7 @@ cl::opt<int64_t> planBatch("batch", cl::desc("Global batch in examples (sequence
                            cl::init(0), cl::sub(planCmd));
 cl::opt<std::string> planForce("force", cl::desc("Fix parts of the plan: dp=,tp=,pp=,vpp=,mb=,"
                                                  "mbs=,schedule=gpipe|1f1b|interleaved|zb-h1,"
-                                                 "recompute=none|selective|full,zero=0|1,"
+                                                 "recompute=none|selective|full,zero=0|1|2,"
                                                  "sp=0|1 (sequence parallelism, with tp > 1)"),
                                cl::init(""), cl::sub(planCmd));
 cl::opt<std::string> planJson("json", cl::desc("Write the plan as JSON (for loomc inspect and "
@@ -547,8 +552,12 @@ int runCompile() {
   options.schedule = plan.value("schedule", std::string("1f1b"));
   // A forced zero=1 must hold (and fails on one replica); the planner's
   // choice only applies where there are replicas to share the state.
-  options.zero1 = force.zero ? *force.zero == 1 : degree("zero") == 1 && dp > 1;
+  options.zero1 = force.zero ? *force.zero >= 1 : degree("zero") >= 1 && dp > 1;
+  options.zero2 = options.zero1 && (force.zero ? *force.zero == 2 : degree("zero") == 2);
   options.gradReduceBf16 = gradReduceBf16;
+  if (!(trainBucketMb > 0 && trainBucketMb <= 65536))
+    return fail("--bucket-mb must be above 0 and at most 65536 (MiB), got " + std::to_string(trainBucketMb));
+  options.bucketBytes = std::max<int64_t>(1, int64_t(trainBucketMb * 1048576.0));
   options.sequenceParallel = compileTrain && tp > 1 && plan.value("sequence_parallel", false);
   options.plan = plan;
   if (pp > 1)
@@ -590,7 +599,7 @@ int runCompile() {
     llvm::outs() << "plan: dp " << dp << " x tp " << tp << " x pp " << pp
                  << (options.virtualStages > 1 ? " x vpp " + std::to_string(options.virtualStages) : "")
                  << ", " << options.microbatches << " microbatch(es), schedule " << options.schedule
-                 << (options.zero1 ? ", ZeRO-1" : "")
+                 << (options.zero2 ? ", ZeRO-2" : options.zero1 ? ", ZeRO-1" : "")
                  << (options.sequenceParallel ? ", sequence parallel" : "") << "; " << manifest.ranks.size()
                  << " ranks (rank 0 below)\n";
   llvm::outs() << "wrote " << compileOutput << ": " << instructions << " instructions, "

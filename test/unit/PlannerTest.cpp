@@ -368,6 +368,56 @@ TEST(Planner, ZeroOneShrinksOptimizerMemory) {
   EXPECT_NEAR(z1.stages[0].weightBytes, params * (4 + 8.0 / 8 + 4.0 / 8), 1e-6 * params);
 }
 
+TEST(Planner, ZeroTwoShardsTheGradientsWhereZeroOneDoesNotFit) {
+  // ZeRO-2 keeps each rank's f32 slices of the gradients instead of the
+  // whole ones (two buckets of those in flight): with full recomputation,
+  // where gradients dominate the backward's memory, the peak falls by about
+  // the whole gradients less the slices.
+  Planner planner(handModel(24, 2048, 1024, 16, 50304), cluster("h100:8"));
+  Constraints c;
+  c.dp = 8, c.microbatchSize = 1, c.recompute = Recompute::Full;
+  c.zero = 1;
+  Plan z1 = planner.search(8, c).best;
+  c.zero = 2;
+  PlanResult r2 = planner.search(8, c);
+  ASSERT_TRUE(r2.found) << r2.error;
+  Plan z2 = r2.best;
+  EXPECT_EQ(z2.zero, 2);
+  EXPECT_DOUBLE_EQ(z1.stepTime, z2.stepTime); // the same collectives
+  EXPECT_EQ(z1.stages[0].weightBytes, z2.stages[0].weightBytes);
+  EXPECT_LT(z2.stages[0].activationBytes, z1.stages[0].activationBytes - 1e9);
+  // Not with microbatches (their sums live through the step), nor one replica.
+  c.microbatchSize = std::nullopt, c.microbatches = 2;
+  PlanResult summed = planner.search(16, c);
+  EXPECT_FALSE(summed.found);
+  EXPECT_NE(summed.error.find("use zero=1"), std::string::npos) << summed.error;
+  // Unforced, the search keeps to ZeRO-1 wherever it fits.
+  Constraints free;
+  free.dp = 8, free.microbatchSize = 1, free.recompute = Recompute::Full;
+  EXPECT_LT(planner.search(8, free).best.zero, 2);
+}
+
+TEST(Planner, SequenceParallelKeepsLessOnlyWhereForced) {
+  // Megatron's sequence parallelism (sp=1) splits the replicated activations
+  // between the tensor-parallel layers over tp: less memory, and one sum
+  // over tp of the replicated parameters' gradients a step. The search
+  // never picks it unforced (not yet measured on GPUs).
+  Planner planner(handModel(24, 2048, 1024, 16, 50304), cluster("h100:8"));
+  Constraints c;
+  c.tp = 8, c.microbatchSize = 8, c.recompute = Recompute::None;
+  Plan plain = planner.search(8, c).best;
+  EXPECT_FALSE(plain.sequenceParallel);
+  c.sp = true;
+  Plan sp = planner.search(8, c).best;
+  EXPECT_TRUE(sp.sequenceParallel);
+  EXPECT_LT(sp.stages[0].activationBytes, plain.stages[0].activationBytes);
+  EXPECT_GE(sp.tpCommTime, plain.tpCommTime);
+  c.microbatchSize = 4; // tp = 8 cannot split 4 sequences
+  PlanResult odd = planner.search(8, c);
+  EXPECT_FALSE(odd.found);
+  EXPECT_NE(odd.error.find("must divide the microbatch size 4"), std::string::npos) << odd.error;
+}
+
 TEST(Planner, ZeroOnePricedAsTheRuntimeRunsIt) {
   // GPT-2 350M on two H200s at batch 16 (issue #18). ZeRO-1 a tensor at a
   // time (LOOM_CUDA_ZERO_PACKED=0) was 57.0 ms a step against 47.5 for
