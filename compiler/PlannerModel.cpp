@@ -103,8 +103,15 @@ public:
       divisor = std::gcd(divisor, attn.getKvHeads());
       return;
     }
-    if (!isa<GetOp, ParamOp, ReshapeOp>(op))
-      traffic(op);
+    if (!isa<GetOp, ParamOp, ReshapeOp>(op)) {
+      // Work on whole activations only: every tp rank repeats it.
+      bool replicated = true;
+      for (Value v : op.getOperands())
+        replicated &= !split.lookup(v).split;
+      for (Value r : op.getResults())
+        replicated &= !split.lookup(r).split;
+      traffic(op, replicated);
+    }
   }
 
   void setBoundary(Value out, Value in) {
@@ -145,13 +152,15 @@ public:
   const std::map<std::string, std::pair<double, bool>> &parameters() const { return params; }
 
 private:
-  void traffic(Operation &op) {
+  void traffic(Operation &op, bool replicated) {
     double moved = 0;
     for (Value v : op.getOperands())
       moved += elements(v);
     for (Value r : op.getResults())
       moved += elements(r);
     layer.memoryTraffic += 2 * moved;
+    if (replicated)
+      layer.replicatedTraffic += 2 * moved;
   }
 
   /// What the op's gradient rule reads stays from the forward to the

@@ -15,6 +15,9 @@
 #   plans   two-GPU plans of GPT-2 350M and GPT 1.3B, forced and the planner's pick, each
 #           with its prediction (scripts/device-plans.sh; MODELS=gpt2-350m for one model;
 #           CLUSTER=h200:4 for four GPUs at global batch 32)
+#   rank    what one GPU can time of two-GPU plans: a tensor-parallel rank's own work
+#           with and without sequence parallelism, beside one GPU at the same batch
+#           (scripts/device-rank.sh, LOOM_MEASURE_ONE_RANK)
 # The named sets replace what was there: the carried tree must stay under 64 MiB
 # (bundles carry no weights; every set together is a few MiB).
 set -euo pipefail
@@ -209,9 +212,10 @@ plans() {
   if [ "$gpus" = 4 ]; then
     plans="pick dp=4,mb=1,zero=0 dp=4,mb=1,zero=1 dp=2,tp=2,mb=1,zero=0 tp=4,mb=1,zero=0 \
            dp=2,pp=2,mb=4,schedule=zb-h1,zero=0 pp=4,mb=8,schedule=1f1b,zero=0 pp=4,mb=8,schedule=zb-h1,zero=0 \
-           tp=2,pp=2,mb=4,schedule=1f1b,zero=0"
+           tp=2,pp=2,mb=4,schedule=1f1b,zero=0 tp=4,mb=1,zero=0,sp=1 dp=2,tp=2,mb=1,zero=0,sp=1"
   else
-    plans="pick dp=2,mb=1,zero=0 dp=2,mb=2,zero=0 dp=2,mb=1,zero=1 tp=2,mb=1,zero=0 tp=2,mb=2,zero=0 \
+    plans="pick dp=2,mb=1,zero=0 dp=2,mb=2,zero=0 dp=2,mb=1,zero=1 dp=2,mb=1,zero=2 tp=2,mb=1,zero=0 \
+           tp=2,mb=1,zero=0,sp=1 tp=2,mb=2,zero=0 tp=2,mb=2,zero=0,sp=1 \
            pp=2,mb=4,schedule=1f1b,zero=0 pp=2,mb=8,schedule=1f1b,zero=0 pp=2,mb=8,schedule=zb-h1,zero=0"
   fi
   for m in ${MODELS:-gpt2-350m gpt-1.3b}; do
@@ -240,10 +244,24 @@ plans() {
         --grad-reduce bf16 -o "$out/$m-plan-dp-${gpus}_mb-1_zero-0_wire-bf16.loom"
   done
 }
+rank() {
+  # Issue #18 on one GPU: GPT-2 350M and GPT 1.3B at global batch 16 (bf16,
+  # --target cuda): one GPU, and rank 0 of tp2 with and without sequence
+  # parallelism (each run alone, its collectives local copies).
+  "$B/compiler/loomc" models gpt --layers 24 --hidden 2048 --heads 16 --seq 1024 --vocab 50304 \
+      -o .deps/gpt-1.3b.mlir
+  for m in ${MODELS:-gpt2-350m gpt-1.3b}; do
+    src=models/$m.mlir; [ "$m" = gpt-1.3b ] && src=.deps/gpt-1.3b.mlir
+    c $src --batch 16 --train --lr 3e-4 --target cuda -o $out/$m-rank-one.loom
+    c $src --batch 16 --train --lr 3e-4 --target cuda --cluster h200:2 --force tp=2,mb=1,zero=0 -o $out/$m-rank-tp2.loom
+    c $src --batch 16 --train --lr 3e-4 --target cuda --cluster h200:2 --force tp=2,mb=1,zero=0,sp=1 \
+        -o $out/$m-rank-tp2-sp.loom
+  done
+}
 for set_name in "${sets[@]}"; do
   case $set_name in
-    single | multi | scale | trace | serve | mpi | resnet | plans) "$set_name" ;;
-    *) echo "device-bundles.sh: unknown set '$set_name' (single, multi, scale, trace, serve, mpi, resnet, plans)" >&2; exit 2 ;;
+    single | multi | scale | trace | serve | mpi | resnet | plans | rank) "$set_name" ;;
+    *) echo "device-bundles.sh: unknown set '$set_name' (single, multi, scale, trace, serve, mpi, resnet, plans, rank)" >&2; exit 2 ;;
   esac
 done
 du -sh "$out"

@@ -38,6 +38,11 @@ struct LayerSpec {
   double flops = 0;           // dense FLOPs
   double shardedFlops = 0;    // the part tensor parallelism splits
   double memoryTraffic = 0;   // bytes moved by non-matmul ops (memory-bound work)
+  /// The part of memoryTraffic that tensor parallelism leaves replicated
+  /// (ops on whole activations: residual adds, norms, the row-parallel
+  /// biases), which every tp rank repeats unless sequence parallelism splits
+  /// their tokens.
+  double replicatedTraffic = 0;
   double attentionFlops = 0;  // score and value FLOPs (what selective recompute redoes)
   double boundaryBytes = 0;   // the activation passed to the next layer (16-bit)
   int tpAllReduces = 0;       // all-reduces of boundaryBytes per forward with tp > 1

@@ -23,7 +23,7 @@ Session::Session(const std::string &bundleDir, const SessionOptions &options)
   comm = options.comm;
   nccl = options.nccl;
   bool connected = options.backend == "cuda"
-                       ? nccl != nullptr
+                       ? nccl != nullptr || options.aloneForMeasurement
                        : comm && comm->size() == static_cast<int>(bundle.ranks.size());
   if (bundle.ranks.size() > 1 && !connected)
     fail(LOOM_UNSUPPORTED, bundleDir, ": the bundle has ", bundle.ranks.size(),

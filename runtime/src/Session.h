@@ -21,6 +21,10 @@ struct SessionOptions {
   std::shared_ptr<Communicator> comm; // shared by the ranks of one process
   /// CUDA backend, several ranks: NCCL communicators of every rank in this process.
   std::shared_ptr<NcclWorld> nccl;
+  /// CUDA backend, a measurement only (loom-run's LOOM_MEASURE_ONE_RANK):
+  /// this rank of a multi-rank bundle runs alone, without NCCL; every
+  /// collective is a local copy, as for a group of one.
+  bool aloneForMeasurement = false;
 };
 
 class Session {

@@ -592,6 +592,22 @@ int run(int argc, char **argv) {
     if (rank != 0) // rank 0 reports; the others speak only on error
       std::freopen("/dev/null", "w", stdout);
     local = {rank};
+  } else if (const char *alone = std::getenv("LOOM_MEASURE_ONE_RANK"); alone && backend == "cuda" && numRanks > 1) {
+    // A measurement only: one rank of the bundle on GPU 0, its collectives
+    // local copies as for a group of one. It times a rank's own work (a
+    // tensor-parallel rank's products at their partial widths, say) on a
+    // machine with one GPU; its losses mean nothing.
+    char *end = nullptr;
+    long k = std::strtol(alone, &end, 10);
+    if (end == alone || *end != '\0' || k < 0 || k >= numRanks) {
+      std::fprintf(stderr, "loom-run: error: LOOM_MEASURE_ONE_RANK=%s: give a rank of the bundle, 0 to %lld\n", alone,
+                   (long long)numRanks - 1);
+      return 2;
+    }
+    std::fprintf(stderr, "loom-run: LOOM_MEASURE_ONE_RANK: rank %ld of %lld alone on GPU 0, its collectives local "
+                         "copies: a measurement of its own work; the losses mean nothing\n", k, (long long)numRanks);
+    local = {k};
+    options.aloneForMeasurement = true;
   } else if (backend == "cuda" && numRanks > 1) {
     // One thread per GPU, rank k on GPU k, connected by NCCL.
     std::vector<int> devices;
