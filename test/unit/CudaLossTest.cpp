@@ -60,6 +60,28 @@ TEST(CudaLoss, FusedAgainstCpu) {
     }
 }
 
+TEST(CudaLoss, VocabularyParallelKernelsAgainstCpu) {
+  // The vocabulary-parallel loss and gradient (row maxima, sums and target
+  // logits, then the gradient, around all-reduces a group of one skips):
+  // rows of whole 16-byte vectors (GPT-2's 50,304 over two ranks: 25,152;
+  // 32,000) and rows that are not (1,003), bf16 and f32.
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  struct Case {
+    int64_t rows, vocab;
+    loom_dtype_t dt;
+    double tol;
+  };
+  for (Case c : {Case{256, 25152, LOOM_BF16, 1e-2}, Case{300, 32000, LOOM_BF16, 1e-2}, Case{37, 1003, LOOM_BF16, 1e-2},
+                 Case{64, 25152, LOOM_F32, 1e-5}, Case{9, 1003, LOOM_F32, 1e-5}}) {
+    SCOPED_TRACE(std::to_string(c.rows) + " x " + std::to_string(c.vocab) + (c.dt == LOOM_BF16 ? " bf16" : " f32"));
+    LossResult want = runLoss(false, c.rows, c.vocab, c.dt, 0.5f, cpu);
+    LossResult got = runLoss(false, c.rows, c.vocab, c.dt, 0.5f, gpu, 3, 0, /*vocabGroup=*/true);
+    EXPECT_NEAR(got.loss, want.loss, 1e-5 * std::abs(want.loss));
+    EXPECT_LE(relativeL2(got.grad, want.grad), c.tol);
+  }
+}
+
 TEST(CudaLoss, FusedRejectsTargetOutsideVocabulary) {
   if (!haveGpu())
     GTEST_SKIP() << "no CUDA device";

@@ -648,16 +648,21 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
   float *dl = grad ? f(ins.in[2]) : nullptr;
   DPtr out = fp(ins.out[0]);
   reserve(4 * rows * sizeof(float));
+  // Whole 16-byte vectors a row: the logits', and the gradient's (the same
+  // dtype and layout), read and written eight values at a time.
+  bool vec = v % 8 == 0 && reinterpret_cast<uintptr_t>(pl.p) % 16 == 0 &&
+             (!grad || reinterpret_cast<uintptr_t>(out.p) % 16 == 0);
   return [=](cudaStream_t s) {
     float *rowMax = reinterpret_cast<float *>(workspace), *stats = rowMax + rows, *rowLoss = stats + 2 * rows;
-    rowMaxKernel<<<int(rows), kThreads, 0, s>>>(pl, rowMax, v);
+    rowMaxKernel<<<int(rows), kThreads, 0, s>>>(pl, rowMax, v, vec);
     if (comm)
       LOOM_NCCL_CHECK(ncclAllReduce(rowMax, rowMax, size_t(rows), ncclFloat32, ncclMax, comm, s));
-    rowSumTargetKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowMax, stats, rows, v, start, full, err);
+    rowSumTargetKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowMax, stats, rows, v, start, full, err, vec);
     if (comm)
       LOOM_NCCL_CHECK(ncclAllReduce(stats, stats, size_t(2 * rows), ncclFloat32, ncclSum, comm, s));
     if (grad) {
-      splitCrossEntropyGradKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowMax, stats, dl, out, rows, v, start);
+      splitCrossEntropyGradKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowMax, stats, dl, out, rows, v, start,
+                                                                 vec);
     } else {
       splitLossRowsKernel<<<blocksFor(rows), kThreads, 0, s>>>(rowMax, stats, rowLoss, rows);
       meanKernel<<<1, 1024, 0, s>>>(rowLoss, rows, static_cast<float *>(out.p));

@@ -179,15 +179,17 @@ __global__ void binaryContiguousKernel(int op, DPtr A, DPtr B, DPtr C, int64_t n
 __global__ void meanKernel(const float *x, int64_t n, float *out);
 /// Vocabulary-parallel cross-entropy, in three steps around two all-reduces:
 /// the row maxima of the local logits; then each row's sum of exp(l - max)
-/// and its target logit (0 where another rank holds the target).
-__global__ void rowMaxKernel(DPtr logits, float *rowMaxOut, int64_t v);
+/// and its target logit (0 where another rank holds the target). `vec`: the
+/// rows are whole 16-byte vectors, read (and the gradient written) eight
+/// values at a time.
+__global__ void rowMaxKernel(DPtr logits, float *rowMaxOut, int64_t v, bool vec);
 __global__ void rowSumTargetKernel(DPtr logits, const void *targets, bool wide, const float *rowMax,
                                    float *stats, int64_t rows, int64_t v, int64_t start, int64_t full,
-                                   long long *err);
+                                   long long *err, bool vec);
 __global__ void splitLossRowsKernel(const float *rowMax, const float *stats, float *rowLoss, int64_t rows);
 __global__ void splitCrossEntropyGradKernel(DPtr logits, const void *targets, bool wide, const float *rowMax,
                                             const float *stats, const float *dloss, DPtr dl, int64_t rows,
-                                            int64_t v, int64_t start);
+                                            int64_t v, int64_t start, bool vec);
 
 /// Programmatic dependent launch (Hopper; launchAfter() in
 /// CudaBackendImpl.h): a kernel so launched may begin while the kernel

@@ -250,22 +250,50 @@ __global__ void meanKernel(const float *x, int64_t n, float *out) {
 /// Vocabulary-parallel cross-entropy, in three steps around two all-reduces:
 /// the row maxima of the local logits; then each row's sum of exp(l - max)
 /// and its target logit (0 where another rank holds the target).
-__global__ void rowMaxKernel(DPtr logits, float *rowMaxOut, int64_t v) {
+///
+/// Rows of whole 16-byte vectors (v a multiple of 8, the logits aligned:
+/// `vec`) are read eight values a load; the others one at a time.
+__global__ void rowMaxKernel(DPtr logits, float *rowMaxOut, int64_t v, bool vec) {
   __shared__ float shared[32];
-  float mx = rowMax(logits + blockIdx.x * v, v, shared);
+  DPtr lr = logits + blockIdx.x * v;
+  float mx = -INFINITY;
+  if (vec) {
+    for (int64_t j = 8 * threadIdx.x; j < v; j += 8 * blockDim.x) {
+      float x[8];
+      load8(lr, j, x);
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        mx = fmaxf(mx, x[e]);
+    }
+    mx = blockMax(mx, shared);
+  } else {
+    mx = rowMax(lr, v, shared);
+  }
   if (threadIdx.x == 0)
     rowMaxOut[blockIdx.x] = mx;
 }
 __global__ void rowSumTargetKernel(DPtr logits, const void *targets, bool wide, const float *rowMax,
                                    float *stats, int64_t rows, int64_t v, int64_t start, int64_t full,
-                                   long long *err) {
+                                   long long *err, bool vec) {
   __shared__ float shared[32];
   int64_t row = blockIdx.x;
   DPtr lr = logits + row * v;
   int64_t t = readIndex(targets, wide, row);
   if (targetOutside(err, row, t, full))
     return;
-  float mx = rowMax[row], sum = rowSumExp(lr, v, mx, shared);
+  float mx = rowMax[row], sum = 0;
+  if (vec) {
+    for (int64_t j = 8 * threadIdx.x; j < v; j += 8 * blockDim.x) {
+      float x[8];
+      load8(lr, j, x);
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        sum += expf(x[e] - mx);
+    }
+    sum = blockSum(sum, shared);
+  } else {
+    sum = rowSumExp(lr, v, mx, shared);
+  }
   if (threadIdx.x == 0) {
     stats[row] = sum;
     stats[rows + row] = t >= start && t < start + v ? lr[t - start] : 0.0f;
@@ -276,13 +304,24 @@ __global__ void splitLossRowsKernel(const float *rowMax, const float *stats, flo
 }
 __global__ void splitCrossEntropyGradKernel(DPtr logits, const void *targets, bool wide, const float *rowMax,
                                             const float *stats, const float *dloss, DPtr dl, int64_t rows,
-                                            int64_t v, int64_t start) {
+                                            int64_t v, int64_t start, bool vec) {
   int64_t row = blockIdx.x;
   DPtr lr = logits + row * v, out = dl + row * v;
   int64_t t = readIndex(targets, wide, row) - start;
-  float scale = *dloss / rows, mx = rowMax[row], sum = stats[row];
+  float scale = *dloss / rows, mx = rowMax[row], inv = 1.0f / stats[row];
+  if (vec) {
+    for (int64_t j = 8 * threadIdx.x; j < v; j += 8 * blockDim.x) {
+      float x[8];
+      load8(lr, j, x);
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        x[e] = (expf(x[e] - mx) * inv - (j + e == t ? 1.0f : 0.0f)) * scale;
+      store8(out, j, x);
+    }
+    return;
+  }
   for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
-    out.st(j, (expf(lr[j] - mx) / sum - (j == t ? 1.0f : 0.0f)) * scale);
+    out.st(j, (expf(lr[j] - mx) * inv - (j == t ? 1.0f : 0.0f)) * scale);
 }
 
 Launch CudaBackendImpl::buildCrossEntropy(const Instruction &ins) {
