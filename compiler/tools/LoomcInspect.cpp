@@ -52,7 +52,12 @@ int inspectBundle(const std::string &inspectInput) {
                  << " x pp " << m.plan.value("pp", 1) << ", vpp " << m.plan.value("vpp", 1) << ", "
                  << m.plan.value("microbatches", 1) << " microbatch(es), schedule "
                  << m.plan.value("schedule", std::string("1f1b")) << ", ZeRO-"
-                 << m.plan.value("zero", 0) << "\n";
+                 << m.plan.value("zero", 0)
+                 << (m.plan.contains("sequence_parallel") && m.plan["sequence_parallel"].is_boolean() &&
+                             m.plan["sequence_parallel"].get<bool>()
+                         ? ", sequence parallel"
+                         : "")
+                 << "\n";
   // How tensor parallelism splits the parameters (rank 0's view; a block's
   // parameters once, as "layer.*").
   if (!m.ranks.empty()) {
