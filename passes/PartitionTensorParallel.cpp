@@ -71,7 +71,7 @@ public:
     if (gatherOutputs) // inference: what @forward returns split comes back whole
       if (auto forward = module.lookupSymbol<func::FuncOp>("forward"))
         gatherReturns(forward);
-    if (failed(forEachFunction(module, [&](FunctionOpInterface fn) { return refresh(fn); })))
+    if (failed(forEachFunction(module, [&](FunctionOpInterface fn) { return refreshFunction(fn); })))
       return failure();
     return verify(module);
   }
@@ -244,15 +244,6 @@ private:
                                             b.getI64IntegerAttr(tp));
       operand.set(gathered);
     }
-  }
-
-  static LogicalResult refresh(FunctionOpInterface fn) {
-    Block &entry = fn.getFunctionBody().front();
-    if (failed(refreshResultTypes(fn.getFunctionBody())))
-      return failure();
-    SmallVector<Type> results(entry.getTerminator()->getOperandTypes());
-    fn.setType(FunctionType::get(fn.getContext(), entry.getArgumentTypes(), results));
-    return success();
   }
 
   ModuleOp module;

@@ -23,6 +23,9 @@ std::unique_ptr<Pass> createConfigurePass(const BundleOptions &options);
 /// (reshape, broadcast, cast) get their dynamic dimensions resolved from
 /// their input; calls and repeats take the callee's signature.
 LogicalResult refreshResultTypes(Region &region);
+/// refreshResultTypes over a function-like body, then its type from its
+/// arguments and what it returns.
+LogicalResult refreshFunction(FunctionOpInterface fn);
 
 /// Calls `fn` on every loom.block, then on every func.func with its callees
 /// before it (signature rewrites then see their callees' new types).

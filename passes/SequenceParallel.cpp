@@ -87,7 +87,7 @@ public:
         return failure();
     if (failed(markParameters()))
       return failure();
-    if (failed(forEachFunction(module, [&](FunctionOpInterface fn) { return refresh(fn); })))
+    if (failed(forEachFunction(module, [&](FunctionOpInterface fn) { return refreshFunction(fn); })))
       return failure();
     return verify(module);
   }
@@ -253,15 +253,6 @@ private:
         visit(get.getResult());
     });
     return users;
-  }
-
-  static LogicalResult refresh(FunctionOpInterface fn) {
-    Block &entry = fn.getFunctionBody().front();
-    if (failed(refreshResultTypes(fn.getFunctionBody())))
-      return failure();
-    SmallVector<Type> results(entry.getTerminator()->getOperandTypes());
-    fn.setType(FunctionType::get(fn.getContext(), entry.getArgumentTypes(), results));
-    return success();
   }
 
   ModuleOp module;

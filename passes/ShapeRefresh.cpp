@@ -80,6 +80,15 @@ LogicalResult mlir::loom::refreshResultTypes(Region &region) {
   return failure(result.wasInterrupted());
 }
 
+LogicalResult mlir::loom::refreshFunction(FunctionOpInterface fn) {
+  Block &entry = fn.getFunctionBody().front();
+  if (failed(refreshResultTypes(fn.getFunctionBody())))
+    return failure();
+  SmallVector<Type> results(entry.getTerminator()->getOperandTypes());
+  fn.setType(FunctionType::get(fn.getContext(), entry.getArgumentTypes(), results));
+  return success();
+}
+
 LogicalResult mlir::loom::forEachFunction(ModuleOp module,
                                           function_ref<LogicalResult(FunctionOpInterface)> fn) {
   for (BlockOp block : module.getOps<BlockOp>())

@@ -10,6 +10,7 @@
 #include "runtime/src/cpu/CpuKernels.h"
 
 #include <algorithm>
+#include <tuple>
 
 namespace loom::rt::cpu {
 
@@ -123,39 +124,55 @@ void checkSlice(const Ctx &c, int64_t k, int64_t n, int64_t parts) {
               (n + parts - 1) / parts));
 }
 
+/// A tensor split into the group's parts along `axis` (sequence parallelism's
+/// reduce-scatter and all-gather): the whole has `parts` times the part's
+/// extent there, and each part is `outer` runs of `inner` elements.
+struct AxisParts {
+  Communicator *comm;
+  std::vector<int> group;
+  int64_t index, parts, axis, outer = 1, inner = 1;
+};
+AxisParts axisParts(const Ctx &c, const Shape &whole, const Shape &part, const char *what) {
+  c.arity(1, 1);
+  c.needF32(c.in(0)), c.needF32(c.out());
+  AxisParts a{needComm(c), groupOf(c, attrString(c, "group", "tp")), 0, 0, 0};
+  std::tie(a.index, a.parts) = placeIn(c, a.group);
+  a.axis = c.axis(c.attrInt("axis"), whole.size());
+  Shape want = whole;
+  want[size_t(a.axis)] /= a.parts;
+  if (part.size() != whole.size() || whole[size_t(a.axis)] % a.parts != 0 || part != want)
+    c.bad(cat(what, " ", shapeStr(whole), " over ", a.parts, " ranks along axis ", a.axis, " needs ", a.parts,
+              " equal parts", whole[size_t(a.axis)] % a.parts ? "" : cat(" of ", shapeStr(want)), ", not ",
+              shapeStr(part)));
+  for (int64_t d = 0; d < a.axis; ++d)
+    a.outer *= part[size_t(d)];
+  for (size_t d = size_t(a.axis); d < part.size(); ++d)
+    a.inner *= part[d];
+  return a;
+}
+
 /// ZeRO-1: the mean over the group of each gradient (n elements, padded with
 /// zeros to parts x k), of which this rank keeps slice `index` of k =
 /// ceil(n / parts) elements. On one process the exchange is an all-reduce.
 Kernel buildReduceScatter(const Ctx &c) {
   if (c.ins.attrs.contains("axis")) { // x -> this rank's part of the sum (sequence parallelism)
-    c.arity(1, 1);
-    c.needF32(c.in(0)), c.needF32(c.out());
-    Communicator *comm = needComm(c);
-    std::vector<int> group = groupOf(c, attrString(c, "group", "tp"));
-    auto [index, parts] = placeIn(c, group);
-    const Shape &in = c.in(0).shape, &out = c.out().shape;
-    int64_t axis = c.axis(c.attrInt("axis"), in.size());
-    Shape want = in;
-    want[axis] /= parts;
-    if (in[axis] % parts != 0 || out != want)
-      c.bad(cat("scattering ", shapeStr(in), " over ", parts, " ranks along axis ", axis, " needs ", parts,
-                " equal parts", in[axis] % parts ? "" : cat(" of ", shapeStr(want)), ", not ", shapeStr(out)));
+    auto [comm, group, index, parts, axis, outer, inner] =
+        axisParts(c, c.in(0).shape, c.out().shape, "scattering");
+    (void)axis;
     std::string kind = attrString(c, "reduction", "sum");
     if (kind != "sum" && kind != "mean")
       c.bad("reduction must be sum or mean, got '" + kind + "'");
     Reduction op = kind == "sum" ? Reduction::Sum : Reduction::Mean;
-    int64_t outer = 1, inner = 1;
-    for (int64_t d = 0; d < axis; ++d)
-      outer *= in[d];
-    for (size_t d = axis; d < out.size(); ++d)
-      inner *= out[d]; // the part's contiguous run per outer index
     float *src = c.f32(c.in(0)), *dst = c.f32(c.out());
-    int64_t rank = c.rank.rank, total = count(in), at = index, n = parts;
+    int64_t rank = c.rank.rank, total = count(c.in(0).shape), at = index, n = parts;
+    Communicator *to = comm;
+    std::vector<int> members = group;
+    int64_t runs = outer, run = inner;
     return [=] {
       std::vector<float> whole(src, src + total);
-      comm->allReduce(int(rank), group, whole.data(), total, op);
-      for (int64_t o = 0; o < outer; ++o)
-        std::copy(whole.begin() + (o * n + at) * inner, whole.begin() + (o * n + at + 1) * inner, dst + o * inner);
+      to->allReduce(int(rank), members, whole.data(), total, op);
+      for (int64_t o = 0; o < runs; ++o)
+        std::copy(whole.begin() + (o * n + at) * run, whole.begin() + (o * n + at + 1) * run, dst + o * run);
     };
   }
   if (c.ins.in.empty() || c.ins.in.size() != c.ins.out.size())
@@ -213,30 +230,18 @@ Kernel buildShardOf(const Ctx &c) {
 /// slice and whole, one collective for all of them).
 Kernel buildAllGather(const Ctx &c) {
   if (c.ins.attrs.contains("axis")) { // parts along an axis, concatenated in group order
-    c.arity(1, 1);
-    c.needF32(c.in(0)), c.needF32(c.out());
-    Communicator *comm = needComm(c);
-    std::vector<int> group = groupOf(c, attrString(c, "group", "tp"));
-    auto [index, parts] = placeIn(c, group);
-    const Shape &in = c.in(0).shape, &out = c.out().shape;
-    int64_t axis = c.axis(c.attrInt("axis"), in.size());
-    Shape want = in;
-    want[axis] *= parts;
-    if (out != want)
-      c.bad(cat("gathering ", parts, " parts of ", shapeStr(in), " along axis ", axis, " gives ",
-                shapeStr(want), ", not ", shapeStr(out)));
-    int64_t outer = 1, inner = 1;
-    for (int64_t d = 0; d < axis; ++d)
-      outer *= in[d];
-    for (size_t d = axis; d < in.size(); ++d)
-      inner *= in[d]; // the part's contiguous run per outer index
+    auto [comm, group, index, parts, axis, outer, inner] = axisParts(c, c.out().shape, c.in(0).shape, "gathering");
+    (void)axis;
     float *src = c.f32(c.in(0)), *dst = c.f32(c.out());
-    int64_t rank = c.rank.rank, total = count(out), at = index;
+    int64_t rank = c.rank.rank, total = count(c.out().shape), at = index, n = parts;
+    Communicator *to = comm;
+    std::vector<int> members = group;
+    int64_t runs = outer, run = inner;
     return [=] {
       std::vector<float> whole(static_cast<size_t>(total), 0.0f);
-      for (int64_t o = 0; o < outer; ++o)
-        std::copy(src + o * inner, src + (o + 1) * inner, whole.begin() + (o * parts + at) * inner);
-      comm->allReduce(int(rank), group, whole.data(), total, Reduction::Sum);
+      for (int64_t o = 0; o < runs; ++o)
+        std::copy(src + o * run, src + (o + 1) * run, whole.begin() + (o * n + at) * run);
+      to->allReduce(int(rank), members, whole.data(), total, Reduction::Sum);
       std::copy(whole.begin(), whole.end(), dst);
     };
   }

@@ -21,6 +21,7 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <tuple>
 
 namespace loom::rt {
 
@@ -122,6 +123,19 @@ NcclWorld::~NcclWorld() {
       aborted ? ncclCommAbort(c) : ncclCommDestroy(c);
 #endif
 }
+
+namespace {
+/// A shape as runs along `axis`: the elements before it (outer) and the
+/// contiguous run from it on (inner).
+std::pair<int64_t, int64_t> runsAround(const Shape &shape, int64_t axis) {
+  int64_t outer = 1, inner = 1;
+  for (int64_t d = 0; d < axis; ++d)
+    outer *= shape[size_t(d)];
+  for (size_t d = size_t(axis); d < shape.size(); ++d)
+    inner *= shape[d];
+  return {outer, inner};
+}
+} // namespace
 
 std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<int> &devices, int self,
                                          Communicator *bootstrap, double timeoutSeconds) {
@@ -428,11 +442,13 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
            parts, " parts");
     if (buf(ins.in[0]).dtype != buf(ins.out[0]).dtype)
       fail(LOOM_INVALID_BUNDLE, where, ": reduce_scatter's input and output differ in dtype");
-    int64_t outer = 1, inner = 1; // the part's contiguous run per outer index
-    for (int64_t d = 0; d < axis; ++d)
-      outer *= in[d];
-    for (size_t d = axis; d < in.size(); ++d)
-      inner *= in[d];
+    Shape want = in;
+    want[size_t(axis)] /= parts;
+    if (buf(ins.out[0]).shape != want)
+      fail(LOOM_INVALID_BUNDLE, where, ": reduce_scatter of ", shapeStr(in), " over ", parts, " ranks writes ",
+           shapeStr(want), ", not ", shapeStr(buf(ins.out[0]).shape));
+    int64_t outer, inner; // the part's contiguous run per outer index
+    std::tie(outer, inner) = runsAround(in, axis);
     inner /= parts;
     bool mean = ins.attrs.value("reduction", std::string("sum")) == "mean";
     char *src = ptr(fp(ins.in[0])), *dst = ptr(fp(ins.out[0]));
@@ -500,11 +516,16 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     const Shape &in = buf(ins.in[0]).shape;
     int64_t axis = ins.attrs.at("axis").get<int64_t>();
     axis = axis < 0 ? axis + int64_t(in.size()) : axis;
-    int64_t outer = 1, inner = 1;
-    for (int64_t d = 0; d < axis; ++d)
-      outer *= in[d];
-    for (size_t d = axis; d < in.size(); ++d)
-      inner *= in[d];
+    if (axis < 0 || axis >= int64_t(in.size()))
+      fail(LOOM_INVALID_BUNDLE, where, ": all_gather's axis ", ins.attrs.at("axis").get<int64_t>(),
+           " is out of range for ", shapeStr(in));
+    Shape want = in;
+    want[size_t(axis)] *= parts;
+    if (buf(ins.out[0]).shape != want)
+      fail(LOOM_INVALID_BUNDLE, where, ": all_gather of ", parts, " parts of ", shapeStr(in), " writes ",
+           shapeStr(want), ", not ", shapeStr(buf(ins.out[0]).shape));
+    int64_t outer, inner;
+    std::tie(outer, inner) = runsAround(in, axis);
     // f32 or bf16 (serving's tensor-parallel logits are bf16): moved as bytes.
     if (buf(ins.in[0]).dtype != buf(ins.out[0]).dtype)
       fail(LOOM_INVALID_BUNDLE, where, ": all_gather's input and output differ in dtype");
