@@ -30,8 +30,7 @@ namespace {
 /// Returns the last event recorded (-1 when no bucket).
 int64_t placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &program,
                              const std::vector<int64_t> &grads, int64_t bucketBytes,
-                             const std::map<int64_t, int64_t> &shards = {}, const std::string &group = "dp",
-                             const std::string &reduction = "mean") {
+                             const std::map<int64_t, int64_t> &shards = {}) {
   int64_t lastEvent = -1;
   auto root = [&](int64_t id) { return rt::storageOf(r, id); };
   std::map<int64_t, int64_t> lastWrite; // root -> instruction index
@@ -66,7 +65,7 @@ int64_t placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &p
     for (size_t i = begin; i < end; ++i)
       bucket.push_back(ready[i].second);
     // On the communication stream; each bucket records event `lastEvent`.
-    json attrs = {{"reduction", reduction}, {"group", group}, {"async", true}, {"event", ++lastEvent}};
+    json attrs = {{"reduction", "mean"}, {"group", "dp"}, {"async", true}, {"event", ++lastEvent}};
     if (shards.empty()) {
       after[ready[end - 1].first].push_back({"all_reduce", bucket, bucket, attrs});
     } else { // ZeRO-1: each rank keeps the mean of its slice of every gradient
@@ -98,22 +97,15 @@ int64_t placePartialSums(rt::RankProgram &r, std::vector<rt::Instruction> &progr
   std::set<int64_t> roots;
   for (int64_t g : grads)
     roots.insert(rt::storageOf(r, g));
-  static const std::set<std::string> talks = {"all_reduce", "reduce_scatter", "all_gather",    "send",
-                                              "recv",       "broadcast_from", "global_norm", "event_wait"};
   size_t after = 0;
   for (size_t i = 0; i < program.size(); ++i) {
-    const rt::Instruction &ins = program[i];
     bool writes = false;
-    for (int64_t id : ins.out)
+    for (int64_t id : program[i].out)
       writes |= roots.count(rt::storageOf(r, id)) > 0;
-    if (writes || talks.count(ins.op) || (ins.attrs.is_object() && ins.attrs.contains("vocab_group")))
+    if (writes || ordersCollectives(program[i]))
       after = i + 1;
   }
-  int64_t event = 0;
-  for (const auto &[name, list] : r.programs)
-    for (const rt::Instruction &ins : list)
-      if (ins.attrs.is_object() && ins.attrs.contains("event") && ins.attrs["event"].is_number_integer())
-        event = std::max(event, ins.attrs["event"].get<int64_t>() + 1);
+  int64_t event = nextEvent(r);
   program.insert(program.begin() + std::ptrdiff_t(after),
                  rt::Instruction{"all_reduce", grads, grads,
                                  json{{"reduction", "sum"}, {"group", group}, {"async", true}, {"event", event}}});

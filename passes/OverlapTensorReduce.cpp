@@ -53,15 +53,6 @@ namespace {
 
 bool asyncCollective(const rt::Instruction &ins) { return flagAttr(ins, "async"); }
 
-/// Whether the instruction talks to other ranks or waits for a collective:
-/// a moved all-reduce passes none of these (every rank's stream must issue
-/// its collectives in the same order).
-bool ordersCollectives(const rt::Instruction &ins) {
-  static const std::set<std::string> ops = {"all_reduce", "reduce_scatter", "all_gather", "send",     "recv",
-                                            "broadcast_from", "global_norm", "event_wait"};
-  return ops.count(ins.op) || (ins.attrs.is_object() && ins.attrs.contains("vocab_group"));
-}
-
 /// Storages an instruction reads and writes (views resolved).
 struct Uses {
   std::set<int64_t> reads, writes;
@@ -138,19 +129,16 @@ struct OverlapTensorReducePass : mlir::loom::impl::OverlapTensorReduceBase<Overl
       rt::RankProgram &r = rank.program;
       // The rank's collectives already on the communication stream (data-
       // parallel buckets, ZeRO-1) would hold this group's up.
-      int64_t nextEvent = 0;
       bool busy = false;
       for (const auto &[name, list] : r.programs)
-        for (const rt::Instruction &ins : list) {
-          if (ins.attrs.is_object() && ins.attrs.contains("event") && ins.attrs["event"].is_number_integer())
-            nextEvent = std::max(nextEvent, ins.attrs["event"].get<int64_t>() + 1);
+        for (const rt::Instruction &ins : list)
           busy |= asyncCollective(ins) && !(ins.attrs.is_object() && ins.attrs.value("group", std::string()) == "tp");
-        }
       if (busy)
         return;
+      int64_t event = nextEvent(r);
       for (auto &[name, list] : r.programs)
         if (name != "prepare" && name != "update")
-          overlap(r, list, nextEvent);
+          overlap(r, list, event);
     };
     if (failed(updateEachRank(getOperation(), getArgument(), rewrite)))
       signalPassFailure();

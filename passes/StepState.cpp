@@ -610,6 +610,21 @@ std::set<int64_t> mlir::loom::keptBuffers(const rt::RankProgram &r) {
   return kept;
 }
 
+bool mlir::loom::ordersCollectives(const rt::Instruction &ins) {
+  static const std::set<std::string> ops = {"all_reduce", "reduce_scatter", "all_gather", "send",     "recv",
+                                            "broadcast_from", "global_norm", "event_wait"};
+  return ops.count(ins.op) || (ins.attrs.is_object() && ins.attrs.contains("vocab_group"));
+}
+
+int64_t mlir::loom::nextEvent(const rt::RankProgram &r) {
+  int64_t next = 0;
+  for (const auto &[name, list] : r.programs)
+    for (const rt::Instruction &ins : list)
+      if (ins.attrs.is_object() && ins.attrs.contains("event") && ins.attrs["event"].is_number_integer())
+        next = std::max(next, ins.attrs["event"].get<int64_t>() + 1);
+  return next;
+}
+
 bool mlir::loom::flagAttr(const rt::Instruction &ins, const char *name) {
   if (!ins.attrs.is_object())
     return false;

@@ -178,6 +178,15 @@ std::set<int64_t> viewedBuffers(const ::loom::rt::RankProgram &r);
 /// Whether the instruction's boolean attribute `name` is set (false when
 /// absent or not a boolean).
 bool flagAttr(const ::loom::rt::Instruction &ins, const char *name);
+/// Whether the instruction talks to other ranks or waits for a collective
+/// (a collective, a send or receive, the clipping norm, the
+/// vocabulary-parallel loss, an event wait): a collective moved or placed
+/// on the communication stream passes none of these, since every rank's
+/// stream must issue its collectives in the same order.
+bool ordersCollectives(const ::loom::rt::Instruction &ins);
+/// One past the largest event any instruction of the rank records or waits
+/// for: the next async collective's event.
+int64_t nextEvent(const ::loom::rt::RankProgram &r);
 /// An instruction of a rank: its program and its place there.
 struct InstructionSite {
   std::string program;

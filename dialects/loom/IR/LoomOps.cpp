@@ -780,46 +780,40 @@ LOOM_INFER_WITH_ADAPTOR(CrossEntropyOp)
 LOOM_INFER_WITH_ADAPTOR(TransposeOp)
 LOOM_INFER_WITH_ADAPTOR(SliceOp)
 
-static LogicalResult inferAllGatherOp(MLIRContext *, std::optional<Location> loc,
-                                      AllGatherOp::Adaptor adaptor, SmallVectorImpl<Type> &inferred) {
-  StringRef name = "loom.all_gather";
-  auto x = rankedOperand(loc, name, "input", adaptor.getX());
+/// The collectives along an axis: `parts` of x concatenated (gather), or x
+/// cut into `parts` equal slices (scatter), along `axis`.
+static LogicalResult inferAlongAxis(std::optional<Location> loc, StringRef name, Value input, int64_t axisAttr,
+                                    int64_t parts, bool gather, SmallVectorImpl<Type> &inferred) {
+  auto x = rankedOperand(loc, name, "input", input);
   if (failed(x))
     return failure();
-  auto axis = normaliseAxis(adaptor.getAxis(), x->getRank());
+  auto axis = normaliseAxis(axisAttr, x->getRank());
   if (failed(axis))
-    return inferError(loc, name, "axis ", adaptor.getAxis(), " is out of range for ", *x);
-  if (adaptor.getParts() < 1)
-    return inferError(loc, name, "needs parts >= 1, got ", adaptor.getParts());
+    return inferError(loc, name, "axis ", axisAttr, " is out of range for ", *x);
+  if (parts < 1)
+    return inferError(loc, name, "needs parts >= 1, got ", parts);
   SmallVector<int64_t> shape(x->getShape());
-  if (!isDyn(shape[*axis]))
-    shape[*axis] *= adaptor.getParts();
+  if (!isDyn(shape[*axis])) {
+    if (!gather && shape[*axis] % parts != 0)
+      return inferError(loc, name, "cannot split dimension ", *axis, " of ", *x, " into ", parts,
+                        " equal parts");
+    shape[*axis] = gather ? shape[*axis] * parts : shape[*axis] / parts;
+  }
   inferred.push_back(RankedTensorType::get(shape, x->getElementType()));
   return success();
+}
+
+static LogicalResult inferAllGatherOp(MLIRContext *, std::optional<Location> loc,
+                                      AllGatherOp::Adaptor adaptor, SmallVectorImpl<Type> &inferred) {
+  return inferAlongAxis(loc, "loom.all_gather", adaptor.getX(), adaptor.getAxis(), adaptor.getParts(),
+                        /*gather=*/true, inferred);
 }
 LOOM_INFER_WITH_ADAPTOR(AllGatherOp)
 
 static LogicalResult inferReduceScatterOp(MLIRContext *, std::optional<Location> loc,
                                           ReduceScatterOp::Adaptor adaptor, SmallVectorImpl<Type> &inferred) {
-  StringRef name = "loom.reduce_scatter";
-  auto x = rankedOperand(loc, name, "input", adaptor.getX());
-  if (failed(x))
-    return failure();
-  auto axis = normaliseAxis(adaptor.getAxis(), x->getRank());
-  if (failed(axis))
-    return inferError(loc, name, "axis ", adaptor.getAxis(), " is out of range for ", *x);
-  int64_t parts = adaptor.getParts();
-  if (parts < 1)
-    return inferError(loc, name, "needs parts >= 1, got ", parts);
-  SmallVector<int64_t> shape(x->getShape());
-  if (!isDyn(shape[*axis])) {
-    if (shape[*axis] % parts != 0)
-      return inferError(loc, name, "cannot split dimension ", *axis, " of ", *x, " into ", parts,
-                        " equal parts");
-    shape[*axis] /= parts;
-  }
-  inferred.push_back(RankedTensorType::get(shape, x->getElementType()));
-  return success();
+  return inferAlongAxis(loc, "loom.reduce_scatter", adaptor.getX(), adaptor.getAxis(), adaptor.getParts(),
+                        /*gather=*/false, inferred);
 }
 LOOM_INFER_WITH_ADAPTOR(ReduceScatterOp)
 LOOM_INFER_WITH_ADAPTOR(ConcatOp)

@@ -23,18 +23,34 @@ __device__ inline bool targetOutside(long long *err, int64_t row, int64_t t, int
   return true;
 }
 
+/// Calls f(j, x) for this thread's values x = lr[j] of a row of v, spread
+/// over the block: eight values a 16-byte load where the row is made of
+/// whole vectors (`vec`: v a multiple of 8, the row aligned), one at a time
+/// otherwise.
+template <typename F> __device__ inline void forEachOfRow(DPtr lr, int64_t v, bool vec, F f) {
+  if (vec) {
+    for (int64_t j = 8 * threadIdx.x; j < v; j += 8 * blockDim.x) {
+      float x[8];
+      load8(lr, j, x);
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        f(j + e, x[e]);
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
+      f(j, float(lr[j]));
+  }
+}
 /// Maximum of a row of v values, and the sum of exp(x - max) over it, by
 /// one block (every thread gets the result).
-__device__ float rowMax(DPtr lr, int64_t v, float *shared) {
+__device__ float rowMax(DPtr lr, int64_t v, bool vec, float *shared) {
   float mx = -INFINITY;
-  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
-    mx = fmaxf(mx, lr[j]);
+  forEachOfRow(lr, v, vec, [&](int64_t, float x) { mx = fmaxf(mx, x); });
   return blockMax(mx, shared);
 }
-__device__ float rowSumExp(DPtr lr, int64_t v, float mx, float *shared) {
+__device__ float rowSumExp(DPtr lr, int64_t v, bool vec, float mx, float *shared) {
   float sum = 0;
-  for (int64_t j = threadIdx.x; j < v; j += blockDim.x)
-    sum += expf(lr[j] - mx);
+  forEachOfRow(lr, v, vec, [&](int64_t, float x) { sum += expf(x - mx); });
   return blockSum(sum, shared);
 }
 
@@ -255,20 +271,7 @@ __global__ void meanKernel(const float *x, int64_t n, float *out) {
 /// `vec`) are read eight values a load; the others one at a time.
 __global__ void rowMaxKernel(DPtr logits, float *rowMaxOut, int64_t v, bool vec) {
   __shared__ float shared[32];
-  DPtr lr = logits + blockIdx.x * v;
-  float mx = -INFINITY;
-  if (vec) {
-    for (int64_t j = 8 * threadIdx.x; j < v; j += 8 * blockDim.x) {
-      float x[8];
-      load8(lr, j, x);
-#pragma unroll
-      for (int e = 0; e < 8; ++e)
-        mx = fmaxf(mx, x[e]);
-    }
-    mx = blockMax(mx, shared);
-  } else {
-    mx = rowMax(lr, v, shared);
-  }
+  float mx = rowMax(logits + blockIdx.x * v, v, vec, shared);
   if (threadIdx.x == 0)
     rowMaxOut[blockIdx.x] = mx;
 }
@@ -281,19 +284,7 @@ __global__ void rowSumTargetKernel(DPtr logits, const void *targets, bool wide, 
   int64_t t = readIndex(targets, wide, row);
   if (targetOutside(err, row, t, full))
     return;
-  float mx = rowMax[row], sum = 0;
-  if (vec) {
-    for (int64_t j = 8 * threadIdx.x; j < v; j += 8 * blockDim.x) {
-      float x[8];
-      load8(lr, j, x);
-#pragma unroll
-      for (int e = 0; e < 8; ++e)
-        sum += expf(x[e] - mx);
-    }
-    sum = blockSum(sum, shared);
-  } else {
-    sum = rowSumExp(lr, v, mx, shared);
-  }
+  float mx = rowMax[row], sum = rowSumExp(lr, v, vec, mx, shared);
   if (threadIdx.x == 0) {
     stats[row] = sum;
     stats[rows + row] = t >= start && t < start + v ? lr[t - start] : 0.0f;
