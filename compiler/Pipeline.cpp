@@ -72,7 +72,7 @@ void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o,
     add(createJoinSliceGradients());
     add(createPackedQkvAttention());
     add(createBf16StepCasts());
-    if (o.zero1 && o.bf16)
+    if (o.zero1 && (o.bf16 || o.zero3))
       add(createZeroGatherCopies());
     if (o.bf16)
       add(createUpdateCopies());
@@ -112,7 +112,7 @@ struct CompilePipelineOptions : public PassPipelineOptions<CompilePipelineOption
   Option<int64_t> mb{*this, "mb", llvm::cl::desc("Microbatches per step"), llvm::cl::init(1)};
   Option<std::string> schedule{*this, "schedule", llvm::cl::desc("gpipe, 1f1b, interleaved or zb-h1"),
                                llvm::cl::init("1f1b")};
-  Option<int64_t> zero{*this, "zero", llvm::cl::desc("ZeRO stage (0, 1 or 2)"), llvm::cl::init(0)};
+  Option<int64_t> zero{*this, "zero", llvm::cl::desc("ZeRO stage (0, 1, 2 or 3)"), llvm::cl::init(0)};
   Option<int64_t> seed{*this, "seed", llvm::cl::desc("Initialisation seed"), llvm::cl::init(0)};
   Option<bool> serve{*this, "serve", llvm::cl::desc("Serving step programs over a paged KV cache"),
                      llvm::cl::init(false)};
@@ -153,7 +153,8 @@ void mlir::loom::registerCompilePipeline() {
         o.virtualStages = p.vpp, o.microbatches = p.mb;
         o.schedule = p.schedule;
         o.zero1 = p.zero >= 1;
-        o.zero2 = p.zero == 2;
+        o.zero2 = p.zero >= 2;
+        o.zero3 = p.zero == 3;
         o.seed = p.seed;
         o.serve.enabled = p.serve;
         o.serve.maxBatch = p.maxBatch, o.serve.maxSeq = p.maxSeq, o.serve.blockSize = p.blockSize;

@@ -45,13 +45,19 @@ static LogicalResult checkPlan(ModuleOp module, const BundleOptions &o) {
     return module.emitError() << "interleaved 1F1B needs the microbatch count (" << m
                               << ") to be a multiple of pp (" << pp << ")";
   if (o.zero1 && (dp < 2 || o.training.optimizer == "none"))
-    return module.emitError() << "ZeRO-" << (o.zero2 ? 2 : 1) << " partitions optimizer state over data-parallel "
+    return module.emitError() << "ZeRO-" << (o.zero3 ? 3 : o.zero2 ? 2 : 1) << " partitions optimizer state over data-parallel "
                                  "ranks: it needs dp >= 2 and an optimizer";
   if (o.zero2 && !o.zero1)
     return module.emitError() << "ZeRO-2 shards the gradients beside ZeRO-1's optimizer state: set both";
+  if (o.zero3 && !o.zero2)
+    return module.emitError() << "ZeRO-3 shards the parameters beside ZeRO-2's gradients and state: set all three";
   if (o.zero2 && m > 1)
-    return module.emitError() << "ZeRO-2 frees each gradient once its bucket is reduce-scattered, but with "
-                              << m << " microbatches the sums live through the step: use zero=1";
+    return module.emitError() << "ZeRO-" << (o.zero3 ? 3 : 2) << " frees each gradient once its bucket is "
+                              << "reduce-scattered, but with " << m
+                              << " microbatches the sums live through the step: use zero=1";
+  if (o.zero3 && pp > 1)
+    return module.emitError() << "ZeRO-3 gathers each weight for the forward and again for the backward of "
+                                 "one stage; with pp = " << pp << " use zero=1 or zero=2";
   return success();
 }
 

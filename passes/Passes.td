@@ -253,7 +253,7 @@ def Bf16StepCasts : Pass<"loom-bf16-step-casts", "::mlir::ModuleOp"> {
 }
 
 def ZeroGatherCopies : Pass<"loom-zero-gather-copies", "::mlir::ModuleOp"> {
-  let summary = "ZeRO-1 keeps master slices and all-gathers the bf16 weights";
+  let summary = "ZeRO keeps master slices and all-gathers the weights where they are read";
   let description = [{
     Mixed-precision ZeRO-1 steps: each rank keeps its slice of every f32
     master weight (role cache) and updates it in place; the forward starts
@@ -263,6 +263,13 @@ def ZeroGatherCopies : Pass<"loom-zero-gather-copies", "::mlir::ModuleOp"> {
     forward casting them. A `prepare` program takes the slices from the
     masters after weights are written, and `gather_parameters` puts whole
     masters back before they are read (checkpoints).
+
+    ZeRO-3 (`zero=3`, f32 or bf16): the slice is the parameter (its shard's
+    `zero_parts`), and the forward and the backward each all-gather the
+    weights (bf16 copies, or f32 buffers read instead of the parameter) a
+    bucket at a time, each bucket issued where the one before it is waited
+    for; the backward gathers into copies of its own. No `prepare` or
+    `gather_parameters` program; a weight it cannot shard is an error.
   }];
 }
 

@@ -147,7 +147,7 @@ void mlir::loom::setCompileOptions(ModuleOp module, const BundleOptions &o) {
                {"vpp", o.virtualStages},
                {"microbatches", o.microbatches},
                {"schedule", o.schedule},
-               {"zero", o.zero2 ? 2 : o.zero1 ? 1 : 0},
+               {"zero", o.zero3 ? 3 : o.zero2 ? 2 : o.zero1 ? 1 : 0},
                {"stages", o.chunkUnits},
                {"bucket_bytes", o.bucketBytes},
                {"recompute", std::vector<std::string>(t.recompute.begin(), t.recompute.end())},
@@ -218,10 +218,11 @@ FailureOr<BundleOptions> mlir::loom::getCompileOptions(ModuleOp module) {
     o.microbatches = plan.value("microbatches", o.microbatches);
     o.schedule = plan.value("schedule", o.schedule);
     int zero = plan.value("zero", 0);
-    if (zero < 0 || zero > 2)
-      return module.emitError() << "'loom.plan' has zero " << zero << "; expected 0, 1 or 2";
+    if (zero < 0 || zero > 3)
+      return module.emitError() << "'loom.plan' has zero " << zero << "; expected 0, 1, 2 or 3";
     o.zero1 = zero >= 1;
-    o.zero2 = zero == 2;
+    o.zero2 = zero >= 2;
+    o.zero3 = zero == 3;
     std::string reduce = plan.value("grad_reduce", std::string("f32"));
     if (reduce != "f32" && reduce != "bf16")
       return module.emitError() << "'loom.plan' has grad_reduce '" << reduce << "'; expected f32 or bf16";
@@ -429,6 +430,8 @@ FailureOr<Step> mlir::loom::readStep(ModuleOp module, StringRef pass) {
         param.shard.index = p.getShardIndex();
         param.shard.blocks = p.getShardBlocks();
         param.shard.fullShape = toVector(p.getFullShape());
+        param.shard.zeroParts = p.getZeroParts();
+        param.shard.zeroIndex = p.getZeroIndex();
         r.params.push_back(std::move(param));
       } else if (auto in = dyn_cast<loomrt::InputOp>(op)) {
         r.inputs.push_back({in.getName().str(), int64_t(in.getBuffer()), int64_t(in.getLimit())});
@@ -513,10 +516,13 @@ void mlir::loom::writeStep(ModuleOp module, const Step &step) {
       if (buf.bytes != natural)
         op.setBytes(buf.bytes);
     }
-    for (const rt::Parameter &p : r.params)
-      b.create<loomrt::ParamOp>(loc, p.name, p.buffer, p.init.kind, APFloat(p.init.scale), p.grad,
-                                p.shard.axis, p.shard.parts, p.shard.index, p.shard.blocks,
-                                p.shard.fullShape);
+    for (const rt::Parameter &p : r.params) {
+      auto op = b.create<loomrt::ParamOp>(loc, p.name, p.buffer, p.init.kind, APFloat(p.init.scale), p.grad,
+                                          p.shard.axis, p.shard.parts, p.shard.index, p.shard.blocks,
+                                          p.shard.fullShape, 1, 0);
+      if (p.shard.zeroParts > 1) // ZeRO-3's chunk; the attributes are left out otherwise
+        op.setZeroParts(p.shard.zeroParts), op.setZeroIndex(p.shard.zeroIndex);
+    }
     for (const rt::NamedBuffer &nb : r.inputs)
       b.create<loomrt::InputOp>(loc, nb.name, nb.buffer, nb.limit);
     for (const rt::NamedBuffer &nb : r.outputs)

@@ -74,6 +74,11 @@ struct BundleOptions {
   /// of a gradient once its bucket is reduce-scattered; the whole one's
   /// memory is free again for the rest of the backward. One microbatch.
   bool zero2 = false;
+  /// ZeRO-3 (with zero2): the parameters too. Each rank holds its slice of
+  /// every parameter (ParamShard::zeroParts); the forward and the backward
+  /// all-gather the weights a bucket at a time, one bucket ahead of their
+  /// first use, and drop them after their last. One microbatch, one stage.
+  bool zero3 = false;
   /// Mixed precision: the data-parallel all-reduces average bf16 gradients
   /// as bf16 on the wire (half the bytes; one more rounding of each mean)
   /// before widening them into their f32 copies; f32 by default.

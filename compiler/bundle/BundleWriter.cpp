@@ -111,9 +111,9 @@ LogicalResult mlir::loom::writeBundle(ModuleOp module, const BundleOptions &opti
       for (const rt::Parameter &p : rank.params)
         if (seen.insert(p.name).second) {
           rt::Buffer b = rank.buffers[p.buffer];
-          if (p.shard.axis >= 0) {
+          if (p.shard.split()) {
             b.shape = p.shard.fullShape;
-            b.bytes *= p.shard.parts;
+            b.bytes = rt::numElements(b.shape).value_or(0) * int64_t(rt::dtypeSize(b.dtype));
           }
           all.push_back({p, b});
         }

@@ -123,6 +123,16 @@ ParameterBytes parameterBytes(Precision precision, int zeroStage, int64_t dp, in
   bool averagedInPlace = dp <= 1 || (gradReduceBf16 && zeroStage == 0);
   bytes.gradient = bf16 && averagedInPlace && microbatches <= 1 ? 2.0 : 4.0;
   bytes.newGradient = activationWidth(precision);
+  if (zeroStage == 3 && dp > 1 && microbatches <= 1) {
+    // ZeRO-3: the parameter is the slice (passes/ZeroGatherCopies.cpp), and
+    // a layer's weights exist only from their bucket's gather, issued where
+    // the bucket before it is first read, to their last read: about two
+    // buckets (25 MiB of gathered weights each) at a time.
+    bytes.persistent = (4.0 + 8.0) / double(dp);
+    bytes.workingCopy = 0;
+    bytes.copiesKept = false;
+    bytes.weightsInFlight = 2.0 * double(25 << 20);
+  }
   if (zeroStage >= 2 && dp > 1 && microbatches <= 1) {
     // ZeRO-2: each rank keeps the f32 slices; a bucket's whole gradients
     // (25 MiB of f32 gradients: 6.5M of them, in the activations' type) live

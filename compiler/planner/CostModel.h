@@ -89,6 +89,10 @@ struct ParameterBytes {
   /// ZeRO-2: the whole gradients of the buckets not yet reduce-scattered
   /// (bytes; `gradient` is then the slices each rank keeps).
   double gradientsInFlight = 0;
+  /// ZeRO-3: the weights gathered for the layers being computed and the
+  /// bucket gathered ahead of them (bytes); each rank keeps only its slice
+  /// of the f32 parameter in `persistent`, and no whole copies.
+  double weightsInFlight = 0;
 };
 ParameterBytes parameterBytes(Precision precision, int zeroStage, int64_t dp, int64_t microbatches,
                               bool gradReduceBf16 = false);

@@ -66,8 +66,10 @@ StageMemory stageMemory(const std::vector<std::vector<LayerMemory>> &chunks, con
       };
       double copiesUpTo = summed ? 0 : (copiesBelow + l.backwardReadParams) * workingCopy;
       double copiesBefore = summed ? 0 : copiesBelow * workingCopy;
-      double during = others + keptBelow + l.keptBytes + l.backwardBytes + copiesUpTo + grads(0);
-      double after = others + keptBelow + copiesBefore + grads(summed ? newGrads : gradParams[c][i]);
+      double during = others + keptBelow + l.keptBytes + l.backwardBytes + copiesUpTo + grads(0) +
+                      bytes.weightsInFlight;
+      double after = others + keptBelow + copiesBefore + grads(summed ? newGrads : gradParams[c][i]) +
+                     bytes.weightsInFlight;
       out.peakBytes = std::max(out.peakBytes, wholeStep + std::max(during, after));
       keptBelow += l.keptBytes;
       if (!l.recomputed)

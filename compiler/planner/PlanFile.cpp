@@ -63,8 +63,8 @@ private:
          {"devices", "batch", "dp", "tp", "pp", "vpp", "microbatches", "microbatch_size"})
       if (!isInteger(plan[key], 1))
         return bad(key, "an integer of at least 1", plan[key]);
-    if (!isInteger(plan["zero"], 0, 2))
-      return bad("zero", "0, 1 or 2 (ZeRO stage)", plan["zero"]);
+    if (!isInteger(plan["zero"], 0, 3))
+      return bad("zero", "0, 1, 2 or 3 (ZeRO stage)", plan["zero"]);
     if (plan.contains("sequence_parallel") && !plan["sequence_parallel"].is_boolean())
       return bad("sequence_parallel", "true or false", plan["sequence_parallel"]);
     if (plan.value("sequence_parallel", false) && isInteger(plan["tp"], 1) && plan["tp"].get<int64_t>() < 2)

@@ -99,8 +99,8 @@ bool parseConstraints(const std::string &text, Constraints &out, std::string &er
       }
       out.recompute = r;
     } else if (key == "zero") {
-      if (value != "0" && value != "1" && value != "2") {
-        error = "--force zero must be 0, 1 or 2 (the ZeRO stage), got '" + value + "'";
+      if (value != "0" && value != "1" && value != "2" && value != "3") {
+        error = "--force zero must be 0, 1, 2 or 3 (the ZeRO stage), got '" + value + "'";
         return false;
       }
       out.zero = value[0] - '0';
@@ -211,7 +211,8 @@ std::string explainPlan(const PlanResult &r, const ModelSpec &model, const Clust
   os << "plan for " << model.name << " on " << cluster.describe() << ", batch " << batch
      << " (" << r.evaluated << " plans evaluated in " << r.searchSeconds * 1e3 << " ms)\n\n";
   os << "  data parallel    " << p.dp
-     << (p.zero == 2 ? " (ZeRO-2: optimizer state and gradients sharded)"
+     << (p.zero == 3   ? " (ZeRO-3: optimizer state, gradients and parameters sharded)"
+         : p.zero == 2 ? " (ZeRO-2: optimizer state and gradients sharded)"
          : p.zero    ? " (ZeRO-1: optimizer state sharded)"
                      : "")
      << "\n  tensor parallel  " << p.tp << (p.sequenceParallel ? " (sequence parallel: the tokens between its layers split too)" : "")

@@ -153,13 +153,17 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
                   std::to_string(numLayers) + " layers");
   if (plan.schedule == Schedule::Interleaved && (v < 2 || m % p != 0))
     return reject("interleaved 1F1B needs vpp >= 2 and microbatches divisible by pp");
-  if (plan.zero == 2 && m > 1)
-    return reject("ZeRO-2 frees each gradient once it is reduce-scattered, but " + std::to_string(m) +
-                  " microbatches sum them through the step: use zero=1");
   if (plan.zero >= 1 && d == 1)
-    return reject(std::string(plan.zero == 2 ? "ZeRO-2 partitions optimizer state and gradients"
-                                             : "ZeRO-1 partitions optimizer state") +
+    return reject(std::string(plan.zero == 3   ? "ZeRO-3 partitions optimizer state, gradients and parameters"
+                              : plan.zero == 2 ? "ZeRO-2 partitions optimizer state and gradients"
+                                               : "ZeRO-1 partitions optimizer state") +
                   " over data-parallel ranks: it needs dp >= 2");
+  if (plan.zero >= 2 && m > 1)
+    return reject("ZeRO-" + std::to_string(plan.zero) + " frees each gradient once it is reduce-scattered, but " +
+                  std::to_string(m) + " microbatches sum them through the step: use zero=1");
+  if (plan.zero == 3 && p > 1)
+    return reject("ZeRO-3 gathers each weight for the forward and again for the backward of one stage; "
+                  "with pp=" + std::to_string(p) + " use zero=1 or zero=2");
   if (plan.sequenceParallel && t == 1)
     return reject("sequence parallelism splits the tokens over tensor-parallel ranks; it needs tp > 1");
   if (plan.sequenceParallel && b % t != 0)
@@ -512,6 +516,11 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     double width = options.precision == Precision::Bf16 ? 2 : 4;
     dpComm += allGatherTime(width * stageParams, d, dpLink) +
               options.zeroPackBytesPerParam * stageParams / (dev.memoryBandwidth * 0.8);
+    // ZeRO-3 gathers every weight again for the backward. Its buckets go
+    // out a bucket ahead of their layers, but until two GPUs measure how
+    // much of that hides, it is priced as exposed, as ZeRO-1's gather is.
+    if (plan.zero == 3)
+      dpComm += allGatherTime(width * stageParams, d, dpLink);
   }
   // Sequence parallelism: the replicated parameters' gradients (norms,
   // biases, position embeddings), each rank's from its own tokens, summed
@@ -620,13 +629,16 @@ PlanResult Planner::search(int64_t batch, const Constraints &c) const {
           for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full}) {
             if (c.recompute && *c.recompute != r)
               continue;
-            bool zero1Fits = true;
-            for (int z : {0, 1, 2}) {
+            bool zero1Fits = true, zero2Fits = true;
+            for (int z : {0, 1, 2, 3}) {
               if ((c.zero && *c.zero != z) || (z >= 1 && d == 1 && !c.zero))
                 continue;
-              // ZeRO-2 only where ZeRO-1 does not fit (or forced): its waits
-              // for each bucket are not yet measured against ZeRO-1's.
+              // ZeRO-2 only where ZeRO-1 does not fit, ZeRO-3 only where
+              // ZeRO-2 does not (or forced): their waits for each bucket are
+              // not yet measured against ZeRO-1's.
               if (z == 2 && !c.zero && (zero1Fits || m > 1))
+                continue;
+              if (z == 3 && !c.zero && (zero1Fits || zero2Fits || m > 1 || p > 1))
                 continue;
               Plan plan;
               plan.dp = d, plan.tp = t, plan.pp = p, plan.vpp = v;
@@ -637,6 +649,8 @@ PlanResult Planner::search(int64_t batch, const Constraints &c) const {
               bool fits = consider(plan);
               if (z == 1)
                 zero1Fits = fits;
+              if (z == 2)
+                zero2Fits = fits;
             }
           }
         }

@@ -83,6 +83,15 @@ int inspectBundle(const std::string &inspectInput) {
       for (const auto &[name, row] : rows)
         llvm::outs() << "    " << llvm::left_justify(name, 22) << " " << row << "\n";
     }
+    int64_t zeroParts = 0, chunked = 0;
+    for (const auto &p : m.ranks[0].params)
+      if (p.shard.zeroParts > 1)
+        zeroParts = p.shard.zeroParts, ++chunked;
+    if (chunked)
+      llvm::outs() << "  ZeRO-3: " << chunked << " of " << m.ranks[0].params.size()
+                   << " parameters held as chunks of 1/" << zeroParts
+                   << " of their flattened whole (or tensor-parallel part) per rank, gathered for "
+                      "the forward and the backward\n";
   }
   for (const auto &r : m.ranks) {
     int64_t params = 0;

@@ -259,7 +259,7 @@ cl::opt<int64_t> planBatch("batch", cl::desc("Global batch in examples (sequence
                            cl::init(0), cl::sub(planCmd));
 cl::opt<std::string> planForce("force", cl::desc("Fix parts of the plan: dp=,tp=,pp=,vpp=,mb=,"
                                                  "mbs=,schedule=gpipe|1f1b|interleaved|zb-h1,"
-                                                 "recompute=none|selective|full,zero=0|1|2,"
+                                                 "recompute=none|selective|full,zero=0|1|2|3,"
                                                  "sp=0|1 (sequence parallelism, with tp > 1)"),
                                cl::init(""), cl::sub(planCmd));
 cl::opt<std::string> planJson("json", cl::desc("Write the plan as JSON (for loomc inspect and "
@@ -553,7 +553,9 @@ int runCompile() {
   // A forced zero=1 must hold (and fails on one replica); the planner's
   // choice only applies where there are replicas to share the state.
   options.zero1 = force.zero ? *force.zero >= 1 : degree("zero") >= 1 && dp > 1;
-  options.zero2 = options.zero1 && (force.zero ? *force.zero == 2 : degree("zero") == 2);
+  int64_t zeroStage = force.zero ? *force.zero : degree("zero");
+  options.zero2 = options.zero1 && zeroStage >= 2;
+  options.zero3 = options.zero1 && zeroStage == 3;
   options.gradReduceBf16 = gradReduceBf16;
   if (!(trainBucketMb > 0 && trainBucketMb <= 65536))
     return fail("--bucket-mb must be above 0 and at most 65536 (MiB), got " + std::to_string(trainBucketMb));
@@ -599,7 +601,7 @@ int runCompile() {
     llvm::outs() << "plan: dp " << dp << " x tp " << tp << " x pp " << pp
                  << (options.virtualStages > 1 ? " x vpp " + std::to_string(options.virtualStages) : "")
                  << ", " << options.microbatches << " microbatch(es), schedule " << options.schedule
-                 << (options.zero2 ? ", ZeRO-2" : options.zero1 ? ", ZeRO-1" : "")
+                 << (options.zero3 ? ", ZeRO-3" : options.zero2 ? ", ZeRO-2" : options.zero1 ? ", ZeRO-1" : "")
                  << (options.sequenceParallel ? ", sequence parallel" : "") << "; " << manifest.ranks.size()
                  << " ranks (rank 0 below)\n";
   llvm::outs() << "wrote " << compileOutput << ": " << instructions << " instructions, "

@@ -265,20 +265,35 @@ RankProgram parseRank(const Field &f, size_t index) {
     if (params[i].has("shard")) {
       Field sh = params[i].at("shard");
       p.shard.fullShape = sh.at("full_shape").integers(0);
-      p.shard.axis = sh.at("axis").integer(0);
+      if (sh.has("zero_parts")) {
+        p.shard.zeroParts = sh.at("zero_parts").integer(2);
+        p.shard.zeroIndex = sh.at("zero_index").integer(0);
+        if (p.shard.zeroIndex >= p.shard.zeroParts)
+          sh.at("zero_index").bad("must be below zero_parts (" + std::to_string(p.shard.zeroParts) + ")");
+      }
+      p.shard.axis = sh.at("axis").integer(p.shard.zeroParts > 1 ? -1 : 0);
       p.shard.parts = sh.at("parts").integer(1);
       p.shard.index = sh.at("index").integer(0);
       p.shard.blocks = sh.at("blocks").integer(1);
       const Shape &local = r.buffers[p.buffer].shape;
       const Shape &full = p.shard.fullShape;
-      bool ok = full.size() == local.size() && p.shard.axis < int64_t(full.size()) &&
+      // The tensor-parallel part: the buffer itself, or what ZeRO-3 cuts.
+      Shape tpPart = local;
+      std::optional<int64_t> fullCount = numElements(full);
+      if (p.shard.zeroParts > 1)
+        tpPart = p.shard.axis >= 0 && p.shard.axis < int64_t(full.size()) ? p.shard.partShape() : full;
+      bool ok = full.size() == tpPart.size() && p.shard.axis < int64_t(full.size()) &&
                 p.shard.index < p.shard.parts;
       std::optional<int64_t> slices = checkedMul(p.shard.blocks, p.shard.parts);
-      ok = ok && slices && numElements(full);
+      ok = ok && slices && fullCount;
       for (size_t d = 0; ok && d < full.size(); ++d)
         ok = int64_t(d) == p.shard.axis
-                 ? full[d] % *slices == 0 && checkedMul(local[d], p.shard.parts) == full[d]
-                 : full[d] == local[d];
+                 ? full[d] % *slices == 0 && checkedMul(tpPart[d], p.shard.parts) == full[d]
+                 : full[d] == tpPart[d];
+      if (ok && p.shard.zeroParts > 1) { // one chunk of ceil(elements / zero_parts)
+        std::optional<int64_t> m = numElements(tpPart);
+        ok = m && local.size() == 1 && local[0] == (*m + p.shard.zeroParts - 1) / p.shard.zeroParts;
+      }
       if (!ok)
         sh.bad("does not describe a part of " + shapeStr(full) + " shaped " + shapeStr(local));
     }
@@ -423,12 +438,47 @@ template <typename Copy> static void forEachShardPiece(const ParamShard &s, size
            piece * inner);
 }
 
+Shape ParamShard::partShape() const {
+  Shape shape = fullShape;
+  if (axis >= 0 && axis < int64_t(shape.size()) && parts > 0)
+    shape[size_t(axis)] /= parts;
+  return shape;
+}
+
 void extractShard(const ParamShard &s, size_t es, const char *full, char *part) {
-  forEachShardPiece(s, es, [&](int64_t f, int64_t p, int64_t n) { std::memcpy(part + p, full + f, n); });
+  if (s.zeroParts <= 1) {
+    forEachShardPiece(s, es, [&](int64_t f, int64_t p, int64_t n) { std::memcpy(part + p, full + f, n); });
+    return;
+  }
+  // The tensor-parallel part first, then its ZeRO-3 chunk (zeros past its end).
+  int64_t m = numElements(s.partShape()).value_or(0), k = (m + s.zeroParts - 1) / s.zeroParts;
+  std::vector<char> tpPart;
+  const char *from = full;
+  if (s.axis >= 0) {
+    tpPart.resize(size_t(m) * es);
+    forEachShardPiece(s, es, [&](int64_t f, int64_t p, int64_t n) { std::memcpy(tpPart.data() + p, full + f, n); });
+    from = tpPart.data();
+  }
+  int64_t begin = std::min(m, s.zeroIndex * k), end = std::min(m, begin + k);
+  std::memset(part, 0, size_t(k) * es);
+  std::memcpy(part, from + begin * int64_t(es), size_t(end - begin) * es);
 }
 
 void insertShard(const ParamShard &s, size_t es, const char *part, char *full) {
-  forEachShardPiece(s, es, [&](int64_t f, int64_t p, int64_t n) { std::memcpy(full + f, part + p, n); });
+  if (s.zeroParts <= 1) {
+    forEachShardPiece(s, es, [&](int64_t f, int64_t p, int64_t n) { std::memcpy(full + f, part + p, n); });
+    return;
+  }
+  int64_t m = numElements(s.partShape()).value_or(0), k = (m + s.zeroParts - 1) / s.zeroParts;
+  int64_t begin = std::min(m, s.zeroIndex * k), end = std::min(m, begin + k);
+  if (s.axis < 0) {
+    std::memcpy(full + begin * int64_t(es), part, size_t(end - begin) * es);
+    return;
+  }
+  std::vector<char> tpPart(size_t(m) * es);
+  forEachShardPiece(s, es, [&](int64_t f, int64_t p, int64_t n) { std::memcpy(tpPart.data() + p, full + f, n); });
+  std::memcpy(tpPart.data() + begin * int64_t(es), part, size_t(end - begin) * es);
+  forEachShardPiece(s, es, [&](int64_t f, int64_t p, int64_t n) { std::memcpy(full + f, tpPart.data() + p, n); });
 }
 
 Manifest parseManifest(const json &doc, const std::string &where) {
@@ -574,10 +624,12 @@ json toJson(const Manifest &m) {
                  {"init", {{"kind", p.init.kind}, {"scale", p.init.scale}}}};
       if (p.grad >= 0)
         jp["grad"] = p.grad;
-      if (p.shard.axis >= 0)
+      if (p.shard.split())
         jp["shard"] = {{"full_shape", p.shard.fullShape}, {"axis", p.shard.axis},
                        {"parts", p.shard.parts},          {"index", p.shard.index},
                        {"blocks", p.shard.blocks}};
+      if (p.shard.zeroParts > 1)
+        jp["shard"]["zero_parts"] = p.shard.zeroParts, jp["shard"]["zero_index"] = p.shard.zeroIndex;
       params.push_back(jp);
     }
     json programs = json::object();

@@ -55,10 +55,10 @@ Session::Session(const std::string &bundleDir, const SessionOptions &options)
     for (const Parameter &p : r.params) {
       const Buffer &b = r.buffers[p.buffer];
       std::vector<char> host(b.bytes);
-      if (p.shard.axis >= 0) { // the full tensor, as one device would have it, then this part
+      if (p.shard.split()) { // the full tensor, as one device would have it, then this part
         Buffer full = b;
         full.shape = p.shard.fullShape;
-        full.bytes = b.bytes * p.shard.parts;
+        full.bytes = numElements(full.shape).value_or(0) * int64_t(dtypeSize(b.dtype));
         std::vector<char> whole(full.bytes);
         initialiseInto(p.init, full, bundle.seed, p.name, whole.data());
         extractShard(p.shard, dtypeSize(b.dtype), whole.data(), host.data());
@@ -296,7 +296,7 @@ void Session::loadWeights(const std::string &path) {
     if (it == file.tensors.end())
       fail(LOOM_INVALID_BUNDLE, path, ": parameter '", p.name, "' is missing");
     const SafetensorsEntry &e = it->second;
-    const Shape &want = p.shard.axis >= 0 ? p.shard.fullShape : b.shape;
+    const Shape &want = p.shard.split() ? p.shard.fullShape : b.shape;
     if (e.dtype != b.dtype || e.shape != want)
       fail(LOOM_INVALID_BUNDLE, path, ": parameter '", p.name, "' is ", dtypeName(e.dtype),
            shapeStr(e.shape), " in the file but ", dtypeName(b.dtype), shapeStr(want),
@@ -307,7 +307,7 @@ void Session::loadWeights(const std::string &path) {
     const Parameter &p = rank().params[i];
     const Buffer &b = rank().buffers[p.buffer];
     const SafetensorsEntry &e = *entries[i];
-    if (p.shard.axis >= 0) { // weight files hold full tensors; this rank takes its part
+    if (p.shard.split()) { // weight files hold full tensors; this rank takes its part
       std::vector<char> part(b.bytes);
       extractShard(p.shard, dtypeSize(b.dtype), file.data.data() + e.offset, part.data());
       backend->upload(b, part.data());
@@ -320,7 +320,7 @@ void Session::loadWeights(const std::string &path) {
 
 void Session::saveWeights(const std::string &path) const {
   for (const Parameter &p : rank().params)
-    if (p.shard.axis >= 0)
+    if (p.shard.split())
       fail(LOOM_UNSUPPORTED, "parameter '", p.name, "' is split over ranks; save a checkpoint "
            "per rank (loom-run --checkpoint) or gather the parts with insertShard");
   gatherParameters();

@@ -506,6 +506,24 @@ TEST_F(BundleCorruptionTest, ShardWhoseSlicesOverflow) {
   expectRefused(dir, LOOM_INVALID_BUNDLE, "field 'ranks[0].parameters[0].shard' does not describe a part");
 }
 
+TEST_F(BundleCorruptionTest, ZeroThreeShardOfTheWrongLength) {
+  // A ZeRO-3 chunk is one row of ceil(elements / zero_parts); wte is
+  // f32[256, 64], so a chunk of three parts would be 5462 long, not 16384.
+  std::string dir = copy();
+  json m = manifest(dir);
+  json &param = m["ranks"][0]["parameters"][0];
+  param["shard"] = {{"full_shape", {256, 64}}, {"axis", -1},       {"parts", 1},
+                    {"index", 0},              {"zero_parts", 3}, {"zero_index", 0}, {"blocks", 1}};
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "field 'ranks[0].parameters[0].shard' does not describe a part");
+  param["shard"]["zero_parts"] = 2, param["shard"]["zero_index"] = 2;
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "zero_index' must be below zero_parts (2)");
+  param["shard"].erase("zero_parts"), param["shard"].erase("zero_index");
+  writeManifest(dir, m); // axis -1 names no split at all
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "parameters[0].shard.axis");
+}
+
 TEST_F(BundleCorruptionTest, GroupWithoutTheRankItself) {
   std::string dir = copy();
   json m = manifest(dir);

@@ -397,6 +397,46 @@ TEST(Planner, ZeroTwoShardsTheGradientsWhereZeroOneDoesNotFit) {
   EXPECT_LT(planner.search(8, free).best.zero, 2);
 }
 
+TEST(Planner, ZeroThreeShardsTheParametersWhereZeroTwoDoesNotFit) {
+  // ZeRO-3 keeps each rank's slice of the f32 parameter and of AdamW's
+  // moments, 12 / dp bytes a parameter, against ZeRO-2's whole f32 masters
+  // beside them; the weights exist whole only while their bucket's layers
+  // run (two buckets), and the backward gathers them a second time.
+  Planner planner(handModel(24, 2048, 1024, 16, 50304), cluster("h100:8"));
+  Constraints c;
+  c.dp = 8, c.microbatchSize = 1, c.recompute = Recompute::Full;
+  c.zero = 2;
+  Plan z2 = planner.search(8, c).best;
+  c.zero = 3;
+  PlanResult r3 = planner.search(8, c);
+  ASSERT_TRUE(r3.found) << r3.error;
+  Plan z3 = r3.best;
+  EXPECT_EQ(z3.zero, 3);
+  EXPECT_LT(z3.stages[0].weightBytes, z2.stages[0].weightBytes / 3);
+  EXPECT_GT(z3.stepTime, z2.stepTime); // the backward's gathers
+  // Not with microbatches, nor over pipeline stages.
+  c.microbatchSize = std::nullopt, c.microbatches = 2;
+  PlanResult summed = planner.search(16, c);
+  EXPECT_FALSE(summed.found);
+  EXPECT_NE(summed.error.find("use zero=1"), std::string::npos) << summed.error;
+  Constraints staged;
+  staged.dp = 4, staged.pp = 2, staged.zero = 3, staged.microbatches = 1;
+  PlanResult piped = planner.search(4, staged);
+  EXPECT_FALSE(piped.found);
+  EXPECT_NE(piped.error.find("ZeRO-3 gathers each weight"), std::string::npos) << piped.error;
+  // Unforced, the search keeps to ZeRO-1 or -2 wherever they fit, and
+  // takes ZeRO-3 for a model whose whole masters do not fit on 80 GB cards
+  // (about 20B parameters over eight data-parallel ranks).
+  Constraints free;
+  free.dp = 8, free.tp = 1, free.pp = 1, free.microbatchSize = 1, free.recompute = Recompute::Full;
+  EXPECT_LT(planner.search(8, free).best.zero, 3);
+  Planner large(handModel(44, 6144, 2048, 48, 50304), cluster("h100:8"));
+  PlanResult big = large.search(8, free);
+  ASSERT_TRUE(big.found) << big.error;
+  EXPECT_EQ(big.best.zero, 3);
+  EXPECT_LT(big.best.peakMemoryBytes, 80e9);
+}
+
 TEST(Planner, SequenceParallelKeepsLessOnlyWhereForced) {
   // Megatron's sequence parallelism (sp=1) splits the replicated activations
   // between the tensor-parallel layers over tp: less memory, and one sum

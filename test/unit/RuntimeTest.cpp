@@ -71,6 +71,51 @@ TEST(Safetensors, RejectsLies) {
   std::remove(path.c_str());
 }
 
+TEST(ParamShard, ZeroThreeChunksRoundTrip) {
+  // A [3, 4] parameter split over tp=2 along axis 1 (a [3, 2] part), then
+  // over three data-parallel ranks: chunks of ceil(6 / 3) = 2 elements of
+  // the flattened part; over four, chunks of 2 with the last one zeros.
+  std::vector<float> full(12);
+  for (int i = 0; i < 12; ++i)
+    full[i] = float(i + 1);
+  ParamShard s;
+  s.fullShape = {3, 4}, s.axis = 1, s.parts = 2, s.index = 1;
+  EXPECT_EQ(s.partShape(), (Shape{3, 2}));
+  std::vector<float> back(12, 0.0f);
+  std::vector<float> seen;
+  for (int64_t parts : {3, 4}) {
+    s.zeroParts = parts;
+    std::fill(back.begin(), back.end(), 0.0f);
+    seen.clear();
+    for (int64_t k = 0; k < parts; ++k) {
+      s.zeroIndex = k;
+      std::vector<float> chunk(2, -1.0f);
+      extractShard(s, sizeof(float), reinterpret_cast<const char *>(full.data()),
+                   reinterpret_cast<char *>(chunk.data()));
+      seen.insert(seen.end(), chunk.begin(), chunk.end());
+      insertShard(s, sizeof(float), reinterpret_cast<const char *>(chunk.data()),
+                  reinterpret_cast<char *>(back.data()));
+    }
+    std::vector<float> want = {3, 4, 7, 8, 11, 12}; // columns 2 and 3
+    if (parts == 4)
+      want.insert(want.end(), {0, 0});
+    EXPECT_EQ(seen, want);
+    EXPECT_EQ(back, (std::vector<float>{0, 0, 3, 4, 0, 0, 7, 8, 0, 0, 11, 12}));
+  }
+  // Without tensor parallelism: chunks of the whole, flattened.
+  ParamShard whole;
+  whole.fullShape = {3, 4}, whole.zeroParts = 5, whole.zeroIndex = 4; // chunks of 3: [12, 0, 0]
+  EXPECT_TRUE(whole.split());
+  std::vector<float> last(3, -1.0f);
+  extractShard(whole, sizeof(float), reinterpret_cast<const char *>(full.data()),
+               reinterpret_cast<char *>(last.data()));
+  EXPECT_EQ(last, (std::vector<float>{0, 0, 0}));
+  whole.zeroIndex = 3;
+  extractShard(whole, sizeof(float), reinterpret_cast<const char *>(full.data()),
+               reinterpret_cast<char *>(last.data()));
+  EXPECT_EQ(last, (std::vector<float>{10, 11, 12}));
+}
+
 TEST(Checked, RefusesOverflow) {
   EXPECT_EQ(checkedAdd(INT64_MAX - 1, 1), INT64_MAX);
   EXPECT_EQ(checkedAdd(INT64_MAX, 1), std::nullopt);

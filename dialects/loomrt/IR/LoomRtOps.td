@@ -72,7 +72,9 @@ def LoomRt_ParamOp : LoomRt_Op<"param", [HasParent<"RankOp">]> {
                        DefaultValuedAttr<I64Attr, "1">:$shard_parts,
                        DefaultValuedAttr<I64Attr, "0">:$shard_index,
                        DefaultValuedAttr<I64Attr, "1">:$shard_blocks,
-                       DefaultValuedAttr<DenseI64ArrayAttr, "{}">:$full_shape);
+                       DefaultValuedAttr<DenseI64ArrayAttr, "{}">:$full_shape,
+                       DefaultValuedAttr<I64Attr, "1">:$zero_parts,
+                       DefaultValuedAttr<I64Attr, "0">:$zero_index);
   let assemblyFormat = "$name `=` $buffer $init `(` $scale `)` attr-dict";
 }
 

@@ -239,6 +239,14 @@ CpuProgram::CpuProgram(const RankProgram &rank, const std::vector<Instruction> &
           for (int64_t e = 0; e < c.count; ++e)
             reinterpret_cast<uint16_t *>(c.bf16)[e] = floatToBf16(c.f32[e]);
       };
+    // An async all-gather's builder does its work in place: all of it, the
+    // bf16 copies' narrowing too, goes to the communication thread, in
+    // order with the buckets there (ZeRO-3 gathers beside the backward's
+    // reduce-scatters).
+    if (queues && ins.op == "all_gather") {
+      int64_t event = ins.attrs.value("event", int64_t(-1));
+      kernel = [async, kernel, event, where] { async->submit(kernel, event, where); };
+    }
     steps.push_back(Step{where, ins.op, std::move(kernel), queues});
   }
 }

@@ -2,6 +2,8 @@
 // RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=4 precision=bf16 dp=2 zero=1 until=loom-bf16-step-casts" | loom-opt --loom-zero-gather-copies | FileCheck %s
 // RUN: loom-opt %models/gpt2-124m.mlir --loom-compile="train=true batch=2 precision=bf16 dp=2 zero=1 until=loom-zero-gather-copies" | FileCheck %s --check-prefix=BUCKETS
 // RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=4 dp=2 zero=1 until=loom-bf16-step-casts" | loom-opt --loom-zero-gather-copies | FileCheck %s --check-prefix=F32
+// RUN: loom-opt %models/gpt2-124m.mlir --loom-compile="train=true batch=2 precision=bf16 dp=2 zero=3 until=loom-zero-gather-copies" | FileCheck %s --check-prefix=ZERO3
+// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=4 dp=2 zero=3 until=loom-zero-gather-copies" | FileCheck %s --check-prefix=ZERO3F32
 
 // loom-zero-gather-copies: mixed-precision ZeRO-1 keeps each rank's slice of
 // the f32 masters and gathers the bf16 copies at the start of the forward,
@@ -69,3 +71,45 @@
 // F32-NOT: loomrt.program "prepare"
 // F32: loomrt.program "update" {
 // F32: loomrt.instr "all_gather"
+
+// ZeRO-3: the slice is the parameter (zero_parts: a chunk of the flattened
+// whole, which loom-compact-ranks then drops), and both the forward and the
+// backward gather the weights, each bucket issued where the bucket before
+// it is waited for, so that only about two buckets of weights exist at a
+// time. The backward gathers into copies of its own (".backward"), so the
+// forward's die after their last forward reader.
+// ZERO3-LABEL: loomrt.rank 0
+// ZERO3: loomrt.buffer [[WTE:[0-9]+]] "wte" : tensor<19298688xf32> "param"
+// ZERO3: loomrt.buffer [[WTEB:[0-9]+]] "cast.1.backward" : tensor<50257x768xbf16> "activation"
+// ZERO3: loomrt.param "wte" = [[WTE]] "normal"(2.000000e-02) {full_shape = array<i64: 50257, 768>, grad = {{[0-9]+}} : i64, zero_parts = 2 : i64}
+// ZERO3: loomrt.program "backward" {
+// ZERO3-NEXT: loomrt.instr "all_gather" [[[WTE]]] -> [[[WTEB]]] {async = true, event = [[B0:[0-9]+]] : i64, group = "dp"}
+// ZERO3: loomrt.instr "all_gather" {{.*}} {async = true, event = [[B1:[0-9]+]] : i64, group = "dp"}
+// ZERO3-NEXT: loomrt.instr "event_wait" [] -> [] {event = [[B0]] : i64}
+// ZERO3-NEXT: loomrt.instr "matmul" [{{[0-9]+}}, [[WTEB]]]
+// ZERO3: loomrt.instr "all_gather" {{.*}} {async = true, event = {{[0-9]+}} : i64, group = "dp"}
+// ZERO3-NEXT: loomrt.instr "event_wait" [] -> [] {event = [[B1]] : i64}
+// ZERO3: loomrt.program "forward" {
+// ZERO3-NEXT: loomrt.instr "all_gather" [[[WTE]]] -> [5] {async = true, event = [[F0:[0-9]+]] : i64, group = "dp"}
+// ZERO3-NEXT: loomrt.instr "all_gather" {{.*}} {async = true, event = [[F1:[0-9]+]] : i64, group = "dp"}
+// ZERO3-NEXT: loomrt.instr "event_wait" [] -> [] {event = [[F0]] : i64}
+// ZERO3-NEXT: loomrt.instr "embedding" [5, 0]
+// ZERO3-NEXT: loomrt.instr "all_gather" {{.*}} {async = true, event = {{[0-9]+}} : i64, group = "dp"}
+// ZERO3-NEXT: loomrt.instr "event_wait" [] -> [] {event = [[F1]] : i64}
+// ZERO3-NOT: loomrt.program "gather_parameters"
+// ZERO3-NOT: loomrt.program "prepare"
+// ZERO3: loomrt.program "update" {
+// ZERO3-NOT: shard_of
+// ZERO3-NOT: all_gather
+// ZERO3: loomrt.instr "adamw" [[[WTE]], {{.*}}] -> [[[WTE]],
+// ZERO3-NOT: all_gather
+// ZERO3: }
+
+// f32 ZeRO-3 gathers the f32 weights into buffers the forward and the
+// backward read instead of the parameter (gpt-tiny's fit one bucket).
+// ZERO3F32-LABEL: loomrt.rank 0
+// ZERO3F32: loomrt.buffer [[W:[0-9]+]] "wte.gathered" : tensor<256x64xf32> "activation"
+// ZERO3F32: loomrt.program "forward" {
+// ZERO3F32-NEXT: loomrt.instr "all_gather" [{{[0-9, ]+}}] -> [[[W]], {{.*}}] {async = true
+// ZERO3F32-NEXT: loomrt.instr "event_wait"
+// ZERO3F32-NEXT: loomrt.instr "embedding" [[[W]], 0]

@@ -66,10 +66,21 @@ struct ParamInit {
 /// q|k|v weight), and each block is cut into `parts` equal slices, of which
 /// the rank holds slice `index` of every block. Initialisers and weight files
 /// describe the full tensor; every rank takes its part.
+///
+/// ZeRO-3 then splits that part (or the whole parameter, with axis -1)
+/// over the data-parallel ranks: flattened and padded with zeros to a
+/// multiple of `zeroParts` elements, it is cut into `zeroParts` equal
+/// chunks, of which the rank holds chunk `zeroIndex` as a 1-D buffer (the
+/// layout of `shard_of` and `all_gather`).
 struct ParamShard {
   int64_t axis = -1; // -1: the rank holds the whole parameter
   int64_t parts = 1, index = 0, blocks = 1;
   Shape fullShape;
+  int64_t zeroParts = 1, zeroIndex = 0;
+  /// Whether the rank holds less than the whole parameter.
+  bool split() const { return axis >= 0 || zeroParts > 1; }
+  /// The tensor-parallel part's shape (fullShape when axis is -1).
+  Shape partShape() const;
 };
 
 struct Parameter {
