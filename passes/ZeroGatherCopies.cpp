@@ -81,23 +81,37 @@ void placeGathers(rt::RankProgram &r, std::vector<rt::Instruction> &body,
   std::vector<int64_t> copyBytes;
   for (auto [slice, copy] : pairs)
     copyBytes.push_back(r.buffers[copy].bytes);
+  // A bucket's copies share one type (the runtime packs a bucket into one
+  // NCCL call): a run that mixes them (f32 norm scales among bf16
+  // matrices) goes out as one bucket per type, together.
   size_t previousWait = 0;
   for (auto [first, end] : bucketRuns(copyBytes, bucketBytes)) {
-    rt::Instruction bucket{"all_gather", {}, {}, nlohmann::json{{"group", group}, {"async", true}, {"event", ++event}}};
+    size_t issueAt = oneAhead ? previousWait : 0, runWait = body.size();
+    std::vector<loom_dtype_t> types;
     for (size_t i = first; i < end; ++i)
-      bucket.in.push_back(pairs[i].first), bucket.out.push_back(pairs[i].second);
-    issuesAt[oneAhead ? previousWait : 0].push_back(bucket);
-    size_t at = size_t(firstRead[pairs[first].second]);
-    // Before the product whose result that reader takes (a bias, say), so
-    // the wait does not stand between them and block the GEMM's epilogue.
-    if (at > 0 && at < body.size() && body[at - 1].op == "matmul" && !body[at - 1].out.empty())
-      for (int64_t id : body[at].in)
-        if (root(id) == root(body[at - 1].out[0])) {
-          --at;
-          break;
+      if (std::find(types.begin(), types.end(), r.buffers[pairs[i].second].dtype) == types.end())
+        types.push_back(r.buffers[pairs[i].second].dtype);
+    for (loom_dtype_t type : types) {
+      rt::Instruction bucket{"all_gather", {}, {}, nlohmann::json{{"group", group}, {"async", true}, {"event", ++event}}};
+      size_t at = body.size();
+      for (size_t i = first; i < end; ++i)
+        if (r.buffers[pairs[i].second].dtype == type) {
+          bucket.in.push_back(pairs[i].first), bucket.out.push_back(pairs[i].second);
+          at = std::min(at, size_t(firstRead[pairs[i].second]));
         }
-    waitsAt[at].push_back({"event_wait", {}, {}, nlohmann::json{{"event", event}}});
-    previousWait = at;
+      issuesAt[issueAt].push_back(bucket);
+      // Before the product whose result that reader takes (a bias, say), so
+      // the wait does not stand between them and block the GEMM's epilogue.
+      if (at > 0 && at < body.size() && body[at - 1].op == "matmul" && !body[at - 1].out.empty())
+        for (int64_t id : body[at].in)
+          if (root(id) == root(body[at - 1].out[0])) {
+            --at;
+            break;
+          }
+      waitsAt[at].push_back({"event_wait", {}, {}, nlohmann::json{{"event", event}}});
+      runWait = std::min(runWait, at);
+    }
+    previousWait = runWait;
   }
   std::vector<rt::Instruction> out;
   for (size_t i = 0; i <= body.size(); ++i) {
@@ -206,14 +220,17 @@ FailureOr<int64_t> gatherCopies(rt::RankProgram &r, int64_t bucketBytes, bool ze
         continue;
       const rt::Instruction &ins = r.programs[u.program][u.index];
       int64_t out = ins.out.empty() ? -1 : ins.out[0];
-      ok &= u.program == consumer && ins.op == "cast" && ins.in.size() == 1 && ins.in[0] == master &&
+      // ZeRO-3 gathers again for the backward, so a recomputed layer's
+      // casts there go too.
+      ok &= (u.program == consumer || (zero3 && u.program == "backward")) && ins.op == "cast" &&
+            ins.in.size() == 1 && ins.in[0] == master &&
             ins.out.size() == 1 && r.buffers[out].dtype == LOOM_BF16 && r.buffers[out].viewOf < 0 &&
             !outputs.count(out) && writers[out].size() == 1;
       direct &= u.program == "forward" || u.program == "backward";
       casts.push_back(u);
     }
     if (ok && !casts.empty()) { // the bf16 copy, gathered instead of cast
-      Weight w{master, slice, r.programs[consumer][casts[0].index].out[0]};
+      Weight w{master, slice, r.programs[casts[0].program][casts[0].index].out[0]};
       for (const InstructionSite &u : casts) {
         dropped[u.program][u.index] = true;
         int64_t other = r.programs[u.program][u.index].out[0];

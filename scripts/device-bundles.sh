@@ -18,6 +18,9 @@
 #   rank    what one GPU can time of two-GPU plans: a tensor-parallel rank's own work
 #           with and without sequence parallelism, beside one GPU at the same batch
 #           (scripts/device-rank.sh, LOOM_MEASURE_ONE_RANK)
+#   zero    what one GPU can time of ZeRO: rank 0 of dp2 alone under ZeRO 0-3, GPT-2 350M
+#           at 8 a rank beside one GPU at 8, and Llama 1.1B at one sequence a rank with
+#           full recomputation (scripts/device-zero.sh, LOOM_MEASURE_ONE_RANK)
 # The named sets replace what was there: the carried tree must stay under 64 MiB
 # (bundles carry no weights; every set together is a few MiB).
 set -euo pipefail
@@ -258,10 +261,25 @@ rank() {
         -o $out/$m-rank-tp2-sp.loom
   done
 }
+zero() {
+  # Issue #18 on one GPU: each ZeRO stage's rank alone (its collectives local
+  # copies), with the planner's prediction of its memory beside it.
+  c models/gpt2-350m.mlir --batch 8 --train --lr 3e-4 --target cuda -o $out/gpt2-350m-zero-one.loom
+  for z in 0 1 2 3; do
+    c models/gpt2-350m.mlir --batch 16 --train --lr 3e-4 --target cuda --cluster h200:2 --force dp=2,mb=1,zero=$z \
+        -o $out/gpt2-350m-zero-z$z.loom
+  done
+  for z in 1 2 3; do
+    c models/llama-1.1b.mlir --batch 2 --train --lr 3e-4 --target cuda --cluster h200:2 \
+        --force dp=2,zero=$z,recompute=full -o $out/llama-1.1b-zero-z$z.loom
+    "$B/compiler/loomc" plan models/llama-1.1b.mlir --batch 2 --cluster h200:2 --force dp=2,zero=$z,recompute=full \
+        | grep -E "^  0 |predicted step" > $out/llama-1.1b-zero-z$z.plan.txt
+  done
+}
 for set_name in "${sets[@]}"; do
   case $set_name in
-    single | multi | scale | trace | serve | mpi | resnet | plans | rank) "$set_name" ;;
-    *) echo "device-bundles.sh: unknown set '$set_name' (single, multi, scale, trace, serve, mpi, resnet, plans, rank)" >&2; exit 2 ;;
+    single | multi | scale | trace | serve | mpi | resnet | plans | rank | zero) "$set_name" ;;
+    *) echo "device-bundles.sh: unknown set '$set_name' (single, multi, scale, trace, serve, mpi, resnet, plans, rank, zero)" >&2; exit 2 ;;
   esac
 done
 du -sh "$out"
