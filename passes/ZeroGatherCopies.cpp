@@ -154,13 +154,15 @@ FailureOr<int64_t> gatherCopies(rt::RankProgram &r, int64_t bucketBytes, bool ze
   if (up == r.programs.end() || r.programs.count("prepare") || r.programs.count("gather_parameters"))
     return 0;
   std::vector<rt::Instruction> &update = up->second;
-  // ZeRO-1's gather: slices -> whole parameters, without an axis.
-  size_t gatherAt = update.size();
+  // ZeRO-1's gathers: slices -> whole parameters, without an axis, in
+  // buckets (loom-optimizer-update), taken here as one.
+  std::vector<size_t> gathers;
   for (size_t i = 0; i < update.size(); ++i)
     if (update[i].op == "all_gather" && !update[i].attrs.contains("axis"))
-      gatherAt = i;
-  if (gatherAt == update.size())
+      gathers.push_back(i);
+  if (gathers.empty())
     return 0;
+  size_t gatherAt = gathers.front();
   std::string group = update[gatherAt].attrs.value("group", std::string("dp"));
   std::set<int64_t> params, viewed = viewedBuffers(r), outputs;
   for (const rt::Parameter &p : r.params)
@@ -188,7 +190,13 @@ FailureOr<int64_t> gatherCopies(rt::RankProgram &r, int64_t bucketBytes, bool ze
   std::map<std::string, std::vector<bool>> dropped;
   for (const auto &[name, list] : r.programs)
     dropped[name].assign(list.size(), false);
-  const rt::Instruction gather = update[gatherAt];
+  rt::Instruction gather = update[gatherAt];
+  for (size_t at : gathers)
+    if (at != gatherAt) {
+      const rt::Instruction &more = update[at];
+      gather.in.insert(gather.in.end(), more.in.begin(), more.in.end());
+      gather.out.insert(gather.out.end(), more.out.begin(), more.out.end());
+    }
   std::vector<bool> moved(gather.in.size(), false);
   for (size_t k = 0; k < gather.in.size() && k < gather.out.size(); ++k) {
     int64_t slice = gather.in[k], master = gather.out[k];
@@ -205,7 +213,7 @@ FailureOr<int64_t> gatherCopies(rt::RankProgram &r, int64_t bucketBytes, bool ze
     // Only this gather may write the master (else its slice would drift from it).
     bool onlyGathered = true;
     for (const InstructionSite &u : writers[master])
-      onlyGathered &= u.program == "update" && u.index == gatherAt;
+      onlyGathered &= u.program == "update" && std::count(gathers.begin(), gathers.end(), u.index) > 0;
     if (!onlyGathered) {
       if (zero3) {
         error = "ZeRO-3 cannot shard '" + name + "': something besides ZeRO's gather writes it";
@@ -308,12 +316,24 @@ FailureOr<int64_t> gatherCopies(rt::RankProgram &r, int64_t bucketBytes, bool ze
     for (auto [begin, end] : bucketRuns(masterBytes, bucketBytes))
       gatherMasters.push_back({"all_gather", {masters.in.begin() + begin, masters.in.begin() + end},
                                {masters.out.begin() + begin, masters.out.begin() + end}, masters.attrs});
-  if (rest.in.empty())
-    dropped["update"][gatherAt] = true;
-  else
-    update[gatherAt] = rest;
+  // The rest go back where the gathers were, in buckets as they came.
+  size_t restAt = 0;
+  for (size_t i = 0; i < gatherAt; ++i)
+    restAt += dropped["update"][i] ? 0 : 1;
+  for (size_t at : gathers)
+    dropped["update"][at] = true;
   for (auto &[name, list] : r.programs)
     eraseMarked(list, dropped[name]);
+  std::vector<int64_t> restBytes;
+  for (int64_t id : rest.out)
+    restBytes.push_back(r.buffers[id].bytes);
+  std::vector<rt::Instruction> restBuckets;
+  for (auto [begin, end] : rest.in.empty() ? std::vector<std::pair<size_t, size_t>>{}
+                                           : bucketRuns(restBytes, bucketBytes))
+    restBuckets.push_back({"all_gather", {rest.in.begin() + begin, rest.in.begin() + end},
+                           {rest.out.begin() + begin, rest.out.begin() + end}, rest.attrs});
+  std::vector<rt::Instruction> &updateNow = r.programs["update"];
+  updateNow.insert(updateNow.begin() + std::ptrdiff_t(restAt), restBuckets.begin(), restBuckets.end());
 
   int64_t event = nextEvent(r) - 1;
   std::vector<std::pair<int64_t, int64_t>> pairs;
