@@ -349,16 +349,33 @@ FailureOr<int64_t> gatherCopies(rt::RankProgram &r, int64_t bucketBytes, bool ze
   // bucket ahead of its first read in that program.
   auto [uses, unused] = storageUses(r);
   std::vector<std::pair<int64_t, int64_t>> forward, backward;
-  for (auto [slice, copy] : pairs) {
-    bool inForward = false, inBackward = false;
-    for (const InstructionSite &u : uses[copy])
-      (u.program == "forward" ? inForward : inBackward) |= u.program == "forward" || u.program == "backward";
-    if (inBackward)
+  std::set<int64_t> readByBackward;
+  for (auto [slice, copy] : pairs)
+    for (const InstructionSite &u : uses[copy]) {
+      if (u.program == "forward" && (forward.empty() || forward.back().second != copy))
+        forward.push_back({slice, copy});
+      if (u.program == "backward")
+        readByBackward.insert(copy);
+    }
+  int64_t firstForwardEvent = event + 1;
+  std::vector<rt::Instruction> &body = r.programs["forward"];
+  placeGathers(r, body, forward, bucketBytes, group, event, true);
+  // What the forward reads after it waits for its last bucket (the last
+  // layers, a tied head) is still whole when the backward starts, and the
+  // backward reads it first: it reads the forward's copies, as FSDP keeps
+  // its last layer unsharded after the forward. Gathering them again left
+  // the backward's first products waiting (GPT-2 350M's 77 MB head).
+  size_t lastWait = 0;
+  for (size_t i = 0; i < body.size(); ++i)
+    if (body[i].op == "event_wait" && body[i].attrs.value("event", int64_t(-1)) >= firstForwardEvent)
+      lastWait = i;
+  std::set<int64_t> stillWhole;
+  for (size_t i = lastWait + 1; i < body.size(); ++i)
+    for (int64_t id : body[i].in)
+      stillWhole.insert(rt::storageOf(r, id));
+  for (auto [slice, copy] : pairs)
+    if (readByBackward.count(copy) && !stillWhole.count(copy))
       backward.push_back({slice, ownCopy(r, r.programs["backward"], copy, ".backward")});
-    if (inForward)
-      forward.push_back({slice, copy});
-  }
-  placeGathers(r, r.programs["forward"], forward, bucketBytes, group, event, true);
   placeGathers(r, r.programs["backward"], backward, bucketBytes, group, event, true);
   return int64_t(weights.size());
 }
