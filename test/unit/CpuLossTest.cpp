@@ -44,6 +44,22 @@ TEST(CpuLoss, FusedGradientEqualsSeparate) {
       }
 }
 
+TEST(CpuLoss, VocabularyParallelFusedGradientEqualsSeparate) {
+  // The vocabulary-parallel loss (vocab_group, here a group of one) writing
+  // its gradient over the logits: the loss and gradient of the two
+  // instructions, bit for bit.
+  for (loom_dtype_t dt : {LOOM_F32, LOOM_BF16}) {
+    SCOPED_TRACE(dt == LOOM_BF16 ? "bf16" : "f32");
+    LossResult apart = runLoss(false, 37, 1003, dt, 0.25f, cpu, 3, 0, /*vocabGroup=*/true);
+    LossResult fused = runLoss(true, 37, 1003, dt, 0.25f, cpu, 3, 0, /*vocabGroup=*/true);
+    EXPECT_EQ(std::memcmp(&apart.loss, &fused.loss, sizeof(float)), 0) << apart.loss << " " << fused.loss;
+    ASSERT_EQ(apart.grad.size(), fused.grad.size());
+    EXPECT_EQ(std::memcmp(apart.grad.data(), fused.grad.data(), apart.grad.size() * sizeof(float)), 0);
+    LossResult whole = runLoss(false, 37, 1003, dt, 0.25f, cpu);
+    EXPECT_NEAR(fused.loss, whole.loss, 1e-5 * whole.loss);
+  }
+}
+
 TEST(CpuLoss, FusedRejectsTargetOutsideVocabulary) {
   try {
     runLoss(true, 4, 64, LOOM_F32, 1.0f, cpu, 3, 64);

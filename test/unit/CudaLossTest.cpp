@@ -79,6 +79,10 @@ TEST(CudaLoss, VocabularyParallelKernelsAgainstCpu) {
     LossResult got = runLoss(false, c.rows, c.vocab, c.dt, 0.5f, gpu, 3, 0, /*vocabGroup=*/true);
     EXPECT_NEAR(got.loss, want.loss, 1e-5 * std::abs(want.loss));
     EXPECT_LE(relativeL2(got.grad, want.grad), c.tol);
+    // The loss writing its gradient over the logits (loom-fuse-loss-gradient).
+    LossResult fused = runLoss(true, c.rows, c.vocab, c.dt, 0.5f, gpu, 3, 0, /*vocabGroup=*/true);
+    EXPECT_NEAR(fused.loss, want.loss, 1e-5 * std::abs(want.loss));
+    EXPECT_LE(relativeL2(fused.grad, want.grad), c.tol);
   }
 }
 

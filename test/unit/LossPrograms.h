@@ -27,8 +27,8 @@ struct LossResult {
 /// Runs the loss over `rows` rows of `vocab` logits (dtype `dt`, uniform in
 /// [-4, 4) from `seed`) and targets (the last row's is `badTarget` where that
 /// is set), fused or apart, seed `scale`, on the backend `make` returns.
-/// `vocabGroup`: apart, as the vocabulary-parallel loss over a group of one
-/// rank (its kernels around the all-reduces, which a group of one skips).
+/// `vocabGroup`: as the vocabulary-parallel loss over a group of one rank
+/// (its kernels around the all-reduces, which a group of one skips).
 inline LossResult runLoss(bool fused, int64_t rows, int64_t vocab, loom_dtype_t dt, float scale,
                           const std::function<std::unique_ptr<Backend>(const RankProgram &)> &make,
                           uint32_t seed = 3, int64_t badTarget = 0, bool vocabGroup = false) {
@@ -37,14 +37,15 @@ inline LossResult runLoss(bool fused, int64_t rows, int64_t vocab, loom_dtype_t 
   int64_t loss = p.add({}, LOOM_F32, "loss");
   std::vector<Instruction> program;
   int64_t grad = logits;
+  nlohmann::json attrs = nlohmann::json::object();
+  if (vocabGroup)
+    attrs["vocab_group"] = "tp";
   if (fused) {
-    program.push_back({"cross_entropy", {logits, targets}, {loss, logits}, {{"grad_scale", scale}}});
+    attrs["grad_scale"] = scale;
+    program.push_back({"cross_entropy", {logits, targets}, {loss, logits}, attrs});
   } else {
     int64_t dloss = p.add({1}, LOOM_F32, "dloss");
     grad = p.add({rows, vocab}, dt, "dlogits");
-    nlohmann::json attrs = nlohmann::json::object();
-    if (vocabGroup)
-      attrs["vocab_group"] = "tp";
     program.push_back({"cross_entropy", {logits, targets}, {loss}, attrs});
     program.push_back({"fill", {}, {dloss}, {{"value", scale}}});
     program.push_back({"cross_entropy_grad", {logits, targets, dloss}, {grad}, attrs});

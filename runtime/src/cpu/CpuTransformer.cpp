@@ -432,9 +432,31 @@ Kernel buildCrossEntropy(const Ctx &c) {
   IndexReader read{c.arena + targets.offset, targets.dtype == LOOM_I64};
   float *pl = c.f32(logits), *po = c.f32(o);
   std::string where = c.where, name = targets.name;
+  if (auto [start, parts] = vocabSlice(c, V); withGrad && parts > 1) {
+    // A vocabulary split over ranks: the loss from the group's statistics,
+    // then each row overwritten by its gradient from the same ones, as
+    // cross_entropy_grad computes it.
+    float seed = static_cast<float>(c.attrFloat("grad_scale"));
+    VocabStats stats(c, V, rows, start, parts);
+    return [=]() mutable {
+      checkIndices(where, "target class in '" + name + "'", read, rows, V * parts);
+      stats.compute(pl, read);
+      double total = 0;
+      for (int64_t r = 0; r < rows; ++r)
+        total += std::log(double(stats.sum[r])) + stats.max[r] - stats.target[r];
+      *po = static_cast<float>(total / std::max<int64_t>(rows, 1));
+      float scale = seed / float(std::max<int64_t>(rows, 1));
+      for (int64_t r = 0; r < rows; ++r) {
+        float *row = pl + r * V;
+        for (int64_t j = 0; j < V; ++j)
+          row[j] = static_cast<float>(std::exp(double(row[j]) - stats.max[r]) / stats.sum[r]) * scale;
+        int64_t t = read(r) - start;
+        if (t >= 0 && t < V)
+          row[t] -= scale;
+      }
+    };
+  }
   if (withGrad) {
-    if (vocabSlice(c, V).second > 1)
-      c.bad("a vocabulary split over ranks computes its gradient in cross_entropy_grad");
     float seed = static_cast<float>(c.attrFloat("grad_scale"));
     ThreadPool *pool = &c.pool;
     return [=] {

@@ -666,6 +666,13 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
   DPtr pl = fp(ins.in[0]);
   long long *err = errorWord;
   bool grad = op == "cross_entropy_grad";
+  // The loss writing its gradient over the logits (loom-fuse-loss-gradient):
+  // loss, then the gradient with the seed grad_scale, from the same statistics.
+  bool fused = op == "cross_entropy" && ins.out.size() == 2;
+  if (fused && ins.out[1] != ins.in[0])
+    fail(LOOM_INVALID_BUNDLE, where, ": writes the loss's gradient over the logits: its second output must be its "
+         "first input");
+  float seed = fused ? float(ins.attrs.value("grad_scale", 1.0)) : 0.0f;
   float *dl = grad ? f(ins.in[2]) : nullptr;
   DPtr out = fp(ins.out[0]);
   reserve(4 * rows * sizeof(float));
@@ -682,11 +689,14 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     if (comm)
       LOOM_NCCL_CHECK(ncclAllReduce(stats, stats, size_t(2 * rows), ncclFloat32, ncclSum, comm, s));
     if (grad) {
-      splitCrossEntropyGradKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowMax, stats, dl, out, rows, v, start,
-                                                                 vec);
+      splitCrossEntropyGradKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowMax, stats, dl, 0.0f, out, rows, v,
+                                                                 start, vec);
     } else {
       splitLossRowsKernel<<<blocksFor(rows), kThreads, 0, s>>>(rowMax, stats, rowLoss, rows);
       meanKernel<<<1, 1024, 0, s>>>(rowLoss, rows, static_cast<float *>(out.p));
+      if (fused)
+        splitCrossEntropyGradKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowMax, stats, nullptr, seed, pl, rows,
+                                                                   v, start, vec);
     }
   };
 #endif

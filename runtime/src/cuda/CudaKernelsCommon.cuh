@@ -187,9 +187,10 @@ __global__ void rowSumTargetKernel(DPtr logits, const void *targets, bool wide, 
                                    float *stats, int64_t rows, int64_t v, int64_t start, int64_t full,
                                    long long *err, bool vec);
 __global__ void splitLossRowsKernel(const float *rowMax, const float *stats, float *rowLoss, int64_t rows);
+/// The gradient's seed is *dloss, or `seed` where dloss is null.
 __global__ void splitCrossEntropyGradKernel(DPtr logits, const void *targets, bool wide, const float *rowMax,
-                                            const float *stats, const float *dloss, DPtr dl, int64_t rows,
-                                            int64_t v, int64_t start, bool vec);
+                                            const float *stats, const float *dloss, float seed, DPtr dl,
+                                            int64_t rows, int64_t v, int64_t start, bool vec);
 
 /// Programmatic dependent launch (Hopper; launchAfter() in
 /// CudaBackendImpl.h): a kernel so launched may begin while the kernel

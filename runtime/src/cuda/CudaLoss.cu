@@ -294,12 +294,14 @@ __global__ void splitLossRowsKernel(const float *rowMax, const float *stats, flo
   GRID_LOOP(r, rows) rowLoss[r] = logf(stats[r]) + rowMax[r] - stats[rows + r];
 }
 __global__ void splitCrossEntropyGradKernel(DPtr logits, const void *targets, bool wide, const float *rowMax,
-                                            const float *stats, const float *dloss, DPtr dl, int64_t rows,
-                                            int64_t v, int64_t start, bool vec) {
+                                            const float *stats, const float *dloss, float seed, DPtr dl,
+                                            int64_t rows, int64_t v, int64_t start, bool vec) {
   int64_t row = blockIdx.x;
   DPtr lr = logits + row * v, out = dl + row * v;
   int64_t t = readIndex(targets, wide, row) - start;
-  float scale = *dloss / rows, mx = rowMax[row], inv = 1.0f / stats[row];
+  // Each element is read and written by the same thread: `out` may be the
+  // logits themselves (the loss writing its gradient, loom-fuse-loss-gradient).
+  float scale = (dloss ? *dloss : seed) / rows, mx = rowMax[row], inv = 1.0f / stats[row];
   if (vec) {
     for (int64_t j = 8 * threadIdx.x; j < v; j += 8 * blockDim.x) {
       float x[8];

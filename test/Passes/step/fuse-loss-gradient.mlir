@@ -38,9 +38,14 @@
 // PIPE: loomrt.instr "cross_entropy" [[[L3:[0-9]+]], {{[0-9]+}}] -> [{{[0-9]+}}, [[L3]]] {grad_scale = 2.500000e-01 : f64}
 // PIPE: loomrt.program "update" {
 
-// A vocabulary split over tensor-parallel ranks is left as it is.
-// VOCAB: loomrt.instr "cross_entropy_grad" [{{[0-9]+}}, 1, {{[0-9]+}}] -> [{{[0-9]+}}] {vocab_group = "tp"}
-// VOCAB: loomrt.instr "cross_entropy" [{{[0-9]+}}, 1] -> [{{[0-9]+}}] {vocab_group = "tp"}
+// A vocabulary split over tensor-parallel ranks too: the loss combines the
+// group's statistics, then writes each rank's part of the gradient over its
+// part of the logits (the backward's gradient, its seed fill gone).
+// VOCAB-LABEL: loomrt.rank 0
+// VOCAB: loomrt.program "backward" {
+// VOCAB-NOT: cross_entropy_grad
+// VOCAB: loomrt.program "forward" {
+// VOCAB: loomrt.instr "cross_entropy" [[[L:[0-9]+]], 1] -> [{{[0-9]+}}, [[L]]] {grad_scale = 1.000000e+00 : f64, vocab_group = "tp"}
 
 // In the whole pipeline, the loss runs the runtime's fused kernel: no
 // generated kernel is named for it.
