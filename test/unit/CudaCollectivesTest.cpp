@@ -84,6 +84,50 @@ void bucket(bool async, const char *packed, const char *wire = "f32", bool bf16I
   unsetenv("LOOM_CUDA_BUCKET_PACKED");
 }
 
+/// ZeRO's packed all-gather of f32 slices into whole f32 or bf16 tensors,
+/// as rank 0 of two measured alone (LOOM_MEASURE_ONE_RANK: its own part of
+/// each whole is its slice, rounded where the whole is bf16; the other
+/// rank's part is not there to check), by segments or element by element
+/// (LOOM_CUDA_ZERO_SEGMENTS=0), synchronously and on the communication stream.
+void gatherSlices(bool async, bool bf16, const char *segments) {
+  setenv("LOOM_MEASURE_ONE_RANK", "0", 1);
+  setenv("LOOM_CUDA_ZERO_SEGMENTS", segments, 1);
+  loom::rt::test::ProgramBuilder p;
+  std::vector<int64_t> sizes = {1000, 37, 70001, 5, 300001, 1};
+  Instruction gather{"all_gather", {}, {}, {{"group", "dp"}}};
+  for (int64_t n : sizes) {
+    gather.in.push_back(p.add({(n + 1) / 2}, LOOM_F32, "slice"));
+    gather.out.push_back(p.add({n}, bf16 ? LOOM_BF16 : LOOM_F32, "whole"));
+  }
+  std::vector<Instruction> program = {gather};
+  if (async) {
+    program[0].attrs["async"] = true, program[0].attrs["event"] = 0;
+    program.push_back(Instruction{"event_wait", {}, {}, {{"event", 0}}});
+  }
+  RankProgram r = p.finish(program);
+  r.groups["dp"] = {0, 1};
+  auto gpu = makeCudaBackend(r, 0);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> dist(-3.0f, 3.0f);
+  std::vector<std::vector<char>> slices;
+  for (int64_t id : gather.in) {
+    slices.push_back(floatBytes(r.buffers[id], [&](int64_t) { return dist(rng); }));
+    gpu->upload(r.buffers[id], slices.back().data());
+  }
+  gpu->prepare("forward", program);
+  gpu->run("forward");
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    std::vector<float> got = downloadFloats(*gpu, r.buffers[gather.out[t]]);
+    const float *slice = reinterpret_cast<const float *>(slices[t].data());
+    for (int64_t i = 0; i < (sizes[t] + 1) / 2; ++i) {
+      float want = bf16 ? bf16ToFloat(floatToBf16(slice[i])) : slice[i];
+      ASSERT_EQ(got[size_t(i)], want) << "tensor " << t << " [" << i << "]";
+    }
+  }
+  unsetenv("LOOM_CUDA_ZERO_SEGMENTS");
+  unsetenv("LOOM_MEASURE_ONE_RANK");
+}
+
 } // namespace
 
 TEST(CudaCollectives, PackedBucket) {
@@ -161,3 +205,14 @@ TEST(CudaCollectives, BucketWaitedForByTheNextProgram) {
   }
 }
 
+
+TEST(CudaCollectives, ZeroGatherOfSlices) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  for (bool async : {false, true})
+    for (bool bf16 : {false, true})
+      for (const char *segments : {"1", "0"}) {
+        SCOPED_TRACE(std::string(async ? "async " : "sync ") + (bf16 ? "bf16 " : "f32 ") + "segments=" + segments);
+        gatherSlices(async, bf16, segments);
+      }
+}

@@ -84,6 +84,26 @@ __global__ void shardsOfKernel(const PackedTensor *t, int count, int64_t span, i
 template <typename T> __device__ inline T packedAs(float v);
 template <> __device__ inline float packedAs(float v) { return v; }
 template <> __device__ inline __nv_bfloat16 packedAs(float v) { return __float2bfloat16_rn(v); }
+/// As unpackWholesKernel, a block row per (part, tensor) segment: each a
+/// contiguous copy, without a search for its tensor per element.
+template <typename T>
+__global__ void unpackWholeSegmentsKernel(const PackedTensor *t, int count, int64_t span, const T *gathered) {
+  int64_t p = blockIdx.y / count;
+  const PackedTensor &x = t[blockIdx.y % count];
+  int64_t begin = p * x.k, len = min(x.k, x.n - begin);
+  const T *src = gathered + p * span + x.offset;
+  T *dst = reinterpret_cast<T *>(x.whole) + begin;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < len; i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
+}
+
+/// As packShardsKernel, a block row per tensor.
+template <typename T> __global__ void packShardSegmentsKernel(const PackedTensor *t, T *mine) {
+  const PackedTensor &x = t[blockIdx.y];
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < x.k; i += int64_t(gridDim.x) * blockDim.x)
+    mine[x.offset + i] = packedAs<T>(x.shard[i]);
+}
+
 template <typename T> __global__ void packShardsKernel(const PackedTensor *t, int count, int64_t span, T *mine) {
   GRID_LOOP(j, span) {
     const PackedTensor &x = t[tensorOf(t, count, j)];
@@ -368,24 +388,55 @@ Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t ind
   else
     reserve(bytes);
   int64_t self = index;
-  auto run = [this, table, count, span, parts, self, comm, bf16, width, async](cudaStream_t s) {
+  // LOOM_CUDA_COMM_BLOCKS=N (a measurement): an async gather's packing and
+  // unpacking in at most N blocks, so that beside the compute stream they
+  // take fewer of its SMs (ZeRO-3 gathers beside every layer).
+  static const int commBlocks = [] {
+    const char *v = std::getenv("LOOM_CUDA_COMM_BLOCKS");
+    return v ? std::max(0, std::atoi(v)) : 0;
+  }();
+  int cap = async ? commBlocks : 0;
+  auto blocks = [cap](int64_t n) { return cap > 0 ? std::min(blocksFor(n), cap) : blocksFor(n); };
+  // By segments (a block row per tensor, and per part and tensor), unless
+  // LOOM_CUDA_ZERO_SEGMENTS=0: each a contiguous copy, instead of a search
+  // for its tensor per element over the whole span.
+  static const bool bySegments = !envIs("LOOM_CUDA_ZERO_SEGMENTS", "0");
+  int64_t longest = 0;
+  for (int64_t id : ins.in)
+    longest = std::max(longest, numElements(buf(id).shape).value_or(0));
+  bool segments = bySegments && parts * count <= 65535;
+  dim3 packGrid(unsigned(std::max<int64_t>(1, std::min<int64_t>((longest + 4 * kThreads - 1) / (4 * kThreads), 1024))),
+                unsigned(count)),
+      unpackGrid(packGrid.x, unsigned(parts * count));
+  auto run = [this, table, count, span, parts, self, comm, bf16, width, async, blocks, segments, packGrid,
+              unpackGrid](cudaStream_t s) {
     char *gathered = async ? commWorkspace : workspace;
     char *mine = gathered + size_t(parts * span) * width;
-    if (bf16)
-      packShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, reinterpret_cast<__nv_bfloat16 *>(mine));
+    if (segments && bf16)
+      packShardSegmentsKernel<<<packGrid, kThreads, 0, s>>>(table, reinterpret_cast<__nv_bfloat16 *>(mine));
+    else if (segments)
+      packShardSegmentsKernel<<<packGrid, kThreads, 0, s>>>(table, reinterpret_cast<float *>(mine));
+    else if (bf16)
+      packShardsKernel<<<blocks(span), kThreads, 0, s>>>(table, count, span, reinterpret_cast<__nv_bfloat16 *>(mine));
     else
-      packShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, reinterpret_cast<float *>(mine));
+      packShardsKernel<<<blocks(span), kThreads, 0, s>>>(table, count, span, reinterpret_cast<float *>(mine));
     if (comm)
       LOOM_NCCL_CHECK(ncclAllGather(mine, gathered, size_t(span), bf16 ? ncclBfloat16 : ncclFloat32, comm, s));
     else
       LOOM_CUDA_CHECK(cudaMemcpyAsync(gathered + size_t(self * span) * width, mine, size_t(span) * width,
                                       cudaMemcpyDeviceToDevice, s));
-    if (bf16)
-      unpackWholesKernel<<<blocksFor(parts * span), kThreads, 0, s>>>(table, count, span, parts,
-                                                                       reinterpret_cast<const __nv_bfloat16 *>(gathered));
+    if (segments && bf16)
+      unpackWholeSegmentsKernel<<<unpackGrid, kThreads, 0, s>>>(table, count, span,
+                                                                reinterpret_cast<const __nv_bfloat16 *>(gathered));
+    else if (segments)
+      unpackWholeSegmentsKernel<<<unpackGrid, kThreads, 0, s>>>(table, count, span,
+                                                                reinterpret_cast<const float *>(gathered));
+    else if (bf16)
+      unpackWholesKernel<<<blocks(parts * span), kThreads, 0, s>>>(table, count, span, parts,
+                                                                    reinterpret_cast<const __nv_bfloat16 *>(gathered));
     else
-      unpackWholesKernel<<<blocksFor(parts * span), kThreads, 0, s>>>(table, count, span, parts,
-                                                                       reinterpret_cast<const float *>(gathered));
+      unpackWholesKernel<<<blocks(parts * span), kThreads, 0, s>>>(table, count, span, parts,
+                                                                    reinterpret_cast<const float *>(gathered));
   };
   return async ? onCommStream(ins, run) : Launch(run);
 }
