@@ -261,16 +261,7 @@ Kernel buildCrossEntropyGrad(const Ctx &c) {
     return [=]() mutable {
       checkIndices(where, "target class in '" + name + "'", read, rows, V * parts);
       stats.compute(pl, read);
-      float scale = *pdl / float(std::max<int64_t>(rows, 1));
-      for (int64_t r = 0; r < rows; ++r) {
-        const float *row = pl + r * V;
-        float *out = po + r * V;
-        for (int64_t j = 0; j < V; ++j)
-          out[j] = static_cast<float>(std::exp(double(row[j]) - stats.max[r]) / stats.sum[r]) * scale;
-        int64_t t = read(r) - start;
-        if (t >= 0 && t < V)
-          out[t] -= scale;
-      }
+      stats.gradient(pl, po, *pdl / float(std::max<int64_t>(rows, 1)), read);
     };
   }
   ThreadPool *pool = &c.pool;

@@ -404,6 +404,26 @@ struct VocabStats {
     sum = both.data();
     target = both.data() + rows;
   }
+  /// The loss, the mean over the rows, from the group's statistics.
+  float meanLoss() const {
+    double total = 0;
+    for (int64_t r = 0; r < rows; ++r)
+      total += std::log(double(sum[r])) + max[r] - target[r];
+    return static_cast<float>(total / std::max<int64_t>(rows, 1));
+  }
+  /// Each row's part of the gradient (its softmax less the one-hot target,
+  /// times `scale`) into `out`, which may be `logits` itself.
+  void gradient(const float *logits, float *out, float scale, IndexReader read) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float *row = logits + r * V;
+      float *o = out + r * V;
+      for (int64_t j = 0; j < V; ++j)
+        o[j] = static_cast<float>(std::exp(double(row[j]) - max[r]) / sum[r]) * scale;
+      int64_t t = read(r) - start;
+      if (t >= 0 && t < V)
+        o[t] -= scale;
+    }
+  }
   Communicator *comm;
   std::vector<int> group;
   int rank;

@@ -441,19 +441,8 @@ Kernel buildCrossEntropy(const Ctx &c) {
     return [=]() mutable {
       checkIndices(where, "target class in '" + name + "'", read, rows, V * parts);
       stats.compute(pl, read);
-      double total = 0;
-      for (int64_t r = 0; r < rows; ++r)
-        total += std::log(double(stats.sum[r])) + stats.max[r] - stats.target[r];
-      *po = static_cast<float>(total / std::max<int64_t>(rows, 1));
-      float scale = seed / float(std::max<int64_t>(rows, 1));
-      for (int64_t r = 0; r < rows; ++r) {
-        float *row = pl + r * V;
-        for (int64_t j = 0; j < V; ++j)
-          row[j] = static_cast<float>(std::exp(double(row[j]) - stats.max[r]) / stats.sum[r]) * scale;
-        int64_t t = read(r) - start;
-        if (t >= 0 && t < V)
-          row[t] -= scale;
-      }
+      *po = stats.meanLoss();
+      stats.gradient(pl, pl, seed / float(std::max<int64_t>(rows, 1)), read);
     };
   }
   if (withGrad) {
@@ -489,10 +478,7 @@ Kernel buildCrossEntropy(const Ctx &c) {
     return [=]() mutable {
       checkIndices(where, "target class in '" + name + "'", read, rows, V * parts);
       stats.compute(pl, read);
-      double total = 0;
-      for (int64_t r = 0; r < rows; ++r)
-        total += std::log(double(stats.sum[r])) + stats.max[r] - stats.target[r];
-      *po = static_cast<float>(total / std::max<int64_t>(rows, 1));
+      *po = stats.meanLoss();
     };
   }
   ThreadPool *pool = &c.pool;
