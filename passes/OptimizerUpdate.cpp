@@ -119,13 +119,9 @@ void buildUpdate(rt::RankProgram &rank, const TrainOptions &t, std::vector<rt::I
   }
   update.insert(update.end(), updates.begin(), updates.end());
   // Every updated slice back to every rank.
-  std::vector<int64_t> wholeBytes;
-  for (int64_t id : gatherOut)
-    wholeBytes.push_back(rank.buffers[id].bytes);
-  for (auto [begin, end] : gatherIn.empty() ? std::vector<std::pair<size_t, size_t>>{}
-                                            : bucketRuns(wholeBytes, bucketBytes))
-    update.push_back({"all_gather", {gatherIn.begin() + begin, gatherIn.begin() + end},
-                      {gatherOut.begin() + begin, gatherOut.begin() + end}, json{{"group", "dp"}}});
+  for (rt::Instruction &bucket :
+       gatherInBuckets(rank, {"all_gather", gatherIn, gatherOut, json{{"group", "dp"}}}, bucketBytes))
+    update.push_back(std::move(bucket));
   rank.programs["update"] = std::move(update);
 }
 

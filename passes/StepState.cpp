@@ -685,6 +685,18 @@ void mlir::loom::renameBuffer(rt::RankProgram &r, int64_t from, int64_t to) {
       b.viewOf = to;
 }
 
+std::vector<rt::Instruction> mlir::loom::gatherInBuckets(const rt::RankProgram &r, const rt::Instruction &gather,
+                                                       int64_t bucketBytes) {
+  std::vector<int64_t> bytes;
+  for (int64_t id : gather.out)
+    bytes.push_back(r.buffers[size_t(id)].bytes);
+  std::vector<rt::Instruction> buckets;
+  for (auto [begin, end] : bucketRuns(bytes, bucketBytes))
+    buckets.push_back({gather.op, {gather.in.begin() + begin, gather.in.begin() + end},
+                       {gather.out.begin() + begin, gather.out.begin() + end}, gather.attrs});
+  return buckets;
+}
+
 void mlir::loom::eraseMarked(std::vector<rt::Instruction> &list, const std::vector<bool> &drop) {
   std::vector<rt::Instruction> kept;
   for (size_t i = 0; i < list.size(); ++i)

@@ -212,6 +212,12 @@ void eraseMarked(std::vector<::loom::rt::Instruction> &list, const std::vector<b
 /// buckets: a run closes once it holds `bucketBytes` or more (and at the
 /// end). [begin, end) index pairs, in order.
 std::vector<std::pair<size_t, size_t>> bucketRuns(const std::vector<int64_t> &bytes, int64_t bucketBytes);
+/// An all_gather of slices into wholes (`in` and `out` paired) as several,
+/// in order, each of about `bucketBytes` of wholes with the same
+/// attributes: the runtime stages a gather's wholes in a workspace of its
+/// own. None for an empty gather.
+std::vector<::loom::rt::Instruction> gatherInBuckets(const ::loom::rt::RankProgram &r,
+                                                     const ::loom::rt::Instruction &gather, int64_t bucketBytes);
 /// The pipeline stages that compute each parameter's gradient (several for
 /// a tied embedding), from autodiff's per-chunk gradients.
 std::map<int64_t, std::set<int64_t>> paramStages(const StepRank &rank, int64_t pp);

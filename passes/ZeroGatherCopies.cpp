@@ -309,13 +309,8 @@ FailureOr<int64_t> gatherCopies(rt::RankProgram &r, int64_t bucketBytes, bool ze
   }
   // In buckets: one all_gather of every master stages them all in one
   // workspace (GPT 1.3B: 7.8 GB on each of two GPUs).
-  std::vector<int64_t> masterBytes;
-  for (int64_t id : masters.out)
-    masterBytes.push_back(r.buffers[id].bytes);
   if (!zero3)
-    for (auto [begin, end] : bucketRuns(masterBytes, bucketBytes))
-      gatherMasters.push_back({"all_gather", {masters.in.begin() + begin, masters.in.begin() + end},
-                               {masters.out.begin() + begin, masters.out.begin() + end}, masters.attrs});
+    gatherMasters = gatherInBuckets(r, masters, bucketBytes);
   // The rest go back where the gathers were, in buckets as they came.
   size_t restAt = 0;
   for (size_t i = 0; i < gatherAt; ++i)
@@ -324,14 +319,7 @@ FailureOr<int64_t> gatherCopies(rt::RankProgram &r, int64_t bucketBytes, bool ze
     dropped["update"][at] = true;
   for (auto &[name, list] : r.programs)
     eraseMarked(list, dropped[name]);
-  std::vector<int64_t> restBytes;
-  for (int64_t id : rest.out)
-    restBytes.push_back(r.buffers[id].bytes);
-  std::vector<rt::Instruction> restBuckets;
-  for (auto [begin, end] : rest.in.empty() ? std::vector<std::pair<size_t, size_t>>{}
-                                           : bucketRuns(restBytes, bucketBytes))
-    restBuckets.push_back({"all_gather", {rest.in.begin() + begin, rest.in.begin() + end},
-                           {rest.out.begin() + begin, rest.out.begin() + end}, rest.attrs});
+  std::vector<rt::Instruction> restBuckets = gatherInBuckets(r, rest, bucketBytes);
   std::vector<rt::Instruction> &updateNow = r.programs["update"];
   updateNow.insert(updateNow.begin() + std::ptrdiff_t(restAt), restBuckets.begin(), restBuckets.end());
 

@@ -379,6 +379,9 @@ int train(std::vector<std::unique_ptr<Session>> &ranks,
   for (const RankProgram &rank : s.manifest().ranks)
     numRanks = std::max(numRanks, replica(rank) + 1);
   size_t bundleRanks = s.manifest().ranks.size();
+  // Measuring one rank alone, a ZeRO gather fills only the rank's own slice
+  // of each weight, so the losses may well be nan: keep timing.
+  bool measuringAlone = std::getenv("LOOM_MEASURE_ONE_RANK") != nullptr && bundleRanks > ranks.size();
   auto checkpointFile = [&](const std::string &dir, size_t k) {
     return bundleRanks == 1 ? dir + "/checkpoint.safetensors"
                             : dir + "/checkpoint.rank-" + std::to_string(ranks[k]->rank().rank) +
@@ -457,9 +460,6 @@ int train(std::vector<std::unique_ptr<Session>> &ranks,
       ++timedSteps;
     }
     std::fflush(stdout);
-    // Measuring one rank alone, a ZeRO gather fills only the rank's own
-    // slice of each weight, so the losses may well be nan: keep timing.
-    bool measuringAlone = std::getenv("LOOM_MEASURE_ONE_RANK") != nullptr && bundleRanks > ranks.size();
     if (!std::isfinite(loss) && !measuringAlone)
       fail(LOOM_INVALID_ARGUMENT, "the loss is ", loss, " at step ", t,
            "; lower --lr or raise --clip when compiling");
