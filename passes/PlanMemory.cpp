@@ -35,6 +35,7 @@ struct PlanBuffer {
   loomrt::BufferOp op;
   int64_t bytes = 0;
   int64_t storage = -1; // the buffer whose memory it is (itself, or what its views lead to)
+  int64_t into = 0;     // bytes into the storage where it starts (slice views)
   bool persistent = false;
 };
 
@@ -74,6 +75,7 @@ LogicalResult planRank(loomrt::RankOp rank) {
     int64_t at = id;
     for (int64_t hops = 0; viewOf(buffers[at].op) >= 0; ++hops) {
       int64_t next = viewOf(buffers[at].op);
+      buffers[id].into += int64_t(buffers[at].op.getViewOffset());
       if (!known(next) || hops >= n)
         return buffers[id].op.emitError() << "is a view of no buffer with storage of its own (view_of "
                                           << viewOf(buffers[id].op) << ")";
@@ -206,9 +208,9 @@ LogicalResult planRank(loomrt::RankOp rank) {
     offsets[size_t(id)] = base + at;
     peak = std::max(peak, *end);
   }
-  // A view shares its storage's offset.
+  // A view shares its storage's offset (a slice starts further in).
   for (PlanBuffer &b : buffers)
-    b.op.setOffset(offsets[size_t(b.storage)]);
+    b.op.setOffset(offsets[size_t(b.storage)] + b.into);
   rank.setPeakBytes(peak);
   rank.setArenaBytes(base + peak);
   return success();

@@ -418,6 +418,7 @@ FailureOr<Step> mlir::loom::readStep(ModuleOp module, StringRef pass) {
         buf.bytes = b.getBytes() ? int64_t(*b.getBytes())
                                  : type.getNumElements() * int64_t(rt::dtypeSize(*dt));
         buf.viewOf = b.getViewOf();
+        buf.viewOffset = int64_t(b.getViewOffset());
         r.buffers.push_back(std::move(buf));
       } else if (auto p = dyn_cast<loomrt::ParamOp>(op)) {
         rt::Parameter param;
@@ -512,7 +513,7 @@ void mlir::loom::writeStep(ModuleOp module, const Step &step) {
       auto type = RankedTensorType::get(buf.shape, elementType(ctx, buf.dtype));
       int64_t natural = type.getNumElements() * int64_t(rt::dtypeSize(buf.dtype));
       auto op = b.create<loomrt::BufferOp>(loc, buf.id, buf.name, type, rt::roleName(buf.role),
-                                           buf.offset, IntegerAttr(), buf.viewOf);
+                                           buf.offset, IntegerAttr(), buf.viewOf, buf.viewOffset);
       if (buf.bytes != natural)
         op.setBytes(buf.bytes);
     }

@@ -130,6 +130,8 @@ Buffer parseBuffer(const Field &f) {
     f.at("role").bad("must be input, output, param, state, cache or activation, got '" + role + "'");
   if (f.has("view_of"))
     b.viewOf = f.at("view_of").integer(0);
+  if (f.has("view_offset"))
+    b.viewOffset = f.at("view_offset").integer(0);
   std::optional<int64_t> count = numElements(b.shape);
   if (!count || *count * int64_t(dtypeSize(b.dtype)) != b.bytes)
     f.at("bytes").bad("is " + std::to_string(b.bytes) + " but " + dt + shapeStr(b.shape) +
@@ -216,8 +218,16 @@ RankProgram parseRank(const Field &f, size_t index) {
       if (b.viewOf >= static_cast<int64_t>(i))
         buffers[i].at("view_of").bad("must name an earlier buffer");
       const Buffer &root = r.buffers[b.viewOf];
-      if (root.bytes != b.bytes || root.offset != b.offset)
-        buffers[i].at("view_of").bad("must share the viewed buffer's storage and size");
+      // A reshape (the viewed buffer's storage and size), or a slice: a
+      // contiguous part of it, `view_offset` bytes in.
+      std::optional<int64_t> sliceEnd = checkedAdd(b.viewOffset, b.bytes);
+      if (b.viewOffset < 0 || !sliceEnd || *sliceEnd > root.bytes || root.offset + b.viewOffset != b.offset)
+        buffers[i].at(b.viewOffset != 0 ? "view_offset" : "view_of")
+            .bad(b.viewOffset != 0 ? "must place the slice inside the viewed buffer, at its offset plus " +
+                                         std::to_string(b.viewOffset)
+                                   : std::string("must share the viewed buffer's storage and fit in it"));
+    } else if (b.viewOffset != 0) {
+      buffers[i].at("view_offset").bad("is only for a view (a buffer with view_of)");
     }
     r.buffers.push_back(b);
   }
@@ -605,6 +615,8 @@ json toJson(const Manifest &m) {
                  {"role", roleName(b.role)}};
       if (b.viewOf >= 0)
         jb["view_of"] = b.viewOf;
+      if (b.viewOffset != 0)
+        jb["view_offset"] = b.viewOffset;
       buffers.push_back(jb);
     }
     auto named = [](const std::vector<NamedBuffer> &list) {

@@ -569,3 +569,40 @@ TEST_F(BundleCorruptionTest, CollectiveOutsideLoomRun) {
 }
 
 } // namespace
+
+TEST_F(BundleCorruptionTest, SliceViewsStayInsideTheirBuffer) {
+  // A slice view (loom-overlap-tensor-gather's rows of a product) is a
+  // contiguous part of the buffer it views, `view_offset` bytes in. Made
+  // here of two f32 activations: the later one becomes the second half of
+  // the earlier.
+  std::string dir = copy();
+  json m = manifest(dir);
+  json &buffers = m["ranks"][0]["buffers"];
+  std::vector<int64_t> f32;
+  for (const json &b : buffers)
+    if (b["role"] == "activation" && !b.contains("view_of") && b["dtype"] == "f32" &&
+        b["bytes"].get<int64_t>() % 8 == 0)
+      f32.push_back(b["id"].get<int64_t>());
+  ASSERT_GE(f32.size(), 2u) << "the bundle has fewer than two f32 activations";
+  json &v = buffers[f32[1]];
+  const json &root = buffers[f32[0]];
+  int64_t half = root["bytes"].get<int64_t>() / 2;
+  v["view_of"] = f32[0];
+  v["shape"] = json::array({half / 4});
+  v["bytes"] = half;
+  v["view_offset"] = half;
+  v["offset"] = root["offset"].get<int64_t>() + half;
+  writeManifest(dir, m);
+  EXPECT_NO_THROW(loom::rt::readManifest(dir)); // the second half
+  std::string at = "buffers[" + std::to_string(f32[1]) + "]";
+  v["view_offset"] = half + 4; // one element past the end
+  v["offset"] = root["offset"].get<int64_t>() + half + 4;
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, at + ".view_offset' must place the slice inside the viewed buffer");
+  v["view_offset"] = half; // where the offset does not say
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, "must place the slice inside the viewed buffer, at its offset plus");
+  v.erase("view_of"); // not a view at all
+  writeManifest(dir, m);
+  expectRefused(dir, LOOM_INVALID_BUNDLE, at + ".view_offset' is only for a view");
+}

@@ -56,11 +56,14 @@ def LoomRt_BufferOp : LoomRt_Op<"buffer", [HasParent<"RankOp">]> {
   let summary = "A buffer of the rank's arena (or a view of another buffer)";
   let description = [{
     `bytes` is given only where it is not the type's size; `view_of` is -1
-    for a buffer with its own storage.
+    for a buffer with its own storage. A view is a reshape of the buffer it
+    views, or with `view_offset` (bytes) a slice of it: a contiguous part
+    that many bytes in (a product split by rows, loom-overlap-tensor-gather).
   }];
   let arguments = (ins I64Attr:$id, StrAttr:$name, TypeAttr:$type, StrAttr:$role,
                        I64Attr:$offset, OptionalAttr<I64Attr>:$bytes,
-                       DefaultValuedAttr<I64Attr, "-1">:$view_of);
+                       DefaultValuedAttr<I64Attr, "-1">:$view_of,
+                       DefaultValuedAttr<I64Attr, "0">:$view_offset);
   let assemblyFormat = "$id $name `:` $type $role `at` $offset attr-dict";
 }
 

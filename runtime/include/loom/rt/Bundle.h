@@ -40,6 +40,9 @@ struct Buffer {
   int64_t bytes = 0;
   BufferRole role = BufferRole::Activation;
   int64_t viewOf = -1; // a reshape: same storage as that buffer
+  /// A slice view: the view starts this many bytes into the buffer it views
+  /// and may be shorter (0, and the viewed buffer's size, for a reshape).
+  int64_t viewOffset = 0;
 };
 
 struct Instruction {
