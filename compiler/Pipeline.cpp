@@ -12,6 +12,7 @@ using namespace mlir::loom;
 namespace {
 const char *const kSkippable[] = {"loom-fuse-loss-gradient", "loom-update-copies", "loom-packed-qkv-attention",
                                   "loom-join-slice-gradients", "loom-overlap-tensor-reduce",
+                                  "loom-overlap-tensor-gather",
                                   "loom-accumulate-in-products"};
 } // namespace
 
@@ -85,6 +86,8 @@ void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o,
     add(createAccumulateInProducts());
   if (o.train && tp > 1)
     add(createOverlapTensorReduce());
+  if (o.train && tp > 1 && o.sequenceParallel)
+    add(createOverlapTensorGather());
   if (o.train && (pipelined || dp * tp * pp > 1))
     add(createCompactRanks());
   add(createPlanMemory());
@@ -113,6 +116,7 @@ struct CompilePipelineOptions : public PassPipelineOptions<CompilePipelineOption
   Option<std::string> schedule{*this, "schedule", llvm::cl::desc("gpipe, 1f1b, interleaved or zb-h1"),
                                llvm::cl::init("1f1b")};
   Option<int64_t> zero{*this, "zero", llvm::cl::desc("ZeRO stage (0, 1, 2 or 3)"), llvm::cl::init(0)};
+  Option<bool> sp{*this, "sp", llvm::cl::desc("Sequence parallelism (tp > 1, training)"), llvm::cl::init(false)};
   Option<int64_t> seed{*this, "seed", llvm::cl::desc("Initialisation seed"), llvm::cl::init(0)};
   Option<bool> serve{*this, "serve", llvm::cl::desc("Serving step programs over a paged KV cache"),
                      llvm::cl::init(false)};
@@ -155,6 +159,7 @@ void mlir::loom::registerCompilePipeline() {
         o.zero1 = p.zero >= 1;
         o.zero2 = p.zero >= 2;
         o.zero3 = p.zero == 3;
+        o.sequenceParallel = p.sp;
         o.seed = p.seed;
         o.serve.enabled = p.serve;
         o.serve.maxBatch = p.maxBatch, o.serve.maxSeq = p.maxSeq, o.serve.blockSize = p.blockSize;

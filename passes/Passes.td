@@ -336,6 +336,20 @@ def OverlapTensorReduce : Pass<"loom-overlap-tensor-reduce", "::mlir::ModuleOp">
   }];
 }
 
+def OverlapTensorGather : Pass<"loom-overlap-tensor-gather", "::mlir::ModuleOp"> {
+  let summary = "A product's own rows run beside the tensor-parallel all-gather of the others";
+  let description = [{
+    Under sequence parallelism a layer all-gathers the tokens the ranks
+    hold before its product. Where the product is the gather's first
+    reader (its left operand, not transposed), the gather goes out on the
+    communication stream (async, a new event), the product of the rank's
+    own rows runs beside it from the rank's own part, and the product of
+    the other ranks' rows waits for it. Operands with a row per token are
+    cut with slice views (`view_offset`). Left alone on ranks whose
+    programs already have async collectives of other groups.
+  }];
+}
+
 def CompactRanks : Pass<"loom-compact-ranks", "::mlir::ModuleOp"> {
   let summary = "Drops the buffers and parameters a rank never touches; renumbers the rest";
 }

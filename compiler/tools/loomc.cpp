@@ -624,7 +624,7 @@ int runCompile() {
   }
   // What the compiler's rewrites did to rank 0, read back from its programs.
   int64_t packed = 0, epilogues = 0, fused = 0, rowKernels = 0, bf16Grads = 0, lossGrads = 0, tpOverlapped = 0;
-  int64_t summedInProducts = 0;
+  int64_t summedInProducts = 0, gathersOverlapped = 0;
   std::map<std::string, int64_t> epilogueKinds;
   std::set<std::string> adamKernels;
   for (const auto &[name, program] : rank.programs)
@@ -643,6 +643,8 @@ int runCompile() {
                           ins.in[0] != ins.out[0] && rank.buffers[ins.in[0]].dtype == rank.buffers[ins.out[0]].dtype);
       tpOverlapped += layerReduce && ins.attrs.is_object() && ins.attrs.value("async", false) &&
                       ins.attrs.value("group", std::string()) == "tp";
+      gathersOverlapped += ins.op == "all_gather" && ins.attrs.is_object() && ins.attrs.value("async", false) &&
+                           ins.attrs.value("group", std::string()) == "tp" && ins.attrs.contains("axis");
       bool generated = ins.op != "fused" && ins.attrs.is_object() && ins.attrs.contains("kernel");
       rowKernels += generated && ins.op != "adamw";
       if (generated && ins.op == "adamw")
@@ -670,6 +672,8 @@ int runCompile() {
     notes.push_back(std::to_string(lossGrads) + " loss(es) write their gradient over the logits");
   if (tpOverlapped)
     notes.push_back(std::to_string(tpOverlapped) + " tensor-parallel reduction(s) beside the weight gradients");
+  if (gathersOverlapped)
+    notes.push_back(std::to_string(gathersOverlapped) + " tensor-parallel gather(s) beside their product's own rows");
   if (summedInProducts)
     notes.push_back(std::to_string(summedInProducts) + " microbatch gradient(s) added into their sums by their products");
   if (!adamKernels.empty())

@@ -1,0 +1,238 @@
+//===- OverlapTensorGather.cpp - A product's rows beside its all-gather ---===//
+//
+// The loom-overlap-tensor-gather pass. Under sequence parallelism each rank
+// holds 1/tp of the tokens between the tensor-parallel layers, and a layer
+// starts by all-gathering them for its product (the column-parallel
+// product in the forward; the row-parallel product's input gradient in the
+// backward):
+//
+//   all_gather(s) -> g          {group = "tp", axis = 0}
+//   matmul(g, w, ...) -> y
+//
+// The rows of y that come from this rank's own tokens need nothing from
+// the other ranks. So the gather goes out on the communication stream,
+// the product of the rank's own rows runs beside it (reading s, writing
+// their slice of y), and the product of the other ranks' rows waits for it:
+//
+//   all_gather(s) -> g          {group = "tp", axis = 0, async, event = e}
+//   matmul(s, w, ...) -> y[own rows]
+//   event_wait {event = e}
+//   matmul(g[rows before], w, ...) -> y[rows before]
+//   matmul(g[rows after], w, ...) -> y[rows after]
+//
+// (Megatron-LM's tensor-parallel communication overlap splits its GEMMs the
+// same way, by the ranks' chunks.) The slices are views with an offset
+// (`view_offset`): each operand that has a row per token (the product's
+// input, its results, a residual, GELU's pre-activation) is cut at the same
+// rows. The values are the same: each row's product is computed from the
+// same operands.
+//
+// Only where the product is the gather's first reader and reads it as its
+// left operand without transposing it (a weight gradient, X^T dY, needs
+// every row), on ranks whose programs have no data-parallel buckets (the
+// same communication stream, in order: the gather would wait behind them).
+//
+//===----------------------------------------------------------------------===//
+
+#include "passes/Passes.h"
+#include "passes/StepState.h"
+
+namespace mlir::loom {
+#define GEN_PASS_DEF_OVERLAPTENSORGATHER
+#include "passes/Passes.h.inc"
+} // namespace mlir::loom
+
+using namespace mlir;
+using namespace mlir::loom;
+namespace rt = ::loom::rt;
+using json = nlohmann::json;
+
+namespace {
+
+/// The epilogues whose extra operands are a bias (one per column) or have a
+/// row per row of the product; the bias-gradient ones sum over the rows.
+bool splittableEpilogue(const rt::Instruction &ins) {
+  std::string e = ins.attrs.is_object() ? ins.attrs.value("epilogue", std::string()) : "";
+  return e.empty() || e == "bias" || e == "bias_gelu" || e == "dgelu" || e == "residual" || e == "bias_residual";
+}
+
+/// Positions of the product's operands with a row per row of the product:
+/// (inputs, outputs).
+std::pair<std::vector<size_t>, std::vector<size_t>> rowOperands(const rt::Instruction &ins) {
+  std::string e = ins.attrs.is_object() ? ins.attrs.value("epilogue", std::string()) : "";
+  std::vector<size_t> in = {0}, out;
+  if (e == "dgelu" && ins.in.size() == 3)
+    in.push_back(2); // GELU's pre-activation
+  if ((e == "residual" || e == "bias_residual") && ins.in.size() >= 3)
+    in.push_back(ins.in.size() - 1);
+  for (size_t i = 0; i < ins.out.size(); ++i)
+    out.push_back(i);
+  return {in, out};
+}
+
+class Splitter {
+public:
+  explicit Splitter(rt::RankProgram &r) : r(r) {}
+
+  /// A view of rows [begin, end) of `parts` equal parts of buffer `id`'s
+  /// leading axis (a reshape of the whole when that is all of it).
+  int64_t slice(int64_t id, int64_t parts, int64_t begin, int64_t end) {
+    rt::Buffer whole = r.buffers[size_t(id)];
+    rt::Buffer v = whole;
+    v.id = int64_t(r.buffers.size());
+    v.name = whole.name + ".rows";
+    v.viewOf = id;
+    v.shape[0] = whole.shape[0] / parts * (end - begin);
+    v.bytes = whole.bytes / parts * (end - begin);
+    v.viewOffset = whole.bytes / parts * begin;
+    r.buffers.push_back(v);
+    return v.id;
+  }
+
+  /// `s` (one part) reshaped as `like`'s rows of one part.
+  int64_t partView(int64_t s, int64_t like, int64_t parts) {
+    rt::Buffer v = r.buffers[size_t(like)];
+    v.id = int64_t(r.buffers.size());
+    v.name = r.buffers[size_t(s)].name + ".view";
+    v.shape[0] /= parts;
+    v.bytes /= parts;
+    v.viewOf = s;
+    v.viewOffset = 0;
+    r.buffers.push_back(v);
+    return v.id;
+  }
+
+  /// Whether every row operand of `ins` can be cut into `parts` parts at
+  /// the same rows: the same row count, a leading axis that `parts` divides.
+  bool cuttable(const rt::Instruction &ins, int64_t parts) {
+    auto [in, out] = rowOperands(ins);
+    int64_t rows = -1;
+    auto ok = [&](int64_t id) {
+      const rt::Buffer &b = r.buffers[size_t(id)];
+      if (b.shape.size() < 2 || b.shape[0] % parts || b.bytes % parts || b.viewOffset != 0)
+        return false;
+      int64_t n = rt::numElements(b.shape).value_or(0), cols = b.shape.back();
+      if (cols <= 0 || n % cols)
+        return false;
+      if (rows < 0)
+        rows = n / cols;
+      return rows == n / cols;
+    };
+    for (size_t i : in)
+      if (!ok(ins.in[i]))
+        return false;
+    for (size_t i : out)
+      if (!ok(ins.out[i]))
+        return false;
+    return true;
+  }
+
+  /// The product over rows [begin, end) of `parts` parts, its left operand `a`.
+  rt::Instruction rows(const rt::Instruction &ins, int64_t a, int64_t parts, int64_t begin, int64_t end) {
+    rt::Instruction part = ins;
+    auto [in, out] = rowOperands(ins);
+    for (size_t i : in)
+      part.in[i] = i == 0 ? a : slice(ins.in[i], parts, begin, end);
+    for (size_t i : out)
+      part.out[i] = slice(ins.out[i], parts, begin, end);
+    return part;
+  }
+
+private:
+  rt::RankProgram &r;
+};
+
+/// Splits the products after the tensor-parallel gathers of one program;
+/// returns how many.
+int64_t overlap(rt::RankProgram &r, std::vector<rt::Instruction> &list, int64_t &nextEventId) {
+  auto members = r.groups.find("tp");
+  if (members == r.groups.end())
+    return 0;
+  int64_t parts = int64_t(members->second.size());
+  int64_t index = int64_t(std::find(members->second.begin(), members->second.end(), r.rank) - members->second.begin());
+  if (parts < 2 || index >= parts)
+    return 0;
+  Splitter split(r);
+  int64_t done = 0;
+  for (size_t i = 0; i < list.size(); ++i) {
+    rt::Instruction &gather = list[i];
+    if (gather.op != "all_gather" || flagAttr(gather, "async") || gather.in.size() != 1 || gather.out.size() != 1 ||
+        !gather.attrs.is_object() || gather.attrs.value("group", std::string()) != "tp" ||
+        gather.attrs.value("axis", int64_t(-1)) != 0)
+      continue;
+    int64_t s = gather.in[0], g = gather.out[0];
+    int64_t sRoot = rt::storageOf(r, s), gRoot = rt::storageOf(r, g);
+    // The gather's first reader, with nothing before it touching the
+    // gather's operands or talking to another rank.
+    size_t j = i + 1;
+    bool clear = true;
+    for (; j < list.size(); ++j) {
+      bool reads = false, touches = false;
+      for (int64_t id : list[j].in)
+        reads |= rt::storageOf(r, id) == gRoot;
+      for (int64_t id : list[j].out)
+        touches |= rt::storageOf(r, id) == gRoot || rt::storageOf(r, id) == sRoot;
+      if (reads || touches || ordersCollectives(list[j])) {
+        clear = !touches && !ordersCollectives(list[j]);
+        break;
+      }
+    }
+    if (!clear || j == list.size())
+      continue;
+    rt::Instruction &product = list[j];
+    if (product.op != "matmul" || flagAttr(product, "transpose_a") || product.in.size() < 2 ||
+        !splittableEpilogue(product) || rt::storageOf(r, product.in[0]) != gRoot)
+      continue;
+    // The gather may be read only as the left operand, whole; the results
+    // may not be read by the product (a residual added in place).
+    bool other = false;
+    for (size_t k = 1; k < product.in.size(); ++k)
+      other |= rt::storageOf(r, product.in[k]) == gRoot;
+    for (int64_t o : product.out)
+      for (int64_t in : product.in)
+        other |= rt::storageOf(r, o) == rt::storageOf(r, in);
+    const rt::Buffer &a = r.buffers[size_t(product.in[0])];
+    if (other || a.bytes != r.buffers[size_t(gRoot)].bytes || a.bytes != r.buffers[size_t(s)].bytes * parts ||
+        !split.cuttable(product, parts))
+      continue;
+    int64_t event = nextEventId++;
+    gather.attrs["async"] = true;
+    gather.attrs["event"] = event;
+    std::vector<rt::Instruction> replaced;
+    // Own rows first, from the rank's own part (the gather only copies it).
+    replaced.push_back(split.rows(product, split.partView(s, product.in[0], parts), parts, index, index + 1));
+    replaced.push_back(rt::Instruction{"event_wait", {}, {}, json{{"event", event}}});
+    if (index > 0)
+      replaced.push_back(split.rows(product, split.slice(product.in[0], parts, 0, index), parts, 0, index));
+    if (index + 1 < parts)
+      replaced.push_back(
+          split.rows(product, split.slice(product.in[0], parts, index + 1, parts), parts, index + 1, parts));
+    list.erase(list.begin() + std::ptrdiff_t(j));
+    list.insert(list.begin() + std::ptrdiff_t(j), replaced.begin(), replaced.end());
+    i = j + replaced.size() - 1;
+    ++done;
+  }
+  return done;
+}
+
+struct OverlapTensorGatherPass : mlir::loom::impl::OverlapTensorGatherBase<OverlapTensorGatherPass> {
+  void runOnOperation() override {
+    auto rewrite = [&](StepRank &rank) {
+      rt::RankProgram &r = rank.program;
+      // Collectives of other groups already on the communication stream
+      // (data-parallel buckets, ZeRO) would hold the gathers up.
+      for (const auto &[name, list] : r.programs)
+        for (const rt::Instruction &ins : list)
+          if (flagAttr(ins, "async") && !(ins.attrs.is_object() && ins.attrs.value("group", std::string()) == "tp"))
+            return;
+      int64_t event = nextEvent(r);
+      for (auto &[name, list] : r.programs)
+        if (name != "prepare" && name != "update")
+          overlap(r, list, event);
+    };
+    if (failed(updateEachRank(getOperation(), getArgument(), rewrite)))
+      signalPassFailure();
+  }
+};
+
+} // namespace
