@@ -217,9 +217,10 @@ plans() {
            dp=2,pp=2,mb=4,schedule=zb-h1,zero=0 pp=4,mb=8,schedule=1f1b,zero=0 pp=4,mb=8,schedule=zb-h1,zero=0 \
            tp=2,pp=2,mb=4,schedule=1f1b,zero=0 tp=4,mb=1,zero=0,sp=1 dp=2,tp=2,mb=1,zero=0,sp=1"
   else
-    plans="pick dp=2,mb=1,zero=0 dp=2,mb=2,zero=0 dp=2,mb=1,zero=1 dp=2,mb=1,zero=2 tp=2,mb=1,zero=0 \
+    plans="pick dp=2,mb=1,zero=0 dp=2,mb=2,zero=0 dp=2,mb=1,zero=1 dp=2,mb=1,zero=2 dp=2,mb=1,zero=3 tp=2,mb=1,zero=0 \
            tp=2,mb=1,zero=0,sp=1 tp=2,mb=2,zero=0 tp=2,mb=2,zero=0,sp=1 \
-           pp=2,mb=4,schedule=1f1b,zero=0 pp=2,mb=8,schedule=1f1b,zero=0 pp=2,mb=8,schedule=zb-h1,zero=0"
+           pp=2,mb=4,schedule=1f1b,zero=0 pp=2,mb=4,schedule=zb-h1,zero=0 pp=2,vpp=2,mb=4,schedule=interleaved,zero=0 \
+           pp=2,mb=8,schedule=1f1b,zero=0 pp=2,mb=8,schedule=zb-h1,zero=0"
   fi
   for m in ${MODELS:-gpt2-350m gpt-1.3b}; do
     # One GPU at the same batch per GPU as the data-parallel plans (8 sequences).

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The bundle matrix: every model in models/ x {f32, bf16, --target cuda} x
-{forward, training step} x {one device, dp2, tp2, pp2 1F1B and pp2 ZB-H1 with
-4 microbatches, dp2 x tp2 x pp2 interleaved, ZeRO-1}, compiled by loomc and
+{forward, training step} x {one device, dp2, tp2, tp2 with sequence parallelism,
+pp2 1F1B and pp2 ZB-H1 with 4 microbatches, dp2 x tp2 x pp2 interleaved,
+ZeRO-1}, compiled by loomc and
 hashed file by file.
 
 `--record` writes the hashes to the fixture (test/bundles/hashes/MODEL.json);
@@ -37,6 +38,7 @@ PLANS = {
     "one": [],
     "dp2": ["--cluster", "h100:2", "--force", "dp=2,tp=1,pp=1,mb=1,zero=0"],
     "tp2": ["--cluster", "h100:2", "--force", "tp=2"],
+    "tp2-sp": ["--cluster", "h100:2", "--force", "tp=2,sp=1"],
     "pp2-1f1b-mb4": ["--cluster", "h100:2", "--force", "dp=1,tp=1,pp=2,mb=4,schedule=1f1b,zero=0"],
     "pp2-zbh1-mb4": ["--cluster", "h100:2", "--force", "dp=1,tp=1,pp=2,mb=4,schedule=zb-h1,zero=0"],
     "dp2tp2pp2-interleaved": ["--cluster", "h100:8", "--force",
