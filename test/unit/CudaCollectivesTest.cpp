@@ -128,6 +128,51 @@ void gatherSlices(bool async, bool bf16, const char *segments) {
   unsetenv("LOOM_MEASURE_ONE_RANK");
 }
 
+/// ZeRO's packed reduce-scatter of whole gradients (f32, and bf16 widened as
+/// they are packed) into f32 slices, as rank 0 of two measured alone: its
+/// slice of each is the first ceil(n / 2) elements, by segments or element
+/// by element (LOOM_CUDA_PACK_SEGMENTS=0).
+void scatterGradients(bool async, const char *segments) {
+  setenv("LOOM_MEASURE_ONE_RANK", "0", 1);
+  setenv("LOOM_CUDA_PACK_SEGMENTS", segments, 1);
+  loom::rt::test::ProgramBuilder p;
+  std::vector<std::pair<int64_t, loom_dtype_t>> tensors = {
+      {1000, LOOM_F32}, {37, LOOM_BF16}, {70001, LOOM_BF16}, {5, LOOM_F32}, {300001, LOOM_F32}, {1, LOOM_BF16}};
+  Instruction scatter{"reduce_scatter", {}, {}, {{"reduction", "mean"}, {"group", "dp"}}};
+  for (auto [n, dt] : tensors) {
+    scatter.in.push_back(p.add({n}, dt, "grad"));
+    scatter.out.push_back(p.add({(n + 1) / 2}, LOOM_F32, "slice"));
+  }
+  std::vector<Instruction> program = {scatter};
+  if (async) {
+    program[0].attrs["async"] = true, program[0].attrs["event"] = 0;
+    program.push_back(Instruction{"event_wait", {}, {}, {{"event", 0}}});
+  }
+  RankProgram r = p.finish(program);
+  r.groups["dp"] = {0, 1};
+  auto gpu = makeCudaBackend(r, 0);
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> dist(-3.0f, 3.0f);
+  std::vector<std::vector<char>> grads;
+  for (int64_t id : scatter.in) {
+    grads.push_back(floatBytes(r.buffers[id], [&](int64_t) { return dist(rng); }));
+    gpu->upload(r.buffers[id], grads.back().data());
+  }
+  gpu->prepare("backward", program);
+  gpu->run("backward");
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    std::vector<float> got = downloadFloats(*gpu, r.buffers[scatter.out[t]]);
+    for (int64_t i = 0; i < (tensors[t].first + 1) / 2; ++i) {
+      float want = tensors[t].second == LOOM_BF16
+                       ? bf16ToFloat(reinterpret_cast<const uint16_t *>(grads[t].data())[i])
+                       : reinterpret_cast<const float *>(grads[t].data())[i];
+      ASSERT_EQ(got[size_t(i)], want) << "tensor " << t << " [" << i << "]";
+    }
+  }
+  unsetenv("LOOM_CUDA_PACK_SEGMENTS");
+  unsetenv("LOOM_MEASURE_ONE_RANK");
+}
+
 } // namespace
 
 TEST(CudaCollectives, PackedBucket) {
@@ -205,6 +250,29 @@ TEST(CudaCollectives, BucketWaitedForByTheNextProgram) {
   }
 }
 
+
+// The buckets above with the packing kernels that search for each
+// element's tensor (LOOM_CUDA_PACK_SEGMENTS=0), which the default's
+// segment copies replaced.
+TEST(CudaCollectives, PackedBucketsElementByElement) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  setenv("LOOM_CUDA_PACK_SEGMENTS", "0", 1);
+  bucket(/*async=*/false, "1");
+  bucket(/*async=*/true, "1");
+  bucket(/*async=*/true, "1", "bf16");
+  unsetenv("LOOM_CUDA_PACK_SEGMENTS");
+}
+
+TEST(CudaCollectives, ZeroScatterOfGradients) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  for (bool async : {false, true})
+    for (const char *segments : {"1", "0"}) {
+      SCOPED_TRACE(std::string(async ? "async " : "sync ") + "segments=" + segments);
+      scatterGradients(async, segments);
+    }
+}
 
 TEST(CudaCollectives, ZeroGatherOfSlices) {
   if (!haveGpu())

@@ -142,7 +142,74 @@ __global__ void widenBf16MeansKernel(const PackedTensor *t, int count, int64_t s
   }
 }
 
+// The same copies by segments: a block row per tensor (or per part and
+// tensor), each a contiguous copy, without a search for its tensor per
+// element over the whole span. Grid stride along each row.
+#define SEGMENT_LOOP(i, n) for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); i += int64_t(gridDim.x) * blockDim.x)
+
+__device__ inline float wholeAt(const PackedTensor &x, int64_t at) {
+  return x.bf16Whole ? __bfloat162float(reinterpret_cast<const __nv_bfloat16 *>(x.whole)[at]) : x.whole[at];
+}
+
+/// As packPartsKernel: row y is part y / count of tensor y % count.
+__global__ void packPartSegmentsKernel(const PackedTensor *t, int count, int64_t span, float *packed) {
+  int64_t p = blockIdx.y / count;
+  const PackedTensor &x = t[blockIdx.y % count];
+  float *dst = packed + p * span + x.offset;
+  SEGMENT_LOOP(i, x.k) {
+    int64_t at = p * x.k + i;
+    dst[i] = at < x.n ? wholeAt(x, at) : 0.0f;
+  }
+}
+
+/// As unpackShardsKernel.
+__global__ void unpackShardSegmentsKernel(const PackedTensor *t, const float *mine) {
+  const PackedTensor &x = t[blockIdx.y];
+  SEGMENT_LOOP(i, x.k) x.shard[i] = mine[x.offset + i];
+}
+
+/// As widenBucketKernel.
+__global__ void widenSegmentsKernel(const PackedTensor *t, float *packed) {
+  const PackedTensor &x = t[blockIdx.y];
+  float *dst = packed ? packed + x.offset : x.shard;
+  SEGMENT_LOOP(i, x.n) dst[i] = wholeAt(x, i);
+}
+
+/// As packBf16Kernel.
+__global__ void packBf16SegmentsKernel(const PackedTensor *t, __nv_bfloat16 *packed) {
+  const PackedTensor &x = t[blockIdx.y];
+  const auto *src = reinterpret_cast<const __nv_bfloat16 *>(x.whole);
+  SEGMENT_LOOP(i, x.n) packed[x.offset + i] = src[i];
+}
+
+/// As widenBf16MeansKernel.
+__global__ void widenBf16MeansSegmentsKernel(const PackedTensor *t, const __nv_bfloat16 *means) {
+  const PackedTensor &x = t[blockIdx.y];
+  SEGMENT_LOOP(i, x.n) x.shard[i] = __bfloat162float(means[x.offset + i]);
+}
+
 } // namespace
+
+/// Whether the packing kernels copy by segments (the default), and their
+/// grid: rows of blocks, each row striding over up to `longest` elements.
+/// LOOM_CUDA_PACK_SEGMENTS=0 (or the older LOOM_CUDA_ZERO_SEGMENTS=0) keeps
+/// the kernels that search for each element's tensor, to compare.
+static bool packBySegments(int64_t rows) {
+  // Read as each collective is prepared, not once, so that a test can
+  // compare both kernels in one process.
+  bool on = !envIs("LOOM_CUDA_PACK_SEGMENTS", "0") && !envIs("LOOM_CUDA_ZERO_SEGMENTS", "0");
+  return on && rows >= 1 && rows <= 65535;
+}
+static dim3 segmentGrid(int64_t longest, int64_t rows) {
+  return dim3(unsigned(std::max<int64_t>(1, std::min<int64_t>((longest + 4 * kThreads - 1) / (4 * kThreads), 1024))),
+              unsigned(std::max<int64_t>(1, rows)));
+}
+static int64_t longestOf(const std::vector<PackedTensor> &list, bool shards) {
+  int64_t longest = 0;
+  for (const PackedTensor &t : list)
+    longest = std::max(longest, shards ? t.k : t.n);
+  return longest;
+}
 
 bool CudaBackendImpl::bucketPacked() {
   return !envIs("LOOM_CUDA_BUCKET_PACKED", "0");
@@ -216,15 +283,25 @@ Launch CudaBackendImpl::buildPackedReduceScatter(const Instruction &ins, int64_t
   const PackedTensor *table = packedTensors(ins.in, ins.out, parts, span, false, /*eitherWholes=*/true);
   int count = int(ins.in.size());
   commWorkspaceBytes = std::max(commWorkspaceBytes, size_t((parts + 1) * span) * sizeof(float));
-  int64_t self = index;
-  auto run = [this, table, count, span, parts, self, comm, mean](cudaStream_t s) {
+  int64_t self = index, longest = 0;
+  for (int64_t id : ins.out)
+    longest = std::max(longest, numElements(buf(id).shape).value_or(0));
+  bool segments = packBySegments(parts * count);
+  dim3 packGrid = segmentGrid(longest, parts * count), unpackGrid = segmentGrid(longest, count);
+  auto run = [this, table, count, span, parts, self, comm, mean, segments, packGrid, unpackGrid](cudaStream_t s) {
     float *packed = reinterpret_cast<float *>(commWorkspace), *mine = packed + parts * span;
-    packPartsKernel<<<blocksFor(parts * span), kThreads, 0, s>>>(table, count, span, parts, packed);
+    if (segments)
+      packPartSegmentsKernel<<<packGrid, kThreads, 0, s>>>(table, count, span, packed);
+    else
+      packPartsKernel<<<blocksFor(parts * span), kThreads, 0, s>>>(table, count, span, parts, packed);
     if (comm)
       LOOM_NCCL_CHECK(ncclReduceScatter(packed, mine, size_t(span), ncclFloat32, mean ? ncclAvg : ncclSum, comm, s));
     else
       LOOM_CUDA_CHECK(cudaMemcpyAsync(mine, packed + self * span, span * sizeof(float), cudaMemcpyDeviceToDevice, s));
-    unpackShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, mine);
+    if (segments)
+      unpackShardSegmentsKernel<<<unpackGrid, kThreads, 0, s>>>(table, mine);
+    else
+      unpackShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, mine);
   };
   if (asyncCollective(ins))
     return onCommStream(ins, run);
@@ -280,6 +357,9 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
   const PackedTensor *smallTable = small.empty() ? nullptr : deviceArray(small);
   const PackedTensor *wideTable = widened.empty() ? nullptr : deviceArray(widened);
   int smallCount = int(small.size()), wideCount = int(widened.size());
+  bool smallSegments = packBySegments(smallCount), wideSegments = packBySegments(wideCount);
+  dim3 smallGrid = segmentGrid(longestOf(small, false), smallCount),
+       wideGrid = segmentGrid(longestOf(widened, false), wideCount);
   size_t bytes = size_t(span) * sizeof(float);
   bool async = asyncCollective(ins);
   if (async) // on the communication stream it has that stream's own workspace
@@ -288,9 +368,13 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
     reserve(bytes);
   auto run = [=](cudaStream_t s) {
     float *packed = reinterpret_cast<float *>(async ? commWorkspace : workspace);
-    if (wideCount)
+    if (wideCount && wideSegments)
+      widenSegmentsKernel<<<wideGrid, kThreads, 0, s>>>(wideTable, nullptr);
+    else if (wideCount)
       widenBucketKernel<<<blocksFor(wideSpan), kThreads, 0, s>>>(wideTable, wideCount, wideSpan, nullptr);
-    if (smallCount)
+    if (smallCount && smallSegments)
+      widenSegmentsKernel<<<smallGrid, kThreads, 0, s>>>(smallTable, packed);
+    else if (smallCount)
       widenBucketKernel<<<blocksFor(span), kThreads, 0, s>>>(smallTable, smallCount, span, packed);
     if (comm) {
       LOOM_NCCL_CHECK(ncclGroupStart());
@@ -300,7 +384,9 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
         LOOM_NCCL_CHECK(ncclAllReduce(data, data, size_t(n), ncclFloat32, red, comm, s));
       LOOM_NCCL_CHECK(ncclGroupEnd());
     }
-    if (smallCount)
+    if (smallCount && smallSegments)
+      unpackShardSegmentsKernel<<<smallGrid, kThreads, 0, s>>>(smallTable, packed);
+    else if (smallCount)
       unpackShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(smallTable, smallCount, span, packed);
   };
   return async ? onCommStream(ins, run) : Launch(run);
@@ -345,9 +431,15 @@ Launch CudaBackendImpl::buildBf16WireAllReduce(const Instruction &ins, ncclRedOp
   if (!async)
     fail(LOOM_INVALID_BUNDLE, where, ": a bucket averaged in bf16 (\"wire\": \"bf16\") must be async");
   int allCount = int(bf16s.size());
+  bool segments = packBySegments(allCount);
+  dim3 smallGrid = segmentGrid(longestOf(std::vector<PackedTensor>(bf16s.begin(), bf16s.begin() + smallCount), false),
+                               int64_t(smallCount)),
+       allGrid = segmentGrid(longestOf(bf16s, false), allCount);
   auto run = [=](cudaStream_t s) {
     auto *means = reinterpret_cast<__nv_bfloat16 *>(commWorkspace);
-    if (smallCount)
+    if (smallCount && segments)
+      packBf16SegmentsKernel<<<smallGrid, kThreads, 0, s>>>(smallTable, means);
+    else if (smallCount)
       packBf16Kernel<<<blocksFor(smallSpan), kThreads, 0, s>>>(smallTable, int(smallCount), smallSpan, means);
     for (auto [in, out, n] : f32s)
       if (in != out)
@@ -365,7 +457,9 @@ Launch CudaBackendImpl::buildBf16WireAllReduce(const Instruction &ins, ncclRedOp
       for (auto [in, at, n] : largeBf16)
         LOOM_CUDA_CHECK(cudaMemcpyAsync(means + at, in, size_t(n) * 2, cudaMemcpyDeviceToDevice, s));
     }
-    if (allCount)
+    if (allCount && segments)
+      widenBf16MeansSegmentsKernel<<<allGrid, kThreads, 0, s>>>(allTable, means);
+    else if (allCount)
       widenBf16MeansKernel<<<blocksFor(span), kThreads, 0, s>>>(allTable, allCount, span, means);
   };
   return onCommStream(ins, run);
@@ -398,13 +492,12 @@ Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t ind
   int cap = async ? commBlocks : 0;
   auto blocks = [cap](int64_t n) { return cap > 0 ? std::min(blocksFor(n), cap) : blocksFor(n); };
   // By segments (a block row per tensor, and per part and tensor), unless
-  // LOOM_CUDA_ZERO_SEGMENTS=0: each a contiguous copy, instead of a search
+  // LOOM_CUDA_PACK_SEGMENTS=0: each a contiguous copy, instead of a search
   // for its tensor per element over the whole span.
-  static const bool bySegments = !envIs("LOOM_CUDA_ZERO_SEGMENTS", "0");
   int64_t longest = 0;
   for (int64_t id : ins.in)
     longest = std::max(longest, numElements(buf(id).shape).value_or(0));
-  bool segments = bySegments && parts * count <= 65535;
+  bool segments = packBySegments(parts * count);
   dim3 packGrid(unsigned(std::max<int64_t>(1, std::min<int64_t>((longest + 4 * kThreads - 1) / (4 * kThreads), 1024))),
                 unsigned(count)),
       unpackGrid(packGrid.x, unsigned(parts * count));
