@@ -221,10 +221,8 @@ struct OverlapTensorGatherPass : mlir::loom::impl::OverlapTensorGatherBase<Overl
       rt::RankProgram &r = rank.program;
       // Collectives of other groups already on the communication stream
       // (data-parallel buckets, ZeRO) would hold the gathers up.
-      for (const auto &[name, list] : r.programs)
-        for (const rt::Instruction &ins : list)
-          if (flagAttr(ins, "async") && !(ins.attrs.is_object() && ins.attrs.value("group", std::string()) == "tp"))
-            return;
+      if (asyncBesides(r, "tp"))
+        return;
       int64_t event = nextEvent(r);
       for (auto &[name, list] : r.programs)
         if (name != "prepare" && name != "update")

@@ -129,11 +129,7 @@ struct OverlapTensorReducePass : mlir::loom::impl::OverlapTensorReduceBase<Overl
       rt::RankProgram &r = rank.program;
       // The rank's collectives already on the communication stream (data-
       // parallel buckets, ZeRO-1) would hold this group's up.
-      bool busy = false;
-      for (const auto &[name, list] : r.programs)
-        for (const rt::Instruction &ins : list)
-          busy |= asyncCollective(ins) && !(ins.attrs.is_object() && ins.attrs.value("group", std::string()) == "tp");
-      if (busy)
+      if (asyncBesides(r, "tp"))
         return;
       int64_t event = nextEvent(r);
       for (auto &[name, list] : r.programs)

@@ -623,6 +623,14 @@ bool mlir::loom::ordersCollectives(const rt::Instruction &ins) {
   return ops.count(ins.op) || (ins.attrs.is_object() && ins.attrs.contains("vocab_group"));
 }
 
+bool mlir::loom::asyncBesides(const rt::RankProgram &r, const std::string &group) {
+  for (const auto &[name, list] : r.programs)
+    for (const rt::Instruction &ins : list)
+      if (flagAttr(ins, "async") && !(ins.attrs.is_object() && ins.attrs.value("group", std::string()) == group))
+        return true;
+  return false;
+}
+
 int64_t mlir::loom::nextEvent(const rt::RankProgram &r) {
   int64_t next = 0;
   for (const auto &[name, list] : r.programs)

@@ -192,6 +192,11 @@ bool ordersCollectives(const ::loom::rt::Instruction &ins);
 /// One past the largest event any instruction of the rank records or waits
 /// for: the next async collective's event.
 int64_t nextEvent(const ::loom::rt::RankProgram &r);
+/// Whether some program of the rank has an async collective of a group other
+/// than `group` (data-parallel buckets, ZeRO's gathers): the communication
+/// stream runs them in order, so a collective of `group` moved there would
+/// wait behind them.
+bool asyncBesides(const ::loom::rt::RankProgram &r, const std::string &group);
 /// An instruction of a rank: its program and its place there.
 struct InstructionSite {
   std::string program;

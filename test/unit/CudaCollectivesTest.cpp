@@ -84,6 +84,29 @@ void bucket(bool async, const char *packed, const char *wire = "f32", bool bf16I
   unsetenv("LOOM_CUDA_BUCKET_PACKED");
 }
 
+/// `ins` alone, or on the communication stream (event 0) with its wait.
+std::vector<Instruction> maybeAsync(Instruction ins, bool async) {
+  std::vector<Instruction> program = {ins};
+  if (async) {
+    program[0].attrs["async"] = true, program[0].attrs["event"] = 0;
+    program.push_back(Instruction{"event_wait", {}, {}, {{"event", 0}}});
+  }
+  return program;
+}
+
+/// Uploads random values in [-3, 3) into each of `ids`; returns them.
+std::vector<std::vector<char>> uploadRandom(Backend &gpu, const RankProgram &r, const std::vector<int64_t> &ids,
+                                            unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-3.0f, 3.0f);
+  std::vector<std::vector<char>> values;
+  for (int64_t id : ids) {
+    values.push_back(floatBytes(r.buffers[id], [&](int64_t) { return dist(rng); }));
+    gpu.upload(r.buffers[id], values.back().data());
+  }
+  return values;
+}
+
 /// ZeRO's packed all-gather of f32 slices into whole f32 or bf16 tensors,
 /// as rank 0 of two measured alone (LOOM_MEASURE_ONE_RANK: its own part of
 /// each whole is its slice, rounded where the whole is bf16; the other
@@ -99,21 +122,11 @@ void gatherSlices(bool async, bool bf16, const char *segments) {
     gather.in.push_back(p.add({(n + 1) / 2}, LOOM_F32, "slice"));
     gather.out.push_back(p.add({n}, bf16 ? LOOM_BF16 : LOOM_F32, "whole"));
   }
-  std::vector<Instruction> program = {gather};
-  if (async) {
-    program[0].attrs["async"] = true, program[0].attrs["event"] = 0;
-    program.push_back(Instruction{"event_wait", {}, {}, {{"event", 0}}});
-  }
+  std::vector<Instruction> program = maybeAsync(gather, async);
   RankProgram r = p.finish(program);
   r.groups["dp"] = {0, 1};
   auto gpu = makeCudaBackend(r, 0);
-  std::mt19937 rng(7);
-  std::uniform_real_distribution<float> dist(-3.0f, 3.0f);
-  std::vector<std::vector<char>> slices;
-  for (int64_t id : gather.in) {
-    slices.push_back(floatBytes(r.buffers[id], [&](int64_t) { return dist(rng); }));
-    gpu->upload(r.buffers[id], slices.back().data());
-  }
+  std::vector<std::vector<char>> slices = uploadRandom(*gpu, r, gather.in, 7);
   gpu->prepare("forward", program);
   gpu->run("forward");
   for (size_t t = 0; t < sizes.size(); ++t) {
@@ -143,21 +156,11 @@ void scatterGradients(bool async, const char *segments) {
     scatter.in.push_back(p.add({n}, dt, "grad"));
     scatter.out.push_back(p.add({(n + 1) / 2}, LOOM_F32, "slice"));
   }
-  std::vector<Instruction> program = {scatter};
-  if (async) {
-    program[0].attrs["async"] = true, program[0].attrs["event"] = 0;
-    program.push_back(Instruction{"event_wait", {}, {}, {{"event", 0}}});
-  }
+  std::vector<Instruction> program = maybeAsync(scatter, async);
   RankProgram r = p.finish(program);
   r.groups["dp"] = {0, 1};
   auto gpu = makeCudaBackend(r, 0);
-  std::mt19937 rng(11);
-  std::uniform_real_distribution<float> dist(-3.0f, 3.0f);
-  std::vector<std::vector<char>> grads;
-  for (int64_t id : scatter.in) {
-    grads.push_back(floatBytes(r.buffers[id], [&](int64_t) { return dist(rng); }));
-    gpu->upload(r.buffers[id], grads.back().data());
-  }
+  std::vector<std::vector<char>> grads = uploadRandom(*gpu, r, scatter.in, 11);
   gpu->prepare("backward", program);
   gpu->run("backward");
   for (size_t t = 0; t < tensors.size(); ++t) {
