@@ -12,7 +12,7 @@ using namespace mlir::loom;
 namespace {
 const char *const kSkippable[] = {"loom-fuse-loss-gradient", "loom-update-copies", "loom-packed-qkv-attention",
                                   "loom-join-slice-gradients", "loom-overlap-tensor-reduce",
-                                  "loom-overlap-tensor-gather",
+                                  "loom-overlap-tensor-gather", "loom-split-tensor-reduce",
                                   "loom-accumulate-in-products"};
 } // namespace
 
@@ -88,6 +88,8 @@ void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o,
     add(createOverlapTensorReduce());
   if (o.train && tp > 1 && o.sequenceParallel)
     add(createOverlapTensorGather());
+  if (o.train && tp > 1)
+    add(createSplitTensorReduce());
   if (o.train && (pipelined || dp * tp * pp > 1))
     add(createCompactRanks());
   add(createPlanMemory());

@@ -350,6 +350,19 @@ def OverlapTensorGather : Pass<"loom-overlap-tensor-gather", "::mlir::ModuleOp">
   }];
 }
 
+def SplitTensorReduce : Pass<"loom-split-tensor-reduce", "::mlir::ModuleOp"> {
+  let summary = "A row-parallel product and its tensor-parallel all-reduce in two halves of its rows";
+  let description = [{
+    Where a synchronous all-reduce over the "tp" group sums what the product
+    right before it wrote (a Megatron-style layer's forward), the product is
+    cut into two halves of its rows (slice views), each half's all-reduce
+    goes out on the communication stream after it (async, new events), and
+    the next instruction waits for both: the first half's sum runs beside
+    the second half's product. Left alone on ranks whose programs already
+    have async collectives of other groups.
+  }];
+}
+
 def CompactRanks : Pass<"loom-compact-ranks", "::mlir::ModuleOp"> {
   let summary = "Drops the buffers and parameters a rank never touches; renumbers the rest";
 }

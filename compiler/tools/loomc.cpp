@@ -624,7 +624,7 @@ int runCompile() {
   }
   // What the compiler's rewrites did to rank 0, read back from its programs.
   int64_t packed = 0, epilogues = 0, fused = 0, rowKernels = 0, bf16Grads = 0, lossGrads = 0, tpOverlapped = 0;
-  int64_t summedInProducts = 0, gathersOverlapped = 0;
+  int64_t summedInProducts = 0, gathersOverlapped = 0, reducesInHalves = 0;
   std::map<std::string, int64_t> epilogueKinds;
   std::set<std::string> adamKernels;
   for (const auto &[name, program] : rank.programs)
@@ -641,8 +641,14 @@ int runCompile() {
       bool layerReduce = (ins.op == "reduce_scatter" && ins.attrs.is_object() && ins.attrs.contains("axis")) ||
                          (ins.op == "all_reduce" && ins.in.size() == 1 && ins.out.size() == 1 &&
                           ins.in[0] != ins.out[0] && rank.buffers[ins.in[0]].dtype == rank.buffers[ins.out[0]].dtype);
-      tpOverlapped += layerReduce && ins.attrs.is_object() && ins.attrs.value("async", false) &&
-                      ins.attrs.value("group", std::string()) == "tp";
+      // A half of a row-parallel product's sum (loom-split-tensor-reduce): a
+      // slice of the product's result.
+      bool half = ins.op == "all_reduce" && ins.in.size() == 1 &&
+                  rank.buffers[ins.in[0]].bytes < rank.buffers[::loom::rt::storageOf(rank, ins.in[0])].bytes;
+      bool asyncTp = ins.attrs.is_object() && ins.attrs.value("async", false) &&
+                     ins.attrs.value("group", std::string()) == "tp";
+      tpOverlapped += layerReduce && asyncTp && !half;
+      reducesInHalves += half && asyncTp && rank.buffers[ins.in[0]].viewOffset == 0;
       gathersOverlapped += ins.op == "all_gather" && ins.attrs.is_object() && ins.attrs.value("async", false) &&
                            ins.attrs.value("group", std::string()) == "tp" && ins.attrs.contains("axis");
       bool generated = ins.op != "fused" && ins.attrs.is_object() && ins.attrs.contains("kernel");
@@ -672,6 +678,8 @@ int runCompile() {
     notes.push_back(std::to_string(lossGrads) + " loss(es) write their gradient over the logits");
   if (tpOverlapped)
     notes.push_back(std::to_string(tpOverlapped) + " tensor-parallel reduction(s) beside the weight gradients");
+  if (reducesInHalves)
+    notes.push_back(std::to_string(reducesInHalves) + " tensor-parallel sum(s) in two halves beside their product");
   if (gathersOverlapped)
     notes.push_back(std::to_string(gathersOverlapped) + " tensor-parallel gather(s) beside their product's own rows");
   if (summedInProducts)
