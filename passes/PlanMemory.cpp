@@ -83,6 +83,16 @@ LogicalResult planRank(loomrt::RankOp rank) {
     }
     buffers[id].storage = at;
   }
+  // A slice view lies inside the buffer it views; only views have one.
+  for (int64_t id = 0; id < n; ++id) {
+    loomrt::BufferOp b = buffers[id].op;
+    int64_t into = int64_t(b.getViewOffset());
+    if (into != 0 && viewOf(b) < 0)
+      return b.emitError() << "has view_offset " << into << " but views no buffer (view_of)";
+    if (viewOf(b) >= 0 && (into < 0 || into + buffers[id].bytes > buffers[viewOf(b)].bytes))
+      return b.emitError() << "is a slice of " << buffers[id].bytes << " bytes at view_offset " << into
+                           << ", outside the " << buffers[viewOf(b)].bytes << " bytes of buffer " << viewOf(b);
+  }
   // The programs in execution order: the training step's, then any others
   // (a serving bundle's step programs, which run one at a time) by name.
   std::map<std::string, std::vector<loomrt::ProgramOp>> byName;

@@ -16,6 +16,31 @@ module {
 
 // -----
 
+// A slice view (view_offset) that runs past the end of the buffer it views.
+module {
+  loomrt.bundle "model" "infer" batch 1 seed 0 attributes {kernels = "", plan = {}, weights = ""} {
+    loomrt.rank 0 "cpu" attributes {arena_bytes = 0 : i64, coords = {}, peak_bytes = 0 : i64} {
+      loomrt.buffer 0 "a" : tensor<4xf32> "activation" at 0
+      // expected-error @below {{is a slice of 8 bytes at view_offset 12, outside the 16 bytes of buffer 0}}
+      loomrt.buffer 1 "b" : tensor<2xf32> "activation" at 0 {view_of = 0 : i64, view_offset = 12 : i64}
+    }
+  }
+}
+
+// -----
+
+// A view_offset on a buffer that views nothing.
+module {
+  loomrt.bundle "model" "infer" batch 1 seed 0 attributes {kernels = "", plan = {}, weights = ""} {
+    loomrt.rank 0 "cpu" attributes {arena_bytes = 0 : i64, coords = {}, peak_bytes = 0 : i64} {
+      // expected-error @below {{has view_offset 8 but views no buffer (view_of)}}
+      loomrt.buffer 0 "a" : tensor<4xf32> "activation" at 0 {view_offset = 8 : i64}
+    }
+  }
+}
+
+// -----
+
 // An instruction naming a buffer the rank does not have.
 module {
   loomrt.bundle "model" "infer" batch 1 seed 0 attributes {kernels = "", plan = {}, weights = ""} {
