@@ -284,120 +284,6 @@ int64_t activationEpilogues(rt::RankProgram &r, const std::set<int64_t> &kept) {
   return removed;
 }
 
-/// Sequence parallelism's row-parallel biases: each rank sums its own
-/// tokens' output gradient (reduce_sum), and loom-data-parallel sums those
-/// partial gradients over the group in one bucket. The same gradient is then
-/// all-gathered for the layer's backward, and its weight gradient's product
-/// (X^T dY) reads every token of it: the bgrad epilogue there sums all of
-/// them, so the bias gradient comes whole out of the product and leaves the
-/// bucket (its f32 copy, where the bucket widened it, becomes a cast):
-///   reduce_sum(dy) -> db; all_gather(dy) -> g; matmul(x, g) -> dw; all_reduce(..., db, ...)
-///     => all_gather(dy) -> g; matmul{bgrad}(x, g) -> dw, db; all_reduce(...)
-/// Only where the bucket is db's first reader (the update may read the sum
-/// after it), and holds other gradients too.
-int64_t gatheredBiasGradients(rt::RankProgram &r) {
-  Readers readers = readersOf(r);
-  int64_t folded = 0;
-  for (auto &[name, list] : r.programs) {
-    if (name == "update" || name == "prepare")
-      continue;
-    std::vector<bool> erased(list.size(), false);
-    std::vector<std::pair<size_t, rt::Instruction>> casts; // inserted after an index
-    for (size_t i = 0; i < list.size(); ++i) {
-      const rt::Instruction &red = list[i];
-      if (red.op != "reduce_sum" || red.in.size() != 1 || red.out.size() != 1)
-        continue;
-      int64_t x = red.in[0], db = red.out[0];
-      const rt::Buffer &xb = r.buffers[x], &dbb = r.buffers[db];
-      int64_t n = xb.shape.empty() ? 0 : xb.shape.back();
-      if (xb.shape.size() < 2 || !floating(xb) || dbb.dtype != xb.dtype || rt::numElements(dbb.shape) != n)
-        continue;
-      std::set<int64_t> axes;
-      if (red.attrs.is_object() && red.attrs.contains("axes") && red.attrs["axes"].is_array())
-        for (const auto &a : red.attrs["axes"])
-          if (a.is_number_integer())
-            axes.insert(a.get<int64_t>() < 0 ? a.get<int64_t>() + int64_t(xb.shape.size()) : a.get<int64_t>());
-      if (axes.size() != xb.shape.size() - 1 || axes.count(int64_t(xb.shape.size()) - 1))
-        continue;
-      int64_t xRoot = storageOf(r, x), dbRoot = storageOf(r, db);
-      // The gather of the same gradient along the tokens, then the product reading it.
-      size_t j = i + 1;
-      for (; j < list.size(); ++j)
-        if (!erased[j] && list[j].op == "all_gather" && list[j].in.size() == 1 && list[j].out.size() == 1 &&
-            storageOf(r, list[j].in[0]) == xRoot && list[j].attrs.is_object() &&
-            list[j].attrs.value("axis", int64_t(-1)) == 0)
-          break;
-      if (j == list.size() || touchedBetween(r, list, erased, i, j, xRoot, false))
-        continue;
-      std::string group = list[j].attrs.value("group", std::string());
-      int64_t gRoot = storageOf(r, list[j].out[0]);
-      size_t k = j + 1;
-      for (; k < list.size(); ++k) {
-        const rt::Instruction &mm = list[k];
-        if (!erased[k] && mm.op == "matmul" && strAttr(mm, "epilogue").empty() && mm.in.size() == 2 &&
-            mm.out.size() == 1 && mlir::loom::flagAttr(mm, "transpose_a") &&
-            !mlir::loom::flagAttr(mm, "transpose_b") && storageOf(r, mm.in[1]) == gRoot)
-          break;
-      }
-      if (k == list.size())
-        continue;
-      const rt::Buffer &b = r.buffers[list[k].in[1]], &o = r.buffers[list[k].out[0]];
-      if (b.shape.size() != 2 || b.shape[1] != n || o.dtype != dbb.dtype ||
-          touchedBetween(r, list, erased, i, k, dbRoot, true) || touchedBetween(r, list, erased, j, k, gRoot, false))
-        continue;
-      // db's first reader: a sum over the same group of several gradients
-      // (in place, or widened into f32); any other reads it after that sum
-      // (the update's).
-      auto found = readers.find(dbRoot);
-      if (found == readers.end())
-        continue;
-      std::string bucketProgram;
-      size_t at = 0;
-      for (auto [program, index] : found->second)
-        if (r.programs[program][index].op == "all_reduce")
-          bucketProgram = program, at = index;
-      bool laterReaders = !bucketProgram.empty();
-      for (auto [program, index] : found->second)
-        laterReaders &= (program == bucketProgram && index >= at) || (program == "update" && bucketProgram != "update");
-      if (!laterReaders)
-        continue;
-      rt::Instruction &bucket = r.programs[bucketProgram][at];
-      if (bucket.op != "all_reduce" || bucket.in.size() < 2 || bucket.in.size() != bucket.out.size() ||
-          !bucket.attrs.is_object() || bucket.attrs.value("group", std::string()) != group ||
-          bucket.attrs.value("reduction", std::string()) != "sum" || (bucketProgram == name && at <= k))
-        continue;
-      size_t p = 0;
-      while (p < bucket.in.size() && storageOf(r, bucket.in[p]) != dbRoot)
-        ++p;
-      if (p == bucket.in.size())
-        continue;
-      int64_t into = bucket.out[p];
-      bool widened = storageOf(r, into) != dbRoot;
-      if (widened && (r.buffers[into].dtype != LOOM_F32 || rt::numElements(r.buffers[into].shape) != n))
-        continue;
-      bucket.in.erase(bucket.in.begin() + std::ptrdiff_t(p));
-      bucket.out.erase(bucket.out.begin() + std::ptrdiff_t(p));
-      int64_t column = viewAs(r, db, rt::Shape{n});
-      list[k].out.push_back(column);
-      list[k].attrs["epilogue"] = "bgrad";
-      if (widened)
-        casts.push_back({k, rt::Instruction{"cast", {column}, {viewAs(r, into, rt::Shape{n})}, json::object()}});
-      erased[i] = true;
-      ++folded;
-    }
-    std::vector<rt::Instruction> out;
-    for (size_t i = 0; i < list.size(); ++i) {
-      if (!erased[i])
-        out.push_back(std::move(list[i]));
-      for (auto &[after, cast] : casts)
-        if (after == i)
-          out.push_back(cast);
-    }
-    list = std::move(out);
-  }
-  return folded;
-}
-
 /// Batch norm then ReLU, as ResNet has after most convolutions, become one
 /// instruction each way:
 ///   batchnorm(x, g, b) -> y; relu(y) -> a
@@ -781,7 +667,6 @@ int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
     }
     list = std::move(out);
   }
-  removed += gatheredBiasGradients(r);
   removed += activationEpilogues(r, kept);
   removed += fuseChains(r, nextKernel, kept, Round::Bf16);
   rowKernels(r, nextKernel);
