@@ -14,7 +14,8 @@
 #           and dp2 at 32 and 128 per GPU (scripts/device-resnet.sh)
 #   plans   two-GPU plans of GPT-2 350M and GPT 1.3B, forced and the planner's pick, each
 #           with its prediction (scripts/device-plans.sh; MODELS=gpt2-350m for one model;
-#           CLUSTER=h200:4 for four GPUs at global batch 32)
+#           CLUSTER=h200:4 for four GPUs at global batch 32); GPT-2 350M's are also what
+#           scripts/device-nccl.sh runs
 #   rank    what one GPU can time of two-GPU plans: a tensor-parallel rank's own work
 #           with and without sequence parallelism, beside one GPU at the same batch
 #           (scripts/device-rank.sh, LOOM_MEASURE_ONE_RANK)
