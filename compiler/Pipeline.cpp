@@ -86,9 +86,9 @@ void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o,
     add(createAccumulateInProducts());
   if (o.train && tp > 1)
     add(createOverlapTensorReduce());
-  if (o.train && tp > 1 && o.sequenceParallel)
+  if (o.train && tp > 1 && o.sequenceParallel && o.tpOverlap)
     add(createOverlapTensorGather());
-  if (o.train && tp > 1)
+  if (o.train && tp > 1 && o.tpOverlap)
     add(createSplitTensorReduce());
   if (o.train && (pipelined || dp * tp * pp > 1))
     add(createCompactRanks());
@@ -119,6 +119,9 @@ struct CompilePipelineOptions : public PassPipelineOptions<CompilePipelineOption
                                llvm::cl::init("1f1b")};
   Option<int64_t> zero{*this, "zero", llvm::cl::desc("ZeRO stage (0, 1, 2 or 3)"), llvm::cl::init(0)};
   Option<bool> sp{*this, "sp", llvm::cl::desc("Sequence parallelism (tp > 1, training)"), llvm::cl::init(false)};
+  Option<bool> tpOverlap{*this, "tp-overlap",
+                         llvm::cl::desc("Tensor-parallel products cut by rows beside their collectives"),
+                         llvm::cl::init(false)};
   Option<int64_t> seed{*this, "seed", llvm::cl::desc("Initialisation seed"), llvm::cl::init(0)};
   Option<bool> serve{*this, "serve", llvm::cl::desc("Serving step programs over a paged KV cache"),
                      llvm::cl::init(false)};
@@ -162,6 +165,7 @@ void mlir::loom::registerCompilePipeline() {
         o.zero2 = p.zero >= 2;
         o.zero3 = p.zero == 3;
         o.sequenceParallel = p.sp;
+        o.tpOverlap = p.tpOverlap;
         o.seed = p.seed;
         o.serve.enabled = p.serve;
         o.serve.maxBatch = p.maxBatch, o.serve.maxSeq = p.maxSeq, o.serve.blockSize = p.blockSize;

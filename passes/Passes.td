@@ -346,7 +346,8 @@ def OverlapTensorGather : Pass<"loom-overlap-tensor-gather", "::mlir::ModuleOp">
     own rows runs beside it from the rank's own part, and the product of
     the other ranks' rows waits for it. Operands with a row per token are
     cut with slice views (`view_offset`). Left alone on ranks whose
-    programs already have async collectives of other groups.
+    programs already have async collectives of other groups. The compile
+    pipeline runs it with `loomc compile --tp-overlap`.
   }];
 }
 
@@ -359,7 +360,8 @@ def SplitTensorReduce : Pass<"loom-split-tensor-reduce", "::mlir::ModuleOp"> {
     goes out on the communication stream after it (async, new events), and
     the next instruction waits for both: the first half's sum runs beside
     the second half's product. Left alone on ranks whose programs already
-    have async collectives of other groups.
+    have async collectives of other groups. The compile pipeline runs it
+    with `loomc compile --tp-overlap`.
   }];
 }
 

@@ -244,12 +244,13 @@ plans() {
     # all-reduces in place, synchronous), to time the rewrite against.
     c $(model $m) --batch $batch --train --lr 3e-4 --target cuda --cluster $cluster --force tp=$gpus,mb=1,zero=0 \
         --skip-pass loom-overlap-tensor-reduce -o "$out/$m-alt-tp-${gpus}_no-overlap.loom"
-    # ... and without its forward sums in two halves (no loom-split-tensor-reduce).
+    # ... and with --tp-overlap: its forward sums in two halves (loom-split-tensor-reduce),
+    # and with sequence parallelism each product's own rows beside its gather
+    # (loom-overlap-tensor-gather).
     c $(model $m) --batch $batch --train --lr 3e-4 --target cuda --cluster $cluster --force tp=$gpus,mb=1,zero=0 \
-        --skip-pass loom-split-tensor-reduce -o "$out/$m-alt-tp-${gpus}_no-split.loom"
-    # ... and with sequence parallelism, its gathers synchronous (no loom-overlap-tensor-gather).
+        --tp-overlap -o "$out/$m-alt-tp-${gpus}_tp-overlap.loom"
     c $(model $m) --batch $batch --train --lr 3e-4 --target cuda --cluster $cluster --force tp=$gpus,mb=1,zero=0,sp=1 \
-        --skip-pass loom-overlap-tensor-gather -o "$out/$m-alt-tp-${gpus}_sp_no-gather.loom"
+        --tp-overlap -o "$out/$m-alt-tp-${gpus}_sp_tp-overlap.loom"
     # Data parallelism over every GPU with the bf16 gradients averaged as bf16 (--grad-reduce bf16).
     c $(model $m) --batch $batch --train --lr 3e-4 --target cuda --cluster $cluster --force dp=$gpus,mb=1,zero=0 \
         --grad-reduce bf16 -o "$out/$m-plan-dp-${gpus}_mb-1_zero-0_wire-bf16.loom"

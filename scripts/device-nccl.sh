@@ -3,8 +3,8 @@
 # - the SM clock and power while one GPU, dp2 and tp2 sp train (nvidia-smi): is dp2's slower
 #   backward the GPU's clock or NCCL's kernels beside it?
 # - dp2 and ZeRO-1 with NCCL's CTAs capped (NCCL_MAX_CTAS, NCCL_CTA_POLICY=1);
-# - tp2 sp with and without loom-overlap-tensor-gather, tp2 with and without
-#   loom-split-tensor-reduce (the losses beside the times), tp2 sp with more or fewer channels;
+# - tp2 and tp2 sp with and without --tp-overlap (loom-split-tensor-reduce, and under sp
+#   loom-overlap-tensor-gather; the losses beside the times), tp2 sp with more or fewer channels;
 # - pp2 at 4 and 8 microbatches, eager and with LOOM_CUDA_GRAPHS_P2P=1, beside one GPU
 #   accumulating the same microbatches.
 # Needs .deps (scripts/device-deps.sh, then MODELS=gpt2-350m scripts/device-bundles.sh plans;
@@ -55,9 +55,9 @@ done
 echo "== tp2 sp: gathers beside the products (loom-overlap-tensor-gather) or not; more channels"
 for round in 1 2; do
   run "tp2sp default" plan-tp-2_mb-1_zero-0_sp-1
-  run "tp2sp no-gather-overlap" alt-tp-2_sp_no-gather
+  run "tp2sp --tp-overlap" alt-tp-2_sp_tp-overlap
   run "tp2 (no sp)" plan-tp-2_mb-1_zero-0
-  run "tp2 (no sp) no-split" alt-tp-2_no-split
+  run "tp2 (no sp) --tp-overlap" alt-tp-2_tp-overlap
   for c in 32; do run "tp2sp min_ctas=$c" plan-tp-2_mb-1_zero-0_sp-1 NCCL_MIN_CTAS=$c NCCL_MAX_CTAS=32; done
   run "tp2sp max_ctas=8" plan-tp-2_mb-1_zero-0_sp-1 NCCL_MIN_CTAS=1 NCCL_MAX_CTAS=8
 done

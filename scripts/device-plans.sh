@@ -7,8 +7,8 @@
 # Needs .deps (scripts/device-deps.sh, then scripts/device-bundles.sh plans).
 # MODELS="gpt2-350m" runs one model; SKIP_TORCH=1 leaves PyTorch out; ALTERNATIVES=0
 # leaves out the pipelined plans with their sends in graphs or fewer link channels
-# and tensor parallelism without its all-reduces overlapped (or, with sequence
-# parallelism, without its gathers beside the products).
+# and tensor parallelism without its backward all-reduces overlapped, or with
+# --tp-overlap (its products cut by rows beside their collectives).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0
@@ -133,15 +133,15 @@ PY
         row "$name $alt" "$out/$name-$alt.log"
       done
     done
-    # Tensor parallelism without one of its overlap rewrites, beside the plan
-    # with them all: no-overlap (loom-overlap-tensor-reduce), no-split
-    # (loom-split-tensor-reduce), sp_no-gather (sp=1, loom-overlap-tensor-gather).
+    # Tensor parallelism beside the plan as compiled by default: no-overlap
+    # (without loom-overlap-tensor-reduce), tp-overlap and sp_tp-overlap (with
+    # --tp-overlap: loom-split-tensor-reduce, and under sp loom-overlap-tensor-gather).
     for b in "$R/$m"-alt-tp-*.loom; do
       [ -d "$b" ] || continue
       name=$(basename "$b" .loom)
       case $name in *_sp_*) base=$(ls -d "$R/$m"-plan-tp-*_mb-1_zero-0_sp-1.loom 2>/dev/null | head -1) ;;
                     *) base=$(ls -d "$R/$m"-plan-tp-*_mb-1_zero-0.loom 2>/dev/null | head -1) ;; esac
-      [ -n "$base" ] && row "$(basename "$base" .loom) (every rewrite)" "$out/$(basename "$base" .loom).log"
+      [ -n "$base" ] && row "$(basename "$base" .loom) (the default)" "$out/$(basename "$base" .loom).log"
       timeout 300 $B/loom-run "$b" --backend cuda --steps 10 > "$out/$name.log" 2>&1 || status=1
       row "$name" "$out/$name.log"
     done

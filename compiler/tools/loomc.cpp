@@ -148,6 +148,14 @@ cl::opt<std::string> trainGradReduce("grad-reduce",
                                               "on the wire, half the bytes and one more rounding, then "
                                               "widened into their f32 copies)"),
                                      cl::init("f32"), cl::sub(compileCmd), cl::cat(trainCategory));
+cl::opt<bool> trainTpOverlap("tp-overlap",
+                            cl::desc("Tensor parallelism: cut the forward's row-parallel products into two "
+                                     "halves of their rows so the first half's all-reduce runs beside "
+                                     "the second half's product, and with sequence parallelism run each "
+                                     "product's own rows beside the gather of the others' "
+                                     "(loom-split-tensor-reduce, loom-overlap-tensor-gather). The same "
+                                     "values; off by default until measured on two GPUs"),
+                            cl::init(false), cl::sub(compileCmd), cl::cat(trainCategory));
 cl::opt<double> trainBucketMb("bucket-mb",
                               cl::desc("Data-parallel gradients go out in buckets of about this many MiB "
                                        "(of f32 gradients), each as soon as its last gradient is made, "
@@ -451,6 +459,8 @@ int runCompile() {
     return fail("--precision must be f32 or bf16, got '" + compilePrecision + "'");
   if (cuda && compilePrecision.getNumOccurrences() == 0)
     precision = ::loom::planner::Precision::Bf16;
+  if (trainTpOverlap && !compileTrain)
+    return fail("--tp-overlap cuts a training step's tensor-parallel products; add --train");
   bool gradReduceBf16 = false;
   if (!parseGradReduce(trainGradReduce, gradReduceBf16))
     return fail("--grad-reduce must be f32 or bf16, got '" + trainGradReduce + "'");
@@ -561,6 +571,7 @@ int runCompile() {
     return fail("--bucket-mb must be above 0 and at most 65536 (MiB), got " + std::to_string(trainBucketMb));
   options.bucketBytes = std::max<int64_t>(1, int64_t(trainBucketMb * 1048576.0));
   options.sequenceParallel = compileTrain && tp > 1 && plan.value("sequence_parallel", false);
+  options.tpOverlap = trainTpOverlap;
   options.plan = plan;
   if (pp > 1)
     options.chunkUnits = ::loom::planner::planChunkUnits(plan);
