@@ -125,18 +125,10 @@ int64_t overlap(rt::RankProgram &r, std::vector<rt::Instruction> &list, int64_t 
 
 struct OverlapTensorReducePass : mlir::loom::impl::OverlapTensorReduceBase<OverlapTensorReducePass> {
   void runOnOperation() override {
-    auto rewrite = [&](StepRank &rank) {
-      rt::RankProgram &r = rank.program;
-      // The rank's collectives already on the communication stream (data-
-      // parallel buckets, ZeRO-1) would hold this group's up.
-      if (asyncBesides(r, "tp"))
-        return;
-      int64_t event = nextEvent(r);
-      for (auto &[name, list] : r.programs)
-        if (name != "prepare" && name != "update")
-          overlap(r, list, event);
+    auto rewrite = [&](rt::RankProgram &r, std::vector<rt::Instruction> &list, int64_t &event) {
+      overlap(r, list, event);
     };
-    if (failed(updateEachRank(getOperation(), getArgument(), rewrite)))
+    if (failed(updateGroupPrograms(getOperation(), getArgument(), "tp", rewrite)))
       signalPassFailure();
   }
 };

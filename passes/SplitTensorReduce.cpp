@@ -103,16 +103,10 @@ int64_t split(rt::RankProgram &r, std::vector<rt::Instruction> &list, int64_t &n
 
 struct SplitTensorReducePass : mlir::loom::impl::SplitTensorReduceBase<SplitTensorReducePass> {
   void runOnOperation() override {
-    auto rewrite = [&](StepRank &rank) {
-      rt::RankProgram &r = rank.program;
-      if (asyncBesides(r, "tp"))
-        return;
-      int64_t event = nextEvent(r);
-      for (auto &[name, list] : r.programs)
-        if (name != "prepare" && name != "update")
-          split(r, list, event);
+    auto rewrite = [&](rt::RankProgram &r, std::vector<rt::Instruction> &list, int64_t &event) {
+      split(r, list, event);
     };
-    if (failed(updateEachRank(getOperation(), getArgument(), rewrite)))
+    if (failed(updateGroupPrograms(getOperation(), getArgument(), "tp", rewrite)))
       signalPassFailure();
   }
 };

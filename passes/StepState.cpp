@@ -571,6 +571,20 @@ LogicalResult mlir::loom::updateEachRank(ModuleOp module, StringRef pass,
   });
 }
 
+LogicalResult mlir::loom::updateGroupPrograms(
+    ModuleOp module, StringRef pass, const std::string &group,
+    function_ref<void(rt::RankProgram &, std::vector<rt::Instruction> &, int64_t &)> fn) {
+  return updateEachRank(module, pass, [&](StepRank &rank) {
+    rt::RankProgram &r = rank.program;
+    if (asyncBesides(r, group))
+      return;
+    int64_t event = nextEvent(r);
+    for (auto &[name, list] : r.programs)
+      if (name != "prepare" && name != "update")
+        fn(r, list, event);
+  });
+}
+
 rt::Manifest mlir::loom::toManifest(const Step &step) {
   rt::Manifest m = step.manifest;
   m.ranks.clear();

@@ -159,6 +159,15 @@ LogicalResult updateStep(ModuleOp module, StringRef pass, function_ref<LogicalRe
 
 /// updateStep for a pass that rewrites each rank on its own, in rank order.
 LogicalResult updateEachRank(ModuleOp module, StringRef pass, function_ref<void(StepRank &)> fn);
+/// For the rewrites that move `group`'s collectives onto the communication
+/// stream: runs `fn` over each step program (not "prepare" or "update") of
+/// every rank with no async collectives of other groups (data-parallel
+/// buckets, ZeRO's gathers: the stream runs its work in order, so a moved
+/// collective would wait behind them), with the rank's next free event,
+/// which `fn` advances as it records events.
+LogicalResult updateGroupPrograms(
+    ModuleOp module, StringRef pass, const std::string &group,
+    function_ref<void(::loom::rt::RankProgram &, std::vector<::loom::rt::Instruction> &, int64_t &)> fn);
 
 /// The manifest the bundle writes: the ranks' programs without the notes
 /// passes leave for each other.
