@@ -204,10 +204,11 @@ static dim3 segmentGrid(int64_t longest, int64_t rows) {
   return dim3(unsigned(std::max<int64_t>(1, std::min<int64_t>((longest + 4 * kThreads - 1) / (4 * kThreads), 1024))),
               unsigned(std::max<int64_t>(1, rows)));
 }
-static int64_t longestOf(const std::vector<PackedTensor> &list, bool shards) {
+/// The most elements a tensor of [first, last) holds: a segment row's length.
+static int64_t longestOf(const PackedTensor *first, const PackedTensor *last) {
   int64_t longest = 0;
-  for (const PackedTensor &t : list)
-    longest = std::max(longest, shards ? t.k : t.n);
+  for (; first != last; ++first)
+    longest = std::max(longest, first->n);
   return longest;
 }
 
@@ -358,8 +359,8 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
   const PackedTensor *wideTable = widened.empty() ? nullptr : deviceArray(widened);
   int smallCount = int(small.size()), wideCount = int(widened.size());
   bool smallSegments = packBySegments(smallCount), wideSegments = packBySegments(wideCount);
-  dim3 smallGrid = segmentGrid(longestOf(small, false), smallCount),
-       wideGrid = segmentGrid(longestOf(widened, false), wideCount);
+  dim3 smallGrid = segmentGrid(longestOf(small.data(), small.data() + small.size()), smallCount),
+       wideGrid = segmentGrid(longestOf(widened.data(), widened.data() + widened.size()), wideCount);
   size_t bytes = size_t(span) * sizeof(float);
   bool async = asyncCollective(ins);
   if (async) // on the communication stream it has that stream's own workspace
@@ -432,9 +433,8 @@ Launch CudaBackendImpl::buildBf16WireAllReduce(const Instruction &ins, ncclRedOp
     fail(LOOM_INVALID_BUNDLE, where, ": a bucket averaged in bf16 (\"wire\": \"bf16\") must be async");
   int allCount = int(bf16s.size());
   bool segments = packBySegments(allCount);
-  dim3 smallGrid = segmentGrid(longestOf(std::vector<PackedTensor>(bf16s.begin(), bf16s.begin() + smallCount), false),
-                               int64_t(smallCount)),
-       allGrid = segmentGrid(longestOf(bf16s, false), allCount);
+  dim3 smallGrid = segmentGrid(longestOf(bf16s.data(), bf16s.data() + smallCount), int64_t(smallCount)),
+       allGrid = segmentGrid(longestOf(bf16s.data(), bf16s.data() + bf16s.size()), allCount);
   auto run = [=](cudaStream_t s) {
     auto *means = reinterpret_cast<__nv_bfloat16 *>(commWorkspace);
     if (smallCount && segments)
