@@ -1,0 +1,155 @@
+//===- KernelWriter.h - MLIR gpu.func text for generated kernels -*- C++ -*-===//
+//
+// KernelWriter writes one generated kernel as a gpu.func in MLIR's textual
+// form (arith, math, memref, vector, scf and gpu ops); fusedKernelsPtx
+// (KernelGen.cpp) parses the module and lowers it to PTX. The kinds live in
+// KernelGen.cpp (elementwise chains), KernelGenRows.cpp (norms, softmax,
+// cross-entropy) and KernelGenAdam.cpp (AdamW).
+//
+//===----------------------------------------------------------------------===//
+#ifndef LOOM_COMPILER_BUNDLE_KERNELWRITER_H
+#define LOOM_COMPILER_BUNDLE_KERNELWRITER_H
+
+#include "loom/rt/Bundle.h"
+
+#include <cmath>
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace mlir::loom::kernelgen {
+
+namespace rt = ::loom::rt;
+using json = nlohmann::json;
+
+/// Writes one fused instruction as a gpu.func over flat memrefs. Each
+/// thread handles V consecutive output elements (the launch's "vector"):
+/// full-size tensors, and broadcast ones that keep the innermost axis, are
+/// memrefs of vector<V x T> (one 16-byte load or store), a tensor constant
+/// along rows is one scalar load, anything else a load per element. The
+/// chain runs per element in f32 (bf16 widened on load, rounded once on
+/// store), as the CPU backend evaluates it.
+class KernelWriter {
+public:
+  KernelWriter(const rt::RankProgram &r, const rt::Instruction &ins) : r(r), ins(ins) {}
+
+  /// A fused elementwise chain (KernelGen.cpp).
+  std::string write();
+  /// A norm or softmax over the last axis: a warp per row (KernelGenRows.cpp).
+  std::string writeRows();
+  /// The cross-entropy loss or its gradient: a block per row (KernelGenRows.cpp).
+  std::string writeCrossEntropy();
+  /// A run of AdamW updates (`members`, this one first) in one kernel (KernelGenAdam.cpp).
+  std::string writeAdam(const std::vector<const rt::Instruction *> &members);
+
+protected:
+  /// exp(old - big), 1 where old is big (both may be -inf: an empty share).
+  std::string rescale(const std::string &old, const std::string &big) {
+    std::string same = tmp(), t = tmp();
+    line(same + " = arith.cmpf oeq, " + old + ", " + big + " : f32");
+    line(t + " = arith.select " + same + ", " + constF(1) + ", " + op("math.exp", op("arith.subf", old, big)) + " : f32");
+    return t;
+  }
+  std::string constI64(int64_t v) {
+    std::string t = tmp();
+    line(t + " = arith.constant " + std::to_string(v) + " : i64");
+    return t;
+  }
+  /// The V lanes of one vector load, widened to f32.
+  std::vector<std::string> loadLanes(const std::string &arg, int64_t id, const std::string &at,
+                                     const std::string &type) {
+    std::string vec = tmp(), ty = elem(id);
+    line(vec + " = memref.load " + arg + "[" + at + "] : " + type);
+    std::vector<std::string> lanes;
+    for (int64_t l = 0; l < V; ++l) {
+      std::string x = tmp();
+      line(x + " = vector.extract " + vec + "[" + std::to_string(l) + "] : " + ty + " from vector<" +
+           std::to_string(V) + "x" + ty + ">");
+      lanes.push_back(widen(x, ty));
+    }
+    return lanes;
+  }
+  /// f32 values rounded to `ty` and packed into a vector of as many lanes.
+  std::string packLanes(const std::vector<std::string> &values, const std::string &ty) {
+    std::string vty = "vector<" + std::to_string(values.size()) + "x" + ty + ">", vec = tmp();
+    line(vec + " = arith.constant dense<0.0> : " + vty);
+    for (size_t l = 0; l < values.size(); ++l) {
+      std::string x = values[l];
+      if (ty == "bf16") {
+        std::string t = tmp();
+        line(t + " = arith.truncf " + x + " : f32 to bf16");
+        x = t;
+      }
+      std::string next = tmp();
+      line(next + " = vector.insert " + x + ", " + vec + "[" + std::to_string(l) + "] : " + ty + " into " + vty);
+      vec = next;
+    }
+    return vec;
+  }
+  /// `combine` over the 32 lanes of the warp (butterfly shuffles: every lane gets it).
+  std::string warpReduce(std::string v, const char *combine) {
+    std::string width = tmp();
+    line(width + " = arith.constant 32 : i32");
+    for (int offset : {16, 8, 4, 2, 1}) {
+      std::string o = tmp(), got = tmp(), valid = tmp();
+      line(o + " = arith.constant " + std::to_string(offset) + " : i32");
+      line(got + ", " + valid + " = gpu.shuffle xor " + v + ", " + o + ", " + width + " : f32");
+      v = op(combine, v, got);
+    }
+    return v;
+  }
+  int64_t count(int64_t id) const { return rt::numElements(r.buffers[id].shape).value_or(0); }
+  std::string elem(int64_t id) const { return r.buffers[id].dtype == LOOM_BF16 ? "bf16" : "f32"; }
+  std::string widen(const std::string &x, const std::string &ty) {
+    if (ty == "f32")
+      return x;
+    std::string t = tmp();
+    line(t + " = arith.extf " + x + " : " + ty + " to f32");
+    return t;
+  }
+  void line(const std::string &s) { os << "      " << s << "\n"; }
+  std::string tmp() { return "%t" + std::to_string(counter++); }
+  std::string constIndex(int64_t v) {
+    std::string t = tmp();
+    line(t + " = arith.constant " + std::to_string(v) + " : index");
+    return t;
+  }
+  std::string constF(double v) {
+    std::string t = tmp();
+    std::ostringstream s;
+    s.precision(9);
+    s << std::scientific << v;
+    line(t + " = arith.constant " + (std::isinf(v) ? (v < 0 ? "0xFF800000" : "0x7F800000") : s.str()) + " : f32");
+    return t;
+  }
+  std::string op(const std::string &name, const std::string &a, const std::string &b = "") {
+    std::string t = tmp();
+    line(t + " = " + name + " " + a + (b.empty() ? "" : ", " + b) + " : f32");
+    return t;
+  }
+  /// The index into input `id` (broadcast to `shape`) of output element `e`.
+  std::string inputIndex(int64_t id, const rt::Shape &shape, const std::string &e);
+  /// One step of a fused chain over f32 values `a`.
+  std::string emitStep(const json &step, const std::vector<std::string> &a);
+  std::string tanh(const std::string &x) { return op("math.tanh", x); }
+  std::string sigmoid(const std::string &x) {
+    return op("arith.divf", constF(1), op("arith.addf", constF(1), op("math.exp", op("arith.negf", x))));
+  }
+  std::string geluTanhInner(const std::string &x) { // tanh(k (x + a x^3))
+    std::string x3 = op("arith.mulf", op("arith.mulf", x, x), x);
+    std::string inner = op("arith.addf", x, op("arith.mulf", constF(0.044715), x3));
+    return tanh(op("arith.mulf", constF(0.79788456080286536), inner));
+  }
+
+  const rt::RankProgram &r;
+  const rt::Instruction &ins;
+  std::ostringstream os;
+  int counter = 0;
+  int64_t V = 1; // elements per thread
+};
+
+} // namespace mlir::loom::kernelgen
+
+#endif
