@@ -563,6 +563,64 @@ void rowKernels(rt::RankProgram &r, int64_t &nextKernel) {
     }
 }
 
+/// Blocks of a generated norm gradient: four for each of sm_90's 132 SMs,
+/// fewer where the rows run out.
+constexpr int64_t kNormGradBlocks = 4 * 132;
+
+/// Norm gradients (layernorm_grad, rmsnorm_grad, with or without the
+/// residual stream's gradient) get two generated kernels
+/// (KernelWriter::writeNormGrad) where the row splits into 32 lanes of whole
+/// vectors, at most 64 elements a lane (h <= 2048), and every operand is f32
+/// or bf16 of the shapes the op takes. A block has as many warps as keep
+/// their accumulators (2 h floats each for LayerNorm, h for RMSNorm) within
+/// 32 KB of workgroup memory, up to 8; "launch" gives its grid, block, vector
+/// width and rows per block.
+void normGradKernels(rt::RankProgram &r, int64_t &nextKernel) {
+  std::map<std::string, std::string> named; // one kernel per op, shapes, dtypes and eps
+  for (auto &[name, list] : r.programs)
+    for (rt::Instruction &ins : list) {
+      bool rms = ins.op == "rmsnorm_grad";
+      if ((!rms && ins.op != "layernorm_grad") || (ins.in.size() != 3 && ins.in.size() != 4) ||
+          ins.out.size() != (rms ? 2u : 3u))
+        continue;
+      const rt::Buffer &x = r.buffers[ins.in[0]];
+      if (x.shape.empty())
+        continue;
+      int64_t h = x.shape.back(), v = x.dtype == LOOM_BF16 ? 8 : 4;
+      while (v > 1 && h % (32 * v))
+        v /= 2;
+      bool ok = h > 0 && h % (32 * v) == 0 && h / 32 <= 64;
+      for (int64_t id : ins.in)
+        ok &= floating(r.buffers[id]);
+      for (int64_t id : ins.out)
+        ok &= floating(r.buffers[id]);
+      ok &= r.buffers[ins.in[1]].shape == rt::Shape{h} && r.buffers[ins.in[2]].shape == x.shape &&
+            r.buffers[ins.out[0]].shape == x.shape;
+      if (ins.in.size() == 4)
+        ok &= r.buffers[ins.in[3]].shape == x.shape;
+      for (size_t k = 1; k < ins.out.size(); ++k)
+        ok &= r.buffers[ins.out[k]].shape == rt::Shape{h};
+      if (!ok)
+        continue;
+      int64_t rows = rt::numElements(x.shape).value_or(0) / h;
+      int64_t width = (rms ? 1 : 2) * h, warps = std::clamp<int64_t>(8192 / width, 1, 8);
+      int64_t perBlock = (rows + kNormGradBlocks - 1) / kNormGradBlocks;
+      perBlock = std::max<int64_t>(warps, (perBlock + warps - 1) / warps * warps);
+      int64_t grid = std::max<int64_t>(1, (rows + perBlock - 1) / perBlock);
+      if (!ins.attrs.is_object())
+        ins.attrs = json::object();
+      std::string signature = ins.op + " " + json(x.shape).dump() + " " + json(ins.attrs.value("eps", 0.0)).dump();
+      for (const std::vector<int64_t> *ids : {&ins.in, &ins.out})
+        for (int64_t id : *ids)
+          signature += " " + std::to_string(r.buffers[id].dtype);
+      std::string &kernel = named[signature];
+      if (kernel.empty())
+        kernel = "ngrad_" + std::to_string(nextKernel++);
+      ins.attrs["kernel"] = kernel;
+      ins.attrs["launch"] = {{"grid", grid}, {"block", 32 * warps}, {"vector", v}, {"rows", perBlock}};
+    }
+}
+
 /// Elements of one tensor each block of the generated AdamW updates.
 constexpr int64_t kAdamChunk = 2048;
 
@@ -670,6 +728,7 @@ int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
   removed += activationEpilogues(r, kept);
   removed += fuseChains(r, nextKernel, kept, Round::Bf16);
   rowKernels(r, nextKernel);
+  normGradKernels(r, nextKernel);
   adamKernels(r, nextKernel);
   return removed;
 }

@@ -64,6 +64,9 @@ python3 test/training/Inputs/close_losses.py "$LOG/llama-tiny-bf16.cudnn.log" "$
 echo "== generated norm, loss and AdamW kernels against ours (LOOM_CUDA_GENERATED=0)"
 LOOM_CUDA_GENERATED=0 $B/loom-run $R/gpt-tiny-bf16-fused-train.loom --backend cuda --steps 20 > "$LOG/gpt-tiny-bf16.ours.log" || status=1
 python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-bf16.fused.cuda.log" "$LOG/gpt-tiny-bf16.ours.log" 2e-3 || status=1
+echo "== generated norm gradients (RMSNorm, bf16) against ours (LOOM_CUDA_NORM_GRAD=ours)"
+LOOM_CUDA_NORM_GRAD=ours $B/loom-run $R/llama-tiny-bf16-fused-train.loom --backend cuda --steps 20 > "$LOG/llama-tiny-bf16.ours.log" || status=1
+python3 test/training/Inputs/close_losses.py "$LOG/llama-tiny-bf16.fused.cuda.log" "$LOG/llama-tiny-bf16.ours.log" 2e-3 || status=1
 echo "== CUDA graphs (the default from the second run of a program) against eager launches (LOOM_CUDA_GRAPHS=0)"
 LOOM_CUDA_GRAPHS=0 $B/loom-run $R/gpt-tiny-bf16-fused-train.loom --backend cuda --steps 20 > "$LOG/gpt-tiny-bf16.eager.log" || status=1
 python3 test/training/Inputs/close_losses.py "$LOG/gpt-tiny-bf16.fused.cuda.log" "$LOG/gpt-tiny-bf16.eager.log" 1e-4 || status=1

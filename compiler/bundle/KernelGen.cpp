@@ -267,8 +267,10 @@ FailureOr<std::string> mlir::loom::fusedKernelsPtx(const std::vector<rt::RankPro
           text += KernelWriter(rank, ins).write();
           ++kernels;
         } else if (!generated(ins).empty()) {
-          text += ins.op.rfind("cross_entropy", 0) == 0 ? KernelWriter(rank, ins).writeCrossEntropy()
-                                                        : KernelWriter(rank, ins).writeRows();
+          KernelWriter writer(rank, ins);
+          text += ins.op.rfind("cross_entropy", 0) == 0 ? writer.writeCrossEntropy()
+                  : ins.op == "layernorm_grad" || ins.op == "rmsnorm_grad" ? writer.writeNormGrad()
+                                                                           : writer.writeRows();
           ++kernels;
         }
       }

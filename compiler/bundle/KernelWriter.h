@@ -4,7 +4,8 @@
 // form (arith, math, memref, vector, scf and gpu ops); fusedKernelsPtx
 // (KernelGen.cpp) parses the module and lowers it to PTX. The kinds live in
 // KernelGen.cpp (elementwise chains), KernelGenRows.cpp (norms, softmax,
-// cross-entropy) and KernelGenAdam.cpp (AdamW).
+// cross-entropy), KernelGenNormGrad.cpp (norm gradients) and
+// KernelGenAdam.cpp (AdamW).
 //
 //===----------------------------------------------------------------------===//
 #ifndef LOOM_COMPILER_BUNDLE_KERNELWRITER_H
@@ -41,6 +42,9 @@ public:
   std::string writeRows();
   /// The cross-entropy loss or its gradient: a block per row (KernelGenRows.cpp).
   std::string writeCrossEntropy();
+  /// A norm's gradient: its rows, then its parameters' column sums (two
+  /// kernels, the second named "<kernel>_sum"; KernelGenNormGrad.cpp).
+  std::string writeNormGrad();
   /// A run of AdamW updates (`members`, this one first) in one kernel (KernelGenAdam.cpp).
   std::string writeAdam(const std::vector<const rt::Instruction *> &members);
 

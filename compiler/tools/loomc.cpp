@@ -634,7 +634,7 @@ int runCompile() {
                  << ", max sequence " << sv.maxSeq << "\n";
   }
   // What the compiler's rewrites did to rank 0, read back from its programs.
-  int64_t packed = 0, epilogues = 0, fused = 0, rowKernels = 0, bf16Grads = 0, lossGrads = 0, tpOverlapped = 0;
+  int64_t packed = 0, epilogues = 0, fused = 0, rowKernels = 0, normGrads = 0, bf16Grads = 0, lossGrads = 0, tpOverlapped = 0;
   int64_t summedInProducts = 0, gathersOverlapped = 0, reducesInHalves = 0;
   std::map<std::string, int64_t> epilogueKinds;
   std::set<std::string> adamKernels;
@@ -663,7 +663,9 @@ int runCompile() {
       gathersOverlapped += ins.op == "all_gather" && ins.attrs.is_object() && ins.attrs.value("async", false) &&
                            ins.attrs.value("group", std::string()) == "tp" && ins.attrs.contains("axis");
       bool generated = ins.op != "fused" && ins.attrs.is_object() && ins.attrs.contains("kernel");
-      rowKernels += generated && ins.op != "adamw";
+      bool normGrad = ins.op == "layernorm_grad" || ins.op == "rmsnorm_grad";
+      rowKernels += generated && ins.op != "adamw" && !normGrad;
+      normGrads += generated && normGrad;
       if (generated && ins.op == "adamw")
         adamKernels.insert(ins.attrs.value("kernel", std::string()));
     }
@@ -685,6 +687,8 @@ int runCompile() {
     notes.push_back(std::to_string(fused) + " generated kernel(s)");
   if (rowKernels)
     notes.push_back(std::to_string(rowKernels) + " row kernel(s) generated (norms, softmax, cross-entropy)");
+  if (normGrads)
+    notes.push_back(std::to_string(normGrads) + " norm gradient(s) generated");
   if (lossGrads)
     notes.push_back(std::to_string(lossGrads) + " loss(es) write their gradient over the logits");
   if (tpOverlapped)

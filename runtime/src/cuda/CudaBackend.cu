@@ -649,10 +649,15 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
   // Norms, softmaxes and the loss the compiler generated a kernel for;
   // LOOM_CUDA_GENERATED=0 runs ours instead (softmax has no other).
   // (A generated kernel's name is a string; pooling's "kernel" is its window.)
+  // LOOM_CUDA_NORM_GRAD=ours (or two-pass) runs our norm gradients only.
+  static const bool ourNormGrads = envIs("LOOM_CUDA_NORM_GRAD", "ours") || envIs("LOOM_CUDA_NORM_GRAD", "two-pass");
+  bool normGrad = op == "layernorm_grad" || op == "rmsnorm_grad";
   if (op != "fused" && ins.attrs.is_object() && ins.attrs.contains("kernel") &&
       ins.attrs["kernel"].is_string() && kernelsLibrary &&
-      (generatedKernelsOn() || op == "softmax"))
-    return op.rfind("cross_entropy", 0) == 0 ? buildCrossEntropyKernel(ins) : buildRowKernel(ins);
+      (generatedKernelsOn() || op == "softmax") && !(normGrad && ourNormGrads))
+    return op.rfind("cross_entropy", 0) == 0 ? buildCrossEntropyKernel(ins)
+           : normGrad                        ? buildNormGradKernel(ins)
+                                             : buildRowKernel(ins);
   const BuilderTable &table = builders();
   if (auto it = table.find(op); it != table.end())
     return it->second(*this, ins);

@@ -390,6 +390,7 @@ private:
   Launch buildFused(const Instruction &ins);
   Launch buildRowKernel(const Instruction &ins);
   Launch buildCrossEntropyKernel(const Instruction &ins);
+  Launch buildNormGradKernel(const Instruction &ins);
   cudaKernel_t generatedKernel(const Instruction &ins);
   void requireVectorAligned(std::initializer_list<const std::vector<int64_t> *> lists, int64_t vector);
   // CudaCollectives.cu

@@ -1,8 +1,8 @@
 //===- CudaGenerated.cu - Launching the compiler's generated kernels -------===//
 //
 // The bundle's kernels.ptx (JIT-compiled by the driver when the backend is
-// made): fused elementwise chains, and the norms, softmaxes and
-// cross-entropy the compiler wrote a kernel for, each checked against the
+// made): fused elementwise chains, and the norms, their gradients, softmaxes
+// and cross-entropy the compiler wrote a kernel for, each checked against the
 // launch shape and alignment it was compiled for.
 //
 //===----------------------------------------------------------------------===//
@@ -71,6 +71,51 @@ Launch CudaBackendImpl::buildRowKernel(const Instruction &ins) {
     for (int64_t id : *ids)
       pointers.push_back(ptr(buf(id)));
   return [=](cudaStream_t s) { launchGenerated(fn, grid, block, pointers, s); };
+}
+
+/// A norm's gradient by the compiler's two kernels (KernelGenNormGrad.cpp):
+/// the rows (dx, and each block's column sums of dy * x-hat and dy into its
+/// row of a partial table in the workspace), then the parameters' gradients
+/// as the column sums of that table.
+Launch CudaBackendImpl::buildNormGradKernel(const Instruction &ins) {
+  cudaKernel_t rowsFn = generatedKernel(ins);
+  bool rms = ins.op == "rmsnorm_grad";
+  const Buffer &x = buf(ins.in[0]);
+  if (x.shape.empty() || (ins.in.size() != 3 && ins.in.size() != 4) || ins.out.size() != (rms ? 2u : 3u))
+    fail(LOOM_INVALID_BUNDLE, where, ": a norm gradient takes x, gamma, dy (and the residual's gradient) and writes dx ",
+         "and gamma's", rms ? "" : " and beta's", " gradients");
+  int64_t h = x.shape.back(), rows = count(x.shape) / std::max<int64_t>(h, 1);
+  const nlohmann::json launch = ins.attrs.value("launch", nlohmann::json::object());
+  unsigned block = launch.value("block", 0u), grid = launch.value("grid", 0u);
+  int64_t vector = launch.value("vector", int64_t(1)), perBlock = launch.value("rows", int64_t(0));
+  if (block == 0 || block % 32 || block > 256 || grid == 0 || perBlock < int64_t(block / 32) ||
+      uint64_t(grid) * uint64_t(perBlock) < uint64_t(rows) || vector < 1 || h % (32 * vector))
+    fail(LOOM_INVALID_BUNDLE, where, ": norm gradient launch ", grid, " x ", block, " (", perBlock,
+         " rows a block, vector ", vector, ") does not cover ", rows, " rows of ", h);
+  std::vector<int64_t> rowsOf = {ins.in[0], ins.in[2], ins.out[0]};
+  if (ins.in.size() == 4)
+    rowsOf.push_back(ins.in[3]);
+  requireVectorAligned({&rowsOf}, vector);
+  Instruction sum = ins;
+  sum.attrs["kernel"] = ins.attrs["kernel"].get<std::string>() + "_sum";
+  cudaKernel_t sumFn = generatedKernel(sum);
+  int64_t width = (rms ? 1 : 2) * h;
+  reserve(size_t(grid) * size_t(width) * sizeof(float));
+  std::vector<void *> pointers;
+  for (int64_t id : ins.in)
+    pointers.push_back(ptr(buf(id)));
+  pointers.push_back(ptr(buf(ins.out[0])));
+  void *dg = ptr(buf(ins.out[1])), *db = rms ? nullptr : ptr(buf(ins.out[2]));
+  unsigned sumGrid = unsigned((width + 31) / 32);
+  return [=](cudaStream_t s) {
+    std::vector<void *> args = pointers;
+    args.push_back(workspace);
+    launchGenerated(rowsFn, grid, block, args, s);
+    if (db)
+      launchGenerated(sumFn, sumGrid, 1024, {workspace, dg, db}, s);
+    else
+      launchGenerated(sumFn, sumGrid, 1024, {workspace, dg}, s);
+  };
 }
 
 /// The cross-entropy loss or its gradient by the compiler's kernel (a block
