@@ -5,13 +5,12 @@
 # - dp2 and ZeRO-1 with NCCL's CTAs capped (NCCL_MAX_CTAS, NCCL_CTA_POLICY=1);
 # - tp2 and tp2 sp with and without --tp-overlap (loom-split-tensor-reduce, and under sp
 #   loom-overlap-tensor-gather; the losses beside the times), tp2 sp with more or fewer channels;
-# - pp2 at 4 and 8 microbatches, eager and with LOOM_CUDA_GRAPHS_P2P=1, beside one GPU
+# - pp2 at 4 and 8 microbatches, captured (the default) and eager (LOOM_CUDA_GRAPHS_P2P=0), beside one GPU
 #   accumulating the same microbatches.
 # Needs .deps (scripts/device-deps.sh, then MODELS=gpt2-350m scripts/device-bundles.sh plans;
 # carry only the bundles it runs if the tree and the carry pass 64 MiB). Two rounds each.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0
 export NCCL_NVLS_ENABLE=0
 LOOM_BUILD_DIR=build-device scripts/build.sh -DLOOM_BUILD_COMPILER=OFF -DLOOM_BUILD_TESTS=OFF 2>&1 | tail -1
 B=build-device/runtime; R=.deps/bundles
@@ -64,7 +63,7 @@ done
 echo "== pipelines at 4 microbatches"
 for round in 1 2; do
   for n in plan-pp-2_mb-4_schedule-1f1b_zero-0 plan-pp-2_mb-4_schedule-zb-h1_zero-0 plan-pp-2_vpp-2_mb-4_schedule-interleaved_zero-0 base-mb4; do run "$n" $n; done
-  for n in plan-pp-2_mb-4_schedule-1f1b_zero-0 plan-pp-2_mb-4_schedule-zb-h1_zero-0 plan-pp-2_vpp-2_mb-4_schedule-interleaved_zero-0 plan-pp-2_mb-8_schedule-zb-h1_zero-0; do run "$n GRAPHS_P2P" $n LOOM_CUDA_GRAPHS_P2P=1; done
-  run "pp zb-h1 mb8 eager" plan-pp-2_mb-8_schedule-zb-h1_zero-0
+  for n in plan-pp-2_mb-4_schedule-1f1b_zero-0 plan-pp-2_mb-4_schedule-zb-h1_zero-0 plan-pp-2_vpp-2_mb-4_schedule-interleaved_zero-0 plan-pp-2_mb-8_schedule-zb-h1_zero-0; do run "$n eager sends" $n LOOM_CUDA_GRAPHS_P2P=0; done
+  run "pp zb-h1 mb8 captured" plan-pp-2_mb-8_schedule-zb-h1_zero-0
   run "one GPU mb8" base-mb8
 done

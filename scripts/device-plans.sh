@@ -6,7 +6,7 @@
 # memory, and whether the pick is within 5% of the fastest plan measured.
 # Needs .deps (scripts/device-deps.sh, then scripts/device-bundles.sh plans).
 # MODELS="gpt2-350m" runs one model; SKIP_TORCH=1 leaves PyTorch out; ALTERNATIVES=0
-# leaves out the pipelined plans with their sends in graphs or fewer link channels
+# leaves out the pipelined plans with their sends eager or fewer link channels
 # and tensor parallelism without its backward all-reduces overlapped, or with
 # --tp-overlap (its products cut by rows beside their collectives).
 set -uo pipefail
@@ -110,9 +110,10 @@ for log in sorted(glob.glob(f"{out}/{m}-plan-pp-*_mb-{mb}_*.log")):  # pipeline 
 PY
   done
   # Runtime and compile alternatives beside the plans they change (ALTERNATIVES=0 skips):
-  # pipelined steps captured as CUDA graphs with their sends (LOOM_CUDA_GRAPHS_P2P=1),
+  # pipelined steps with their sends and receives eager (LOOM_CUDA_GRAPHS_P2P=0),
   # pipeline links with at most 4 NCCL channels (LOOM_NCCL_LINK_CTAS=4: fewer buffers),
-  # and tensor parallelism without loom-overlap-tensor-reduce.
+  # and tensor parallelism without loom-overlap-tensor-reduce (PP_ALTS="..." picks the
+  # pipelines' alternatives).
   if [ "${ALTERNATIVES:-1}" != 0 ]; then
     row() { # name, log
       python3 - "$2" "$1" <<'PY'
@@ -128,7 +129,7 @@ PY
       [ -d "$b" ] || continue
       name=$(basename "$b" .loom)
       row "$name" "$out/$name.log"
-      for alt in LOOM_CUDA_GRAPHS_P2P=1 LOOM_NCCL_LINK_CTAS=4; do
+      for alt in ${PP_ALTS:-LOOM_CUDA_GRAPHS_P2P=0 LOOM_NCCL_LINK_CTAS=4}; do
         env $alt timeout 300 $B/loom-run "$b" --backend cuda --steps 10 > "$out/$name-$alt.log" 2>&1 || status=1
         row "$name $alt" "$out/$name-$alt.log"
       done

@@ -445,7 +445,7 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
   // anyway: the join adds no wait.)
   if (buildJoinsComm)
     join(commJoined, commStream, "collectives");
-  // Captured sends (LOOM_CUDA_GRAPHS_P2P=1).
+  // Captured sends (unless LOOM_CUDA_GRAPHS_P2P=0).
   if (p2pGraphs() && std::any_of(instrs.begin(), instrs.end(), [](const Instruction &x) { return x.op == "send"; }))
     join(sendsJoined, sendStream, "sends");
   if (commWorkspaceBytes > commWorkspaceAllocated) {

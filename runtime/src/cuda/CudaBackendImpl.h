@@ -503,9 +503,9 @@ private:
   /// Programs with NCCL calls captured as CUDA graphs too (the default;
   /// LOOM_CUDA_GRAPHS_NCCL=0: eager).
   static bool ncclGraphs();
-  /// LOOM_CUDA_GRAPHS_P2P=1 (with ncclGraphs()): pipeline sends and receives
-  /// captured too, each program with sends ending on their join (opt-in:
-  /// written 2026-11-27 without a GPU).
+  /// Pipeline sends and receives captured too (with ncclGraphs(); the
+  /// default since 2026-11-29, LOOM_CUDA_GRAPHS_P2P=0: eager), each program
+  /// with sends ending on their join.
   static bool p2pGraphs();
   /// Joins the sends' stream back into the compute stream (recorded there).
   cudaEvent_t sendsJoined = nullptr;

@@ -315,7 +315,11 @@ bool CudaBackendImpl::ncclGraphs() {
 }
 
 bool CudaBackendImpl::p2pGraphs() {
-  return ncclGraphs() && envIs("LOOM_CUDA_GRAPHS_P2P", "1");
+  // The default since 2 H200s (2026-11-29): GPT-2 350M bf16 pp2 at four
+  // microbatches 54.6 ms a step against 57.5 eager (1F1B), 49.6 against 51.9
+  // (ZB-H1), 50.0 against 52.2 (interleaved); at eight (ZB-H1) 57.6 against
+  // 63.0. LOOM_CUDA_GRAPHS_P2P=0 keeps sends and receives out of graphs.
+  return ncclGraphs() && !envIs("LOOM_CUDA_GRAPHS_P2P", "0");
 }
 
 bool CudaBackendImpl::eventInProgram(int64_t event, bool recordedBefore) {
@@ -348,11 +352,10 @@ Launch CudaBackendImpl::buildEventWait(const Instruction &ins) {
 
 Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
   // NCCL calls are captured in graphs unless LOOM_CUDA_GRAPHS_NCCL=0:
-  // collectives are captured (sends and receives too with
-  // LOOM_CUDA_GRAPHS_P2P=1), an async one only where
-  // this program waits for its event (the capture must join the
-  // communication stream back), and pipeline sends and receives not (a
-  // send's staging copy keeps host state).
+  // collectives, an async one only where this program waits for its event
+  // (the capture must join the communication stream back), and pipeline
+  // sends and receives unless LOOM_CUDA_GRAPHS_P2P=0 (a program with sends
+  // ends on their join, so a send's staging copy is free at the next run).
   buildCapturable = ncclGraphs() && ((ins.op != "send" && ins.op != "recv") || p2pGraphs());
   if (buildCapturable && flag(ins, "async")) {
     buildCapturable = asyncCollective(ins);
