@@ -213,9 +213,10 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     // Launch cost per microbatch pass (tensor parallelism adds its
     // collectives): programs replayed as CUDA graphs, collectives included
     // (LOOM_CUDA_GRAPHS_NCCL, the default since the fifth session of
-    // 2026-11-27), launch nothing from the host; pipelined ones, whose sends
-    // and receives are not captured, launch each instruction.
-    bool graphed = options.graphsOnOneDevice && p == 1;
+    // 2026-11-27) and pipelines' sends and receives too (LOOM_CUDA_GRAPHS_P2P,
+    // the default since the twenty-second session of 2026-11-29), launch
+    // nothing from the host.
+    bool graphed = options.graphsOnOneDevice;
     double launches = graphed ? 0 : (l.instructions + (lt > 1 ? l.tpAllReduces : 0)) * options.launchSeconds;
     lt_.forward = fwdCompute + fwdMemory + launches;
     lt_.backward = 2 * fwdCompute + 2 * fwdMemory + 1.4 * launches;

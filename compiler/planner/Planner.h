@@ -183,11 +183,9 @@ struct CostOptions {
   /// pass: it dominates when microbatches or tensor parallelism make the
   /// kernels small. 0 unless a runtime profile measured it.
   double launchSeconds = 0;
-  /// The runtime replays programs as CUDA graphs (a profile's `cuda_graphs`):
-  /// no launch cost for plans without pipeline sends and receives, which
-  /// run eagerly. (With dp > 1 the backward also runs eagerly, its buckets
-  /// waited for in the update; its kernels are long enough to hide the
-  /// host's launches, and the fitted `commHiddenShare` absorbs the rest.)
+  /// The runtime replays programs as CUDA graphs (a profile's `cuda_graphs`),
+  /// collectives and pipeline sends and receives included: no launch cost.
+  /// (Without the profile's flag, each instruction costs `launchSeconds`.)
   bool graphsOnOneDevice = false;
   /// Optional calibration profile (loom-run --profile), overriding the above.
   std::string profile;
