@@ -621,6 +621,54 @@ void normGradKernels(rt::RankProgram &r, int64_t &nextKernel) {
     }
 }
 
+/// The cross-entropy loss and its gradient over a vocabulary split over
+/// ranks (`vocab_group`) get generated kernels (KernelWriter::writeVocabLoss)
+/// where the logits are f32 or bf16 rows of whole vectors (up to 16 bytes)
+/// and the targets integer: "launch" gives the grid (a block of 256 per
+/// row), the vector width, and where this rank's columns start in the whole
+/// vocabulary ("start" of "full"), so each rank has kernels of its own.
+void vocabLossKernels(rt::RankProgram &r, int64_t &nextKernel) {
+  std::map<std::string, std::string> named;
+  for (auto &[name, list] : r.programs)
+    for (rt::Instruction &ins : list) {
+      bool grad = ins.op == "cross_entropy_grad", loss = ins.op == "cross_entropy";
+      if ((!grad && !loss) || !ins.attrs.is_object() || !ins.attrs.contains("vocab_group") ||
+          !ins.attrs["vocab_group"].is_string() || ins.in.size() != (grad ? 3u : 2u) ||
+          ins.out.size() != (grad ? 1u : ins.out.size() == 2 ? 2u : 1u))
+        continue;
+      const rt::Buffer &x = r.buffers[ins.in[0]], &t = r.buffers[ins.in[1]];
+      auto group = r.groups.find(ins.attrs["vocab_group"].get<std::string>());
+      if (x.shape.empty() || !floating(x) || (t.dtype != LOOM_I32 && t.dtype != LOOM_I64) ||
+          t.shape != rt::Shape(x.shape.begin(), x.shape.end() - 1) || group == r.groups.end())
+        continue;
+      bool fused = loss && ins.out.size() == 2;
+      if ((fused && ins.out[1] != ins.in[0]) || (!grad && (r.buffers[ins.out[0]].dtype != LOOM_F32 ||
+                                                            rt::numElements(r.buffers[ins.out[0]].shape) != 1)))
+        continue;
+      if (grad && (r.buffers[ins.out[0]].shape != x.shape || r.buffers[ins.out[0]].dtype != x.dtype ||
+                   r.buffers[ins.in[2]].dtype != LOOM_F32 || rt::numElements(r.buffers[ins.in[2]].shape) != 1))
+        continue;
+      const std::vector<int64_t> &members = group->second;
+      auto at = std::find(members.begin(), members.end(), r.rank);
+      if (at == members.end())
+        continue;
+      int64_t h = x.shape.back(), v = x.dtype == LOOM_BF16 ? 8 : 4;
+      while (v > 1 && h % v)
+        v /= 2;
+      int64_t start = int64_t(at - members.begin()) * h, full = h * int64_t(members.size());
+      int64_t rows = rt::numElements(t.shape).value_or(0);
+      std::string signature = ins.op + " " + std::to_string(ins.out.size()) + " " + json(x.shape).dump() + " " +
+                              std::to_string(x.dtype) + " " + std::to_string(t.dtype) + " " +
+                              std::to_string(start) + " " + std::to_string(full) + " " +
+                              json(ins.attrs.value("grad_scale", 1.0)).dump();
+      std::string &kernel = named[signature];
+      if (kernel.empty())
+        kernel = "vce_" + std::to_string(nextKernel++);
+      ins.attrs["kernel"] = kernel;
+      ins.attrs["launch"] = {{"grid", rows}, {"block", 256}, {"vector", v}, {"start", start}, {"full", full}};
+    }
+}
+
 /// Elements of one tensor each block of the generated AdamW updates.
 constexpr int64_t kAdamChunk = 2048;
 
@@ -729,6 +777,7 @@ int64_t mlir::loom::fuseElementwise(rt::RankProgram &r, int64_t &nextKernel) {
   removed += fuseChains(r, nextKernel, kept, Round::Bf16);
   rowKernels(r, nextKernel);
   normGradKernels(r, nextKernel);
+  vocabLossKernels(r, nextKernel);
   adamKernels(r, nextKernel);
   return removed;
 }

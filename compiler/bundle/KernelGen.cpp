@@ -268,9 +268,12 @@ FailureOr<std::string> mlir::loom::fusedKernelsPtx(const std::vector<rt::RankPro
           ++kernels;
         } else if (!generated(ins).empty()) {
           KernelWriter writer(rank, ins);
-          text += ins.op.rfind("cross_entropy", 0) == 0 ? writer.writeCrossEntropy()
-                  : ins.op == "layernorm_grad" || ins.op == "rmsnorm_grad" ? writer.writeNormGrad()
-                                                                           : writer.writeRows();
+          if (ins.op.rfind("cross_entropy", 0) == 0)
+            text += ins.attrs.contains("vocab_group") ? writer.writeVocabLoss() : writer.writeCrossEntropy();
+          else if (ins.op == "layernorm_grad" || ins.op == "rmsnorm_grad")
+            text += writer.writeNormGrad();
+          else
+            text += writer.writeRows();
           ++kernels;
         }
       }

@@ -184,14 +184,7 @@ std::string KernelWriter::writeCrossEntropy() {
     line(over + " = arith.cmpi sge, " + t + ", " + vocabI64 + " : i64");
     line(bad + " = arith.ori " + neg + ", " + over + " : i1");
     line("scf.if " + bad + " {");
-    std::string code = constI64(2), old = tmp(), won = tmp(), rowI = tmp();
-    line(old + " = memref.atomic_rmw maxs " + code + ", %err[" + constIndex(0) + "] : (i64, memref<3xi64>) -> i64");
-    line(won + " = arith.cmpi eq, " + old + ", " + constI64(0) + " : i64");
-    line(rowI + " = arith.index_cast %row : index to i64");
-    line("scf.if " + won + " {");
-    line("memref.store " + rowI + ", %err[" + constIndex(1) + "] : memref<3xi64>");
-    line("memref.store " + t + ", %err[" + constIndex(2) + "] : memref<3xi64>");
-    line("}");
+    raiseBadTarget(t);
     line("} else {");
     std::string tIndex = tmp(), base = tmp(), at = tmp(), xt = tmp();
     line(tIndex + " = arith.index_cast " + t + " : i64 to index");
@@ -208,25 +201,7 @@ std::string KernelWriter::writeCrossEntropy() {
     line(d + " = memref.load %dloss[" + constIndex(0) + "] : memref<1xf32>");
     std::string scale = op("arith.mulf", d, constF(1.0 / double(rows)));
     std::string inv = op("arith.divf", constF(1), bs);
-    std::string j2 = tmp();
-    line("scf.for " + j2 + " = %tid to " + n + " step " + step + " {");
-    std::string at = tmp();
-    line(at + " = arith.addi %rowV, " + j2 + " : index");
-    std::vector<std::string> x = loadLanes("%lv", ins.in[0], at, lv);
-    std::string col0 = tmp(), col0i = tmp();
-    line(col0 + " = arith.muli " + j2 + ", " + constIndex(V) + " : index");
-    line(col0i + " = arith.index_cast " + col0 + " : index to i64");
-    std::vector<std::string> y(V);
-    for (int64_t l = 0; l < V; ++l) {
-      std::string col = tmp(), hit = tmp(), one = tmp();
-      line(col + " = arith.addi " + col0i + ", " + constI64(l) + " : i64");
-      line(hit + " = arith.cmpi eq, " + col + ", " + t + " : i64");
-      line(one + " = arith.select " + hit + ", " + constF(1) + ", " + constF(0) + " : f32");
-      std::string p = op("arith.mulf", op("math.exp", op("arith.subf", x[l], bm)), inv);
-      y[l] = op("arith.mulf", op("arith.subf", p, one), scale);
-    }
-    line("memref.store " + packLanes(y, elem(ins.out[0])) + ", %out[" + at + "] : " + lv);
-    line("}");
+    softmaxMinusOnehot(vocab, lv, bm, inv, t, scale, ins.out[0]);
   }
   line("gpu.return");
   os << "    }\n";

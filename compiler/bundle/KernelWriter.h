@@ -4,8 +4,8 @@
 // form (arith, math, memref, vector, scf and gpu ops); fusedKernelsPtx
 // (KernelGen.cpp) parses the module and lowers it to PTX. The kinds live in
 // KernelGen.cpp (elementwise chains), KernelGenRows.cpp (norms, softmax,
-// cross-entropy), KernelGenNormGrad.cpp (norm gradients) and
-// KernelGenAdam.cpp (AdamW).
+// cross-entropy), KernelGenNormGrad.cpp (norm gradients), KernelGenVocabLoss.cpp
+// (the vocabulary-parallel loss) and KernelGenAdam.cpp (AdamW).
 //
 //===----------------------------------------------------------------------===//
 #ifndef LOOM_COMPILER_BUNDLE_KERNELWRITER_H
@@ -45,6 +45,9 @@ public:
   /// A norm's gradient: its rows, then its parameters' column sums (two
   /// kernels, the second named "<kernel>_sum"; KernelGenNormGrad.cpp).
   std::string writeNormGrad();
+  /// The loss over a vocabulary split over ranks: three kernels around the
+  /// runtime's all-reduces (KernelGenVocabLoss.cpp).
+  std::string writeVocabLoss();
   /// A run of AdamW updates (`members`, this one first) in one kernel (KernelGenAdam.cpp).
   std::string writeAdam(const std::vector<const rt::Instruction *> &members);
 
@@ -91,6 +94,46 @@ protected:
       vec = next;
     }
     return vec;
+  }
+  /// A cross-entropy kernel's bad target `t` (i64) for row %row: error code
+  /// 2 into the runtime's 3-word record %err (the first raised wins).
+  void raiseBadTarget(const std::string &t) {
+    std::string old = tmp(), won = tmp(), rowI = tmp();
+    line(old + " = memref.atomic_rmw maxs " + constI64(2) + ", %err[" + constIndex(0) +
+         "] : (i64, memref<3xi64>) -> i64");
+    line(won + " = arith.cmpi eq, " + old + ", " + constI64(0) + " : i64");
+    line(rowI + " = arith.index_cast %row : index to i64");
+    line("scf.if " + won + " {");
+    line("memref.store " + rowI + ", %err[" + constIndex(1) + "] : memref<3xi64>");
+    line("memref.store " + t + ", %err[" + constIndex(2) + "] : memref<3xi64>");
+    line("}");
+  }
+  /// A cross-entropy kernel's gradient over row %row of `cols` columns (V a
+  /// load, the block's 256 threads strided over them, %rowV the row's first
+  /// vector): (exp(x - max) * inv - onehot(target)) * scale from %lv into
+  /// %out (both of type `rowsType`, the output's elements of buffer `out`);
+  /// `target` is the i64 column of the row's target in these columns.
+  void softmaxMinusOnehot(int64_t cols, const std::string &rowsType, const std::string &max, const std::string &inv,
+                          const std::string &target, const std::string &scale, int64_t out) {
+    std::string j = tmp();
+    line("scf.for " + j + " = %tid to " + constIndex(cols / V) + " step " + constIndex(256) + " {");
+    std::string at = tmp();
+    line(at + " = arith.addi %rowV, " + j + " : index");
+    std::vector<std::string> x = loadLanes("%lv", ins.in[0], at, rowsType);
+    std::string col0 = tmp(), col0i = tmp();
+    line(col0 + " = arith.muli " + j + ", " + constIndex(V) + " : index");
+    line(col0i + " = arith.index_cast " + col0 + " : index to i64");
+    std::vector<std::string> y(V);
+    for (int64_t l = 0; l < V; ++l) {
+      std::string col = tmp(), hit = tmp(), one = tmp();
+      line(col + " = arith.addi " + col0i + ", " + constI64(l) + " : i64");
+      line(hit + " = arith.cmpi eq, " + col + ", " + target + " : i64");
+      line(one + " = arith.select " + hit + ", " + constF(1) + ", " + constF(0) + " : f32");
+      std::string p = op("arith.mulf", op("math.exp", op("arith.subf", x[l], max)), inv);
+      y[l] = op("arith.mulf", op("arith.subf", p, one), scale);
+    }
+    line("memref.store " + packLanes(y, elem(out)) + ", %out[" + at + "] : " + rowsType);
+    line("}");
   }
   /// `combine` over the 32 lanes of the warp (butterfly shuffles: every lane gets it).
   std::string warpReduce(std::string v, const char *combine) {

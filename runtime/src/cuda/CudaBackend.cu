@@ -652,8 +652,9 @@ Launch CudaBackendImpl::build(const Instruction &ins) {
   // LOOM_CUDA_NORM_GRAD=ours (or two-pass) runs our norm gradients only.
   static const bool ourNormGrads = envIs("LOOM_CUDA_NORM_GRAD", "ours") || envIs("LOOM_CUDA_NORM_GRAD", "two-pass");
   bool normGrad = op == "layernorm_grad" || op == "rmsnorm_grad";
+  // (A vocabulary split over ranks runs its kernels around its all-reduces: buildCommunication.)
   if (op != "fused" && ins.attrs.is_object() && ins.attrs.contains("kernel") &&
-      ins.attrs["kernel"].is_string() && kernelsLibrary &&
+      ins.attrs["kernel"].is_string() && kernelsLibrary && !ins.attrs.contains("vocab_group") &&
       (generatedKernelsOn() || op == "softmax") && !(normGrad && ourNormGrads))
     return op.rfind("cross_entropy", 0) == 0 ? buildCrossEntropyKernel(ins)
            : normGrad                        ? buildNormGradKernel(ins)

@@ -683,6 +683,44 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
   // dtype and layout), read and written eight values at a time.
   bool vec = v % 8 == 0 && reinterpret_cast<uintptr_t>(pl.p) % 16 == 0 &&
              (!grad || reinterpret_cast<uintptr_t>(out.p) % 16 == 0);
+  // The compiler's kernels (KernelGenVocabLoss.cpp) where it wrote them;
+  // LOOM_CUDA_GENERATED=0 runs ours.
+  if (ins.attrs.contains("kernel") && ins.attrs["kernel"].is_string() && kernelsLibrary && generatedKernelsOn()) {
+    const nlohmann::json launch = ins.attrs.value("launch", nlohmann::json::object());
+    int64_t vector = launch.value("vector", int64_t(1));
+    if (launch.value("grid", int64_t(0)) != rows || launch.value("block", 0) != 256 || vector < 1 || v % vector ||
+        launch.value("start", int64_t(-1)) != start || launch.value("full", int64_t(-1)) != full)
+      fail(LOOM_INVALID_BUNDLE, where, ": the vocabulary-parallel loss's launch ", launch.dump(), " does not match ",
+           rows, " rows of ", v, " columns from ", start, " of ", full);
+    std::vector<int64_t> vectors = {ins.in[0], ins.out.back()};
+    requireVectorAligned({&vectors}, vector);
+    std::string kernel = ins.attrs["kernel"].get<std::string>();
+    auto named = [&](const char *suffix) {
+      Instruction part = ins;
+      part.attrs["kernel"] = kernel + suffix;
+      return generatedKernel(part);
+    };
+    cudaKernel_t maxFn = named("_max"), sumFn = named("_sum"), gradFn = grad || fused ? named("_grad") : nullptr;
+    unsigned grid = unsigned(rows);
+    void *logitsP = pl.p, *outP = out.p;
+    return [=](cudaStream_t s) {
+      float *rowMax = reinterpret_cast<float *>(workspace), *stats = rowMax + rows, *rowLoss = stats + 2 * rows;
+      launchGenerated(maxFn, grid, 256, {logitsP, rowMax}, s);
+      if (comm)
+        LOOM_NCCL_CHECK(ncclAllReduce(rowMax, rowMax, size_t(rows), ncclFloat32, ncclMax, comm, s));
+      launchGenerated(sumFn, grid, 256, {logitsP, logitsP, pt, rowMax, stats, err}, s);
+      if (comm)
+        LOOM_NCCL_CHECK(ncclAllReduce(stats, stats, size_t(2 * rows), ncclFloat32, ncclSum, comm, s));
+      if (grad) {
+        launchGenerated(gradFn, grid, 256, {logitsP, pt, rowMax, stats, dl, outP}, s);
+        return;
+      }
+      splitLossRowsKernel<<<blocksFor(rows), kThreads, 0, s>>>(rowMax, stats, rowLoss, rows);
+      meanKernel<<<1, 1024, 0, s>>>(rowLoss, rows, static_cast<float *>(outP));
+      if (fused)
+        launchGenerated(gradFn, grid, 256, {logitsP, pt, rowMax, stats, logitsP}, s);
+    };
+  }
   return [=](cudaStream_t s) {
     float *rowMax = reinterpret_cast<float *>(workspace), *stats = rowMax + rows, *rowLoss = stats + 2 * rows;
     rowMaxKernel<<<int(rows), kThreads, 0, s>>>(pl, rowMax, v, vec);
