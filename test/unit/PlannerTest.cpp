@@ -637,6 +637,28 @@ TEST(Planner, LaunchCostChargesEveryMicrobatchPass) {
   }
 }
 
+// Programs replayed as CUDA graphs launch nothing from the host: pipelined
+// ones too, since the runtime captures their sends and receives.
+TEST(Planner, GraphedPlansPayNoLaunches) {
+  ModelSpec model = handModel(8, 1024, 1024, 16, 50304);
+  for (LayerSpec &l : model.layers)
+    l.instructions = 20;
+  Cluster c = cluster("h100:2");
+  CostOptions quiet, graphed;
+  graphed.launchSeconds = 1e-5;
+  graphed.graphsOnOneDevice = true;
+  Plan data, pipelined;
+  data.dp = 2;
+  data.microbatchSize = 2; // two microbatches a replica
+  pipelined.pp = 2;
+  pipelined.microbatchSize = 2; // four through the pipeline
+  for (const Plan &plan : {data, pipelined}) {
+    Plan a = Planner(model, c, quiet).evaluate(8, plan), b = Planner(model, c, graphed).evaluate(8, plan);
+    ASSERT_TRUE(a.feasible && b.feasible) << a.reason << b.reason;
+    EXPECT_NEAR(b.stepTime, a.stepTime, 1e-12) << "pp " << plan.pp;
+  }
+}
+
 // Found by fuzz/PlanFuzzer.cpp: "format": 2 threw nlohmann's type_error, and
 // degrees whose chunks (pp x vpp) overflow int64 or need terabytes reached
 // compile's allocation of one entry per chunk.
