@@ -491,6 +491,15 @@ int64_t fuseChains(rt::RankProgram &r, int64_t &nextKernel, const std::set<int64
   return removed;
 }
 
+/// The widest vector (up to 16 bytes) that splits `h` into `lanes` equal
+/// shares of whole vectors; 0 where not even single elements do.
+int64_t widest(int64_t h, int64_t lanes, bool bf16) {
+  int64_t v = bf16 ? 8 : 4;
+  while (v > 1 && h % (lanes * v))
+    v /= 2;
+  return h % (lanes * v) == 0 ? v : int64_t(0);
+}
+
 /// Norms and softmaxes over the last axis get a generated kernel (a warp per
 /// row, the row in registers; KernelWriter::writeRows) where the row splits
 /// into 32 lanes of whole vectors (up to 16 bytes), at most 16 each, and the
@@ -501,13 +510,6 @@ int64_t fuseChains(rt::RankProgram &r, int64_t &nextKernel, const std::set<int64
 /// "kernel" and "launch" name what the GPU runs instead of its own kernel.
 void rowKernels(rt::RankProgram &r, int64_t &nextKernel) {
   std::map<std::string, std::string> named; // one kernel per op, dtypes, shape and eps
-  // The widest vector (up to 16 bytes) that splits `h` into `lanes` equal shares.
-  auto widest = [](int64_t h, int64_t lanes, bool bf16) {
-    int64_t v = bf16 ? 8 : 4;
-    while (v > 1 && h % (lanes * v))
-      v /= 2;
-    return h % (lanes * v) == 0 ? v : int64_t(0);
-  };
   for (auto &[name, list] : r.programs)
     for (rt::Instruction &ins : list) {
       if (ins.out.size() != 1 || ins.in.empty())
@@ -586,10 +588,8 @@ void normGradKernels(rt::RankProgram &r, int64_t &nextKernel) {
       const rt::Buffer &x = r.buffers[ins.in[0]];
       if (x.shape.empty())
         continue;
-      int64_t h = x.shape.back(), v = x.dtype == LOOM_BF16 ? 8 : 4;
-      while (v > 1 && h % (32 * v))
-        v /= 2;
-      bool ok = h > 0 && h % (32 * v) == 0 && h / 32 <= 64;
+      int64_t h = x.shape.back(), v = widest(h, 32, x.dtype == LOOM_BF16);
+      bool ok = h > 0 && v > 0 && h / 32 <= 64;
       for (int64_t id : ins.in)
         ok &= floating(r.buffers[id]);
       for (int64_t id : ins.out)
@@ -633,8 +633,8 @@ void vocabLossKernels(rt::RankProgram &r, int64_t &nextKernel) {
     for (rt::Instruction &ins : list) {
       bool grad = ins.op == "cross_entropy_grad", loss = ins.op == "cross_entropy";
       if ((!grad && !loss) || !ins.attrs.is_object() || !ins.attrs.contains("vocab_group") ||
-          !ins.attrs["vocab_group"].is_string() || ins.in.size() != (grad ? 3u : 2u) ||
-          ins.out.size() != (grad ? 1u : ins.out.size() == 2 ? 2u : 1u))
+          !ins.attrs["vocab_group"].is_string() || ins.in.size() != (grad ? 3u : 2u) || ins.out.empty() ||
+          ins.out.size() > (grad ? 1u : 2u))
         continue;
       const rt::Buffer &x = r.buffers[ins.in[0]], &t = r.buffers[ins.in[1]];
       auto group = r.groups.find(ins.attrs["vocab_group"].get<std::string>());
@@ -652,9 +652,7 @@ void vocabLossKernels(rt::RankProgram &r, int64_t &nextKernel) {
       auto at = std::find(members.begin(), members.end(), r.rank);
       if (at == members.end())
         continue;
-      int64_t h = x.shape.back(), v = x.dtype == LOOM_BF16 ? 8 : 4;
-      while (v > 1 && h % v)
-        v /= 2;
+      int64_t h = x.shape.back(), v = widest(h, 1, x.dtype == LOOM_BF16);
       int64_t start = int64_t(at - members.begin()) * h, full = h * int64_t(members.size());
       int64_t rows = rt::numElements(t.shape).value_or(0);
       std::string signature = ins.op + " " + std::to_string(ins.out.size()) + " " + json(x.shape).dump() + " " +

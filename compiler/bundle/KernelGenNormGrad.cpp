@@ -18,12 +18,6 @@
 
 namespace mlir::loom::kernelgen {
 
-namespace {
-std::string workgroup(int64_t n, const std::string &type) {
-  return "memref<" + std::to_string(n) + "x" + type + ", #gpu.address_space<workgroup>>";
-}
-} // namespace
-
 std::string KernelWriter::writeNormGrad() {
   bool rms = ins.op == "rmsnorm_grad", residual = ins.in.size() == 4;
   const rt::Buffer &x = r.buffers[ins.in[0]];

@@ -37,7 +37,7 @@ std::string KernelWriter::writeVocabLoss() {
   std::string ity = targets.dtype == LOOM_I64 ? "i64" : "i32";
   std::string tm = "memref<" + std::to_string(rows) + "x" + ity + ">";
   std::string rm = "memref<" + std::to_string(rows) + "xf32>", sm = "memref<" + std::to_string(2 * rows) + "xf32>";
-  std::string shared = "memref<8xf32, #gpu.address_space<workgroup>>";
+  std::string shared = workgroup(8, "f32");
   auto begin = [&]() {
     counter = 0;
     line("%row = gpu.block_id x");

@@ -95,6 +95,10 @@ protected:
     }
     return vec;
   }
+  /// The type of a workgroup (shared) memory buffer of `n` elements of `type`.
+  static std::string workgroup(int64_t n, const std::string &type) {
+    return "memref<" + std::to_string(n) + "x" + type + ", #gpu.address_space<workgroup>>";
+  }
   /// A cross-entropy kernel's bad target `t` (i64) for row %row: error code
   /// 2 into the runtime's 3-word record %err (the first raised wins).
   void raiseBadTarget(const std::string &t) {

@@ -391,7 +391,7 @@ private:
   Launch buildRowKernel(const Instruction &ins);
   Launch buildCrossEntropyKernel(const Instruction &ins);
   Launch buildNormGradKernel(const Instruction &ins);
-  cudaKernel_t generatedKernel(const Instruction &ins);
+  cudaKernel_t generatedKernel(const Instruction &ins, const char *suffix = "");
   void requireVectorAligned(std::initializer_list<const std::vector<int64_t> *> lists, int64_t vector);
   // CudaCollectives.cu
   Launch buildCommunication(const Instruction &ins);

@@ -685,7 +685,10 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
              (!grad || reinterpret_cast<uintptr_t>(out.p) % 16 == 0);
   // The compiler's kernels (KernelGenVocabLoss.cpp) where it wrote them;
   // LOOM_CUDA_GENERATED=0 runs ours.
-  if (ins.attrs.contains("kernel") && ins.attrs["kernel"].is_string() && kernelsLibrary && generatedKernelsOn()) {
+  bool generated = ins.attrs.contains("kernel") && ins.attrs["kernel"].is_string() && kernelsLibrary &&
+                   generatedKernelsOn();
+  cudaKernel_t maxFn = nullptr, sumFn = nullptr, gradFn = nullptr;
+  if (generated) {
     const nlohmann::json launch = ins.attrs.value("launch", nlohmann::json::object());
     int64_t vector = launch.value("vector", int64_t(1));
     if (launch.value("grid", int64_t(0)) != rows || launch.value("block", 0) != 256 || vector < 1 || v % vector ||
@@ -694,51 +697,43 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
            rows, " rows of ", v, " columns from ", start, " of ", full);
     std::vector<int64_t> vectors = {ins.in[0], ins.out.back()};
     requireVectorAligned({&vectors}, vector);
-    std::string kernel = ins.attrs["kernel"].get<std::string>();
-    auto named = [&](const char *suffix) {
-      Instruction part = ins;
-      part.attrs["kernel"] = kernel + suffix;
-      return generatedKernel(part);
-    };
-    cudaKernel_t maxFn = named("_max"), sumFn = named("_sum"), gradFn = grad || fused ? named("_grad") : nullptr;
-    unsigned grid = unsigned(rows);
-    void *logitsP = pl.p, *outP = out.p;
-    return [=](cudaStream_t s) {
-      float *rowMax = reinterpret_cast<float *>(workspace), *stats = rowMax + rows, *rowLoss = stats + 2 * rows;
-      launchGenerated(maxFn, grid, 256, {logitsP, rowMax}, s);
-      if (comm)
-        LOOM_NCCL_CHECK(ncclAllReduce(rowMax, rowMax, size_t(rows), ncclFloat32, ncclMax, comm, s));
-      launchGenerated(sumFn, grid, 256, {logitsP, logitsP, pt, rowMax, stats, err}, s);
-      if (comm)
-        LOOM_NCCL_CHECK(ncclAllReduce(stats, stats, size_t(2 * rows), ncclFloat32, ncclSum, comm, s));
-      if (grad) {
-        launchGenerated(gradFn, grid, 256, {logitsP, pt, rowMax, stats, dl, outP}, s);
-        return;
-      }
-      splitLossRowsKernel<<<blocksFor(rows), kThreads, 0, s>>>(rowMax, stats, rowLoss, rows);
-      meanKernel<<<1, 1024, 0, s>>>(rowLoss, rows, static_cast<float *>(outP));
-      if (fused)
-        launchGenerated(gradFn, grid, 256, {logitsP, pt, rowMax, stats, logitsP}, s);
-    };
+    maxFn = generatedKernel(ins, "_max"), sumFn = generatedKernel(ins, "_sum");
+    if (grad || fused)
+      gradFn = generatedKernel(ins, "_grad");
   }
+  unsigned grid = unsigned(rows);
   return [=](cudaStream_t s) {
     float *rowMax = reinterpret_cast<float *>(workspace), *stats = rowMax + rows, *rowLoss = stats + 2 * rows;
-    rowMaxKernel<<<int(rows), kThreads, 0, s>>>(pl, rowMax, v, vec);
+    if (generated)
+      launchGenerated(maxFn, grid, 256, {pl.p, rowMax}, s);
+    else
+      rowMaxKernel<<<int(rows), kThreads, 0, s>>>(pl, rowMax, v, vec);
     if (comm)
       LOOM_NCCL_CHECK(ncclAllReduce(rowMax, rowMax, size_t(rows), ncclFloat32, ncclMax, comm, s));
-    rowSumTargetKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowMax, stats, rows, v, start, full, err, vec);
+    if (generated)
+      launchGenerated(sumFn, grid, 256, {pl.p, pl.p, pt, rowMax, stats, err}, s);
+    else
+      rowSumTargetKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowMax, stats, rows, v, start, full, err, vec);
     if (comm)
       LOOM_NCCL_CHECK(ncclAllReduce(stats, stats, size_t(2 * rows), ncclFloat32, ncclSum, comm, s));
-    if (grad) {
-      splitCrossEntropyGradKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowMax, stats, dl, 0.0f, out, rows, v,
-                                                                 start, vec);
-    } else {
-      splitLossRowsKernel<<<blocksFor(rows), kThreads, 0, s>>>(rowMax, stats, rowLoss, rows);
-      meanKernel<<<1, 1024, 0, s>>>(rowLoss, rows, static_cast<float *>(out.p));
-      if (fused)
-        splitCrossEntropyGradKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowMax, stats, nullptr, seed, pl, rows,
+    // (softmax - onehot) * (dloss or the seed) / rows into `to`.
+    auto gradient = [&](float *dloss, DPtr to) {
+      if (!generated)
+        splitCrossEntropyGradKernel<<<int(rows), kThreads, 0, s>>>(pl, pt, wide, rowMax, stats, dloss, seed, to, rows,
                                                                    v, start, vec);
+      else if (dloss)
+        launchGenerated(gradFn, grid, 256, {pl.p, pt, rowMax, stats, dloss, to.p}, s);
+      else // the seed is the kernel's constant
+        launchGenerated(gradFn, grid, 256, {pl.p, pt, rowMax, stats, to.p}, s);
+    };
+    if (grad) {
+      gradient(dl, out);
+      return;
     }
+    splitLossRowsKernel<<<blocksFor(rows), kThreads, 0, s>>>(rowMax, stats, rowLoss, rows);
+    meanKernel<<<1, 1024, 0, s>>>(rowLoss, rows, static_cast<float *>(out.p));
+    if (fused)
+      gradient(nullptr, pl);
   };
 #endif
 }

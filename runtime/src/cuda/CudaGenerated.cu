@@ -28,9 +28,10 @@ void launchGenerated(cudaKernel_t fn, unsigned grid, unsigned block, std::vector
   LOOM_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void *>(fn), dim3(grid), dim3(block), args.data(), 0, s));
 }
 
-/// The generated kernel an instruction names (attrs "kernel") in kernels.ptx.
-cudaKernel_t CudaBackendImpl::generatedKernel(const Instruction &ins) {
-  std::string name = ins.attrs.value("kernel", std::string());
+/// The generated kernel an instruction names (attrs "kernel") in kernels.ptx,
+/// or the one named that plus `suffix` (an instruction of several kernels).
+cudaKernel_t CudaBackendImpl::generatedKernel(const Instruction &ins, const char *suffix) {
+  std::string name = ins.attrs.value("kernel", std::string()) + suffix;
   if (!kernelsLibrary)
     fail(LOOM_INVALID_BUNDLE, where, ": the bundle has no kernels.ptx for kernel '", name, "'");
   cudaKernel_t fn = nullptr;
@@ -96,9 +97,7 @@ Launch CudaBackendImpl::buildNormGradKernel(const Instruction &ins) {
   if (ins.in.size() == 4)
     rowsOf.push_back(ins.in[3]);
   requireVectorAligned({&rowsOf}, vector);
-  Instruction sum = ins;
-  sum.attrs["kernel"] = ins.attrs["kernel"].get<std::string>() + "_sum";
-  cudaKernel_t sumFn = generatedKernel(sum);
+  cudaKernel_t sumFn = generatedKernel(ins, "_sum");
   int64_t width = (rms ? 1 : 2) * h;
   reserve(size_t(grid) * size_t(width) * sizeof(float));
   std::vector<void *> pointers;
