@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""The planner's step prediction against training steps measured on GPUs.
+
+Every run in a measurements file (bench/data/measured-h200-steps.json: model,
+cluster, global batch, forced plan, measured ms per step, and the device call
+that measured it) is priced by `loomc plan --force` under a profile, and the
+prediction printed beside the measurement with its error. `--fit` prices the
+runs again for a grid of the profile's two link terms (`link_efficiency`, the
+share of the preset's link rate collectives reach, and `comm_hidden_share`,
+the share of the data-parallel all-reduce the backward hides) and prints the
+pair whose worst error is smallest, to refit them after the runtime changes.
+
+  python3 bench/plan_steps.py [--loomc build/compiler/loomc]
+      [--profile bench/data/profile-h200-gpt2-350m-bf16.json]
+      [--measured bench/data/measured-h200-steps.json] [--fit] [--max-error PCT]
+
+It prints a table (docs/planner.md); test/planner/measured-steps.test runs it
+with --max-error 10 (exit status 2 when a prediction is further off than
+that). Exit status 1 when a run cannot be priced.
+"""
+import argparse
+import itertools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+
+def model_file(name, spec, loomc, tmp):
+    if name not in spec:
+        return f"models/{name}.mlir"
+    path = os.path.join(tmp, name + ".mlir")
+    if not os.path.exists(path):
+        subprocess.run([loomc, "models", *spec[name], "-o", path], check=True, stdout=subprocess.DEVNULL)
+    return path
+
+
+def price(loomc, profile, run, model, tmp):
+    out = os.path.join(tmp, "plan.json")
+    r = subprocess.run([loomc, "plan", model, "--cluster", run["cluster"], "--batch", str(run["batch"]),
+                        "--profile", profile, "--force", run["force"], "--json", out],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"loomc plan --force {run['force']} failed: {r.stderr.strip()[-300:]}")
+    return json.load(open(out))["predicted"]["step_ms"]
+
+
+def errors(loomc, profile, data, tmp):
+    rows = []
+    for run in data["runs"]:
+        model = model_file(run["model"], data.get("models", {}), loomc, tmp)
+        predicted = price(loomc, profile, run, model, tmp)
+        rows.append((run, predicted, (predicted - run["ms"]) / run["ms"] * 100))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--loomc", default="build/compiler/loomc")
+    ap.add_argument("--profile", default="bench/data/profile-h200-gpt2-350m-bf16.json")
+    ap.add_argument("--measured", default="bench/data/measured-h200-steps.json")
+    ap.add_argument("--fit", action="store_true", help="refit link_efficiency and comm_hidden_share")
+    ap.add_argument("--max-error", type=float, help="exit 2 if a prediction is off by more (percent)")
+    a = ap.parse_args()
+    data = json.load(open(a.measured))
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            rows = errors(a.loomc, a.profile, data, tmp)
+        except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
+            print(f"plan_steps: {e}", file=sys.stderr)
+            return 1
+        print(f"{'model':10} {'cluster':7} {'plan':46} {'predicted':>9} {'measured':>9} {'error':>7}")
+        for run, p, err in rows:
+            print(f"{run['model']:10} {run['cluster']:7} {run['force']:46} {p:9.1f} {run['ms']:9.1f} {err:+6.1f}%")
+        worst = max(abs(e) for _, _, e in rows)
+        print(f"{len(rows)} runs, worst error {worst:.1f}% ({a.profile})")
+        if a.max_error is not None and worst > a.max_error:
+            print(f"plan_steps: a prediction is {worst:.1f}% off its measurement (--max-error {a.max_error:g})",
+                  file=sys.stderr)
+            return 2
+        if not a.fit:
+            return 0
+        base = json.load(open(a.profile))
+        best = None
+        grid = itertools.product([x / 100 for x in range(40, 62, 2)], [x / 10 for x in range(1, 8)])
+        for link, hidden in grid:
+            trial = dict(base, link_efficiency=link, comm_hidden_share=hidden)
+            path = os.path.join(tmp, "profile.json")
+            json.dump(trial, open(path, "w"))
+            errs = [e for _, _, e in errors(a.loomc, path, data, tmp)]
+            score = (max(abs(e) for e in errs), (sum(e * e for e in errs) / len(errs)) ** 0.5)
+            if best is None or score < best[0]:
+                best = (score, link, hidden)
+        (worst, rms), link, hidden = best
+        print(f"fit: link_efficiency {link:.2f}, comm_hidden_share {hidden:.1f}: worst error {worst:.1f}%, "
+              f"rms {rms:.1f}% (was {base.get('link_efficiency')}, {base.get('comm_hidden_share')})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
