@@ -535,7 +535,28 @@ private:
   bool shardsTogether(const Instruction &a, const Instruction &b);
   Launch buildShardsOf(const std::vector<Instruction> &instrs, size_t begin, size_t end);
 #ifdef LOOM_HAVE_NCCL
+  /// `run` (which works in the communication stream's workspace) on that
+  /// stream for an async collective, else on the compute stream after it.
+  Launch inCommWorkspace(const Instruction &ins, Launch run);
   Launch buildPackedReduceScatter(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm);
+  /// ZeRO's reduce-scatter of gradients into f32 slices: pack every rank's
+  /// parts (bf16 ones widened), NCCL's f32 reduce-scatter, unpack.
+  Launch widenedScatterRun(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm);
+  /// The same for bf16 gradients with bf16 on the wire and f32 sums: each
+  /// rank sends every other rank the bf16 part that rank keeps and adds the
+  /// parts it receives to its own in f32. The slices are the f32
+  /// reduce-scatter's of the widened gradients (exactly, over two ranks)
+  /// with half of its bytes sent.
+  Launch wideSumScatterRun(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm);
+  /// A bucket of bf16 gradients all-reduced into f32 means the same way:
+  /// the wide-sum reduce-scatter of its parts, then NCCL's f32 all-gather
+  /// (three quarters of the f32 all-reduce's bytes on the wire).
+  Launch buildWideSumAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm);
+  /// LOOM_CUDA_WIDE_SUMS: which collectives of bf16 gradients send bf16 and
+  /// sum in f32: "zero" (ZeRO's reduce-scatters), "all" (the data-parallel
+  /// buckets' all-reduces too) or "off" (the default: NCCL's f32
+  /// collectives over the widened gradients).
+  static bool wideSums(bool allReduce);
   Launch buildPackedAllGather(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm);
   /// A bucket of gradients all-reduced in f32: the small ones as one packed
   /// message, the large ones in place; a bf16 input is widened into its f32
@@ -614,6 +635,11 @@ private:
   //===--- CUDA graphs (CudaGraphs.cu) ------------------------------------===//
   void dropGraphs();
   static bool graphsWanted();
+  /// LOOM_CUDA_COMM_PRIORITY=1: the send and communication streams are
+  /// created at the device's greatest priority, and graphs instantiated
+  /// with their nodes' priorities, so that the block scheduler starts
+  /// NCCL's kernels before the compute stream's next blocks.
+  static bool commPriority();
   /// LOOM_CUDA_TRACE_GRAPHS=1: --trace keeps CUDA graphs, its events captured as nodes.
   static bool traceGraphs();
   /// Records a trace or profile event (created on first use) on `s`.

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <tuple>
 
 namespace loom::rt {
 #ifdef LOOM_HAVE_NCCL
@@ -162,6 +163,39 @@ __global__ void packPartSegmentsKernel(const PackedTensor *t, int count, int64_t
   }
 }
 
+/// As packPartSegmentsKernel for bf16 gradients kept bf16: part p of each
+/// tensor at packed[p * stride + offset].
+__global__ void packBf16PartSegmentsKernel(const PackedTensor *t, int count, int64_t stride, __nv_bfloat16 *packed) {
+  int64_t p = blockIdx.y / count;
+  const PackedTensor &x = t[blockIdx.y % count];
+  const auto *src = reinterpret_cast<const __nv_bfloat16 *>(x.whole);
+  __nv_bfloat16 *dst = packed + p * stride + x.offset;
+  SEGMENT_LOOP(i, x.k) {
+    int64_t at = p * x.k + i;
+    dst[i] = at < x.n ? src[at] : __float2bfloat16_rn(0.0f);
+  }
+}
+
+/// Each tensor's f32 shard: the sum over ranks, in rank order, of this
+/// rank's own part (packed[self]) and the parts the others sent
+/// (received[q]), times `scale`. Alone (ranks 1) the shard is its own part.
+__global__ void sumShardSegmentsKernel(const PackedTensor *t, const __nv_bfloat16 *packed,
+                                       const __nv_bfloat16 *received, int64_t stride, int64_t ranks, int64_t self,
+                                       float scale, float *mine) {
+  const PackedTensor &x = t[blockIdx.y];
+  float *dst = mine ? mine + x.offset : x.shard; // a packed span (an all-reduce's), or the shard
+  SEGMENT_LOOP(i, x.k) {
+    int64_t at = x.offset + i;
+    float sum = 0.0f;
+    if (ranks == 1)
+      sum = __bfloat162float(packed[self * stride + at]);
+    else
+      for (int64_t q = 0; q < ranks; ++q)
+        sum += __bfloat162float(q == self ? packed[self * stride + at] : received[q * stride + at]);
+    dst[i] = sum * scale;
+  }
+}
+
 /// As unpackShardsKernel.
 __global__ void unpackShardSegmentsKernel(const PackedTensor *t, const float *mine) {
   const PackedTensor &x = t[blockIdx.y];
@@ -276,8 +310,53 @@ Launch CudaBackendImpl::buildShardsOf(const std::vector<Instruction> &instrs, si
 // stream when the bundle marks it async (its event_wait comes before the
 // update reads the shards), in the communication stream's own workspace.
 
+Launch CudaBackendImpl::inCommWorkspace(const Instruction &ins, Launch run) {
+  if (asyncCollective(ins))
+    return onCommStream(ins, run);
+  // On the compute stream, after what the communication stream has in
+  // flight (its workspace is the communication stream's).
+  cudaEvent_t ready = nullptr;
+  LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+  readyEvents.push_back(ready);
+  cudaStream_t cs = commStream;
+  buildCapturable = false; // it waits for an event of a stream outside any capture
+  return [=](cudaStream_t s) {
+    LOOM_CUDA_CHECK(cudaEventRecord(ready, cs));
+    LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, ready, 0));
+    run(s);
+  };
+}
+
+bool CudaBackendImpl::wideSums(bool allReduce) {
+  // Read as each collective is prepared, so that a test can compare them.
+  // Off by default until two GPUs have measured it (rank 0 of GPT-2 350M's
+  // ZeRO-1 alone: 38.1-38.3 ms a step against 38.8-39.1 with NCCL's f32
+  // reduce-scatter; dp2's rank alone with "all" 42.8-43.0 against 40.8).
+  const char *e = std::getenv("LOOM_CUDA_WIDE_SUMS");
+  std::string v = e ? e : "off";
+  return allReduce ? v == "all" : v == "zero" || v == "all";
+}
+
 Launch CudaBackendImpl::buildPackedReduceScatter(const Instruction &ins, int64_t index, int64_t parts,
                                                  ncclComm_t comm) {
+  // The bf16 gradients take the wide sums, the f32 ones (a tied embedding's
+  // sum) NCCL's f32 reduce-scatter, one after the other.
+  Instruction bf16s = ins, f32s = ins;
+  bf16s.in.clear(), bf16s.out.clear(), f32s.in.clear(), f32s.out.clear();
+  for (size_t i = 0; i < ins.in.size() && i < ins.out.size(); ++i) {
+    Instruction &part = buf(ins.in[i]).dtype == LOOM_BF16 ? bf16s : f32s;
+    part.in.push_back(ins.in[i]), part.out.push_back(ins.out[i]);
+  }
+  if (!wideSums(false) || bf16s.in.empty() || ins.in.size() != ins.out.size())
+    return inCommWorkspace(ins, widenedScatterRun(ins, index, parts, comm));
+  Launch wide = wideSumScatterRun(bf16s, index, parts, comm);
+  if (f32s.in.empty())
+    return inCommWorkspace(ins, wide);
+  Launch rest = widenedScatterRun(f32s, index, parts, comm);
+  return inCommWorkspace(ins, [wide, rest](cudaStream_t s) { wide(s), rest(s); });
+}
+
+Launch CudaBackendImpl::widenedScatterRun(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm) {
   bool mean = ins.attrs.value("reduction", std::string("mean")) == "mean";
   int64_t span = 0;
   // gradients (f32, or bf16 widened as they are packed), their shards
@@ -304,20 +383,90 @@ Launch CudaBackendImpl::buildPackedReduceScatter(const Instruction &ins, int64_t
     else
       unpackShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(table, count, span, mine);
   };
-  if (asyncCollective(ins))
-    return onCommStream(ins, run);
-  // On the compute stream, after what the communication stream has in
-  // flight (its workspace is the communication stream's).
-  cudaEvent_t ready = nullptr;
-  LOOM_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-  readyEvents.push_back(ready);
-  cudaStream_t cs = commStream;
-  buildCapturable = false; // it waits for an event of a stream outside any capture
-  return [=](cudaStream_t s) {
-    LOOM_CUDA_CHECK(cudaEventRecord(ready, cs));
-    LOOM_CUDA_CHECK(cudaStreamWaitEvent(s, ready, 0));
-    run(s);
+  return run;
+}
+
+/// Sends each peer q its part packed[q] and receives its part of this
+/// rank's into received[q] (bf16, `span` elements each, one NCCL group).
+static void exchangeParts(const __nv_bfloat16 *packed, __nv_bfloat16 *received, int64_t stride, int64_t span,
+                          int64_t parts, int64_t self, ncclComm_t comm, cudaStream_t s) {
+  LOOM_NCCL_CHECK(ncclGroupStart());
+  for (int64_t q = 0; q < parts; ++q)
+    if (q != self) {
+      LOOM_NCCL_CHECK(ncclSend(packed + q * stride, size_t(span), ncclBfloat16, int(q), comm, s));
+      LOOM_NCCL_CHECK(ncclRecv(received + q * stride, size_t(span), ncclBfloat16, int(q), comm, s));
+    }
+  LOOM_NCCL_CHECK(ncclGroupEnd());
+}
+
+Launch CudaBackendImpl::wideSumScatterRun(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm) {
+  bool mean = ins.attrs.value("reduction", std::string("mean")) == "mean";
+  int64_t span = 0;
+  const PackedTensor *table = packedTensors(ins.in, ins.out, parts, span, /*bf16Wholes=*/true);
+  int count = int(ins.in.size());
+  // Each rank's part starts 128 bytes apart (where NCCL's vector paths want
+  // it): packed[parts][stride] bf16, then received[parts][stride] bf16.
+  int64_t stride = (span + 63) / 64 * 64;
+  commWorkspaceBytes = std::max(commWorkspaceBytes, size_t(2 * parts * stride) * sizeof(__nv_bfloat16));
+  int64_t self = index, longest = 0;
+  for (int64_t id : ins.out)
+    longest = std::max(longest, numElements(buf(id).shape).value_or(0));
+  dim3 packGrid = segmentGrid(longest, parts * count), sumGrid = segmentGrid(longest, count);
+  // Alone (LOOM_MEASURE_ONE_RANK) a rank's slice is its own part, as the f32 path's copy.
+  int64_t ranks = comm ? parts : 1;
+  float scale = mean && comm ? 1.0f / float(parts) : 1.0f;
+  auto run = [this, table, count, span, stride, parts, self, ranks, scale, comm, packGrid, sumGrid](cudaStream_t s) {
+    auto *packed = reinterpret_cast<__nv_bfloat16 *>(commWorkspace), *received = packed + parts * stride;
+    packBf16PartSegmentsKernel<<<packGrid, kThreads, 0, s>>>(table, count, stride, packed);
+    if (comm)
+      exchangeParts(packed, received, stride, span, parts, self, comm, s);
+    sumShardSegmentsKernel<<<sumGrid, kThreads, 0, s>>>(table, packed, received, stride, ranks, self, scale,
+                                                        nullptr);
   };
+  return run;
+}
+
+Launch CudaBackendImpl::buildWideSumAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm) {
+  int64_t me = 0, parts = 1; // plain variables: lambdas capture them (C++17)
+  std::tie(me, parts) = placeIn(ins.attrs.value("group", std::string("dp")));
+  // Each gradient cut into `parts` parts of k = ceil(n / parts): `in` packs
+  // the bf16 gradients' parts, `out` unpacks the gathered f32 means into the
+  // f32 outputs (their `whole`); both at the same offsets in a part.
+  std::vector<PackedTensor> in, out;
+  int64_t span = 0, longest = 0;
+  for (size_t i = 0; i < ins.in.size(); ++i) {
+    int64_t n = count(buf(ins.in[i]).shape), k = (n + parts - 1) / parts;
+    in.push_back({reinterpret_cast<float *>(ptr(buf(ins.in[i]))), nullptr, n, k, span, 1});
+    out.push_back({f(ins.out[i]), nullptr, n, k, span, 0});
+    span += k, longest = std::max(longest, k);
+  }
+  const PackedTensor *inTable = deviceArray(in), *outTable = deviceArray(out);
+  int count = int(in.size());
+  int64_t stride = (span + 63) / 64 * 64;
+  // packed and received bf16 [parts][stride], then the gathered f32 [parts][stride]
+  commWorkspaceBytes = std::max(commWorkspaceBytes, size_t(parts * stride) * (2 * sizeof(__nv_bfloat16) + sizeof(float)));
+  dim3 packGrid = segmentGrid(longest, parts * count), partGrid = segmentGrid(longest, count);
+  int64_t ranks = comm ? parts : 1;
+  float scale = red == ncclAvg && comm ? 1.0f / float(parts) : 1.0f;
+  auto run = [this, inTable, outTable, count, span, stride, parts, me, ranks, scale, comm, packGrid,
+              partGrid](cudaStream_t s) {
+    auto *packed = reinterpret_cast<__nv_bfloat16 *>(commWorkspace), *received = packed + parts * stride;
+    float *gathered = reinterpret_cast<float *>(received + parts * stride), *mine = gathered + me * stride;
+    packBf16PartSegmentsKernel<<<packGrid, kThreads, 0, s>>>(inTable, count, stride, packed);
+    if (comm)
+      exchangeParts(packed, received, stride, span, parts, me, comm, s);
+    sumShardSegmentsKernel<<<partGrid, kThreads, 0, s>>>(inTable, packed, received, stride, ranks, me, scale, mine);
+    if (comm)
+      LOOM_NCCL_CHECK(ncclAllGather(mine, gathered, size_t(stride), ncclFloat32, comm, s));
+    else // alone: every part is this rank's own (its sums of itself)
+      for (int64_t q = 0; q < parts; ++q)
+        if (q != me) {
+          sumShardSegmentsKernel<<<partGrid, kThreads, 0, s>>>(inTable, packed, received, stride, 1, q, 1.0f,
+                                                                gathered + q * stride);
+        }
+    unpackWholeSegmentsKernel<<<packGrid, kThreads, 0, s>>>(outTable, count, stride, gathered);
+  };
+  return inCommWorkspace(ins, run);
 }
 
 Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm) {
@@ -334,6 +483,11 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
   int64_t below = bucketPacked() ? packBelow : 0;
   if (ins.attrs.value("wire", std::string("f32")) == "bf16")
     return buildBf16WireAllReduce(ins, red, comm, below);
+  bool wideSum = (red == ncclAvg || red == ncclSum) && wideSums(/*allReduce=*/true);
+  for (size_t i = 0; i < ins.in.size(); ++i)
+    wideSum &= buf(ins.in[i]).dtype == LOOM_BF16 && buf(ins.out[i]).dtype == LOOM_F32;
+  if (wideSum)
+    return buildWideSumAllReduce(ins, red, comm);
   std::vector<PackedTensor> small, widened;
   std::vector<std::pair<float *, int64_t>> large; // reduced in place
   int64_t span = 0, wideSpan = 0;
