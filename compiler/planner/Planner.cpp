@@ -492,7 +492,10 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
   else if (d > 1) {
     // --grad-reduce bf16: the plain all-reduce's bf16 gradients travel as bf16.
     double width = !plan.zero && options.gradReduceBf16 && options.precision == Precision::Bf16 ? 2 : 4;
-    dpComm = plan.zero ? reduceScatterTime(4 * stageParams, d, dpLink)
+    // ZeRO's reduce-scatter of bf16 gradients sends them as bf16 and sums
+    // in f32 (the runtime's wide sums).
+    double scatterWidth = options.zeroWideSums && options.precision == Precision::Bf16 ? 2 : 4;
+    dpComm = plan.zero ? reduceScatterTime(scatterWidth * stageParams, d, dpLink)
                        : allReduceTime(width * stageParams, d, dpLink);
   }
   // ZeRO-1's reduce-scatter goes out in the same buckets, but measured on
@@ -515,8 +518,10 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     // update for f32 steps), and the buckets packed for each collective and
     // unpacked after it, at plain memory bandwidth.
     double width = options.precision == Precision::Bf16 ? 2 : 4;
+    // Packing the reduce-scatter's bf16 parts moves 2 bytes a parameter less than widening them.
+    double packBytes = options.zeroPackBytesPerParam - (options.zeroWideSums && width == 2 ? 2 : 0);
     dpComm += allGatherTime(width * stageParams, d, dpLink) +
-              options.zeroPackBytesPerParam * stageParams / (dev.memoryBandwidth * 0.8);
+              packBytes * stageParams / (dev.memoryBandwidth * 0.8);
     // ZeRO-3 gathers every weight again for the backward. Its buckets go
     // out a bucket ahead of their layers, but until two GPUs measure how
     // much of that hides, it is priced as exposed, as ZeRO-1's gather is.

@@ -137,6 +137,10 @@ struct CostOptions {
   /// contiguous buffers (Megatron-LM's).
   double zeroPackBytesPerParam = 17.0;
   double zeroCallSeconds = 11e-6;
+  /// ZeRO's reduce-scatter of bf16 gradients sends bf16 and sums in f32
+  /// (the CUDA runtime's default since 2026-11-29; LOOM_CUDA_WIDE_SUMS=0
+  /// sends them widened to f32): half the bytes on the wire.
+  bool zeroWideSums = true;
   /// Pipeline sends leave the stage free (Loom's CUDA runtime: a staging
   /// copy, then ncclSend on a stream of their own; only the receiver waits
   /// for the data). False: each send blocks its stage for the transfer

@@ -161,11 +161,8 @@ CudaBackendImpl::CudaBackendImpl(const RankProgram &rank, int device, NcclWorld 
   LOOM_CUDA_CHECK(cudaMemsetAsync(arena, 0, bytes, stream));
   LOOM_CUDA_CHECK(cudaMalloc(&errorWord, 3 * sizeof(long long)));
   LOOM_CUDA_CHECK(cudaMemsetAsync(errorWord, 0, 3 * sizeof(long long), stream));
-  int leastPriority = 0, greatestPriority = 0;
-  if (commPriority())
-    LOOM_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&leastPriority, &greatestPriority));
-  LOOM_CUDA_CHECK(cudaStreamCreateWithPriority(&sendStream, cudaStreamNonBlocking, greatestPriority));
-  LOOM_CUDA_CHECK(cudaStreamCreateWithPriority(&commStream, cudaStreamNonBlocking, greatestPriority));
+  LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&sendStream, cudaStreamNonBlocking));
+  LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&commStream, cudaStreamNonBlocking));
   if (!kernelsPtx.empty()) { // the compiler's generated kernels, JIT-compiled by the driver
     cudaError_t e = cudaLibraryLoadData(&kernelsLibrary, kernelsPtx.c_str(), nullptr, nullptr, 0,
                                         nullptr, nullptr, 0);

@@ -548,15 +548,10 @@ private:
   /// reduce-scatter's of the widened gradients (exactly, over two ranks)
   /// with half of its bytes sent.
   Launch wideSumScatterRun(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm);
-  /// A bucket of bf16 gradients all-reduced into f32 means the same way:
-  /// the wide-sum reduce-scatter of its parts, then NCCL's f32 all-gather
-  /// (three quarters of the f32 all-reduce's bytes on the wire).
-  Launch buildWideSumAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm);
-  /// LOOM_CUDA_WIDE_SUMS: which collectives of bf16 gradients send bf16 and
-  /// sum in f32: "zero" (ZeRO's reduce-scatters), "all" (the data-parallel
-  /// buckets' all-reduces too) or "off" (the default: NCCL's f32
-  /// collectives over the widened gradients).
-  static bool wideSums(bool allReduce);
+  /// Whether ZeRO's reduce-scatters of bf16 gradients take wideSumScatterRun
+  /// (unless LOOM_CUDA_WIDE_SUMS=0: NCCL's f32 reduce-scatter of the widened
+  /// gradients).
+  static bool wideSums();
   Launch buildPackedAllGather(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm);
   /// A bucket of gradients all-reduced in f32: the small ones as one packed
   /// message, the large ones in place; a bf16 input is widened into its f32
@@ -635,11 +630,6 @@ private:
   //===--- CUDA graphs (CudaGraphs.cu) ------------------------------------===//
   void dropGraphs();
   static bool graphsWanted();
-  /// LOOM_CUDA_COMM_PRIORITY=1: the send and communication streams are
-  /// created at the device's greatest priority, and graphs instantiated
-  /// with their nodes' priorities, so that the block scheduler starts
-  /// NCCL's kernels before the compute stream's next blocks.
-  static bool commPriority();
   /// LOOM_CUDA_TRACE_GRAPHS=1: --trace keeps CUDA graphs, its events captured as nodes.
   static bool traceGraphs();
   /// Records a trace or profile event (created on first use) on `s`.

@@ -35,7 +35,7 @@ void checkNccl(ncclResult_t r, const char *what, const char *file, int line) {
 #define LOOM_NCCL_CHECK(expr) checkNccl((expr), #expr, __FILE__, __LINE__)
 
 void NcclWorld::createAll(const std::vector<std::vector<int>> &lists, int self, Communicator *bootstrap,
-               std::vector<std::map<int, ncclComm_t> *> targets, const std::vector<int> &maxCTAs) {
+               std::vector<std::map<int, ncclComm_t> *> targets, const std::vector<std::pair<int, int>> &ctas) {
   std::vector<ncclUniqueId> ids(lists.size());
   for (size_t g = 0; g < lists.size(); ++g) {
     if (self < 0 || self == lists[g][0])
@@ -66,7 +66,7 @@ void NcclWorld::createAll(const std::vector<std::vector<int>> &lists, int self, 
       if (self < 0 || lists[g][i] == self)
         shared->pending.push_back({g, lists[g][i], nullptr});
   std::vector<int> devs = devices;
-  std::thread([shared, lists, ids, devs, maxCTAs] {
+  std::thread([shared, lists, ids, devs, ctas] {
     std::string error;
     try {
       LOOM_NCCL_CHECK(ncclGroupStart());
@@ -74,10 +74,10 @@ void NcclWorld::createAll(const std::vector<std::vector<int>> &lists, int self, 
         const std::vector<int> &members = lists[p.list];
         int index = int(std::find(members.begin(), members.end(), p.member) - members.begin());
         LOOM_CUDA_CHECK(cudaSetDevice(devs[p.member]));
-        if (p.list < maxCTAs.size() && maxCTAs[p.list] > 0) {
+        if (p.list < ctas.size() && ctas[p.list].second > 0) {
           ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-          config.maxCTAs = maxCTAs[p.list];
-          config.minCTAs = 1;
+          config.minCTAs = ctas[p.list].first;
+          config.maxCTAs = ctas[p.list].second;
           LOOM_NCCL_CHECK(ncclCommInitRankConfig(&p.comm, int(members.size()), ids[p.list], index, &config));
         } else {
           LOOM_NCCL_CHECK(ncclCommInitRank(&p.comm, int(members.size()), ids[p.list], index));
@@ -184,31 +184,48 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<in
            " does not receive in (NCCL matches transfers in order); this schedule runs on CPU "
            "ranks only for now: use 1f1b or gpipe on GPUs");
   }
+  // A channel count from the environment: 0 where unset.
+  auto channels = [](const char *name, int fallback) {
+    const char *v = std::getenv(name);
+    if (!v || !*v)
+      return fallback;
+    char *end = nullptr;
+    long n = std::strtol(v, &end, 10);
+    if (*end || n < 0 || n > 64)
+      fail(LOOM_INVALID_ARGUMENT, name, " must be a channel count from 1 to 64 (0: NCCL's choice), got '", v, "'");
+    return int(n);
+  };
+  // Tensor-parallel groups' collectives stand between two products, with
+  // nothing to share the SMs with: 32 channels each (LOOM_NCCL_TP_CTAS=N, 0
+  // for NCCL's choice). GPT-2 350M tp2 sp on two H200s, 2026-11-29: 56.5 ms
+  // a step against 57.2-57.7 (NCCL_MIN_CTAS=32 for the whole process, which
+  // slows data-parallel buckets beside the backward).
+  int tpCTAs = channels("LOOM_NCCL_TP_CTAS", 32);
+  std::set<std::vector<int>> tpLists;
+  for (const RankProgram &r : m.ranks)
+    if (auto tp = r.groups.find("tp"); tp != r.groups.end() && tp->second.size() > 1)
+      tpLists.insert(std::vector<int>(tp->second.begin(), tp->second.end()));
   std::vector<std::vector<int>> lists;
   std::vector<std::map<int, ncclComm_t> *> targets;
-  for (const auto &g : groups)
+  std::vector<std::pair<int, int>> ctas;
+  for (const auto &g : groups) {
     lists.push_back(g), targets.push_back(&world->groups[g]);
+    ctas.push_back(tpCTAs > 0 && tpLists.count(g) ? std::make_pair(tpCTAs, tpCTAs) : std::make_pair(0, 0));
+  }
   // LOOM_NCCL_LINK_CTAS=N caps the pipeline links' channels: they carry one
   // activation at a time, and each channel holds its own buffers for every
   // protocol (about 1 GiB a communicator at NCCL's default on an H200).
-  std::vector<int> maxCTAs(lists.size(), 0);
-  int linkCTAs = 0;
-  if (const char *v = std::getenv("LOOM_NCCL_LINK_CTAS"); v && *v) {
-    char *end = nullptr;
-    long n = std::strtol(v, &end, 10);
-    if (*end || n < 1 || n > 64)
-      fail(LOOM_INVALID_ARGUMENT, "LOOM_NCCL_LINK_CTAS must be a channel count from 1 to 64, got '", v, "'");
-    linkCTAs = int(n);
-  }
+  int linkCTAs = channels("LOOM_NCCL_LINK_CTAS", 0);
   for (auto [from, to] : links)
-    lists.push_back({from, to}), targets.push_back(&world->links[{from, to}]), maxCTAs.push_back(linkCTAs);
+    lists.push_back({from, to}), targets.push_back(&world->links[{from, to}]),
+        ctas.push_back(linkCTAs > 0 ? std::make_pair(1, linkCTAs) : std::make_pair(0, 0));
   // Every connection is made while the communicators are created (NCCL
   // otherwise makes them at a collective's first call, on the host, where a
   // peer whose collectives disagree blocks the call itself, beyond the
   // reach of waitForStreams's timeout: seen with a rank that skipped an
   // all-reduce, 2026-11-27). A user's own NCCL_RUNTIME_CONNECT stays.
   setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
-  world->createAll(lists, self, bootstrap, targets, maxCTAs);
+  world->createAll(lists, self, bootstrap, targets, ctas);
   return world;
 #endif
 }

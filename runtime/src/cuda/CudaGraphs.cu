@@ -26,13 +26,6 @@ bool CudaBackendImpl::graphsWanted() {
   return on;
 }
 
-bool CudaBackendImpl::commPriority() {
-  static const bool on = [] {
-    return envIs("LOOM_CUDA_COMM_PRIORITY", "1");
-  }();
-  return on;
-}
-
 bool CudaBackendImpl::traceGraphs() {
   static const bool on = [] {
     return envIs("LOOM_CUDA_TRACE_GRAPHS", "1");
@@ -86,9 +79,7 @@ bool CudaBackendImpl::captureAndLaunch(const std::string &program, std::vector<S
   }
   cudaGraph_t graph = nullptr;
   cudaError_t e = cudaStreamEndCapture(stream, &graph);
-  // Kernel nodes keep the priority of the stream they were captured from.
-  unsigned long long flags = commPriority() ? cudaGraphInstantiateFlagUseNodePriority : 0;
-  if (launched && e == cudaSuccess && graph && cudaGraphInstantiateWithFlags(&g.exec, graph, flags) == cudaSuccess &&
+  if (launched && e == cudaSuccess && graph && cudaGraphInstantiate(&g.exec, graph, 0) == cudaSuccess &&
       cudaGraphLaunch(g.exec, stream) == cudaSuccess) {
     cudaGraphDestroy(graph);
     return true;

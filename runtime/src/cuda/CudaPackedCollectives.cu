@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <tuple>
 
 namespace loom::rt {
 #ifdef LOOM_HAVE_NCCL
@@ -181,9 +180,8 @@ __global__ void packBf16PartSegmentsKernel(const PackedTensor *t, int count, int
 /// (received[q]), times `scale`. Alone (ranks 1) the shard is its own part.
 __global__ void sumShardSegmentsKernel(const PackedTensor *t, const __nv_bfloat16 *packed,
                                        const __nv_bfloat16 *received, int64_t stride, int64_t ranks, int64_t self,
-                                       float scale, float *mine) {
+                                       float scale) {
   const PackedTensor &x = t[blockIdx.y];
-  float *dst = mine ? mine + x.offset : x.shard; // a packed span (an all-reduce's), or the shard
   SEGMENT_LOOP(i, x.k) {
     int64_t at = x.offset + i;
     float sum = 0.0f;
@@ -192,7 +190,7 @@ __global__ void sumShardSegmentsKernel(const PackedTensor *t, const __nv_bfloat1
     else
       for (int64_t q = 0; q < ranks; ++q)
         sum += __bfloat162float(q == self ? packed[self * stride + at] : received[q * stride + at]);
-    dst[i] = sum * scale;
+    x.shard[i] = sum * scale;
   }
 }
 
@@ -327,14 +325,13 @@ Launch CudaBackendImpl::inCommWorkspace(const Instruction &ins, Launch run) {
   };
 }
 
-bool CudaBackendImpl::wideSums(bool allReduce) {
-  // Read as each collective is prepared, so that a test can compare them.
-  // Off by default until two GPUs have measured it (rank 0 of GPT-2 350M's
-  // ZeRO-1 alone: 38.1-38.3 ms a step against 38.8-39.1 with NCCL's f32
-  // reduce-scatter; dp2's rank alone with "all" 42.8-43.0 against 40.8).
-  const char *e = std::getenv("LOOM_CUDA_WIDE_SUMS");
-  std::string v = e ? e : "off";
-  return allReduce ? v == "all" : v == "zero" || v == "all";
+bool CudaBackendImpl::wideSums() {
+  // The default since two H200s (2026-11-29): GPT-2 350M's ZeRO-1 dp2 46.0 /
+  // 46.2 ms a step against 46.6 / 46.4 with NCCL's f32 reduce-scatter (ZeRO-2
+  // 46.1 against 46.4, ZeRO-3 47.0 against 47.5), tiny GPT's ZeRO-1/2/3
+  // losses bit for bit the same. Read as each collective is prepared, so
+  // that a test can compare both.
+  return !envIs("LOOM_CUDA_WIDE_SUMS", "0");
 }
 
 Launch CudaBackendImpl::buildPackedReduceScatter(const Instruction &ins, int64_t index, int64_t parts,
@@ -347,7 +344,7 @@ Launch CudaBackendImpl::buildPackedReduceScatter(const Instruction &ins, int64_t
     Instruction &part = buf(ins.in[i]).dtype == LOOM_BF16 ? bf16s : f32s;
     part.in.push_back(ins.in[i]), part.out.push_back(ins.out[i]);
   }
-  if (!wideSums(false) || bf16s.in.empty() || ins.in.size() != ins.out.size())
+  if (!wideSums() || bf16s.in.empty() || ins.in.size() != ins.out.size())
     return inCommWorkspace(ins, widenedScatterRun(ins, index, parts, comm));
   Launch wide = wideSumScatterRun(bf16s, index, parts, comm);
   if (f32s.in.empty())
@@ -420,53 +417,9 @@ Launch CudaBackendImpl::wideSumScatterRun(const Instruction &ins, int64_t index,
     packBf16PartSegmentsKernel<<<packGrid, kThreads, 0, s>>>(table, count, stride, packed);
     if (comm)
       exchangeParts(packed, received, stride, span, parts, self, comm, s);
-    sumShardSegmentsKernel<<<sumGrid, kThreads, 0, s>>>(table, packed, received, stride, ranks, self, scale,
-                                                        nullptr);
+    sumShardSegmentsKernel<<<sumGrid, kThreads, 0, s>>>(table, packed, received, stride, ranks, self, scale);
   };
   return run;
-}
-
-Launch CudaBackendImpl::buildWideSumAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm) {
-  int64_t me = 0, parts = 1; // plain variables: lambdas capture them (C++17)
-  std::tie(me, parts) = placeIn(ins.attrs.value("group", std::string("dp")));
-  // Each gradient cut into `parts` parts of k = ceil(n / parts): `in` packs
-  // the bf16 gradients' parts, `out` unpacks the gathered f32 means into the
-  // f32 outputs (their `whole`); both at the same offsets in a part.
-  std::vector<PackedTensor> in, out;
-  int64_t span = 0, longest = 0;
-  for (size_t i = 0; i < ins.in.size(); ++i) {
-    int64_t n = count(buf(ins.in[i]).shape), k = (n + parts - 1) / parts;
-    in.push_back({reinterpret_cast<float *>(ptr(buf(ins.in[i]))), nullptr, n, k, span, 1});
-    out.push_back({f(ins.out[i]), nullptr, n, k, span, 0});
-    span += k, longest = std::max(longest, k);
-  }
-  const PackedTensor *inTable = deviceArray(in), *outTable = deviceArray(out);
-  int count = int(in.size());
-  int64_t stride = (span + 63) / 64 * 64;
-  // packed and received bf16 [parts][stride], then the gathered f32 [parts][stride]
-  commWorkspaceBytes = std::max(commWorkspaceBytes, size_t(parts * stride) * (2 * sizeof(__nv_bfloat16) + sizeof(float)));
-  dim3 packGrid = segmentGrid(longest, parts * count), partGrid = segmentGrid(longest, count);
-  int64_t ranks = comm ? parts : 1;
-  float scale = red == ncclAvg && comm ? 1.0f / float(parts) : 1.0f;
-  auto run = [this, inTable, outTable, count, span, stride, parts, me, ranks, scale, comm, packGrid,
-              partGrid](cudaStream_t s) {
-    auto *packed = reinterpret_cast<__nv_bfloat16 *>(commWorkspace), *received = packed + parts * stride;
-    float *gathered = reinterpret_cast<float *>(received + parts * stride), *mine = gathered + me * stride;
-    packBf16PartSegmentsKernel<<<packGrid, kThreads, 0, s>>>(inTable, count, stride, packed);
-    if (comm)
-      exchangeParts(packed, received, stride, span, parts, me, comm, s);
-    sumShardSegmentsKernel<<<partGrid, kThreads, 0, s>>>(inTable, packed, received, stride, ranks, me, scale, mine);
-    if (comm)
-      LOOM_NCCL_CHECK(ncclAllGather(mine, gathered, size_t(stride), ncclFloat32, comm, s));
-    else // alone: every part is this rank's own (its sums of itself)
-      for (int64_t q = 0; q < parts; ++q)
-        if (q != me) {
-          sumShardSegmentsKernel<<<partGrid, kThreads, 0, s>>>(inTable, packed, received, stride, 1, q, 1.0f,
-                                                                gathered + q * stride);
-        }
-    unpackWholeSegmentsKernel<<<packGrid, kThreads, 0, s>>>(outTable, count, stride, gathered);
-  };
-  return inCommWorkspace(ins, run);
 }
 
 Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm) {
@@ -483,11 +436,6 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
   int64_t below = bucketPacked() ? packBelow : 0;
   if (ins.attrs.value("wire", std::string("f32")) == "bf16")
     return buildBf16WireAllReduce(ins, red, comm, below);
-  bool wideSum = (red == ncclAvg || red == ncclSum) && wideSums(/*allReduce=*/true);
-  for (size_t i = 0; i < ins.in.size(); ++i)
-    wideSum &= buf(ins.in[i]).dtype == LOOM_BF16 && buf(ins.out[i]).dtype == LOOM_F32;
-  if (wideSum)
-    return buildWideSumAllReduce(ins, red, comm);
   std::vector<PackedTensor> small, widened;
   std::vector<std::pair<float *, int64_t>> large; // reduced in place
   int64_t span = 0, wideSpan = 0;

@@ -56,10 +56,11 @@ public:
   /// deadlock). One process: all ranks; under mpirun: `self` only, with ids
   /// broadcast from each group's first member over `bootstrap`.
   /// Fails after `timeoutSeconds` (or when `bootstrap` reports a lost peer)
-  /// if a member never joins. `maxCTAs[i]` > 0 caps list i's channels
-  /// (NCCL's config.maxCTAs), and with them its buffers.
+  /// if a member never joins. `ctas[i]` = {min, max} with max > 0 sets list
+  /// i's channels (NCCL's config.minCTAs and maxCTAs), and with them its
+  /// buffers; {0, 0} leaves NCCL's choice.
   void createAll(const std::vector<std::vector<int>> &lists, int self, Communicator *bootstrap,
-                 std::vector<std::map<int, ncclComm_t> *> targets, const std::vector<int> &maxCTAs);
+                 std::vector<std::map<int, ncclComm_t> *> targets, const std::vector<std::pair<int, int>> &ctas);
 #endif
   ~NcclWorld();
 };
