@@ -193,7 +193,11 @@ struct DataParallelPass : mlir::loom::impl::DataParallelBase<DataParallelPass> {
               reduce.push_back({"all_reduce", {p.grad}, {p.grad}, json{{"reduction", "mean"}, {"group", "dp"}}});
           }
           std::vector<rt::Instruction> &program = r.programs[pipelined ? "step" : "backward"];
-          lastBucketEvent = placeGradientBuckets(r, program, early, o->bucketBytes, shardOfGrad);
+          int64_t gradientBytes = 0;
+          for (int64_t g : early)
+            gradientBytes += r.buffers[g].bytes;
+          lastBucketEvent = placeGradientBuckets(
+              r, program, early, gradientBucketBytes(o->bucketBytes, gradientBytes, o->zero2 || o->zero3), shardOfGrad);
           if (o->zero2) {
             // ZeRO-2: each rank keeps its gradients' slices, not the whole
             // gradients: a bucket's are free once it is reduce-scattered,

@@ -153,7 +153,8 @@ struct OptimizerUpdatePass : mlir::loom::impl::OptimizerUpdateBase<OptimizerUpda
           prefix = std::move(it->second);
           r.programs.erase(it);
         }
-        buildUpdate(r, o->training, std::move(prefix), normCounts, normGroup, sr.zeroShards, o->bucketBytes);
+        buildUpdate(r, o->training, std::move(prefix), normCounts, normGroup, sr.zeroShards,
+                    gatherBucketBytes(o->bucketBytes));
         // Later passes renumber buffers: these notes are spent.
         sr.paramGrads.clear();
         sr.zeroShards.clear();

@@ -103,8 +103,10 @@ struct BundleOptions {
   std::vector<int64_t> chunkUnits;
   /// Data-parallel gradient all-reduces go in buckets of about this many
   /// bytes, each issued right after the last instruction that finishes one
-  /// of its gradients, so that communication overlaps the rest of backward.
-  int64_t bucketBytes = 25 << 20;
+  /// of its gradients, so that communication overlaps the rest of backward;
+  /// ZeRO's gathers go in buckets of the same size. 0: gradientBucketBytes
+  /// and gatherBucketBytes choose.
+  int64_t bucketBytes = 0;
   /// Fuse chains of elementwise instructions into generated kernels (PTX in
   /// the bundle's kernels.ptx; the CPU backend evaluates their description).
   bool fuse = false;
@@ -232,6 +234,12 @@ void eraseMarked(std::vector<::loom::rt::Instruction> &list, const std::vector<b
 /// buckets: a run closes once it holds `bucketBytes` or more (and at the
 /// end). [begin, end) index pairs, in order.
 std::vector<std::pair<size_t, size_t>> bucketRuns(const std::vector<int64_t> &bytes, int64_t bucketBytes);
+/// The gradient buckets' size: `requested` where it is set (--bucket-mb),
+/// else a sixth of a rank's `gradientBytes` between 25 and 256 MiB, or 25
+/// MiB where the buckets bound memory (ZeRO-2 and -3, `memoryBound`).
+int64_t gradientBucketBytes(int64_t requested, int64_t gradientBytes, bool memoryBound);
+/// ZeRO's gathers' buckets: `requested` where it is set, else 25 MiB.
+int64_t gatherBucketBytes(int64_t requested);
 /// An all_gather of slices into wholes (`in` and `out` paired) as several,
 /// in order, each of about `bucketBytes` of wholes with the same
 /// attributes: the runtime stages a gather's wholes in a workspace of its

@@ -373,7 +373,7 @@ struct ZeroGatherCopiesPass : mlir::loom::impl::ZeroGatherCopiesBase<ZeroGatherC
     FailureOr<BundleOptions> o = getCompileOptions(getOperation());
     if (failed(o))
       return signalPassFailure();
-    int64_t bucketBytes = o->bucketBytes;
+    int64_t bucketBytes = gatherBucketBytes(o->bucketBytes);
     bool zero3 = o->zero3;
     std::string error;
     auto rewrite = [&](StepRank &rank) {

@@ -409,7 +409,8 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     s.activationBytes = mem.peakBytes;
     s.memoryBytes = s.weightBytes + s.activationBytes + options.runtimeBytes +
                     options.communicatorBytes *
-                        double(communicatorsPerRank(d, t, p, v, plan.zero > 0, sharedAcrossStages, st));
+                        double(communicatorsPerRank(d, t, p, v, plan.zero > 0, sharedAcrossStages, st)) +
+                    (t > 1 ? options.tpChannelBytes : 0.0);
     double stageTime = s.forwardTime + s.backwardTime;
     if (stageTime > slowest) {
       slowest = stageTime;

@@ -166,6 +166,10 @@ struct CostOptions {
   /// 3.6-3.9, in five 4.8-6.0).
   double runtimeBytes = 0.9 * (1ull << 30);
   double communicatorBytes = 1.0 * (1ull << 30);
+  /// A tensor-parallel group's communicator holds more: the runtime gives it
+  /// 64 channels (LOOM_NCCL_TP_CTAS), 0.8 GiB more of buffers than 32 (GPT-2
+  /// 350M tp2 sp on two H200s, 2026-11-29: 12.77 GiB in use against 11.96).
+  double tpChannelBytes = 0.8 * (1ull << 30);
   /// The compiled step's element types (loomc compile --precision), for its
   /// memory; the step time's activation width is `activationBytes`.
   Precision precision = Precision::Bf16;

@@ -158,9 +158,11 @@ cl::opt<bool> trainTpOverlap("tp-overlap",
                             cl::init(false), cl::sub(compileCmd), cl::cat(trainCategory));
 cl::opt<double> trainBucketMb("bucket-mb",
                               cl::desc("Data-parallel gradients go out in buckets of about this many MiB "
-                                       "(of f32 gradients), each as soon as its last gradient is made, "
-                                       "beside the rest of the backward (default 25, as PyTorch DDP's)"),
-                              cl::init(25.0), cl::sub(compileCmd), cl::cat(trainCategory));
+                                       "(of the gradients as they are made), each as soon as its last "
+                                       "gradient is, beside the rest of the backward; ZeRO's gathers use "
+                                       "the same size. 0 (the default): a sixth of a rank's gradients, "
+                                       "from 25 to 256 MiB (25 under ZeRO-2 and -3, and for the gathers)"),
+                              cl::init(0.0), cl::sub(compileCmd), cl::cat(trainCategory));
 cl::opt<int64_t> compileBatch("batch", cl::desc("Batch size the dynamic batch dimension takes"),
                               cl::init(1), cl::sub(compileCmd));
 cl::opt<uint64_t> compileSeed("seed", cl::desc("Seed for initialising parameters"), cl::init(0),
@@ -567,9 +569,10 @@ int runCompile() {
   options.zero2 = options.zero1 && zeroStage >= 2;
   options.zero3 = options.zero1 && zeroStage == 3;
   options.gradReduceBf16 = gradReduceBf16;
-  if (!(trainBucketMb > 0 && trainBucketMb <= 65536))
-    return fail("--bucket-mb must be above 0 and at most 65536 (MiB), got " + std::to_string(trainBucketMb));
-  options.bucketBytes = std::max<int64_t>(1, int64_t(trainBucketMb * 1048576.0));
+  if (!(trainBucketMb >= 0 && trainBucketMb <= 65536))
+    return fail("--bucket-mb must be from 0 (the default: chosen from the gradients' size) to 65536 (MiB), got " +
+                std::to_string(trainBucketMb));
+  options.bucketBytes = trainBucketMb > 0 ? std::max<int64_t>(1, int64_t(trainBucketMb * 1048576.0)) : 0;
   options.sequenceParallel = compileTrain && tp > 1 && plan.value("sequence_parallel", false);
   options.tpOverlap = trainTpOverlap;
   options.plan = plan;

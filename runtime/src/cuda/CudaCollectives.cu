@@ -196,11 +196,12 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<in
     return int(n);
   };
   // Tensor-parallel groups' collectives stand between two products, with
-  // nothing to share the SMs with: 32 channels each (LOOM_NCCL_TP_CTAS=N, 0
-  // for NCCL's choice). GPT-2 350M tp2 sp on two H200s, 2026-11-29: 56.5 ms
-  // a step against 57.2-57.7 (NCCL_MIN_CTAS=32 for the whole process, which
-  // slows data-parallel buckets beside the backward).
-  int tpCTAs = channels("LOOM_NCCL_TP_CTAS", 32);
+  // nothing to share the SMs with: 64 channels each (LOOM_NCCL_TP_CTAS=N, 0
+  // for NCCL's choice), for 0.8 GiB more of NCCL's buffers. GPT-2 350M tp2
+  // sp on two H200s, 2026-11-29: 55.4 ms a step with 64, 56.6-57.2 with 32,
+  // 58.9 with 16, 57.6 with NCCL's choice (the whole process's
+  // NCCL_MIN_CTAS would slow data-parallel buckets beside the backward).
+  int tpCTAs = channels("LOOM_NCCL_TP_CTAS", 64);
   std::set<std::vector<int>> tpLists;
   for (const RankProgram &r : m.ranks)
     if (auto tp = r.groups.find("tp"); tp != r.groups.end() && tp->second.size() > 1)

@@ -8,7 +8,7 @@
 
 // Through loom-compile: the pipeline's options become the attributes, and
 // configure is the only stage that ran (the model is untouched, no bundle).
-// PIPE: module attributes {loom.family = "mlp", loom.options = {batch = 8 : i64, {{.*}}optimizer = "adamw", {{.*}}train = true, {{.*}}}, loom.plan = {bucket_bytes = 26214400 : i64, dp = 2 : i64, microbatches = 2 : i64, pp = 1 : i64, {{.*}}schedule = "gpipe", {{.*}}tp = 1 : i64, vpp = 1 : i64, zero = 0 : i64}}
+// PIPE: module attributes {loom.family = "mlp", loom.options = {batch = 8 : i64, {{.*}}optimizer = "adamw", {{.*}}train = true, {{.*}}}, loom.plan = {bucket_bytes = 0 : i64, dp = 2 : i64, microbatches = 2 : i64, pp = 1 : i64, {{.*}}schedule = "gpipe", {{.*}}tp = 1 : i64, vpp = 1 : i64, zero = 0 : i64}}
 // PIPE: func.func @forward(%{{.*}}: tensor<?x784xf32>)
 // PIPE-NOT: loomrt.bundle
 
@@ -17,7 +17,7 @@
 // No attributes: the defaults (batch 1, inference, f32, one rank).
 // CHECK-LABEL: module attributes
 // CHECK-SAME: loom.options = {batch = 1 : i64, {{.*}}bf16 = false, {{.*}}fuse = false, {{.*}}optimizer = "adamw", seed = 0 : i64, {{.*}}train = false
-// CHECK-SAME: loom.plan = {bucket_bytes = 26214400 : i64, dp = 1 : i64, microbatches = 1 : i64, pp = 1 : i64, recompute = array<i64>, record = {}, schedule = "1f1b", stages = array<i64>, tp = 1 : i64, vpp = 1 : i64, zero = 0 : i64}
+// CHECK-SAME: loom.plan = {bucket_bytes = 0 : i64, dp = 1 : i64, microbatches = 1 : i64, pp = 1 : i64, recompute = array<i64>, record = {}, schedule = "1f1b", stages = array<i64>, tp = 1 : i64, vpp = 1 : i64, zero = 0 : i64}
 module {
 }
 
@@ -26,7 +26,7 @@ module {
 // A partial plan keeps what it gives and completes the rest.
 // CHECK-LABEL: module attributes
 // CHECK-SAME: loom.options = {batch = 8 : i64, {{.*}}train = true
-// CHECK-SAME: loom.plan = {bucket_bytes = 26214400 : i64, dp = 2 : i64, microbatches = 2 : i64, pp = 1 : i64, {{.*}}zero = 1 : i64}
+// CHECK-SAME: loom.plan = {bucket_bytes = 0 : i64, dp = 2 : i64, microbatches = 2 : i64, pp = 1 : i64, {{.*}}zero = 1 : i64}
 module attributes {loom.options = {batch = 8 : i64, train = true}, loom.plan = {dp = 2 : i64, microbatches = 2 : i64, zero = 1 : i64}} {
 }
 
