@@ -184,7 +184,7 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<in
            " does not receive in (NCCL matches transfers in order); this schedule runs on CPU "
            "ranks only for now: use 1f1b or gpipe on GPUs");
   }
-  // A channel count from the environment: 0 where unset.
+  // A channel count from the environment (0: NCCL's choice); `fallback` where unset.
   auto channels = [](const char *name, int fallback) {
     const char *v = std::getenv(name);
     if (!v || !*v)
@@ -209,10 +209,9 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<in
   std::vector<std::vector<int>> lists;
   std::vector<std::map<int, ncclComm_t> *> targets;
   std::vector<std::pair<int, int>> ctas;
-  for (const auto &g : groups) {
-    lists.push_back(g), targets.push_back(&world->groups[g]);
-    ctas.push_back(tpCTAs > 0 && tpLists.count(g) ? std::make_pair(tpCTAs, tpCTAs) : std::make_pair(0, 0));
-  }
+  for (const auto &g : groups)
+    lists.push_back(g), targets.push_back(&world->groups[g]),
+        ctas.push_back(tpCTAs > 0 && tpLists.count(g) ? std::make_pair(tpCTAs, tpCTAs) : std::make_pair(0, 0));
   // LOOM_NCCL_LINK_CTAS=N caps the pipeline links' channels: they carry one
   // activation at a time, and each channel holds its own buffers for every
   // protocol (about 1 GiB a communicator at NCCL's default on an H200).

@@ -151,27 +151,23 @@ __device__ inline float wholeAt(const PackedTensor &x, int64_t at) {
   return x.bf16Whole ? __bfloat162float(reinterpret_cast<const __nv_bfloat16 *>(x.whole)[at]) : x.whole[at];
 }
 
-/// As packPartsKernel: row y is part y / count of tensor y % count.
-__global__ void packPartSegmentsKernel(const PackedTensor *t, int count, int64_t span, float *packed) {
-  int64_t p = blockIdx.y / count;
-  const PackedTensor &x = t[blockIdx.y % count];
-  float *dst = packed + p * span + x.offset;
-  SEGMENT_LOOP(i, x.k) {
-    int64_t at = p * x.k + i;
-    dst[i] = at < x.n ? wholeAt(x, at) : 0.0f;
-  }
+/// Element `at` of a whole as T: f32 (a bf16 whole widened), or bf16 as it is.
+template <typename T> __device__ inline T partAt(const PackedTensor &x, int64_t at);
+template <> __device__ inline float partAt(const PackedTensor &x, int64_t at) { return wholeAt(x, at); }
+template <> __device__ inline __nv_bfloat16 partAt(const PackedTensor &x, int64_t at) {
+  return reinterpret_cast<const __nv_bfloat16 *>(x.whole)[at];
 }
 
-/// As packPartSegmentsKernel for bf16 gradients kept bf16: part p of each
-/// tensor at packed[p * stride + offset].
-__global__ void packBf16PartSegmentsKernel(const PackedTensor *t, int count, int64_t stride, __nv_bfloat16 *packed) {
+/// As packPartsKernel: row y is part y / count of tensor y % count, at
+/// packed[p * stride + offset]; T bf16 keeps bf16 gradients bf16.
+template <typename T>
+__global__ void packPartSegmentsKernel(const PackedTensor *t, int count, int64_t stride, T *packed) {
   int64_t p = blockIdx.y / count;
   const PackedTensor &x = t[blockIdx.y % count];
-  const auto *src = reinterpret_cast<const __nv_bfloat16 *>(x.whole);
-  __nv_bfloat16 *dst = packed + p * stride + x.offset;
+  T *dst = packed + p * stride + x.offset;
   SEGMENT_LOOP(i, x.k) {
     int64_t at = p * x.k + i;
-    dst[i] = at < x.n ? src[at] : __float2bfloat16_rn(0.0f);
+    dst[i] = at < x.n ? partAt<T>(x, at) : T(0.0f);
   }
 }
 
@@ -338,13 +334,15 @@ Launch CudaBackendImpl::buildPackedReduceScatter(const Instruction &ins, int64_t
                                                  ncclComm_t comm) {
   // The bf16 gradients take the wide sums, the f32 ones (a tied embedding's
   // sum) NCCL's f32 reduce-scatter, one after the other.
+  if (!wideSums() || ins.in.size() != ins.out.size()) // (packedTensors names a size mismatch)
+    return inCommWorkspace(ins, widenedScatterRun(ins, index, parts, comm));
   Instruction bf16s = ins, f32s = ins;
   bf16s.in.clear(), bf16s.out.clear(), f32s.in.clear(), f32s.out.clear();
-  for (size_t i = 0; i < ins.in.size() && i < ins.out.size(); ++i) {
+  for (size_t i = 0; i < ins.in.size(); ++i) {
     Instruction &part = buf(ins.in[i]).dtype == LOOM_BF16 ? bf16s : f32s;
     part.in.push_back(ins.in[i]), part.out.push_back(ins.out[i]);
   }
-  if (!wideSums() || bf16s.in.empty() || ins.in.size() != ins.out.size())
+  if (bf16s.in.empty())
     return inCommWorkspace(ins, widenedScatterRun(ins, index, parts, comm));
   Launch wide = wideSumScatterRun(bf16s, index, parts, comm);
   if (f32s.in.empty())
@@ -414,7 +412,7 @@ Launch CudaBackendImpl::wideSumScatterRun(const Instruction &ins, int64_t index,
   float scale = mean && comm ? 1.0f / float(parts) : 1.0f;
   auto run = [this, table, count, span, stride, parts, self, ranks, scale, comm, packGrid, sumGrid](cudaStream_t s) {
     auto *packed = reinterpret_cast<__nv_bfloat16 *>(commWorkspace), *received = packed + parts * stride;
-    packBf16PartSegmentsKernel<<<packGrid, kThreads, 0, s>>>(table, count, stride, packed);
+    packPartSegmentsKernel<<<packGrid, kThreads, 0, s>>>(table, count, stride, packed);
     if (comm)
       exchangeParts(packed, received, stride, span, parts, self, comm, s);
     sumShardSegmentsKernel<<<sumGrid, kThreads, 0, s>>>(table, packed, received, stride, ranks, self, scale);
