@@ -221,6 +221,14 @@ private:
     workspaceBytes = std::max(workspaceBytes, (bytes + 255) / 256 * 256);
     return 0;
   }
+  /// The same in the communication stream's workspace for an async
+  /// collective (it runs beside compute that may use the shared one).
+  void reserveFor(bool async, size_t bytes) {
+    if (async)
+      commWorkspaceBytes = std::max(commWorkspaceBytes, (bytes + 255) / 256 * 256);
+    else
+      reserve(bytes);
+  }
   template <typename T> T *deviceArray(const std::vector<T> &host) {
     void *p = nullptr;
     LOOM_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(host.size(), 1) * sizeof(T)));

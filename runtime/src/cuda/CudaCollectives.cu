@@ -474,10 +474,13 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     char *src = ptr(fp(ins.in[0])), *dst = ptr(fp(ins.out[0]));
     ncclDataType_t type = ncclType(ins.in[0]);
     size_t width = buf(ins.in[0]).dtype == LOOM_BF16 ? 2 : 4;
+    // Async (the backward's, beside the weight gradient's product): on the
+    // communication stream, packed in its own workspace.
+    bool async = asyncCollective(ins);
     if (outer > 1)
-      reserve(size_t(outer * inner * parts) * width);
+      reserveFor(async, size_t(outer * inner * parts) * width);
     int64_t count = parts;
-    return [=](cudaStream_t s) {
+    Launch run = [=](cudaStream_t s) {
       size_t row = size_t(inner) * width, slab = size_t(outer) * row;
       if (!comm) { // a group of one: the whole sum is its part
         LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, slab, cudaMemcpyDeviceToDevice, s));
@@ -485,7 +488,7 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
       }
       const char *parted = src;
       if (outer > 1) { // [outer][parts][inner] -> [parts][outer][inner]: each rank's part contiguous
-        char *packed = static_cast<char *>(workspace);
+        char *packed = static_cast<char *>(async ? commWorkspace : workspace);
         for (int64_t r = 0; r < count; ++r)
           LOOM_CUDA_CHECK(cudaMemcpy2DAsync(packed + r * slab, row, src + r * row, count * row, row, outer,
                                             cudaMemcpyDeviceToDevice, s));
@@ -493,6 +496,7 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
       }
       LOOM_NCCL_CHECK(ncclReduceScatter(parted, dst, size_t(outer * inner), type, mean ? ncclAvg : ncclSum, comm, s));
     };
+    return async ? onCommStream(ins, run) : run;
   }
   if (op == "reduce_scatter" && zeroPacked()) {
     auto [index, parts] = place();
@@ -552,10 +556,11 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     char *src = ptr(fp(ins.in[0])), *dst = ptr(fp(ins.out[0]));
     ncclDataType_t type = ncclType(ins.in[0]);
     size_t width = buf(ins.in[0]).dtype == LOOM_BF16 ? 2 : 4;
+    bool async = asyncCollective(ins); // beside the products that do not need it (loom-overlap-tensor-gather)
     if (outer > 1)
-      reserve(size_t(outer * inner * parts) * width);
+      reserveFor(async, size_t(outer * inner * parts) * width);
     int64_t count = parts;
-    return [=](cudaStream_t s) {
+    Launch run = [=](cudaStream_t s) {
       size_t slab = size_t(outer * inner) * width, row = size_t(inner) * width;
       if (outer == 1) { // the parts are contiguous in the result: gathered in place
         if (comm)
@@ -564,7 +569,7 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
           LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, slab, cudaMemcpyDeviceToDevice, s));
         return;
       }
-      char *whole = static_cast<char *>(workspace); // [parts][outer][inner]
+      char *whole = static_cast<char *>(async ? commWorkspace : workspace); // [parts][outer][inner]
       if (comm)
         LOOM_NCCL_CHECK(ncclAllGather(src, whole, size_t(outer * inner), type, comm, s));
       else
@@ -573,6 +578,7 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
         LOOM_CUDA_CHECK(cudaMemcpy2DAsync(dst + r * row, count * row, whole + r * slab, row, row, outer,
                                           cudaMemcpyDeviceToDevice, s));
     };
+    return async ? onCommStream(ins, run) : run;
   }
   if (op == "all_gather") { // pairs of slice and whole tensor, gathered as one NCCL group
     for (int64_t id : ins.out)
