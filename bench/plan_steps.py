@@ -9,10 +9,14 @@ runs again for a grid of the profile's two link terms (`link_efficiency`, the
 share of the preset's link rate collectives reach, and `comm_hidden_share`,
 the share of the data-parallel all-reduce the backward hides) and prints the
 pair whose worst error is smallest, to refit them after the runtime changes.
+`--fit-tp` grids the tensor-parallel collectives' terms instead
+(`tp_link_efficiency`, the share of the link rate a large one reaches, and
+`link_half_bytes`, the message size at which it reaches half of that), pricing
+again only the runs with tensor parallelism.
 
   python3 bench/plan_steps.py [--loomc build/compiler/loomc]
       [--profile bench/data/profile-h200-gpt2-350m-bf16.json]
-      [--measured bench/data/measured-h200-steps.json] [--fit] [--max-error PCT]
+      [--measured bench/data/measured-h200-steps.json] [--fit | --fit-tp] [--max-error PCT]
 
 It prints a table (docs/planner.md); test/planner/measured-steps.test runs it
 with --max-error 10 (exit status 2 when a prediction is further off than
@@ -47,9 +51,11 @@ def price(loomc, profile, run, model, tmp):
     return json.load(open(out))["predicted"]["step_ms"]
 
 
-def errors(loomc, profile, data, tmp):
+def errors(loomc, profile, data, tmp, only=None):
     rows = []
     for run in data["runs"]:
+        if only and not only(run):
+            continue
         model = model_file(run["model"], data.get("models", {}), loomc, tmp)
         predicted = price(loomc, profile, run, model, tmp)
         rows.append((run, predicted, (predicted - run["ms"]) / run["ms"] * 100))
@@ -62,6 +68,7 @@ def main():
     ap.add_argument("--profile", default="bench/data/profile-h200-gpt2-350m-bf16.json")
     ap.add_argument("--measured", default="bench/data/measured-h200-steps.json")
     ap.add_argument("--fit", action="store_true", help="refit link_efficiency and comm_hidden_share")
+    ap.add_argument("--fit-tp", action="store_true", help="refit tp_link_efficiency and link_half_bytes")
     ap.add_argument("--max-error", type=float, help="exit 2 if a prediction is off by more (percent)")
     a = ap.parse_args()
     data = json.load(open(a.measured))
@@ -80,6 +87,8 @@ def main():
             print(f"plan_steps: a prediction is {worst:.1f}% off its measurement (--max-error {a.max_error:g})",
                   file=sys.stderr)
             return 2
+        if a.fit_tp:
+            return fit_tp(a, data, rows, tmp)
         if not a.fit:
             return 0
         base = json.load(open(a.profile))
@@ -96,6 +105,28 @@ def main():
         (worst, rms), link, hidden = best
         print(f"fit: link_efficiency {link:.2f}, comm_hidden_share {hidden:.1f}: worst error {worst:.1f}%, "
               f"rms {rms:.1f}% (was {base.get('link_efficiency')}, {base.get('comm_hidden_share')})")
+    return 0
+
+
+def fit_tp(a, data, rows, tmp):
+    """Grids the tensor-parallel link terms; the other runs keep their errors."""
+    base = json.load(open(a.profile))
+    tp = lambda run: "tp=" in run["force"] and "tp=1," not in run["force"]
+    others = [e for run, _, e in rows if not tp(run)]
+    best = None
+    mib = 1 << 20
+    for eff, half in itertools.product([x / 100 for x in range(50, 92, 2)], [0, 2, 4, 8, 12, 16, 24, 32, 48, 64]):
+        trial = dict(base, tp_link_efficiency=eff, link_half_bytes=half * mib)
+        path = os.path.join(tmp, "profile.json")
+        json.dump(trial, open(path, "w"))
+        errs = others + [e for _, _, e in errors(a.loomc, path, data, tmp, only=tp)]
+        score = (max(abs(e) for e in errs), (sum(e * e for e in errs) / len(errs)) ** 0.5)
+        if best is None or score < best[0]:
+            best = (score, eff, half)
+    (worst, rms), eff, half = best
+    print(f"fit: tp_link_efficiency {eff:.2f}, link_half_bytes {half} MiB: worst error {worst:.1f}%, rms {rms:.1f}% "
+          f"(was {base.get('tp_link_efficiency', base.get('link_efficiency'))}, "
+          f"{base.get('link_half_bytes', 0) / mib:g} MiB)")
     return 0
 
 

@@ -270,7 +270,8 @@ bool loadProfile(const std::string &path, CostOptions &options, const Cluster &c
   for (auto [key, field] : {std::pair{"matmul_efficiency", &options.matmulEfficiency},
                             {"memory_efficiency", &options.memoryEfficiency},
                             {"link_efficiency", &options.linkEfficiency},
-                            {"comm_hidden_share", &options.commHiddenShare}}) {
+                            {"comm_hidden_share", &options.commHiddenShare},
+                            {"tp_link_efficiency", &options.tpLinkEfficiency}}) {
     if (!doc.contains(key))
       continue;
     if (!doc[key].is_number() || doc[key].get<double>() <= 0 || doc[key].get<double>() > 1) {
@@ -278,6 +279,13 @@ bool loadProfile(const std::string &path, CostOptions &options, const Cluster &c
       return false;
     }
     *field = doc[key].get<double>();
+  }
+  if (doc.contains("link_half_bytes")) {
+    if (!doc["link_half_bytes"].is_number() || doc["link_half_bytes"].get<double>() < 0) {
+      error = path + ": 'link_half_bytes' must be a number of bytes, 0 or more";
+      return false;
+    }
+    options.linkHalfBytes = doc["link_half_bytes"].get<double>();
   }
   // A runtime profile (loom-run --profile): achieved matrix FLOP/s against this
   // cluster's peak for the dtype it ran in.

@@ -187,6 +187,14 @@ struct CostOptions {
   /// GPT 1.3B's 18.7 ms, against all-reduces of 7.9 and 29.4 ms at the
   /// measured link rate (a profile's "comm_hidden_share").
   double commHiddenShare = 1.0;
+  /// Tensor-parallel collectives (a profile's "tp_link_efficiency" and
+  /// "link_half_bytes"): the share of the link rate a large one reaches
+  /// (0: linkEfficiency), and the message size at which it reaches half of
+  /// that (0: every size alike). NCCL's all-gathers and reduce-scatters of
+  /// 16, 32 and 64 MiB moved at 0.77, 1.0 and 1.15 times one rate on H200s
+  /// (GPT-2 350M and GPT 1.3B under tp2 and tp4, 2026-11-29).
+  double tpLinkEfficiency = 0;
+  double linkHalfBytes = 0;
   /// Host time per instruction launched (seconds), paid by every microbatch
   /// pass: it dominates when microbatches or tensor parallelism make the
   /// kernels small. 0 unless a runtime profile measured it.

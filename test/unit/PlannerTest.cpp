@@ -231,8 +231,11 @@ TEST(Planner, StepTimeIsTheSumOfItsParts) {
   EXPECT_NEAR(p.stages[0].numLayers, 13, 2);
   EXPECT_GT(p.tpCommTime, 0);
   EXPECT_GT(p.ppCommTime, 0);
-  EXPECT_NEAR(p.bubbleTime / (p.stepTime - p.bubbleTime - p.dpCommTime - p.optimizerTime),
-              bubbleFraction(Schedule::OneFOneB, 2, p.microbatches, 1), 1e-9);
+  // The pipeline is simulated with each stage's own times: no more bubble
+  // than the closed form, which gives every stage the slowest one's.
+  double fraction = p.bubbleTime / (p.stepTime - p.bubbleTime - p.dpCommTime - p.optimizerTime);
+  EXPECT_GT(fraction, 0);
+  EXPECT_LE(fraction, bubbleFraction(Schedule::OneFOneB, 2, p.microbatches, 1) + 1e-9);
 }
 
 // Unforced, microbatches stay at 64 examples or fewer; a forced count of
