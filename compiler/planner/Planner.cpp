@@ -421,7 +421,10 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     s.memoryBytes = s.weightBytes + s.activationBytes + options.runtimeBytes +
                     options.communicatorBytes *
                         double(communicatorsPerRank(d, t, p, v, plan.zero > 0, sharedAcrossStages, st)) +
-                    (t > 1 ? options.tpChannelBytes : 0.0);
+                    (t > 1 ? options.tpChannelBytes : 0.0) +
+                    (plan.zero > 0 && d > 1 && options.zeroWideSums && options.precision == Precision::Bf16
+                         ? options.zeroPointToPointBytes
+                         : 0.0);
     double stageTime = s.forwardTime + s.backwardTime;
     if (stageTime > slowest) {
       slowest = stageTime;
