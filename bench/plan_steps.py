@@ -89,41 +89,40 @@ def main():
             return 2
         if a.fit_tp:
             return fit_tp(a, data, rows, tmp)
-        if not a.fit:
-            return 0
-        base = json.load(open(a.profile))
-        best = None
-        grid = itertools.product([x / 100 for x in range(40, 62, 2)], [x / 10 for x in range(1, 8)])
-        for link, hidden in grid:
-            trial = dict(base, link_efficiency=link, comm_hidden_share=hidden)
-            path = os.path.join(tmp, "profile.json")
-            json.dump(trial, open(path, "w"))
-            errs = [e for _, _, e in errors(a.loomc, path, data, tmp)]
-            score = (max(abs(e) for e in errs), (sum(e * e for e in errs) / len(errs)) ** 0.5)
-            if best is None or score < best[0]:
-                best = (score, link, hidden)
-        (worst, rms), link, hidden = best
-        print(f"fit: link_efficiency {link:.2f}, comm_hidden_share {hidden:.1f}: worst error {worst:.1f}%, "
-              f"rms {rms:.1f}% (was {base.get('link_efficiency')}, {base.get('comm_hidden_share')})")
+        if a.fit:
+            base = json.load(open(a.profile))
+            grid = itertools.product([x / 100 for x in range(40, 62, 2)], [x / 10 for x in range(1, 8)])
+            (worst, rms), (link, hidden) = best_fit(a, data, tmp, base, grid,
+                                                    lambda p: dict(link_efficiency=p[0], comm_hidden_share=p[1]))
+            print(f"fit: link_efficiency {link:.2f}, comm_hidden_share {hidden:.1f}: worst error {worst:.1f}%, "
+                  f"rms {rms:.1f}% (was {base.get('link_efficiency')}, {base.get('comm_hidden_share')})")
     return 0
+
+
+def best_fit(a, data, tmp, base, grid, terms, only=None, others=()):
+    """Prices the runs (those `only` accepts) under `base` with `terms(point)`
+    set, for each point of `grid`; the point whose worst error, then rms, over
+    them and `others` (errors kept from the other runs) is smallest."""
+    best = None
+    path = os.path.join(tmp, "profile.json")
+    for point in grid:
+        json.dump(dict(base, **terms(point)), open(path, "w"))
+        errs = list(others) + [e for _, _, e in errors(a.loomc, path, data, tmp, only=only)]
+        score = (max(abs(e) for e in errs), (sum(e * e for e in errs) / len(errs)) ** 0.5)
+        if best is None or score < best[0]:
+            best = (score, point)
+    return best
 
 
 def fit_tp(a, data, rows, tmp):
     """Grids the tensor-parallel link terms; the other runs keep their errors."""
     base = json.load(open(a.profile))
     tp = lambda run: "tp=" in run["force"] and "tp=1," not in run["force"]
-    others = [e for run, _, e in rows if not tp(run)]
-    best = None
     mib = 1 << 20
-    for eff, half in itertools.product([x / 100 for x in range(50, 92, 2)], [0, 2, 4, 8, 12, 16, 24, 32, 48, 64]):
-        trial = dict(base, tp_link_efficiency=eff, link_half_bytes=half * mib)
-        path = os.path.join(tmp, "profile.json")
-        json.dump(trial, open(path, "w"))
-        errs = others + [e for _, _, e in errors(a.loomc, path, data, tmp, only=tp)]
-        score = (max(abs(e) for e in errs), (sum(e * e for e in errs) / len(errs)) ** 0.5)
-        if best is None or score < best[0]:
-            best = (score, eff, half)
-    (worst, rms), eff, half = best
+    grid = itertools.product([x / 100 for x in range(50, 92, 2)], [0, 2, 4, 8, 12, 16, 24, 32, 48, 64])
+    (worst, rms), (eff, half) = best_fit(a, data, tmp, base, grid,
+                                         lambda p: dict(tp_link_efficiency=p[0], link_half_bytes=p[1] * mib),
+                                         only=tp, others=[e for run, _, e in rows if not tp(run)])
     print(f"fit: tp_link_efficiency {eff:.2f}, link_half_bytes {half} MiB: worst error {worst:.1f}%, rms {rms:.1f}% "
           f"(was {base.get('tp_link_efficiency', base.get('link_efficiency'))}, "
           f"{base.get('link_half_bytes', 0) / mib:g} MiB)")

@@ -463,10 +463,7 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
        wideGrid = segmentGrid(longestOf(widened.data(), widened.data() + widened.size()), wideCount);
   size_t bytes = size_t(span) * sizeof(float);
   bool async = asyncCollective(ins);
-  if (async) // on the communication stream it has that stream's own workspace
-    commWorkspaceBytes = std::max(commWorkspaceBytes, bytes);
-  else
-    reserve(bytes);
+  reserveFor(async, bytes); // on the communication stream it has that stream's own workspace
   auto run = [=](cudaStream_t s) {
     float *packed = reinterpret_cast<float *>(async ? commWorkspace : workspace);
     if (wideCount && wideSegments)
@@ -576,11 +573,7 @@ Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t ind
   int count = int(ins.in.size());
   size_t width = bf16 ? 2 : 4, bytes = size_t((parts + 1) * span) * width;
   bool async = asyncCollective(ins);
-  // On the communication stream it has that stream's own workspace.
-  if (async)
-    commWorkspaceBytes = std::max(commWorkspaceBytes, bytes);
-  else
-    reserve(bytes);
+  reserveFor(async, bytes); // on the communication stream it has that stream's own workspace
   int64_t self = index;
   // LOOM_CUDA_COMM_BLOCKS=N (a measurement): an async gather's packing and
   // unpacking in at most N blocks, so that beside the compute stream they
