@@ -175,7 +175,7 @@ struct CostOptions {
   /// allocates beside its collectives' at the first send: GPT-2 350M ZeRO-1
   /// dp4 on four H200s, 2026-11-29: 13.45 GiB in use, 12.52 without wide
   /// sums, 12.37 with NCCL_MAX_P2P_NCHANNELS=8; the ZeRO-1 plans of GPT-2
-  /// 350M and GPT 1.3B held 0.7-1.6 GiB more than dp2 and dp4 beside the arena.
+  /// 350M and GPT 1.3B held 0.8-1.8 GiB more than dp2 and dp4 beside the arena.
   double zeroPointToPointBytes = 1.0 * (1ull << 30);
   /// The compiled step's element types (loomc compile --precision), for its
   /// memory; the step time's activation width is `activationBytes`.
