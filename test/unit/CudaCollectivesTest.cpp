@@ -314,79 +314,90 @@ TEST(CudaCollectives, ZeroScatterOfBf16GradientsSummedInF32) {
 // workspace, beside a product on the compute stream that uses the shared
 // one), in one program captured as a graph and replayed. Every rank's part
 // must be exactly the sum of the two ranks' rows (small integers: exact in
-// any order), and the gathered tensor both ranks' parts.
+// any order), and the gathered tensor both ranks' parts. Both with the
+// arena and workspaces as symmetric NCCL windows of the tensor-parallel
+// group (the default: NCCL's symmetric kernels) and without.
+static void axisCollectivesOnTwoGpus(bool async) {
+  loom::rt::test::ProgramBuilder p;
+  int64_t x = p.add({3, 8, 5}, LOOM_F32, "x"), part = p.add({3, 4, 5}, LOOM_F32, "part"),
+          whole = p.add({3, 8, 5}, LOOM_F32, "whole"), a = p.add({64, 96}, LOOM_F32, "a"),
+          b = p.add({96, 80}, LOOM_F32, "b"), c = p.add({64, 80}, LOOM_F32, "c");
+  Instruction scatter{"reduce_scatter", {x}, {part}, {{"axis", 1}, {"reduction", "sum"}, {"group", "tp"}}};
+  Instruction gather{"all_gather", {part}, {whole}, {{"axis", 1}, {"group", "tp"}}};
+  Instruction product{"matmul", {a, b}, {c}, nlohmann::json::object()};
+  std::vector<Instruction> program;
+  if (async) {
+    scatter.attrs["async"] = true, scatter.attrs["event"] = 0;
+    gather.attrs["async"] = true, gather.attrs["event"] = 1;
+    program = {scatter, product, Instruction{"event_wait", {}, {}, {{"event", 0}}},
+               gather,  product, Instruction{"event_wait", {}, {}, {{"event", 1}}}};
+  } else {
+    program = {scatter, product, gather, product};
+  }
+  Manifest m;
+  m.mode = "train";
+  for (int k = 0; k < 2; ++k) {
+    RankProgram r = p.finish(program);
+    r.rank = k;
+    r.groups["tp"] = {0, 1};
+    m.ranks.push_back(r);
+  }
+  auto world = makeNcclWorld(m, {0, 1});
+  // inputs[rank]: x[i][j][k] = small integers, distinct per rank.
+  auto input = [](int rank, int64_t i) { return float((i * 7 + rank * 3) % 11) - 5.0f; };
+  std::vector<std::vector<float>> parts(2), wholes(2);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < 2; ++k)
+    threads.emplace_back([&, k] {
+      try {
+        auto gpu = makeCudaBackend(m.ranks[k], k, world.get());
+        const RankProgram &r = m.ranks[k];
+        std::vector<float> xs(120), ones(64 * 96, 1.0f), twos(96 * 80, 2.0f);
+        for (int64_t i = 0; i < 120; ++i)
+          xs[size_t(i)] = input(k, i);
+        gpu->upload(r.buffers[x], xs.data());
+        gpu->upload(r.buffers[a], ones.data());
+        gpu->upload(r.buffers[b], twos.data());
+        gpu->prepare("forward", program);
+        for (int round = 0; round < 3; ++round) // eager, then the graph's replays
+          gpu->run("forward");
+        parts[size_t(k)] = downloadFloats(*gpu, r.buffers[part]);
+        wholes[size_t(k)] = downloadFloats(*gpu, r.buffers[whole]);
+      } catch (const std::exception &e) {
+        errors[size_t(k)] = e.what();
+        abortNcclWorld(*world, e.what());
+      }
+    });
+  for (std::thread &t : threads)
+    t.join();
+  ASSERT_EQ(errors[0], "") << (async ? "async" : "sync");
+  ASSERT_EQ(errors[1], "") << (async ? "async" : "sync");
+  for (int k = 0; k < 2; ++k)
+    for (int64_t i = 0; i < 3; ++i)
+      for (int64_t j = 0; j < 8; ++j)
+        for (int64_t e = 0; e < 5; ++e) {
+          int64_t at = (i * 8 + j) * 5 + e;
+          float sum = input(0, at) + input(1, at);
+          ASSERT_EQ(wholes[size_t(k)][size_t(at)], sum)
+              << (async ? "async" : "sync") << ", rank " << k << ", whole [" << i << "][" << j << "][" << e << "]";
+          if (j / 4 == k)
+            ASSERT_EQ(parts[size_t(k)][size_t((i * 4 + j % 4) * 5 + e)], sum)
+                << (async ? "async" : "sync") << ", rank " << k << ", part [" << i << "][" << j % 4 << "][" << e
+                << "]";
+        }
+}
+
 TEST(CudaCollectives, AxisCollectivesOnTwoGpus) {
   int gpus = 0;
   if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2)
     GTEST_SKIP() << "needs two CUDA devices";
-  for (bool async : {false, true}) {
-    loom::rt::test::ProgramBuilder p;
-    int64_t x = p.add({3, 8, 5}, LOOM_F32, "x"), part = p.add({3, 4, 5}, LOOM_F32, "part"),
-            whole = p.add({3, 8, 5}, LOOM_F32, "whole"), a = p.add({64, 96}, LOOM_F32, "a"),
-            b = p.add({96, 80}, LOOM_F32, "b"), c = p.add({64, 80}, LOOM_F32, "c");
-    Instruction scatter{"reduce_scatter", {x}, {part}, {{"axis", 1}, {"reduction", "sum"}, {"group", "tp"}}};
-    Instruction gather{"all_gather", {part}, {whole}, {{"axis", 1}, {"group", "tp"}}};
-    Instruction product{"matmul", {a, b}, {c}, nlohmann::json::object()};
-    std::vector<Instruction> program;
-    if (async) {
-      scatter.attrs["async"] = true, scatter.attrs["event"] = 0;
-      gather.attrs["async"] = true, gather.attrs["event"] = 1;
-      program = {scatter, product, Instruction{"event_wait", {}, {}, {{"event", 0}}},
-                 gather,  product, Instruction{"event_wait", {}, {}, {{"event", 1}}}};
-    } else {
-      program = {scatter, product, gather, product};
+  for (const char *windows : {"1", "0"}) {
+    setenv("LOOM_NCCL_WINDOWS", windows, 1);
+    for (bool async : {false, true}) {
+      SCOPED_TRACE(std::string("LOOM_NCCL_WINDOWS=") + windows + (async ? ", async" : ", sync"));
+      axisCollectivesOnTwoGpus(async);
     }
-    Manifest m;
-    m.mode = "train";
-    for (int k = 0; k < 2; ++k) {
-      RankProgram r = p.finish(program);
-      r.rank = k;
-      r.groups["tp"] = {0, 1};
-      m.ranks.push_back(r);
-    }
-    auto world = makeNcclWorld(m, {0, 1});
-    // inputs[rank]: x[i][j][k] = small integers, distinct per rank.
-    auto input = [](int rank, int64_t i) { return float((i * 7 + rank * 3) % 11) - 5.0f; };
-    std::vector<std::vector<float>> parts(2), wholes(2);
-    std::vector<std::string> errors(2);
-    std::vector<std::thread> threads;
-    for (int k = 0; k < 2; ++k)
-      threads.emplace_back([&, k] {
-        try {
-          auto gpu = makeCudaBackend(m.ranks[k], k, world.get());
-          const RankProgram &r = m.ranks[k];
-          std::vector<float> xs(120), ones(64 * 96, 1.0f), twos(96 * 80, 2.0f);
-          for (int64_t i = 0; i < 120; ++i)
-            xs[size_t(i)] = input(k, i);
-          gpu->upload(r.buffers[x], xs.data());
-          gpu->upload(r.buffers[a], ones.data());
-          gpu->upload(r.buffers[b], twos.data());
-          gpu->prepare("forward", program);
-          for (int round = 0; round < 3; ++round) // eager, then the graph's replays
-            gpu->run("forward");
-          parts[size_t(k)] = downloadFloats(*gpu, r.buffers[part]);
-          wholes[size_t(k)] = downloadFloats(*gpu, r.buffers[whole]);
-        } catch (const std::exception &e) {
-          errors[size_t(k)] = e.what();
-          abortNcclWorld(*world, e.what());
-        }
-      });
-    for (std::thread &t : threads)
-      t.join();
-    ASSERT_EQ(errors[0], "") << (async ? "async" : "sync");
-    ASSERT_EQ(errors[1], "") << (async ? "async" : "sync");
-    for (int k = 0; k < 2; ++k)
-      for (int64_t i = 0; i < 3; ++i)
-        for (int64_t j = 0; j < 8; ++j)
-          for (int64_t e = 0; e < 5; ++e) {
-            int64_t at = (i * 8 + j) * 5 + e;
-            float sum = input(0, at) + input(1, at);
-            ASSERT_EQ(wholes[size_t(k)][size_t(at)], sum)
-                << (async ? "async" : "sync") << ", rank " << k << ", whole [" << i << "][" << j << "][" << e << "]";
-            if (j / 4 == k)
-              ASSERT_EQ(parts[size_t(k)][size_t((i * 4 + j % 4) * 5 + e)], sum)
-                  << (async ? "async" : "sync") << ", rank " << k << ", part [" << i << "][" << j % 4 << "][" << e
-                  << "]";
-          }
   }
+  unsetenv("LOOM_NCCL_WINDOWS");
 }

@@ -157,6 +157,12 @@ CudaBackendImpl::CudaBackendImpl(const RankProgram &rank, int device, NcclWorld 
   LOOM_CUBLAS_CHECK(cublasSetStream(blas, stream));
   size_t bytes = std::max<int64_t>(rank.arenaBytes, 256);
   sharedByNccl = world != nullptr && envIs("LOOM_NCCL_REGISTER", "1");
+#ifdef LOOM_HAVE_NCCL
+  if (auto tp = rank.groups.find("tp"); world && tensorWindows() && tp != rank.groups.end() && tp->second.size() > 1)
+    if (auto g = world->groups.find(std::vector<int>(tp->second.begin(), tp->second.end())); g != world->groups.end())
+      if (auto c = g->second.find(int(rank.rank)); c != g->second.end())
+        windowComm = c->second;
+#endif
   arena = static_cast<char *>(allocShared(bytes));
   LOOM_CUDA_CHECK(cudaMemsetAsync(arena, 0, bytes, stream));
   LOOM_CUDA_CHECK(cudaMalloc(&errorWord, 3 * sizeof(long long)));

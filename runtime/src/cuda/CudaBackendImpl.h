@@ -495,6 +495,17 @@ private:
   void *allocShared(size_t bytes);
   void freeShared(void *p);
   bool sharedByNccl = false;
+#ifdef LOOM_HAVE_NCCL
+  /// The tensor-parallel group's communicator where this rank has one (and
+  /// tensorWindows()): the arena and workspaces are then allocated with
+  /// ncclMemAlloc and registered as symmetric NCCL windows on it, so that
+  /// NCCL runs its symmetric kernels (peers' buffers read and written
+  /// directly over NVLink) for the gathers and reduce-scatters. A
+  /// collective call: the group's members allocate in the same order.
+  ncclComm_t windowComm = nullptr;
+  std::map<void *, ncclWindow_t> windows;
+#endif
+  static bool tensorWindows();
   long long *errorWord = nullptr;
   char *workspace = nullptr;
   size_t workspaceBytes = 0, workspaceAllocated = 0;

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <cstdlib>
 #include <mutex>
 #include <set>
@@ -258,10 +259,94 @@ __global__ void sqrtFloatKernel(float *x) { *x = sqrtf(*x); }
 
 } // namespace
 
+#ifdef LOOM_HAVE_NCCL
+namespace {
+/// Runs `work` (NCCL calls that wait for the group's other members) on its
+/// own thread and waits at most the world's timeout, or until a peer process
+/// is gone, as createAll does; the thread is left behind on failure (the
+/// process is failing anyway).
+void withinTimeout(NcclWorld &world, int device, const std::string &what, std::function<void()> work) {
+  struct Shared {
+    std::mutex mutex;
+    std::condition_variable done;
+    bool finished = false;
+    std::string error;
+  };
+  auto shared = std::make_shared<Shared>();
+  std::thread([shared, device, work] {
+    std::string error;
+    try {
+      LOOM_CUDA_CHECK(cudaSetDevice(device));
+      work();
+    } catch (const std::exception &e) {
+      error = e.what();
+    }
+    std::lock_guard<std::mutex> lock(shared->mutex);
+    shared->finished = true;
+    shared->error = error;
+    shared->done.notify_all();
+  }).detach();
+  auto start = std::chrono::steady_clock::now();
+  std::unique_lock<std::mutex> lock(shared->mutex);
+  while (!shared->done.wait_for(lock, std::chrono::milliseconds(200), [&] { return shared->finished; })) {
+    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::string lost = world.bootstrap ? world.bootstrap->lostPeers() : "";
+    if (!lost.empty())
+      fail(LOOM_INVALID_ARGUMENT, what, ": ", lost, " before every rank joined; stopping");
+    if (world.aborted)
+      fail(LOOM_INVALID_ARGUMENT, what, ": stopped, ", world.abortReason());
+    if (waited > world.timeoutSeconds)
+      fail(LOOM_INVALID_ARGUMENT, what, " did not finish within ", world.timeoutSeconds,
+           " s: a rank of the group never joined; --timeout sets the limit");
+  }
+  if (!shared->error.empty())
+    fail(LOOM_INTERNAL, what, ": ", shared->error);
+}
+} // namespace
+#endif
+
+bool CudaBackendImpl::tensorWindows() {
+  // The default since two H200s (2026-11-29): GPT-2 350M tp2 sp 50.0 / 50.4
+  // ms a step against 55.0 / 55.2 (NCCL's symmetric kernels for the
+  // gathers and reduce-scatters), the losses of tiny GPT's tp2 sp within
+  // 5.6e-5 of one GPU. LOOM_NCCL_WINDOWS=0 goes back to cudaMalloc.
+  return !envIs("LOOM_NCCL_WINDOWS", "0");
+}
+
 void *CudaBackendImpl::allocShared(size_t bytes) {
   void *p = nullptr;
   bytes = std::max<size_t>(bytes, 1);
 #ifdef LOOM_HAVE_NCCL
+  if (windowComm) {
+    // Every member of the group registers a window of the same size: the
+    // largest any of them asks for (they run the same programs, so the
+    // sizes agree unless a bundle is foreign; then the spare bytes are idle).
+    bytes = (bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) / NCCL_WIN_REQUIRED_ALIGNMENT * NCCL_WIN_REQUIRED_ALIGNMENT;
+    ncclComm_t comm = windowComm;
+    uint64_t agreed = bytes;
+    withinTimeout(*world, device, cat(where, ": registering ", bytes, " bytes as an NCCL window of the tensor-parallel group"),
+                  [&] {
+                    uint64_t *size = nullptr;
+                    cudaStream_t s = nullptr;
+                    LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+                    LOOM_CUDA_CHECK(cudaMalloc(&size, sizeof(uint64_t)));
+                    LOOM_CUDA_CHECK(cudaMemcpyAsync(size, &agreed, sizeof(uint64_t), cudaMemcpyHostToDevice, s));
+                    LOOM_NCCL_CHECK(ncclAllReduce(size, size, 1, ncclUint64, ncclMax, comm, s));
+                    LOOM_CUDA_CHECK(cudaMemcpyAsync(&agreed, size, sizeof(uint64_t), cudaMemcpyDeviceToHost, s));
+                    LOOM_CUDA_CHECK(cudaStreamSynchronize(s));
+                    cudaFree(size);
+                    cudaStreamDestroy(s);
+                    ncclResult_t r = ncclMemAlloc(&p, size_t(agreed));
+                    if (r != ncclSuccess)
+                      fail(LOOM_UNSUPPORTED, "ncclMemAlloc of ", agreed, " bytes failed (", ncclGetErrorString(r),
+                           "); LOOM_NCCL_WINDOWS=0 allocates with cudaMalloc");
+                    ncclWindow_t win = nullptr;
+                    LOOM_NCCL_CHECK(ncclCommWindowRegister(comm, p, size_t(agreed), &win, NCCL_WIN_COLL_SYMMETRIC));
+                    if (win) // null where NCCL has no symmetric memory here: a plain buffer then
+                      windows[p] = win;
+                  });
+    return p;
+  }
   if (sharedByNccl) {
     ncclResult_t r = ncclMemAlloc(&p, bytes);
     if (r != ncclSuccess)
@@ -278,7 +363,12 @@ void CudaBackendImpl::freeShared(void *p) {
   if (!p)
     return;
 #ifdef LOOM_HAVE_NCCL
-  if (sharedByNccl) {
+  if (windowComm || sharedByNccl) {
+    if (auto w = windows.find(p); w != windows.end()) {
+      cudaDeviceSynchronize(); // nothing in flight may still use the window
+      ncclCommWindowDeregister(windowComm, w->second);
+      windows.erase(w);
+    }
     ncclMemFree(p);
     return;
   }
