@@ -13,7 +13,7 @@ namespace {
 const char *const kSkippable[] = {"loom-fuse-loss-gradient", "loom-update-copies", "loom-packed-qkv-attention",
                                   "loom-join-slice-gradients", "loom-overlap-tensor-reduce",
                                   "loom-overlap-tensor-gather", "loom-split-tensor-reduce",
-                                  "loom-accumulate-in-products"};
+                                  "loom-accumulate-in-products", "loom-reduce-from-products"};
 } // namespace
 
 bool mlir::loom::isSkippablePass(StringRef name) {
@@ -84,6 +84,8 @@ void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o,
     add(createFuseElementwise());
   if (o.fuse && o.train && pipelined)
     add(createAccumulateInProducts());
+  if (o.fuse && o.train && o.bf16 && dp > 1)
+    add(createReduceFromProducts());
   if (o.train && tp > 1)
     add(createOverlapTensorReduce());
   if (o.train && tp > 1 && o.sequenceParallel && o.tpOverlap)

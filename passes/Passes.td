@@ -323,6 +323,19 @@ def AccumulateInProducts : Pass<"loom-accumulate-in-products", "::mlir::ModuleOp
   }];
 }
 
+def ReduceFromProducts : Pass<"loom-reduce-from-products", "::mlir::ModuleOp"> {
+  let summary = "A data-parallel bucket's f32 weight gradients written by their products";
+  let description = [{
+    Where a data-parallel bucket's all-reduce (f32 on the wire) widens a
+    bf16 weight gradient into its f32 result and nothing else reads the
+    gradient, the product writes the f32 result itself (bf16 operands, f32
+    output) and the bucket reduces it in place: no widening pass over the
+    bucket before NCCL, and the gradient keeps the product's bits beyond
+    bf16's. A bias gradient from the same call is widened to f32 with it
+    where the bucket is all that reads it.
+  }];
+}
+
 def OverlapTensorReduce : Pass<"loom-overlap-tensor-reduce", "::mlir::ModuleOp"> {
   let summary = "Tensor-parallel all-reduces go out beside the compute that does not need them";
   let description = [{

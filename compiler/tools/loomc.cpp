@@ -641,12 +641,25 @@ int runCompile() {
   int64_t summedInProducts = 0, gathersOverlapped = 0, reducesInHalves = 0;
   std::map<std::string, int64_t> epilogueKinds;
   std::set<std::string> adamKernels;
+  // f32 results of products of bf16 operands (loom-reduce-from-products
+  // and the microbatches' first products write them), and how many of them
+  // a data-parallel bucket reduces in place.
+  std::set<int64_t> f32Products;
+  int64_t reducedFromProducts = 0;
+  for (const auto &[name, program] : rank.programs)
+    for (const auto &ins : program)
+      if (ins.op == "matmul" && !ins.in.empty() && !ins.out.empty() &&
+          rank.buffers[ins.in[0]].dtype == LOOM_BF16 && rank.buffers[ins.out[0]].dtype == LOOM_F32)
+        f32Products.insert(ins.out[0]);
   for (const auto &[name, program] : rank.programs)
     for (const auto &ins : program) {
       packed += ins.op == "attention" && ins.attrs.contains("packed");
       if (ins.op == "matmul" && ins.attrs.contains("epilogue"))
         ++epilogues, ++epilogueKinds[ins.attrs.value("epilogue", std::string("?"))];
       fused += ins.op == "fused";
+      if (ins.op == "all_reduce" && ins.attrs.is_object() && ins.attrs.value("group", std::string()) == "dp")
+        for (size_t k = 0; k < ins.in.size() && k < ins.out.size(); ++k)
+          reducedFromProducts += ins.in[k] == ins.out[k] && f32Products.count(ins.in[k]);
       summedInProducts += ins.op == "matmul" && !ins.in.empty() && !ins.out.empty() && ins.in.back() == ins.out[0];
       lossGrads += ins.op == "cross_entropy" && ins.out.size() == 2;
       // A layer's reduction beside the weight gradients: x -> y of one dtype
@@ -702,6 +715,9 @@ int runCompile() {
     notes.push_back(std::to_string(gathersOverlapped) + " tensor-parallel gather(s) beside their product's own rows");
   if (summedInProducts)
     notes.push_back(std::to_string(summedInProducts) + " microbatch gradient(s) added into their sums by their products");
+  if (reducedFromProducts)
+    notes.push_back(std::to_string(reducedFromProducts) +
+                    " weight gradient(s) written in f32 by their products and reduced in place");
   if (!adamKernels.empty())
     notes.push_back("AdamW in " + std::to_string(adamKernels.size()) + " generated kernel(s)");
   if (!notes.empty()) {
