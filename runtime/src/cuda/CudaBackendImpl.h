@@ -496,8 +496,9 @@ private:
   void freeShared(void *p);
   bool sharedByNccl = false;
 #ifdef LOOM_HAVE_NCCL
-  /// The tensor-parallel group's communicator where this rank has one (and
-  /// tensorWindows()): the arena and workspaces are then allocated with
+  /// The tensor-parallel group's communicator where this rank has one, or
+  /// the data-parallel group's where its programs shard over it (ZeRO), and
+  /// tensorWindows(): the arena and workspaces are then allocated with
   /// ncclMemAlloc and registered as symmetric NCCL windows on it, so that
   /// NCCL runs its symmetric kernels (peers' buffers read and written
   /// directly over NVLink) for the gathers and reduce-scatters. A

@@ -309,7 +309,8 @@ bool CudaBackendImpl::tensorWindows() {
   // The default since two H200s (2026-11-29): GPT-2 350M tp2 sp 50.0 / 50.4
   // ms a step against 55.0 / 55.2 (NCCL's symmetric kernels for the
   // gathers and reduce-scatters), the losses of tiny GPT's tp2 sp within
-  // 5.6e-5 of one GPU. LOOM_NCCL_WINDOWS=0 goes back to cudaMalloc.
+  // 5.6e-5 of one GPU; ZeRO's gathers too (the CudaBackendImpl constructor
+  // picks the group). LOOM_NCCL_WINDOWS=0 goes back to cudaMalloc.
   return !envIs("LOOM_NCCL_WINDOWS", "0");
 }
 
@@ -324,7 +325,7 @@ void *CudaBackendImpl::allocShared(size_t bytes) {
     bytes = (bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) / NCCL_WIN_REQUIRED_ALIGNMENT * NCCL_WIN_REQUIRED_ALIGNMENT;
     ncclComm_t comm = windowComm;
     uint64_t agreed = bytes;
-    withinTimeout(*world, device, cat(where, ": registering ", bytes, " bytes as an NCCL window of the tensor-parallel group"),
+    withinTimeout(*world, device, cat(where, ": registering ", bytes, " bytes as an NCCL window of its group"),
                   [&] {
                     uint64_t *size = nullptr;
                     cudaStream_t s = nullptr;
