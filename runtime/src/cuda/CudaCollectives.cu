@@ -35,56 +35,28 @@ void checkNccl(ncclResult_t r, const char *what, const char *file, int line) {
 }
 #define LOOM_NCCL_CHECK(expr) checkNccl((expr), #expr, __FILE__, __LINE__)
 
-void NcclWorld::createAll(const std::vector<std::vector<int>> &lists, int self, Communicator *bootstrap,
-               std::vector<std::map<int, ncclComm_t> *> targets, const std::vector<std::pair<int, int>> &ctas) {
-  std::vector<ncclUniqueId> ids(lists.size());
-  for (size_t g = 0; g < lists.size(); ++g) {
-    if (self < 0 || self == lists[g][0])
-      LOOM_NCCL_CHECK(ncclGetUniqueId(&ids[g]));
-    if (self >= 0)
-      bootstrap->broadcastBytes(self, lists[g][0], &ids[g], sizeof(ncclUniqueId));
-  }
-  struct Pending {
-    size_t list;
-    int member;
-    ncclComm_t comm;
-  };
-  // The creation waits for every member to join: a peer process that never
-  // does (crashed, killed, or a different bundle) would block it forever.
-  // It runs on its own thread; this one gives up after the timeout, or once
-  // the process communicator says a peer is gone, and fails naming why (the
-  // creating thread is left behind: the process is failing anyway).
+/// Runs `work` (NCCL calls that wait for the other members of a group) on a
+/// thread of its own, on `device` (-1: left to `work`), and waits for it at
+/// most `timeoutSeconds`, or until `bootstrap` says a peer process is gone or
+/// `world` is aborted: a peer that never joins (crashed, killed, or running a
+/// different bundle) would otherwise block the call forever. Fails naming
+/// `what`, with `neverJoined` on a timeout; the thread is left behind then
+/// (the process is failing anyway).
+static void withinTimeout(double timeoutSeconds, Communicator *bootstrap, NcclWorld *world, int device,
+                   const std::string &what, const std::string &neverJoined, std::function<void()> work) {
   struct Shared {
     std::mutex mutex;
     std::condition_variable done;
     bool finished = false;
     std::string error;
-    std::vector<Pending> pending;
   };
   auto shared = std::make_shared<Shared>();
-  for (size_t g = 0; g < lists.size(); ++g)
-    for (size_t i = 0; i < lists[g].size(); ++i)
-      if (self < 0 || lists[g][i] == self)
-        shared->pending.push_back({g, lists[g][i], nullptr});
-  std::vector<int> devs = devices;
-  std::thread([shared, lists, ids, devs, ctas] {
+  std::thread([shared, device, work] {
     std::string error;
     try {
-      LOOM_NCCL_CHECK(ncclGroupStart());
-      for (Pending &p : shared->pending) {
-        const std::vector<int> &members = lists[p.list];
-        int index = int(std::find(members.begin(), members.end(), p.member) - members.begin());
-        LOOM_CUDA_CHECK(cudaSetDevice(devs[p.member]));
-        if (p.list < ctas.size() && ctas[p.list].second > 0) {
-          ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-          config.minCTAs = ctas[p.list].first;
-          config.maxCTAs = ctas[p.list].second;
-          LOOM_NCCL_CHECK(ncclCommInitRankConfig(&p.comm, int(members.size()), ids[p.list], index, &config));
-        } else {
-          LOOM_NCCL_CHECK(ncclCommInitRank(&p.comm, int(members.size()), ids[p.list], index));
-        }
-      }
-      LOOM_NCCL_CHECK(ncclGroupEnd());
+      if (device >= 0)
+        LOOM_CUDA_CHECK(cudaSetDevice(device));
+      work();
     } catch (const std::exception &e) {
       error = e.what();
     }
@@ -99,16 +71,58 @@ void NcclWorld::createAll(const std::vector<std::vector<int>> &lists, int self, 
     double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::string lost = bootstrap ? bootstrap->lostPeers() : "";
     if (!lost.empty())
-      fail(LOOM_INVALID_ARGUMENT, "creating the NCCL communicators: ", lost,
-           " before every rank joined; stopping");
+      fail(LOOM_INVALID_ARGUMENT, what, ": ", lost, " before every rank joined; stopping");
+    if (world && world->aborted)
+      fail(LOOM_INVALID_ARGUMENT, what, ": stopped, ", world->abortReason());
     if (waited > timeoutSeconds)
-      fail(LOOM_INVALID_ARGUMENT, "creating the NCCL communicators did not finish within ", timeoutSeconds,
-           " s: a rank never joined (a process that did not start, or runs another bundle?); "
-           "--timeout sets the limit");
+      fail(LOOM_INVALID_ARGUMENT, what, " did not finish within ", timeoutSeconds, " s: ", neverJoined,
+           "; --timeout sets the limit");
   }
   if (!shared->error.empty())
-    fail(LOOM_INTERNAL, "creating the NCCL communicators: ", shared->error);
-  for (Pending &p : shared->pending)
+    fail(LOOM_INTERNAL, what, ": ", shared->error);
+}
+
+void NcclWorld::createAll(const std::vector<std::vector<int>> &lists, int self, Communicator *bootstrap,
+               std::vector<std::map<int, ncclComm_t> *> targets, const std::vector<std::pair<int, int>> &ctas) {
+  std::vector<ncclUniqueId> ids(lists.size());
+  for (size_t g = 0; g < lists.size(); ++g) {
+    if (self < 0 || self == lists[g][0])
+      LOOM_NCCL_CHECK(ncclGetUniqueId(&ids[g]));
+    if (self >= 0)
+      bootstrap->broadcastBytes(self, lists[g][0], &ids[g], sizeof(ncclUniqueId));
+  }
+  struct Pending {
+    size_t list;
+    int member;
+    ncclComm_t comm;
+  };
+  auto pending = std::make_shared<std::vector<Pending>>();
+  for (size_t g = 0; g < lists.size(); ++g)
+    for (size_t i = 0; i < lists[g].size(); ++i)
+      if (self < 0 || lists[g][i] == self)
+        pending->push_back({g, lists[g][i], nullptr});
+  std::vector<int> devs = devices;
+  withinTimeout(timeoutSeconds, bootstrap, nullptr, -1, "creating the NCCL communicators",
+                "a rank never joined (a process that did not start, or runs another bundle?)",
+                [pending, lists, ids, devs, ctas] {
+                  LOOM_NCCL_CHECK(ncclGroupStart());
+                  for (Pending &p : *pending) {
+                    const std::vector<int> &members = lists[p.list];
+                    int index = int(std::find(members.begin(), members.end(), p.member) - members.begin());
+                    LOOM_CUDA_CHECK(cudaSetDevice(devs[p.member]));
+                    if (p.list < ctas.size() && ctas[p.list].second > 0) {
+                      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+                      config.minCTAs = ctas[p.list].first;
+                      config.maxCTAs = ctas[p.list].second;
+                      LOOM_NCCL_CHECK(
+                          ncclCommInitRankConfig(&p.comm, int(members.size()), ids[p.list], index, &config));
+                    } else {
+                      LOOM_NCCL_CHECK(ncclCommInitRank(&p.comm, int(members.size()), ids[p.list], index));
+                    }
+                  }
+                  LOOM_NCCL_CHECK(ncclGroupEnd());
+                });
+  for (Pending &p : *pending)
     (*targets[p.list])[p.member] = p.comm;
 }
 #endif
@@ -259,52 +273,6 @@ __global__ void sqrtFloatKernel(float *x) { *x = sqrtf(*x); }
 
 } // namespace
 
-#ifdef LOOM_HAVE_NCCL
-namespace {
-/// Runs `work` (NCCL calls that wait for the group's other members) on its
-/// own thread and waits at most the world's timeout, or until a peer process
-/// is gone, as createAll does; the thread is left behind on failure (the
-/// process is failing anyway).
-void withinTimeout(NcclWorld &world, int device, const std::string &what, std::function<void()> work) {
-  struct Shared {
-    std::mutex mutex;
-    std::condition_variable done;
-    bool finished = false;
-    std::string error;
-  };
-  auto shared = std::make_shared<Shared>();
-  std::thread([shared, device, work] {
-    std::string error;
-    try {
-      LOOM_CUDA_CHECK(cudaSetDevice(device));
-      work();
-    } catch (const std::exception &e) {
-      error = e.what();
-    }
-    std::lock_guard<std::mutex> lock(shared->mutex);
-    shared->finished = true;
-    shared->error = error;
-    shared->done.notify_all();
-  }).detach();
-  auto start = std::chrono::steady_clock::now();
-  std::unique_lock<std::mutex> lock(shared->mutex);
-  while (!shared->done.wait_for(lock, std::chrono::milliseconds(200), [&] { return shared->finished; })) {
-    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::string lost = world.bootstrap ? world.bootstrap->lostPeers() : "";
-    if (!lost.empty())
-      fail(LOOM_INVALID_ARGUMENT, what, ": ", lost, " before every rank joined; stopping");
-    if (world.aborted)
-      fail(LOOM_INVALID_ARGUMENT, what, ": stopped, ", world.abortReason());
-    if (waited > world.timeoutSeconds)
-      fail(LOOM_INVALID_ARGUMENT, what, " did not finish within ", world.timeoutSeconds,
-           " s: a rank of the group never joined; --timeout sets the limit");
-  }
-  if (!shared->error.empty())
-    fail(LOOM_INTERNAL, what, ": ", shared->error);
-}
-} // namespace
-#endif
-
 bool CudaBackendImpl::tensorWindows() {
   // The default since two H200s (2026-11-29): GPT-2 350M tp2 sp 50.0 / 50.4
   // ms a step against 55.0 / 55.2 (NCCL's symmetric kernels for the
@@ -323,29 +291,41 @@ void *CudaBackendImpl::allocShared(size_t bytes) {
     // largest any of them asks for (they run the same programs, so the
     // sizes agree unless a bundle is foreign; then the spare bytes are idle).
     bytes = (bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) / NCCL_WIN_REQUIRED_ALIGNMENT * NCCL_WIN_REQUIRED_ALIGNMENT;
+    // What the registering thread makes, shared with it: on a timeout it is
+    // left behind and must not write into this frame.
+    struct Made {
+      uint64_t bytes = 0;
+      void *p = nullptr;
+      ncclWindow_t win = nullptr;
+    };
+    auto made = std::make_shared<Made>();
+    made->bytes = bytes;
     ncclComm_t comm = windowComm;
-    uint64_t agreed = bytes;
-    withinTimeout(*world, device, cat(where, ": registering ", bytes, " bytes as an NCCL window of its group"),
-                  [&] {
+    withinTimeout(world->timeoutSeconds, world->bootstrap, world, device,
+                  cat(where, ": registering ", bytes, " bytes as an NCCL window of its group"),
+                  "a rank of the group never joined", [made, comm] {
                     uint64_t *size = nullptr;
                     cudaStream_t s = nullptr;
                     LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
                     LOOM_CUDA_CHECK(cudaMalloc(&size, sizeof(uint64_t)));
+                    uint64_t agreed = made->bytes;
                     LOOM_CUDA_CHECK(cudaMemcpyAsync(size, &agreed, sizeof(uint64_t), cudaMemcpyHostToDevice, s));
                     LOOM_NCCL_CHECK(ncclAllReduce(size, size, 1, ncclUint64, ncclMax, comm, s));
                     LOOM_CUDA_CHECK(cudaMemcpyAsync(&agreed, size, sizeof(uint64_t), cudaMemcpyDeviceToHost, s));
                     LOOM_CUDA_CHECK(cudaStreamSynchronize(s));
                     cudaFree(size);
                     cudaStreamDestroy(s);
-                    ncclResult_t r = ncclMemAlloc(&p, size_t(agreed));
+                    ncclResult_t r = ncclMemAlloc(&made->p, size_t(agreed));
                     if (r != ncclSuccess)
                       fail(LOOM_UNSUPPORTED, "ncclMemAlloc of ", agreed, " bytes failed (", ncclGetErrorString(r),
                            "); LOOM_NCCL_WINDOWS=0 allocates with cudaMalloc");
-                    ncclWindow_t win = nullptr;
-                    LOOM_NCCL_CHECK(ncclCommWindowRegister(comm, p, size_t(agreed), &win, NCCL_WIN_COLL_SYMMETRIC));
-                    if (win) // null where NCCL has no symmetric memory here: a plain buffer then
-                      windows[p] = win;
+                    // A null window where NCCL has no symmetric memory here: a plain buffer then.
+                    LOOM_NCCL_CHECK(ncclCommWindowRegister(comm, made->p, size_t(agreed), &made->win,
+                                                           NCCL_WIN_COLL_SYMMETRIC));
                   });
+    p = made->p;
+    if (made->win)
+      windows[p] = made->win;
     return p;
   }
   if (sharedByNccl) {
