@@ -244,34 +244,32 @@ int64_t foldIntoBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &list, 
   return folded;
 }
 
+/// Runs `foldProgram` over each step program of every rank (the backward's
+/// and the step's; not prepare's or update's).
+LogicalResult foldEachProgram(ModuleOp module, StringRef pass,
+                              int64_t (*foldProgram)(rt::RankProgram &, std::vector<rt::Instruction> &,
+                                                     const std::set<int64_t> &)) {
+  return updateEachRank(module, pass, [&](StepRank &rank) {
+    rt::RankProgram &r = rank.program;
+    std::set<int64_t> kept = keptBuffers(r);
+    for (auto &[name, list] : r.programs)
+      if (name != "prepare" && name != "update")
+        foldProgram(r, list, kept);
+  });
+}
+
 struct AccumulateInProductsPass : mlir::loom::impl::AccumulateInProductsBase<AccumulateInProductsPass> {
   void runOnOperation() override {
-    auto rewrite = [&](StepRank &rank) {
-      rt::RankProgram &r = rank.program;
-      std::set<int64_t> kept = keptBuffers(r);
-      for (auto &[name, list] : r.programs)
-        if (name != "prepare" && name != "update")
-          fold(r, list, kept);
-    };
-    if (failed(updateEachRank(getOperation(), getArgument(), rewrite)))
+    if (failed(foldEachProgram(getOperation(), getArgument(), fold)))
       signalPassFailure();
   }
 };
 
-} // namespace
-
-namespace {
 struct ReduceFromProductsPass : mlir::loom::impl::ReduceFromProductsBase<ReduceFromProductsPass> {
   void runOnOperation() override {
-    auto rewrite = [&](StepRank &rank) {
-      rt::RankProgram &r = rank.program;
-      std::set<int64_t> kept = keptBuffers(r);
-      for (auto &[name, list] : r.programs)
-        if (name != "prepare" && name != "update")
-          foldIntoBuckets(r, list, kept);
-    };
-    if (failed(updateEachRank(getOperation(), getArgument(), rewrite)))
+    if (failed(foldEachProgram(getOperation(), getArgument(), foldIntoBuckets)))
       signalPassFailure();
   }
 };
+
 } // namespace
