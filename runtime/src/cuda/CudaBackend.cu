@@ -177,10 +177,10 @@ CudaBackendImpl::CudaBackendImpl(const RankProgram &rank, int device, NcclWorld 
     auto g = world->groups.find(std::vector<int>(members->second.begin(), members->second.end()));
     if (g != world->groups.end())
       if (auto c = g->second.find(int(rank.rank)); c != g->second.end())
-        windowComm = c->second;
+        windowComm = c->second, windowGroup = name;
   }
 #endif
-  arena = static_cast<char *>(allocShared(bytes));
+  arena = static_cast<char *>(allocShared(bytes, "arena"));
   LOOM_CUDA_CHECK(cudaMemsetAsync(arena, 0, bytes, stream));
   LOOM_CUDA_CHECK(cudaMalloc(&errorWord, 3 * sizeof(long long)));
   LOOM_CUDA_CHECK(cudaMemsetAsync(errorWord, 0, 3 * sizeof(long long), stream));
@@ -471,17 +471,29 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
   // Captured sends (unless LOOM_CUDA_GRAPHS_P2P=0).
   if (p2pGraphs() && std::any_of(instrs.begin(), instrs.end(), [](const Instruction &x) { return x.op == "send"; }))
     join(sendsJoined, sendStream, "sends");
+#ifdef LOOM_HAVE_NCCL
+  // Windows are registered together: every member of the group grows a
+  // workspace when any of them needs more (a rank's shard can ask for
+  // another size than its peers').
+  if (windowComm) {
+    std::vector<uint64_t> sizes = {commWorkspaceBytes, workspaceBytes};
+    agreeOnSizes(sizes, cat("the workspaces of program '", program, "'"));
+    commWorkspaceBytes = size_t(sizes[0]), workspaceBytes = size_t(sizes[1]);
+  }
+#endif
   if (commWorkspaceBytes > commWorkspaceAllocated) {
     dropGraphs(); // they hold the old workspace's address
     LOOM_CUDA_CHECK(cudaStreamSynchronize(commStream));
     freeShared(commWorkspace);
-    commWorkspace = static_cast<char *>(allocShared(commWorkspaceBytes));
+    commWorkspace = nullptr, commWorkspaceAllocated = 0;
+    commWorkspace = static_cast<char *>(allocShared(commWorkspaceBytes, "communication workspace"));
     commWorkspaceAllocated = commWorkspaceBytes;
   }
   if (workspaceBytes > workspaceAllocated) {
     dropGraphs(); // they hold the old workspace's address
     freeShared(workspace);
-    workspace = static_cast<char *>(allocShared(workspaceBytes));
+    workspace = nullptr, workspaceAllocated = 0;
+    workspace = static_cast<char *>(allocShared(workspaceBytes, "workspace"));
     workspaceAllocated = workspaceBytes;
   }
   Graph &graph = graphs[program];

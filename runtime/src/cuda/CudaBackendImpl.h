@@ -492,7 +492,7 @@ private:
   /// graph (its user-buffer registration: transfers from and into our
   /// buffers, not through its own); cudaMalloc otherwise. An experiment
   /// for dp2's cost beside NCCL's kernels, not yet run on a GPU.
-  void *allocShared(size_t bytes);
+  void *allocShared(size_t bytes, const char *what);
   void freeShared(void *p);
   bool sharedByNccl = false;
 #ifdef LOOM_HAVE_NCCL
@@ -504,7 +504,11 @@ private:
   /// directly over NVLink) for the gathers and reduce-scatters. A
   /// collective call: the group's members allocate in the same order.
   ncclComm_t windowComm = nullptr;
+  std::string windowGroup; // its name, for messages
   std::map<void *, ncclWindow_t> windows;
+  /// The largest of each of `sizes` over windowComm's group (a collective
+  /// call, bounded by the world's timeout); `what` names them in errors.
+  void agreeOnSizes(std::vector<uint64_t> &sizes, const std::string &what);
 #endif
   static bool tensorWindows();
   long long *errorWord = nullptr;

@@ -15,6 +15,7 @@
 #include "runtime/src/Communicator.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -41,45 +42,56 @@ void checkNccl(ncclResult_t r, const char *what, const char *file, int line) {
 /// `world` is aborted: a peer that never joins (crashed, killed, or running a
 /// different bundle) would otherwise block the call forever. Fails naming
 /// `what`, with `neverJoined` on a timeout; the thread is left behind then
-/// (the process is failing anyway).
+/// (the process is failing anyway), told so through the flag `work` gets, so
+/// that it stops once its blocked call returns.
 static void withinTimeout(double timeoutSeconds, Communicator *bootstrap, NcclWorld *world, int device,
-                   const std::string &what, const std::string &neverJoined, std::function<void()> work) {
+                          const std::string &what, const std::string &neverJoined,
+                          std::function<void(const std::atomic<bool> &abandoned)> work) {
   struct Shared {
     std::mutex mutex;
     std::condition_variable done;
     bool finished = false;
     std::string error;
+    loom_status_code_t code = LOOM_INTERNAL;
+    std::atomic<bool> abandoned{false};
   };
   auto shared = std::make_shared<Shared>();
   std::thread([shared, device, work] {
     std::string error;
+    loom_status_code_t code = LOOM_INTERNAL;
     try {
       if (device >= 0)
         LOOM_CUDA_CHECK(cudaSetDevice(device));
-      work();
+      work(shared->abandoned);
+    } catch (const Error &e) {
+      error = e.what(), code = e.code;
     } catch (const std::exception &e) {
       error = e.what();
     }
     std::lock_guard<std::mutex> lock(shared->mutex);
     shared->finished = true;
     shared->error = error;
+    shared->code = code;
     shared->done.notify_all();
   }).detach();
   auto start = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(shared->mutex);
+  auto giveUp = [&](auto &&...parts) {
+    shared->abandoned = true;
+    fail(LOOM_INVALID_ARGUMENT, parts...);
+  };
   while (!shared->done.wait_for(lock, std::chrono::milliseconds(200), [&] { return shared->finished; })) {
     double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::string lost = bootstrap ? bootstrap->lostPeers() : "";
     if (!lost.empty())
-      fail(LOOM_INVALID_ARGUMENT, what, ": ", lost, " before every rank joined; stopping");
+      giveUp(what, ": ", lost, " before every rank joined; stopping");
     if (world && world->aborted)
-      fail(LOOM_INVALID_ARGUMENT, what, ": stopped, ", world->abortReason());
+      giveUp(what, ": stopped, ", world->abortReason());
     if (waited > timeoutSeconds)
-      fail(LOOM_INVALID_ARGUMENT, what, " did not finish within ", timeoutSeconds, " s: ", neverJoined,
-           "; --timeout sets the limit");
+      giveUp(what, " did not finish within ", timeoutSeconds, " s: ", neverJoined, "; --timeout sets the limit");
   }
   if (!shared->error.empty())
-    fail(LOOM_INTERNAL, what, ": ", shared->error);
+    fail(shared->code, what, ": ", shared->error);
 }
 
 void NcclWorld::createAll(const std::vector<std::vector<int>> &lists, int self, Communicator *bootstrap,
@@ -104,7 +116,7 @@ void NcclWorld::createAll(const std::vector<std::vector<int>> &lists, int self, 
   std::vector<int> devs = devices;
   withinTimeout(timeoutSeconds, bootstrap, nullptr, -1, "creating the NCCL communicators",
                 "a rank never joined (a process that did not start, or runs another bundle?)",
-                [pending, lists, ids, devs, ctas] {
+                [pending, lists, ids, devs, ctas](const std::atomic<bool> &) {
                   LOOM_NCCL_CHECK(ncclGroupStart());
                   for (Pending &p : *pending) {
                     const std::vector<int> &members = lists[p.list];
@@ -282,7 +294,32 @@ bool CudaBackendImpl::tensorWindows() {
   return !envIs("LOOM_NCCL_WINDOWS", "0");
 }
 
-void *CudaBackendImpl::allocShared(size_t bytes) {
+#ifdef LOOM_HAVE_NCCL
+void CudaBackendImpl::agreeOnSizes(std::vector<uint64_t> &sizes, const std::string &what) {
+  auto agreed = std::make_shared<std::vector<uint64_t>>(sizes);
+  ncclComm_t comm = windowComm;
+  withinTimeout(world->timeoutSeconds, world->bootstrap, world, device,
+                cat("rank ", rank.rank, ": agreeing on ", what, " with group '", windowGroup, "'"),
+                cat("a rank of the group never joined (a peer that failed, or one that runs other programs); "
+                    "LOOM_NCCL_WINDOWS=0 registers no windows"),
+                [agreed, comm](const std::atomic<bool> &) {
+                  uint64_t *device = nullptr;
+                  cudaStream_t s = nullptr;
+                  size_t bytes = agreed->size() * sizeof(uint64_t);
+                  LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+                  LOOM_CUDA_CHECK(cudaMalloc(&device, bytes));
+                  LOOM_CUDA_CHECK(cudaMemcpyAsync(device, agreed->data(), bytes, cudaMemcpyHostToDevice, s));
+                  LOOM_NCCL_CHECK(ncclAllReduce(device, device, agreed->size(), ncclUint64, ncclMax, comm, s));
+                  LOOM_CUDA_CHECK(cudaMemcpyAsync(agreed->data(), device, bytes, cudaMemcpyDeviceToHost, s));
+                  LOOM_CUDA_CHECK(cudaStreamSynchronize(s));
+                  cudaFree(device);
+                  cudaStreamDestroy(s);
+                });
+  sizes = *agreed;
+}
+#endif
+
+void *CudaBackendImpl::allocShared(size_t bytes, const char *what) {
   void *p = nullptr;
   bytes = std::max<size_t>(bytes, 1);
 #ifdef LOOM_HAVE_NCCL
@@ -291,37 +328,30 @@ void *CudaBackendImpl::allocShared(size_t bytes) {
     // largest any of them asks for (they run the same programs, so the
     // sizes agree unless a bundle is foreign; then the spare bytes are idle).
     bytes = (bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) / NCCL_WIN_REQUIRED_ALIGNMENT * NCCL_WIN_REQUIRED_ALIGNMENT;
+    std::vector<uint64_t> size = {bytes};
+    agreeOnSizes(size, cat("the size of its ", what));
     // What the registering thread makes, shared with it: on a timeout it is
     // left behind and must not write into this frame.
     struct Made {
-      uint64_t bytes = 0;
       void *p = nullptr;
       ncclWindow_t win = nullptr;
     };
     auto made = std::make_shared<Made>();
-    made->bytes = bytes;
     ncclComm_t comm = windowComm;
+    size_t agreed = size_t(size[0]);
     withinTimeout(world->timeoutSeconds, world->bootstrap, world, device,
-                  cat(where, ": registering ", bytes, " bytes as an NCCL window of its group"),
-                  "a rank of the group never joined", [made, comm] {
-                    uint64_t *size = nullptr;
-                    cudaStream_t s = nullptr;
-                    LOOM_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-                    LOOM_CUDA_CHECK(cudaMalloc(&size, sizeof(uint64_t)));
-                    uint64_t agreed = made->bytes;
-                    LOOM_CUDA_CHECK(cudaMemcpyAsync(size, &agreed, sizeof(uint64_t), cudaMemcpyHostToDevice, s));
-                    LOOM_NCCL_CHECK(ncclAllReduce(size, size, 1, ncclUint64, ncclMax, comm, s));
-                    LOOM_CUDA_CHECK(cudaMemcpyAsync(&agreed, size, sizeof(uint64_t), cudaMemcpyDeviceToHost, s));
-                    LOOM_CUDA_CHECK(cudaStreamSynchronize(s));
-                    cudaFree(size);
-                    cudaStreamDestroy(s);
-                    ncclResult_t r = ncclMemAlloc(&made->p, size_t(agreed));
+                  cat("rank ", rank.rank, ": registering its ", what, " (", agreed, " bytes) as an NCCL window of group '",
+                      windowGroup, "'"),
+                  "a rank of the group never joined (a peer that failed); LOOM_NCCL_WINDOWS=0 registers no windows",
+                  [made, comm, agreed](const std::atomic<bool> &abandoned) {
+                    ncclResult_t r = ncclMemAlloc(&made->p, agreed);
                     if (r != ncclSuccess)
                       fail(LOOM_UNSUPPORTED, "ncclMemAlloc of ", agreed, " bytes failed (", ncclGetErrorString(r),
                            "); LOOM_NCCL_WINDOWS=0 allocates with cudaMalloc");
+                    if (abandoned)
+                      return;
                     // A null window where NCCL has no symmetric memory here: a plain buffer then.
-                    LOOM_NCCL_CHECK(ncclCommWindowRegister(comm, made->p, size_t(agreed), &made->win,
-                                                           NCCL_WIN_COLL_SYMMETRIC));
+                    LOOM_NCCL_CHECK(ncclCommWindowRegister(comm, made->p, agreed, &made->win, NCCL_WIN_COLL_SYMMETRIC));
                   });
     p = made->p;
     if (made->win)
@@ -346,8 +376,13 @@ void CudaBackendImpl::freeShared(void *p) {
 #ifdef LOOM_HAVE_NCCL
   if (windowComm || sharedByNccl) {
     if (auto w = windows.find(p); w != windows.end()) {
-      cudaDeviceSynchronize(); // nothing in flight may still use the window
-      ncclCommWindowDeregister(windowComm, w->second);
+      for (cudaStream_t s : {stream, commStream, sendStream}) // nothing in flight may still use the window
+        if (s)
+          cudaStreamSynchronize(s);
+      // An aborted world's communicators are gone, their windows with them.
+      std::lock_guard<std::mutex> lock(world->mutex);
+      if (!world->aborted)
+        ncclCommWindowDeregister(windowComm, w->second);
       windows.erase(w);
     }
     ncclMemFree(p);
