@@ -33,6 +33,8 @@
 #include "passes/Passes.h"
 #include "passes/StepState.h"
 
+#include <algorithm>
+
 namespace mlir::loom {
 #define GEN_PASS_DEF_ACCUMULATEINPRODUCTS
 #define GEN_PASS_DEF_REDUCEFROMPRODUCTS
@@ -211,7 +213,8 @@ int64_t foldIntoBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &list, 
       int64_t g = bucket.in[k], acc = bucket.out[k];
       const rt::Buffer &gb = r.buffers[g], &sum = r.buffers[acc];
       if (g == acc || gb.dtype != LOOM_BF16 || sum.dtype != LOOM_F32 || gb.viewOf >= 0 || sum.viewOf >= 0 ||
-          kept.count(g) || gb.shape != sum.shape || gb.shape.size() != 2)
+          kept.count(g) || gb.shape != sum.shape || gb.shape.size() != 2 ||
+          std::count(bucket.in.begin(), bucket.in.end(), g) != 1)
         continue;
       // g's one writer, before the bucket: a 2-D product with no epilogue
       // or its bias gradient; the bucket its one reader; acc touched by
@@ -222,13 +225,20 @@ int64_t foldIntoBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &list, 
       rt::Instruction &mm = list[w];
       std::string epilogue = epilogueOf(mm);
       if (mm.op != "matmul" || mm.out.empty() || mm.out[0] != g || (epilogue != "" && epilogue != "bgrad") ||
-          mm.in.size() != 2 || r.buffers[mm.in[0]].shape.size() != 2 || r.buffers[mm.in[1]].shape.size() != 2)
+          mm.in.size() != 2 || r.buffers[mm.in[0]].shape.size() != 2 || r.buffers[mm.in[1]].shape.size() != 2 ||
+          r.buffers[mm.in[0]].dtype != LOOM_BF16 || r.buffers[mm.in[1]].dtype != LOOM_BF16)
         continue;
       if (epilogue == "bgrad") {
-        // cuBLASLt writes the bias gradient in the result's type.
+        // cuBLASLt writes the bias gradient in the result's type: widened
+        // where the bucket alone reads it, through whole views (a slice's
+        // offset would change with the element size).
+        if (mm.out.size() != 2)
+          continue;
         int64_t bias = mm.out[1];
         int64_t root = u.root[bias];
-        if (kept.count(bias) || !u.once(root) || u.reader[root] != i)
+        if (kept.count(bias) || !u.once(root) || u.reader[root] != i ||
+            std::any_of(u.views[root].begin(), u.views[root].end(),
+                        [&](int64_t b) { return r.buffers[b].viewOffset != 0; }))
           continue;
         for (int64_t b : u.views[root])
           if (rt::Buffer &buf = r.buffers[b]; buf.dtype != LOOM_F32) {
