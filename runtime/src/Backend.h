@@ -51,6 +51,9 @@ public:
   /// `b` (f32 or bf16, rows of `cols`): the first on ties, NaN never. Greedy
   /// decoding reads these instead of whole rows of logits.
   virtual void argmaxRows(const Buffer &b, int64_t rows, int64_t cols, int32_t *out);
+  /// How many of this rank's device allocations (arena, workspaces) are
+  /// symmetric NCCL windows of its tensor-parallel or ZeRO group.
+  virtual int ncclWindows() const { return 0; }
   /// Whether programs replay as CUDA graphs once warm (those without
   /// collectives or transfers), so launches cost the host nothing.
   virtual bool replaysGraphs() const { return false; }

@@ -317,7 +317,7 @@ TEST(CudaCollectives, ZeroScatterOfBf16GradientsSummedInF32) {
 // any order), and the gathered tensor both ranks' parts. Both with the
 // arena and workspaces as symmetric NCCL windows of the tensor-parallel
 // group (the default: NCCL's symmetric kernels) and without.
-static void axisCollectivesOnTwoGpus(bool async) {
+static void axisCollectivesOnTwoGpus(bool async, bool windows) {
   loom::rt::test::ProgramBuilder p;
   int64_t x = p.add({3, 8, 5}, LOOM_F32, "x"), part = p.add({3, 4, 5}, LOOM_F32, "part"),
           whole = p.add({3, 8, 5}, LOOM_F32, "whole"), a = p.add({64, 96}, LOOM_F32, "a"),
@@ -346,6 +346,7 @@ static void axisCollectivesOnTwoGpus(bool async) {
   // inputs[rank]: x[i][j][k] = small integers, distinct per rank.
   auto input = [](int rank, int64_t i) { return float((i * 7 + rank * 3) % 11) - 5.0f; };
   std::vector<std::vector<float>> parts(2), wholes(2);
+  std::vector<int> windowCounts(2, windows ? 2 : 0); // as expected where not counted
   std::vector<std::string> errors(2);
   std::vector<std::thread> threads;
   for (int k = 0; k < 2; ++k)
@@ -360,6 +361,13 @@ static void axisCollectivesOnTwoGpus(bool async) {
         gpu->upload(r.buffers[a], ones.data());
         gpu->upload(r.buffers[b], twos.data());
         gpu->prepare("forward", program);
+        // The arena and the collectives' workspace are windows where the
+        // GPUs reach each other (NCCL's symmetric memory); none with
+        // LOOM_NCCL_WINDOWS=0.
+        int peer = 0;
+        cudaDeviceCanAccessPeer(&peer, k, 1 - k);
+        if (!windows || peer)
+          windowCounts[size_t(k)] = gpu->ncclWindows();
         for (int round = 0; round < 3; ++round) // eager, then the graph's replays
           gpu->run("forward");
         parts[size_t(k)] = downloadFloats(*gpu, r.buffers[part]);
@@ -373,6 +381,12 @@ static void axisCollectivesOnTwoGpus(bool async) {
     t.join();
   ASSERT_EQ(errors[0], "") << (async ? "async" : "sync");
   ASSERT_EQ(errors[1], "") << (async ? "async" : "sync");
+  for (int k = 0; k < 2; ++k) {
+    if (windows)
+      EXPECT_GE(windowCounts[size_t(k)], 2) << "NCCL windows of rank " << k;
+    else
+      EXPECT_EQ(windowCounts[size_t(k)], 0) << "NCCL windows of rank " << k;
+  }
   for (int k = 0; k < 2; ++k)
     for (int64_t i = 0; i < 3; ++i)
       for (int64_t j = 0; j < 8; ++j)
@@ -396,7 +410,7 @@ TEST(CudaCollectives, AxisCollectivesOnTwoGpus) {
     setenv("LOOM_NCCL_WINDOWS", windows, 1);
     for (bool async : {false, true}) {
       SCOPED_TRACE(std::string("LOOM_NCCL_WINDOWS=") + windows + (async ? ", async" : ", sync"));
-      axisCollectivesOnTwoGpus(async);
+      axisCollectivesOnTwoGpus(async, windows[0] == '1');
     }
   }
   unsetenv("LOOM_NCCL_WINDOWS");

@@ -155,6 +155,13 @@ public:
   int cudaDevice() const override { return device; }
   int64_t deviceBytesInUse() const override;
   char *arenaData(const Buffer &b) override { return ptr(b); }
+  int ncclWindows() const override {
+#ifdef LOOM_HAVE_NCCL
+    return int(windows.size());
+#else
+    return 0;
+#endif
+  }
   void uploadFromDevice(const Buffer &b, const void *src, int srcDevice) override;
   void argmaxRows(const Buffer &b, int64_t rows, int64_t cols, int32_t *out) override; // CudaServe.cu
   bool has(const std::string &program) const override { return programs.count(program) > 0; }
