@@ -22,6 +22,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <random>
 #include <string>
@@ -185,6 +187,58 @@ void scatterGradients(bool async, const char *segments, bool allBf16 = false, co
 }
 
 } // namespace
+
+// loom-reduce-from-products' products: bf16 operands, the f32 weight
+// gradient and the f32 bias gradient from one call (transpose_a, "bgrad"),
+// as a bucket then reduces them in place. The CPU backend (which defines the
+// instruction) against sums written out here, and the GPU (cuBLASLt) against
+// the CPU where there is one.
+TEST(CudaCollectives, Bf16ProductWritesF32GradientAndBias) {
+  const int64_t T = 96, K = 64, N = 80;
+  Instruction ins;
+  RankProgram r = loom::rt::test::programFor("matmul", {{{T, K}, LOOM_BF16}, {{T, N}, LOOM_BF16}},
+                                             {{{K, N}, LOOM_F32}, {{1, 1, N}, LOOM_F32}}, ins,
+                                             {{"transpose_a", true}, {"epilogue", "bgrad"}});
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<std::vector<char>> inputs;
+  for (int64_t id : ins.in)
+    inputs.push_back(floatBytes(r.buffers[id], [&](int64_t) { return dist(rng); }));
+  auto cpu = makeCpuBackend(r, 2);
+  for (size_t i = 0; i < ins.in.size(); ++i)
+    cpu->upload(r.buffers[ins.in[i]], inputs[i].data());
+  cpu->prepare("forward", {ins});
+  cpu->run("forward");
+  std::vector<float> a = downloadFloats(*cpu, r.buffers[ins.in[0]]), b = downloadFloats(*cpu, r.buffers[ins.in[1]]);
+  std::vector<float> g = downloadFloats(*cpu, r.buffers[ins.out[0]]), bias = downloadFloats(*cpu, r.buffers[ins.out[1]]);
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t n = 0; n < N; ++n) {
+      double want = 0;
+      for (int64_t t = 0; t < T; ++t)
+        want += double(a[size_t(t * K + k)]) * double(b[size_t(t * N + n)]);
+      ASSERT_NEAR(g[size_t(k * N + n)], want, 1e-4 * (1 + std::abs(want))) << "g[" << k << "][" << n << "]";
+    }
+  for (int64_t n = 0; n < N; ++n) {
+    double want = 0;
+    for (int64_t t = 0; t < T; ++t)
+      want += double(b[size_t(t * N + n)]);
+    ASSERT_NEAR(bias[size_t(n)], want, 1e-4 * (1 + std::abs(want))) << "bias[" << n << "]";
+  }
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device (the CPU backend checked)";
+  auto gpu = makeCudaBackend(r, 0);
+  for (size_t i = 0; i < ins.in.size(); ++i)
+    gpu->upload(r.buffers[ins.in[i]], inputs[i].data());
+  gpu->prepare("forward", {ins});
+  gpu->run("forward");
+  for (int64_t id : ins.out) {
+    std::vector<float> got = downloadFloats(*gpu, r.buffers[id]), want = downloadFloats(*cpu, r.buffers[id]);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < want.size(); ++i)
+      num += double(got[i] - want[i]) * double(got[i] - want[i]), den += double(want[i]) * double(want[i]);
+    EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 1e-5) << r.buffers[id].name;
+  }
+}
 
 TEST(CudaCollectives, PackedBucket) {
   if (!haveGpu())
