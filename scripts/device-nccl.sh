@@ -3,6 +3,8 @@
 # - the SM clock and power while one GPU, dp2 and tp2 sp train (nvidia-smi): is dp2's slower
 #   backward the GPU's clock or NCCL's kernels beside it?
 # - dp2 and ZeRO-1 with NCCL's CTAs capped (NCCL_MAX_CTAS, NCCL_CTA_POLICY=1);
+# - tp2 sp and ZeRO-1 with their buffers as symmetric NCCL windows (the default) and without
+#   (LOOM_NCCL_WINDOWS=0), dp2 with them (LOOM_NCCL_WINDOWS=dp);
 # - tp2 and tp2 sp with and without --tp-overlap (loom-split-tensor-reduce, and under sp
 #   loom-overlap-tensor-gather; the losses beside the times), tp2 sp with more or fewer channels;
 # - pp2 at 4 and 8 microbatches, captured (the default) and eager (LOOM_CUDA_GRAPHS_P2P=0), beside one GPU
@@ -50,6 +52,15 @@ for round in 1 2; do
   run "zero1 default" plan-dp-2_mb-1_zero-1
   for c in 8; do run "zero1 max_ctas=$c" plan-dp-2_mb-1_zero-1 NCCL_MIN_CTAS=1 NCCL_MAX_CTAS=$c; done
   run "one" plan-one
+done
+echo "== symmetric NCCL windows (the default for tensor-parallel and ZeRO ranks) against cudaMalloc"
+for round in 1 2; do
+  run "tp2sp (windows)" plan-tp-2_mb-1_zero-0_sp-1
+  run "tp2sp LOOM_NCCL_WINDOWS=0" plan-tp-2_mb-1_zero-0_sp-1 LOOM_NCCL_WINDOWS=0
+  run "zero1 (windows)" plan-dp-2_mb-1_zero-1
+  run "zero1 LOOM_NCCL_WINDOWS=0" plan-dp-2_mb-1_zero-1 LOOM_NCCL_WINDOWS=0
+  run "dp2 (no windows)" plan-dp-2_mb-1_zero-0
+  run "dp2 LOOM_NCCL_WINDOWS=dp" plan-dp-2_mb-1_zero-0 LOOM_NCCL_WINDOWS=dp
 done
 echo "== tp2 sp: gathers beside the products (loom-overlap-tensor-gather) or not; more channels"
 for round in 1 2; do
