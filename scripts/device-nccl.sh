@@ -2,7 +2,8 @@
 # On a GPU machine with 2 GPUs (issue #18): what holds GPT-2 350M's multi-GPU plans back.
 # - the SM clock and power while one GPU, dp2 and tp2 sp train (nvidia-smi): is dp2's slower
 #   backward the GPU's clock or NCCL's kernels beside it?
-# - dp2 and ZeRO-1 with NCCL's CTAs capped (NCCL_MAX_CTAS, NCCL_CTA_POLICY=1);
+# - dp2 and ZeRO-1 with NCCL's CTAs capped (NCCL_MAX_CTAS, NCCL_CTA_POLICY=1), dp2 under one
+#   NCCL protocol (NCCL_PROTO);
 # - tp2 sp and ZeRO-1 with their buffers as symmetric NCCL windows (the default) and without
 #   (LOOM_NCCL_WINDOWS=0), dp2 with them (LOOM_NCCL_WINDOWS=dp);
 # - tp2 and tp2 sp with and without --tp-overlap (loom-split-tensor-reduce, and under sp
@@ -49,6 +50,7 @@ for round in 1 2; do
   run "dp2 default" plan-dp-2_mb-1_zero-0
   for c in 4 16; do run "dp2 max_ctas=$c" plan-dp-2_mb-1_zero-0 NCCL_MIN_CTAS=1 NCCL_MAX_CTAS=$c; done
   run "dp2 cta_policy=1" plan-dp-2_mb-1_zero-0 NCCL_CTA_POLICY=1
+  for proto in Simple LL128; do run "dp2 NCCL_PROTO=$proto" plan-dp-2_mb-1_zero-0 NCCL_PROTO=$proto; done
   run "zero1 default" plan-dp-2_mb-1_zero-1
   for c in 8; do run "zero1 max_ctas=$c" plan-dp-2_mb-1_zero-1 NCCL_MIN_CTAS=1 NCCL_MAX_CTAS=$c; done
   run "one" plan-one
