@@ -133,6 +133,25 @@ bool touchesBetween(const Uses &u, const std::vector<rt::Instruction> &list, con
   return false;
 }
 
+/// Whether `mm` is a product both folds can redirect: a matmul of two 2-D
+/// operands whose first result is `g`, with no epilogue or only its bias
+/// gradient ("bgrad", then its second result).
+bool foldableProduct(const rt::RankProgram &r, const rt::Instruction &mm, int64_t g) {
+  std::string epilogue = epilogueOf(mm);
+  return mm.op == "matmul" && !mm.out.empty() && mm.out[0] == g && (epilogue == "" || epilogue == "bgrad") &&
+         mm.in.size() == 2 && r.buffers[mm.in[0]].shape.size() == 2 && r.buffers[mm.in[1]].shape.size() == 2;
+}
+
+/// A storage and its views in f32 (cuBLASLt writes a bias gradient in the
+/// product's result type).
+void widenToF32(rt::RankProgram &r, const std::vector<int64_t> &views) {
+  for (int64_t b : views)
+    if (rt::Buffer &buf = r.buffers[b]; buf.dtype != LOOM_F32) {
+      buf.dtype = LOOM_F32;
+      buf.bytes = rt::numElements(buf.shape).value_or(0) * 4;
+    }
+}
+
 /// Folds the program's accumulations into their products; returns how many.
 int64_t fold(rt::RankProgram &r, std::vector<rt::Instruction> &list, const std::set<int64_t> &kept) {
   Uses u(r, list);
@@ -152,10 +171,9 @@ int64_t fold(rt::RankProgram &r, std::vector<rt::Instruction> &list, const std::
       continue;
     size_t w = u.writer[g];
     rt::Instruction &mm = list[w];
-    std::string epilogue = epilogueOf(mm);
-    if (mm.op != "matmul" || mm.out.empty() || mm.out[0] != g || (epilogue != "" && epilogue != "bgrad") ||
-        mm.in.size() != 2 || r.buffers[mm.in[0]].shape.size() != 2 || r.buffers[mm.in[1]].shape.size() != 2)
+    if (!foldableProduct(r, mm, g))
       continue;
+    std::string epilogue = epilogueOf(mm);
     // Nothing between the product and the add may see the sum change early.
     if (touchesBetween(u, list, dead, w, i, acc))
       continue;
@@ -168,11 +186,7 @@ int64_t fold(rt::RankProgram &r, std::vector<rt::Instruction> &list, const std::
       if (r.buffers[bias].viewOf >= 0 || kept.count(bias) || !u.once(bias) ||
           !accumulation(r, list[u.reader[bias]], biasAcc, other, cast) || u.root[other] != bias)
         continue;
-      for (int64_t b : u.views[bias]) // the storage and its views
-        if (rt::Buffer &buf = r.buffers[b]; buf.dtype != LOOM_F32) {
-          buf.dtype = LOOM_F32;
-          buf.bytes = rt::numElements(buf.shape).value_or(0) * 4;
-        }
+      widenToF32(r, u.views[bias]);
     }
     mm.out[0] = acc;
     if (!first) { // added into the sum; the first microbatch's product writes it
@@ -223,12 +237,10 @@ int64_t foldIntoBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &list, 
         continue;
       size_t w = u.writer[g];
       rt::Instruction &mm = list[w];
-      std::string epilogue = epilogueOf(mm);
-      if (mm.op != "matmul" || mm.out.empty() || mm.out[0] != g || (epilogue != "" && epilogue != "bgrad") ||
-          mm.in.size() != 2 || r.buffers[mm.in[0]].shape.size() != 2 || r.buffers[mm.in[1]].shape.size() != 2 ||
-          r.buffers[mm.in[0]].dtype != LOOM_BF16 || r.buffers[mm.in[1]].dtype != LOOM_BF16)
+      if (!foldableProduct(r, mm, g) || r.buffers[mm.in[0]].dtype != LOOM_BF16 ||
+          r.buffers[mm.in[1]].dtype != LOOM_BF16)
         continue;
-      if (epilogue == "bgrad") {
+      if (epilogueOf(mm) == "bgrad") {
         // cuBLASLt writes the bias gradient in the result's type: widened
         // where the bucket alone reads it, through whole views (a slice's
         // offset would change with the element size).
@@ -240,11 +252,7 @@ int64_t foldIntoBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &list, 
             std::any_of(u.views[root].begin(), u.views[root].end(),
                         [&](int64_t b) { return r.buffers[b].viewOffset != 0; }))
           continue;
-        for (int64_t b : u.views[root])
-          if (rt::Buffer &buf = r.buffers[b]; buf.dtype != LOOM_F32) {
-            buf.dtype = LOOM_F32;
-            buf.bytes = rt::numElements(buf.shape).value_or(0) * 4;
-          }
+        widenToF32(r, u.views[root]);
       }
       mm.out[0] = acc;
       bucket.in[k] = acc;
