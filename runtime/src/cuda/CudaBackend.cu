@@ -171,13 +171,20 @@ CudaBackendImpl::CudaBackendImpl(const RankProgram &rank, int device, NcclWorld 
                  ins.attrs.value("group", std::string("dp")) == "dp";
   for (const char *name : {"tp", "dp"}) {
     auto members = rank.groups.find(name);
-    if (!world || !tensorWindows() || windowComm || members == rank.groups.end() || members->second.size() < 2 ||
+    if (!world || !windowsWanted() || windowComm || members == rank.groups.end() || members->second.size() < 2 ||
         (std::string(name) == "dp" && !sharded && !envIs("LOOM_NCCL_WINDOWS", "dp")))
       continue;
     auto g = world->groups.find(std::vector<int>(members->second.begin(), members->second.end()));
     if (g != world->groups.end())
       if (auto c = g->second.find(int(rank.rank)); c != g->second.end())
         windowComm = c->second, windowGroup = name;
+  }
+#endif
+#ifdef LOOM_HAVE_NCCL
+  if (windowComm) { // the largest arena any member of the group asks for
+    std::vector<uint64_t> size = {bytes};
+    agreeOnSizes(size, "the size of its arena");
+    bytes = size_t(size[0]);
   }
 #endif
   arena = static_cast<char *>(allocShared(bytes, "arena"));

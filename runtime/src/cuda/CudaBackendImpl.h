@@ -505,11 +505,12 @@ private:
 #ifdef LOOM_HAVE_NCCL
   /// The tensor-parallel group's communicator where this rank has one, or
   /// the data-parallel group's where its programs shard over it (ZeRO), and
-  /// tensorWindows(): the arena and workspaces are then allocated with
+  /// windowsWanted(): the arena and workspaces are then allocated with
   /// ncclMemAlloc and registered as symmetric NCCL windows on it, so that
   /// NCCL runs its symmetric kernels (peers' buffers read and written
   /// directly over NVLink) for the gathers and reduce-scatters. A
-  /// collective call: the group's members allocate in the same order.
+  /// collective call: the group's members allocate in the same order, sizes
+  /// they have agreed on (agreeOnSizes).
   ncclComm_t windowComm = nullptr;
   std::string windowGroup; // its name, for messages
   std::map<void *, ncclWindow_t> windows;
@@ -517,7 +518,7 @@ private:
   /// call, bounded by the world's timeout); `what` names them in errors.
   void agreeOnSizes(std::vector<uint64_t> &sizes, const std::string &what);
 #endif
-  static bool tensorWindows();
+  static bool windowsWanted();
   long long *errorWord = nullptr;
   char *workspace = nullptr;
   size_t workspaceBytes = 0, workspaceAllocated = 0;

@@ -285,7 +285,7 @@ __global__ void sqrtFloatKernel(float *x) { *x = sqrtf(*x); }
 
 } // namespace
 
-bool CudaBackendImpl::tensorWindows() {
+bool CudaBackendImpl::windowsWanted() {
   // The default since two H200s (2026-11-29): GPT-2 350M tp2 sp 50.0 / 50.4
   // ms a step against 55.0 / 55.2 (NCCL's symmetric kernels for the
   // gathers and reduce-scatters), the losses of tiny GPT's tp2 sp within
@@ -325,11 +325,10 @@ void *CudaBackendImpl::allocShared(size_t bytes, const char *what) {
 #ifdef LOOM_HAVE_NCCL
   if (windowComm) {
     // Every member of the group registers a window of the same size: the
-    // largest any of them asks for (they run the same programs, so the
-    // sizes agree unless a bundle is foreign; then the spare bytes are idle).
-    bytes = (bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) / NCCL_WIN_REQUIRED_ALIGNMENT * NCCL_WIN_REQUIRED_ALIGNMENT;
-    std::vector<uint64_t> size = {bytes};
-    agreeOnSizes(size, cat("the size of its ", what));
+    // callers agree on `bytes` first (agreeOnSizes), and the rounding here
+    // is the same on every member.
+    size_t agreed =
+        (bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) / NCCL_WIN_REQUIRED_ALIGNMENT * NCCL_WIN_REQUIRED_ALIGNMENT;
     // What the registering thread makes, shared with it: on a timeout it is
     // left behind and must not write into this frame.
     struct Made {
@@ -338,7 +337,6 @@ void *CudaBackendImpl::allocShared(size_t bytes, const char *what) {
     };
     auto made = std::make_shared<Made>();
     ncclComm_t comm = windowComm;
-    size_t agreed = size_t(size[0]);
     withinTimeout(world->timeoutSeconds, world->bootstrap, world, device,
                   cat("rank ", rank.rank, ": registering its ", what, " (", agreed, " bytes) as an NCCL window of group '",
                       windowGroup, "'"),
