@@ -222,10 +222,18 @@ CudaBackendImpl::~CudaBackendImpl() {
   dropGraphs();
   for (void *p : allocations)
     cudaFree(p);
+  // The shared buffers before the streams: freeing a window synchronises
+  // every stream first (a destroyed stream's handle must not be used: it
+  // crashed f32 ZeRO-1 and tp2 sp at exit on two H200s, 2026-11-29).
+  freeShared(workspace);
+  freeShared(commWorkspace);
+  freeShared(arena);
+  workspace = commWorkspace = nullptr;
+  arena = nullptr;
   if (sendStream)
-    cudaStreamSynchronize(sendStream), cudaStreamDestroy(sendStream);
+    cudaStreamSynchronize(sendStream), cudaStreamDestroy(sendStream), sendStream = nullptr;
   if (commStream)
-    cudaStreamSynchronize(commStream), cudaStreamDestroy(commStream);
+    cudaStreamSynchronize(commStream), cudaStreamDestroy(commStream), commStream = nullptr;
   for (auto &[id, e] : commEvents)
     cudaEventDestroy(e);
   for (cudaEvent_t e : readyEvents)
@@ -243,12 +251,9 @@ CudaBackendImpl::~CudaBackendImpl() {
   }
   if (kernelsLibrary)
     cudaLibraryUnload(kernelsLibrary);
-  freeShared(workspace);
-  freeShared(commWorkspace);
   cudaFree(argmaxOut);
   cudaFree(l2Flush);
   cudaFree(errorWord);
-  freeShared(arena);
   gemmPlans.clear();
   if (lt)
     cublasLtDestroy(lt);
