@@ -10,6 +10,7 @@
 #include "runtime/src/cpu/CpuKernels.h"
 
 #include <algorithm>
+#include <cmath>
 #include <tuple>
 
 namespace loom::rt::cpu {
@@ -132,9 +133,13 @@ struct AxisParts {
   std::vector<int> group;
   int64_t index, parts, axis, outer = 1, inner = 1;
 };
-AxisParts axisParts(const Ctx &c, const Shape &whole, const Shape &part, const char *what) {
+AxisParts axisParts(const Ctx &c, const Shape &whole, const Shape &part, const char *what, bool ints = false) {
   c.arity(1, 1);
-  c.needF32(c.in(0)), c.needF32(c.out());
+  bool integer = ints && (c.in(0).dtype == LOOM_I32 || c.in(0).dtype == LOOM_I64);
+  if (integer && c.out().dtype != c.in(0).dtype)
+    c.bad("the gathered ids must keep their dtype");
+  if (!integer)
+    c.needF32(c.in(0)), c.needF32(c.out());
   AxisParts a{needComm(c), groupOf(c, attrString(c, "group", "tp")), 0, 0, 0};
   std::tie(a.index, a.parts) = placeIn(c, a.group);
   a.axis = c.axis(c.attrInt("axis"), whole.size());
@@ -230,8 +235,40 @@ Kernel buildShardOf(const Ctx &c) {
 /// slice and whole, one collective for all of them).
 Kernel buildAllGather(const Ctx &c) {
   if (c.ins.attrs.contains("axis")) { // parts along an axis, concatenated in group order
-    auto [comm, group, index, parts, axis, outer, inner] = axisParts(c, c.out().shape, c.in(0).shape, "gathering");
+    auto [comm, group, index, parts, axis, outer, inner] =
+        axisParts(c, c.out().shape, c.in(0).shape, "gathering", /*ints=*/true);
     (void)axis;
+    if (c.in(0).dtype == LOOM_I32 || c.in(0).dtype == LOOM_I64) {
+      // Token ids (loom-gather-embedding-rows), exchanged as floats: exact
+      // below 2^24, which every vocabulary is.
+      IndexReader read{c.arena + c.in(0).offset, c.in(0).dtype == LOOM_I64};
+      char *dst = c.arena + c.out().offset;
+      bool wide = c.in(0).dtype == LOOM_I64;
+      int64_t rank = c.rank.rank, total = count(c.out().shape), at = index, n = parts;
+      Communicator *to = comm;
+      std::vector<int> members = group;
+      int64_t runs = outer, run = inner;
+      std::string where = c.where, name = c.in(0).name;
+      return [=] {
+        std::vector<float> whole(static_cast<size_t>(total), 0.0f);
+        for (int64_t o = 0; o < runs; ++o)
+          for (int64_t j = 0; j < run; ++j) {
+            int64_t id = read(o * run + j);
+            if (id <= -(int64_t(1) << 24) || id >= (int64_t(1) << 24))
+              fail(LOOM_INVALID_ARGUMENT, where, ": id ", id, " in '", name,
+                   "' is beyond the 2^24 that gathering ids on CPU ranks carries exactly");
+            whole[size_t((o * n + at) * run + j)] = float(id);
+          }
+        to->allReduce(int(rank), members, whole.data(), total, Reduction::Sum);
+        for (int64_t i = 0; i < total; ++i) {
+          int64_t id = int64_t(std::llround(whole[size_t(i)]));
+          if (wide)
+            reinterpret_cast<int64_t *>(dst)[i] = id;
+          else
+            reinterpret_cast<int32_t *>(dst)[i] = int32_t(id);
+        }
+      };
+    }
     float *src = c.f32(c.in(0)), *dst = c.f32(c.out());
     int64_t rank = c.rank.rank, total = count(c.out().shape), at = index, n = parts;
     Communicator *to = comm;

@@ -208,14 +208,21 @@ Kernel buildEmbeddingGrad(const Ctx &c) {
   IndexReader read{c.arena + ids.offset, ids.dtype == LOOM_I64};
   float *pdy = c.f32(dy), *pdt = c.f32(dt);
   std::string where = c.where, name = ids.name;
+  // `accumulate`: added into the table's gradient, not written over it;
+  // `scale`: each row scaled first (loom-gather-embedding-rows: 1 / dp).
+  bool accumulate = c.attrFlag("accumulate");
+  float scale = static_cast<float>(c.attrFloat("scale", 1.0));
+  if (accumulate && dt.dtype != LOOM_F32)
+    c.bad("accumulates into f32 tables only");
   return [=] {
     checkIndices(where, "token id in '" + name + "'", read, n, vocab * parts);
-    std::fill(pdt, pdt + vocab * h, 0.0f);
+    if (!accumulate)
+      std::fill(pdt, pdt + vocab * h, 0.0f);
     for (int64_t i = 0; i < n; ++i) {
       int64_t row = read(i) - start;
       if (row >= 0 && row < vocab)
         for (int64_t j = 0; j < h; ++j)
-          pdt[row * h + j] += pdy[i * h + j];
+          pdt[row * h + j] += scale * pdy[i * h + j];
     }
   };
 }

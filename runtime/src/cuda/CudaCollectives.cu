@@ -654,12 +654,17 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
            shapeStr(want), ", not ", shapeStr(buf(ins.out[0]).shape));
     int64_t outer, inner;
     std::tie(outer, inner) = runsAround(in, axis);
-    // f32 or bf16 (serving's tensor-parallel logits are bf16): moved as bytes.
-    if (buf(ins.in[0]).dtype != buf(ins.out[0]).dtype)
+    // Moved as elements of their size: f32, bf16 (serving's tensor-parallel
+    // logits), i32 or i64 (the token ids of loom-gather-embedding-rows).
+    loom_dtype_t dtype = buf(ins.in[0]).dtype;
+    if (dtype != buf(ins.out[0]).dtype)
       fail(LOOM_INVALID_BUNDLE, where, ": all_gather's input and output differ in dtype");
-    char *src = ptr(fp(ins.in[0])), *dst = ptr(fp(ins.out[0]));
-    ncclDataType_t type = ncclType(ins.in[0]);
-    size_t width = buf(ins.in[0]).dtype == LOOM_BF16 ? 2 : 4;
+    ncclDataType_t type = dtype == LOOM_BF16 ? ncclBfloat16 : dtype == LOOM_F32 ? ncclFloat32
+                          : dtype == LOOM_I32 ? ncclInt32 : dtype == LOOM_I64 ? ncclInt64 : ncclNumTypes;
+    if (type == ncclNumTypes)
+      fail(LOOM_UNSUPPORTED, where, ": all_gather along an axis of a ", dtypeName(dtype), " tensor");
+    char *src = arena + buf(ins.in[0]).offset, *dst = arena + buf(ins.out[0]).offset;
+    size_t width = size_t(dtypeSize(dtype));
     bool async = asyncCollective(ins); // beside the products that do not need it (loom-overlap-tensor-gather)
     if (outer > 1)
       reserveFor(async, size_t(outer * inner * parts) * width);

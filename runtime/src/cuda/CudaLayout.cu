@@ -40,7 +40,8 @@ __global__ void embeddingKernel(DPtr table, const void *ids, bool wide, DPtr y, 
 }
 
 __global__ void embeddingGradKernel(const void *ids, bool wide, DPtr dy, float *dt, int64_t n,
-                                    int64_t h, int64_t vocab, long long *err, int64_t start, int64_t full) {
+                                    int64_t h, int64_t vocab, long long *err, int64_t start, int64_t full,
+                                    float scale) {
   GRID_LOOP(i, n * h) {
     int64_t t = i / h, id = readIndex(ids, wide, t);
     if (id < 0 || id >= full) {
@@ -49,7 +50,7 @@ __global__ void embeddingGradKernel(const void *ids, bool wide, DPtr dy, float *
     }
     int64_t row = id - start;
     if (row >= 0 && row < vocab)
-      atomicAdd(&dt[row * h + i % h], dy[i]);
+      atomicAdd(&dt[row * h + i % h], scale * dy[i]);
   }
 }
 
@@ -69,7 +70,7 @@ __global__ void embeddingRowsKernel(const void *ids, bool wide, int *rows, int *
 }
 
 __global__ void embeddingRunsKernel(const int *rows, const int *positions, int64_t n, DPtr dy, float *dt, int64_t h,
-                                    int64_t vocab) {
+                                    int64_t vocab, float scale, bool accumulate) {
   int64_t first = blockIdx.x;
   int row = rows[first];
   if (row >= vocab || (first > 0 && rows[first - 1] == row))
@@ -81,7 +82,8 @@ __global__ void embeddingRunsKernel(const int *rows, const int *positions, int64
     float sum = 0;
     for (int64_t q = first; q < end; ++q)
       sum += dy[int64_t(positions[q]) * h + j];
-    dt[int64_t(row) * h + j] = sum;
+    float &to = dt[int64_t(row) * h + j];
+    to = (accumulate ? to : 0.0f) + scale * sum;
   }
 }
 
@@ -243,7 +245,21 @@ Launch CudaBackendImpl::buildEmbedding(const Instruction &ins) {
     return [=](cudaStream_t s) { embeddingKernel<<<blocksFor(cnt * h), kThreads, 0, s>>>(pt, pid, wide, y, cnt, h, vocab, err, start, full); };
   }
   // Accumulates in f32 (in the workspace for a bf16 table), rounding once.
+  // `accumulate` adds into the table's gradient instead of overwriting it
+  // (an f32 one: loom-gather-embedding-rows adds the gathered rows of every
+  // data-parallel rank into the reduced head's gradient), `scale` scales
+  // each row first (1 / dp there: the mean over the replicas).
   DPtr dy = fp(ins.in[1]), dt = fp(ins.out[0]);
+  bool accumulate = flag(ins, "accumulate");
+  float scale = 1.0f;
+  if (ins.attrs.is_object() && ins.attrs.contains("scale")) {
+    if (!ins.attrs["scale"].is_number())
+      fail(LOOM_INVALID_BUNDLE, where, ": embedding_grad's 'scale' must be a number");
+    scale = ins.attrs["scale"].get<float>();
+  }
+  if (accumulate && dt.bf)
+    fail(LOOM_INVALID_BUNDLE, where, ": embedding_grad accumulates into f32 tables only, not bf16 '",
+         buf(ins.out[0]).name, "'");
   size_t accBytes = dt.bf ? (size_t(vocab * h) * sizeof(float) + 255) / 256 * 256 : 0;
   if (deterministic()) {
     if (cnt > INT32_MAX || vocab >= INT32_MAX)
@@ -265,13 +281,15 @@ Launch CudaBackendImpl::buildEmbedding(const Instruction &ins) {
           *sortedRows = reinterpret_cast<int *>(w + accBytes + 2 * list),
           *sortedPositions = reinterpret_cast<int *>(w + accBytes + 3 * list);
       size_t scratch = sortBytes;
-      LOOM_CUDA_CHECK(cudaMemsetAsync(acc, 0, vocab * h * sizeof(float), s));
+      if (!accumulate)
+        LOOM_CUDA_CHECK(cudaMemsetAsync(acc, 0, vocab * h * sizeof(float), s));
       if (cnt > 0) {
         embeddingRowsKernel<<<blocksFor(cnt), kThreads, 0, s>>>(pid, wide, rows, positions, cnt, vocab, err, start,
                                                                 full);
         LOOM_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(w + accBytes + 4 * list, scratch, rows, sortedRows,
                                                         positions, sortedPositions, int(cnt), 0, bits, s));
-        embeddingRunsKernel<<<unsigned(cnt), 256, 0, s>>>(sortedRows, sortedPositions, cnt, dy, acc, h, vocab);
+        embeddingRunsKernel<<<unsigned(cnt), 256, 0, s>>>(sortedRows, sortedPositions, cnt, dy, acc, h, vocab,
+                                                            scale, accumulate);
       }
       if (dt.bf)
         castKernel<<<blocksFor(vocab * h), kThreads, 0, s>>>(DPtr{acc, false}, dt, vocab * h);
@@ -281,8 +299,10 @@ Launch CudaBackendImpl::buildEmbedding(const Instruction &ins) {
     reserve(accBytes);
   return [=](cudaStream_t s) {
     float *acc = dt.bf ? reinterpret_cast<float *>(workspace) : static_cast<float *>(dt.p);
-    LOOM_CUDA_CHECK(cudaMemsetAsync(acc, 0, vocab * h * sizeof(float), s));
-    embeddingGradKernel<<<blocksFor(cnt * h), kThreads, 0, s>>>(pid, wide, dy, acc, cnt, h, vocab, err, start, full);
+    if (!accumulate)
+      LOOM_CUDA_CHECK(cudaMemsetAsync(acc, 0, vocab * h * sizeof(float), s));
+    embeddingGradKernel<<<blocksFor(cnt * h), kThreads, 0, s>>>(pid, wide, dy, acc, cnt, h, vocab, err, start, full,
+                                                                scale);
     if (dt.bf)
       castKernel<<<blocksFor(vocab * h), kThreads, 0, s>>>(DPtr{acc, false}, dt, vocab * h);
   };
