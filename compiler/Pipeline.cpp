@@ -13,7 +13,8 @@ namespace {
 const char *const kSkippable[] = {"loom-fuse-loss-gradient", "loom-update-copies", "loom-packed-qkv-attention",
                                   "loom-join-slice-gradients", "loom-overlap-tensor-reduce",
                                   "loom-overlap-tensor-gather", "loom-split-tensor-reduce",
-                                  "loom-accumulate-in-products", "loom-reduce-from-products"};
+                                  "loom-accumulate-in-products", "loom-reduce-from-products",
+                                  "loom-gather-embedding-rows"};
 } // namespace
 
 bool mlir::loom::isSkippablePass(StringRef name) {
@@ -86,6 +87,8 @@ void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o,
     add(createAccumulateInProducts());
   if (o.fuse && o.train && o.bf16 && dp > 1)
     add(createReduceFromProducts());
+  if (o.train && dp > 1 && !pipelined && !o.zero1 && !o.zero2 && !o.zero3)
+    add(createGatherEmbeddingRows());
   if (o.train && tp > 1)
     add(createOverlapTensorReduce());
   if (o.train && tp > 1 && o.sequenceParallel && o.tpOverlap)

@@ -47,18 +47,35 @@ int64_t placeGradientBuckets(rt::RankProgram &r, std::vector<rt::Instruction> &p
     sizes.push_back(r.buffers[g].bytes);
   std::vector<std::pair<size_t, size_t>> runs = bucketRuns(sizes, bucketBytes);
   // In a model of several buckets, the last goes out after backward's last
-  // instruction, where no compute hides it: its run is split so that the
-  // final bucket holds at most a sixteenth of a bucket (or just the last
-  // gradient), and the rest goes out while the first layers' backward still
-  // runs. (ResNet-50: the last bucket held 96 gradients, 17 MB, most of
-  // them ready well before the end.)
-  if (runs.size() > 1 && runs.back().second - runs.back().first > 1) {
-    auto [begin, end] = runs.back();
-    size_t cut = end - 1;
-    for (int64_t tail = sizes[cut]; cut > begin + 1 && tail + sizes[cut - 1] <= bucketBytes / 16;)
-      tail += sizes[--cut];
-    runs.back() = {begin, cut};
-    runs.push_back({cut, end});
+  // instruction, where no compute hides it, and a run goes out when its
+  // last gradient is done: the last run is split from its end into buckets
+  // of at most a sixteenth of a bucket (or just the last gradient), then an
+  // eighth, a quarter and a half, and the rest, so that each goes out while
+  // the first layers' backward still runs and what is left after the last
+  // instruction is small. (ResNet-50: the last bucket held 96 gradients,
+  // 17 MB, most of them ready well before the end. GPT-2 350M, once its
+  // embedding's rows were gathered instead: 218 MB of its first four
+  // layers went out after the last.)
+  // The last two runs are split together: the last is often one late
+  // gradient alone (a position embedding's), which left the run before it
+  // to go out at the end whole.
+  if (runs.size() > 1) {
+    size_t begin = runs[runs.size() - 2].first, end = runs.back().second;
+    runs.resize(runs.size() - 2);
+    std::vector<std::pair<size_t, size_t>> tail;
+    size_t hi = end;
+    for (int64_t cap = std::max<int64_t>(1, bucketBytes / 16); hi > begin; cap *= 2) {
+      if (cap >= bucketBytes) {
+        tail.push_back({begin, hi});
+        break;
+      }
+      size_t lo = hi - 1;
+      for (int64_t sum = sizes[lo]; lo > begin && sum + sizes[lo - 1] <= cap;)
+        sum += sizes[--lo];
+      tail.push_back({lo, hi});
+      hi = lo;
+    }
+    runs.insert(runs.end(), tail.rbegin(), tail.rend());
   }
   for (auto [begin, end] : runs) {
     std::vector<int64_t> bucket;

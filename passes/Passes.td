@@ -336,6 +336,22 @@ def ReduceFromProducts : Pass<"loom-reduce-from-products", "::mlir::ModuleOp"> {
   }];
 }
 
+def GatherEmbeddingRows : Pass<"loom-gather-embedding-rows", "::mlir::ModuleOp"> {
+  let summary = "Embedding gradients over data parallelism as gathered rows, not reduced tables";
+  let description = [{
+    Where a data-parallel bucket averages an embedding table's gradient
+    whose lookup part the backward makes last (a [vocab, hidden] sum with
+    rows only for the replica's tokens), the table's other part (a tied
+    head's product, made at the backward's start) is reduced in a bucket
+    of its own right after its product, and the update adds the lookup's
+    rows of every replica, from their token ids and output gradients
+    gathered over dp (embedding_grad with accumulate and scale 1 / dp). An
+    untied table's gradient leaves its bucket the same way. Only where the
+    gathered rows are fewer bytes than the table's gradient, on ranks
+    without ZeRO, pipelines or microbatches.
+  }];
+}
+
 def OverlapTensorReduce : Pass<"loom-overlap-tensor-reduce", "::mlir::ModuleOp"> {
   let summary = "Tensor-parallel all-reduces go out beside the compute that does not need them";
   let description = [{

@@ -645,7 +645,7 @@ int runCompile() {
   // and the microbatches' first products write them), and how many of them
   // a data-parallel bucket reduces in place.
   std::set<int64_t> f32Products;
-  int64_t reducedFromProducts = 0;
+  int64_t reducedFromProducts = 0, gatheredRows = 0;
   for (const auto &[name, program] : rank.programs)
     for (const auto &ins : program)
       if (ins.op == "matmul" && !ins.in.empty() && !ins.out.empty() &&
@@ -662,6 +662,7 @@ int runCompile() {
           reducedFromProducts += ins.in[k] == ins.out[k] && f32Products.count(ins.in[k]);
       summedInProducts += ins.op == "matmul" && !ins.in.empty() && !ins.out.empty() && ins.in.back() == ins.out[0];
       lossGrads += ins.op == "cross_entropy" && ins.out.size() == 2;
+      gatheredRows += name == "update" && ins.op == "embedding_grad";
       // A layer's reduction beside the weight gradients: x -> y of one dtype
       // (sequence parallelism's gradient-sum buckets, async too, reduce in
       // place or widen).
@@ -718,6 +719,9 @@ int runCompile() {
   if (reducedFromProducts)
     notes.push_back(std::to_string(reducedFromProducts) +
                     " weight gradient(s) written in f32 by their products and reduced in place");
+  if (gatheredRows)
+    notes.push_back(std::to_string(gatheredRows) +
+                    " embedding gradient(s) from the replicas' gathered rows, not reduced whole");
   if (!adamKernels.empty())
     notes.push_back("AdamW in " + std::to_string(adamKernels.size()) + " generated kernel(s)");
   if (!notes.empty()) {

@@ -31,24 +31,27 @@
 // ONE: loomrt.program "update" {
 // ONE-NEXT: loomrt.instr "event_wait"
 
-// 256 KiB buckets: three, each issued as soon as its last gradient is done
-// (a layer weight is 256 KiB, so each bucket closes at a weight gradient);
-// the last is split so that only its final gradient waits for the end of
-// backward (a final bucket holds at most a sixteenth of a bucket, or one
-// gradient), and the bias before it goes out as soon as it is done.
+// 256 KiB buckets, each issued as soon as its last gradient is done (a
+// layer weight is 256 KiB, so the first closes at a weight gradient); the
+// last two runs are split from their end into buckets of at most a
+// sixteenth of a bucket (or one gradient), then an eighth, a quarter, a
+// half, so that only the final gradient waits for the end of backward and
+// each before it goes out as soon as it is done.
 // BUCKETS-LABEL: loomrt.rank 0
 // BUCKETS: loomrt.program "backward" {
 // BUCKETS: loomrt.instr "matmul" [11, 28] -> [32] {transpose_a = true}
 // BUCKETS-NEXT: loomrt.instr "all_reduce" [25, 27, 30, 32] -> [25, 27, 30, 32] {async = true, event = 0 : i64, group = "dp", reduction = "mean"}
+// BUCKETS: loomrt.instr "reduce_sum" [33] -> [34]
+// BUCKETS-NEXT: loomrt.instr "all_reduce" [35] -> [35] {async = true, event = 1 : i64, group = "dp", reduction = "mean"}
 // BUCKETS: loomrt.instr "matmul" [6, 33] -> [37] {transpose_a = true}
-// BUCKETS-NEXT: loomrt.instr "all_reduce" [35, 37] -> [35, 37] {async = true, event = 1 : i64, group = "dp", reduction = "mean"}
+// BUCKETS-NEXT: loomrt.instr "all_reduce" [37] -> [37] {async = true, event = 2 : i64, group = "dp", reduction = "mean"}
 // BUCKETS: loomrt.instr "reduce_sum" [38] -> [39]
-// BUCKETS-NEXT: loomrt.instr "all_reduce" [40] -> [40] {async = true, event = 2 : i64, group = "dp", reduction = "mean"}
+// BUCKETS-NEXT: loomrt.instr "all_reduce" [40] -> [40] {async = true, event = 3 : i64, group = "dp", reduction = "mean"}
 // BUCKETS-NEXT: loomrt.instr "matmul" [0, 38] -> [41] {transpose_a = true}
-// BUCKETS-NEXT: loomrt.instr "all_reduce" [41] -> [41] {async = true, event = 3 : i64, group = "dp", reduction = "mean"}
+// BUCKETS-NEXT: loomrt.instr "all_reduce" [41] -> [41] {async = true, event = 4 : i64, group = "dp", reduction = "mean"}
 // BUCKETS-NEXT: {{^ *}}}
 // BUCKETS: loomrt.program "update" {
-// BUCKETS-NEXT: loomrt.instr "event_wait" [] -> [] {event = 3 : i64}
+// BUCKETS-NEXT: loomrt.instr "event_wait" [] -> [] {event = 4 : i64}
 // BUCKETS-NEXT: loomrt.instr "all_reduce" [21] -> [21] {group = "dp", reduction = "mean"}
 
 // ZeRO-1: each gradient is reduce-scattered into a flat slice of half its

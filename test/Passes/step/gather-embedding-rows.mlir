@@ -1,0 +1,60 @@
+// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=8 precision=bf16 fuse=true dp=2 until=loom-reduce-from-products" | FileCheck %s --check-prefix=BEFORE
+// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=8 precision=bf16 fuse=true dp=2 until=loom-reduce-from-products" | loom-opt --loom-gather-embedding-rows | FileCheck %s
+// RUN: loom-opt %models/llama-tiny.mlir --loom-compile="train=true batch=8 precision=bf16 fuse=true dp=2 until=loom-reduce-from-products" | loom-opt --loom-gather-embedding-rows | FileCheck %s --check-prefix=UNTIED
+// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=8 precision=bf16 fuse=true dp=2 zero=1 until=loom-zero-gather-copies" | loom-opt --loom-gather-embedding-rows | FileCheck %s --check-prefix=ZERO
+// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=16 dp=2 until=loom-update-copies" | loom-opt --loom-gather-embedding-rows | FileCheck %s --check-prefix=LARGER
+
+// loom-gather-embedding-rows: a data-parallel bucket's embedding gradient
+// is no longer reduced whole after the backward's last instruction. A tied
+// table's head product writes the f32 gradient and reduces it in a bucket
+// of its own at once; the update adds every replica's lookup rows into it,
+// from their token ids and output gradients gathered over dp.
+
+// Before: the head's product (bf16), the lookup's table gradient last, their
+// f32 sum in the last bucket.
+// BEFORE: loomrt.buffer [[HEAD:[0-9]+]] "grad.matmul" : tensor<256x64xbf16>
+// BEFORE: loomrt.buffer [[G:[0-9]+]] "grad.sum" : tensor<256x64xf32>
+// BEFORE: loomrt.program "backward"
+// BEFORE: loomrt.instr "matmul" [{{[0-9]+}}, {{[0-9]+}}] -> [[[HEAD]]] {transpose_a = true}
+// BEFORE: loomrt.instr "embedding_grad" [0, [[DY:[0-9]+]]] -> [[[E:[0-9]+]]]
+// BEFORE-NEXT: loomrt.instr "add" [[[HEAD]], [[E]]] -> [[[G]]]
+// BEFORE-NEXT: loomrt.instr "all_reduce" [{{.*}}[[G]]{{.*}}] {async = true, event = 0
+
+// After: the product writes the f32 gradient and reduces it right away.
+// CHECK: loomrt.buffer [[G:[0-9]+]] "grad.sum" : tensor<256x64xf32>
+// CHECK: loomrt.buffer [[IDS:[0-9]+]] "tokens.gathered" : tensor<8x32xi32>
+// CHECK: loomrt.buffer [[ROWS:[0-9]+]] "layer.0.grad.sum.gathered" : tensor<8x32x64xbf16>
+// CHECK: loomrt.program "backward"
+// CHECK-NEXT: loomrt.instr "matmul"
+// CHECK-NEXT: loomrt.instr "matmul" [{{[0-9]+}}, {{[0-9]+}}] -> [[[G]]] {transpose_a = true}
+// CHECK-NEXT: loomrt.instr "all_reduce" [[[G]]] -> [[[G]]] {async = true, event = 1 : i64, group = "dp", reduction = "mean"}
+// CHECK-NOT: "embedding_grad"
+// CHECK: loomrt.instr "all_reduce" [{{[0-9, ]+}}] -> [{{[0-9, ]+}}] {async = true, event = 0
+// CHECK-NOT: [[G]]
+// CHECK: loomrt.program "forward"
+// The update adds the rows, scaled by 1 / dp, after the buckets' wait.
+// CHECK: loomrt.program "update"
+// CHECK-NEXT: loomrt.instr "event_wait" [] -> [] {event = 0 : i64}
+// CHECK-NEXT: loomrt.instr "all_gather" [0] -> [[[IDS]]] {axis = 0 : i64, group = "dp"}
+// CHECK-NEXT: loomrt.instr "all_gather" [[[DY:[0-9]+]]] -> [[[ROWS]]] {axis = 0 : i64, group = "dp"}
+// CHECK-NEXT: loomrt.instr "embedding_grad" [[[IDS]], [[ROWS]]] -> [[[G]]] {accumulate = true, scale = 5.000000e-01 : f64}
+
+// Untied (Llama): the lookup's gradient leaves its bucket and the update
+// writes it from the gathered rows (no accumulate).
+// UNTIED: loomrt.program "backward"
+// UNTIED-NOT: "embedding_grad"
+// UNTIED: loomrt.program "update"
+// UNTIED: loomrt.instr "embedding_grad" [{{[0-9]+}}, {{[0-9]+}}] -> [{{[0-9]+}}] {scale = 5.000000e-01 : f64}
+
+// ZeRO's reduce-scatters are left alone.
+// ZERO-NOT: gathered
+// ZERO: loomrt.program "backward"
+// ZERO: loomrt.instr "embedding_grad"
+// ZERO-NOT: gathered
+
+// f32 at 8 sequences a replica: 2 x (8 x 32 ids + 8 x 32 x 64 rows) in
+// 4-byte elements is more than the 256 x 64 table, so it is left alone.
+// LARGER-NOT: gathered
+// LARGER: loomrt.program "backward"
+// LARGER: loomrt.instr "embedding_grad"
+// LARGER-NOT: gathered
