@@ -8,7 +8,7 @@
 // (CudaLayout.cu), norms and reductions (CudaNorms.cu), the loss
 // (CudaLoss.cu), the optimizers (CudaOptimizer.cu), convolutional networks
 // (CudaConv.cu, with cuDNN's convolutions in CudnnConv.cpp), the compiler's generated kernels (CudaGenerated.cu) and
-// NCCL (CudaCollectives.cu). Each file adds the instructions it builds to
+// NCCL (CudaCollectives.cu; communicators and windows in NcclWorld.cu). Each file adds the instructions it builds to
 // one table, which build() looks them up in.
 //
 //===----------------------------------------------------------------------===//

@@ -14,13 +14,6 @@
 #include <algorithm>
 #include <cstdlib>
 
-namespace loom::rt {
-#ifdef LOOM_HAVE_NCCL
-void checkNccl(ncclResult_t r, const char *what, const char *file, int line);
-#define LOOM_NCCL_CHECK(expr) checkNccl((expr), #expr, __FILE__, __LINE__)
-#endif
-} // namespace loom::rt
-
 namespace loom::rt::cuda {
 
 namespace {

@@ -2,7 +2,7 @@
 //
 // Made once per process (makeNcclWorld in runtime/src/Backend.h) before the
 // ranks' backends are; each rank's CUDA backend takes its communicators from
-// it. Defined in CudaCollectives.cu.
+// it. Defined in NcclWorld.cu.
 //
 //===----------------------------------------------------------------------===//
 
@@ -22,6 +22,12 @@
 #include <vector>
 
 namespace loom::rt {
+
+#ifdef LOOM_HAVE_NCCL
+/// Fails with NCCL's message (and its last error) where `r` is an error.
+void checkNccl(ncclResult_t r, const char *what, const char *file, int line);
+#define LOOM_NCCL_CHECK(expr) ::loom::rt::checkNccl((expr), #expr, __FILE__, __LINE__)
+#endif
 
 /// Communicators of every group (one per member list) and one per direction
 /// of every pipeline transfer, so that a rank's sends (on their own stream)
