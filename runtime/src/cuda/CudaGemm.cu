@@ -12,9 +12,42 @@
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <optional>
 
 namespace loom::rt::cuda {
+
+namespace {
+
+/// The algorithm each product got on a kind of GPU, shared by the process's
+/// ranks: the first rank to plan a shape times its candidates and the others
+/// take its choice (waiting while it times), so that the ranks of a group run
+/// the same algorithms. Timed by each rank on its own, two H200s' dp2 ranks
+/// of GPT-2 350M picked a 64x512 tile for one weight gradient's shape on one
+/// rank (147.5 us a run) and a 128x256 one on the other (64.5 us): the
+/// faster rank then waited 2 ms a step in its collectives (2026-11-29).
+struct SharedGemmChoices {
+  std::mutex mutex;
+  std::condition_variable settled;
+  std::map<std::string, std::optional<cublasLtMatmulAlgo_t>> chosen; // nullopt: a rank is timing it
+};
+
+SharedGemmChoices &sharedGemmChoices() {
+  static SharedGemmChoices shared;
+  return shared;
+}
+
+std::string deviceNameOf(int device) {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess)
+    return cat("device ", device);
+  return prop.name;
+}
+
+} // namespace
 
 cublasComputeType_t f32Compute() {
   static const bool tf32 = [] {
@@ -111,10 +144,53 @@ CudaBackendImpl::planGemm(const GemmTypes &t, bool ta, bool tb, int64_t m, int64
   if (st != CUBLAS_STATUS_SUCCESS || returned == 0)
     fail(LOOM_UNSUPPORTED, where, ": cuBLASLt has no algorithm for a ", m, "x", n, "x", k, " product (",
          cublasGetStatusName(st), ")");
-  // Time the candidates (the result buffer is overwritten by the real run).
+  // Time the candidates (the result buffer is overwritten by the real run),
+  // unless another rank of this process on the same kind of GPU has: its
+  // choice then, where it is one of this rank's candidates too.
   float best = INFINITY, alpha = 1.0f, beta = residual ? 1.0f : 0.0f;
   const void *cIn = residual ? residual : c;
-  for (int i = 0; i < returned; ++i) {
+  SharedGemmChoices &shared = sharedGemmChoices();
+  static const bool sharing = !envIs("LOOM_CUDA_SHARED_GEMMS", "0");
+  std::string sharedKey = cat(deviceNameOf(device), "|", fewRows, "|", key);
+  bool timing = false; // this rank times the shape for the others
+  if (sharing && !deterministic()) {
+    std::unique_lock<std::mutex> lock(shared.mutex);
+    shared.settled.wait(lock, [&] {
+      auto it = shared.chosen.find(sharedKey);
+      return it == shared.chosen.end() || it->second.has_value();
+    });
+    if (auto it = shared.chosen.find(sharedKey); it != shared.chosen.end()) {
+      for (int i = 0; i < returned; ++i)
+        if (found[i].state == CUBLAS_STATUS_SUCCESS &&
+            std::memcmp(&found[i].algo, &*it->second, sizeof(cublasLtMatmulAlgo_t)) == 0) {
+          plan->algo = found[i].algo;
+          best = 0;
+          break;
+        }
+    } else {
+      shared.chosen[sharedKey] = std::nullopt;
+      timing = true;
+    }
+  }
+  // Whatever happens below, the others stop waiting for this rank's timing:
+  // its choice, or (on a failure) none, which the next rank times itself.
+  struct Settle {
+    SharedGemmChoices &shared;
+    const std::string &key;
+    const cublasLtMatmulAlgo_t *algo = nullptr;
+    bool active;
+    ~Settle() {
+      if (!active)
+        return;
+      std::lock_guard<std::mutex> lock(shared.mutex);
+      if (algo)
+        shared.chosen[key] = *algo;
+      else
+        shared.chosen.erase(key);
+      shared.settled.notify_all();
+    }
+  } settle{shared, sharedKey, nullptr, timing};
+  for (int i = 0; i < returned && best != 0; ++i) { // best = 0: the shared choice
     if (found[i].state != CUBLAS_STATUS_SUCCESS)
       continue;
     auto launch = [&] {
@@ -135,6 +211,7 @@ CudaBackendImpl::planGemm(const GemmTypes &t, bool ta, bool tb, int64_t m, int64
     return nullptr;
   if (best == INFINITY)
     fail(LOOM_INTERNAL, where, ": no cuBLASLt algorithm ran a ", m, "x", n, "x", k, " product");
+  settle.algo = &plan->algo;
   gemmPlans[key] = plan;
   return plan;
 }
