@@ -87,7 +87,7 @@ void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o,
     add(createAccumulateInProducts());
   if (o.fuse && o.train && o.bf16 && dp > 1)
     add(createReduceFromProducts());
-  if (o.train && dp > 1 && !pipelined && !o.zero1 && !o.zero2 && !o.zero3)
+  if (o.train && dp > 1 && !pipelined && !o.zero2 && !o.zero3) // ZeRO-1: into each rank's slice
     add(createGatherEmbeddingRows());
   if (o.train && tp > 1)
     add(createOverlapTensorReduce());

@@ -25,10 +25,13 @@
 // An untied table (Llama) whose gradient is the lookup's alone leaves its
 // bucket the same way and is written, not added to, in the update.
 //
-// Only where the gathered rows are fewer bytes than the table's gradient,
-// on ranks whose buckets are all-reduces over dp (not ZeRO's
-// reduce-scatters), and for lookups not split over a
-// vocabulary-parallel group.
+// ZeRO-1's buckets reduce-scatter instead: the head's gradient goes into the
+// rank's slice in its own bucket, and the update adds the rows of the
+// rank's part of the vocabulary into a [vocab / dp, hidden] view of the
+// slice (embedding_grad's vocab_group = "dp"; whole rows where dp divides
+// the vocabulary). Only where the gathered rows are fewer bytes than the
+// table's gradient, without ZeRO-2/3 (their buckets free the gradients as
+// they go), and for lookups not split over a vocabulary-parallel group.
 //
 //===----------------------------------------------------------------------===//
 
@@ -93,7 +96,8 @@ struct Touches {
 };
 
 bool isDpBucket(const rt::Instruction &ins) {
-  return ins.op == "all_reduce" && flagAttr(ins, "async") && ins.attrs.is_object() && ins.attrs.contains("event") &&
+  bool scatter = ins.op == "reduce_scatter" && !(ins.attrs.is_object() && ins.attrs.contains("axis"));
+  return (ins.op == "all_reduce" || scatter) && flagAttr(ins, "async") && ins.attrs.is_object() && ins.attrs.contains("event") &&
          ins.attrs["event"].is_number_integer() && ins.attrs.value("group", std::string()) == "dp" &&
          ins.attrs.value("reduction", std::string()) == "mean" && ins.in.size() == ins.out.size();
 }
@@ -105,10 +109,11 @@ struct Candidate {
   size_t lookup, bucket = 0, slot = 0;
   int64_t g = -1;
   int64_t product = -1, add = -1;
+  int64_t shard = -1; // ZeRO-1: the bucket reduce-scatters g into this rank's slice
 };
 
 std::optional<Candidate> match(const rt::RankProgram &r, const std::vector<rt::Instruction> &bw, const Touches &t,
-                               size_t i) {
+                               size_t i, int64_t dp) {
   const rt::Instruction &lk = bw[i];
   if (lk.op != "embedding_grad" || lk.in.size() != 2 || lk.out.size() != 1 ||
       (lk.attrs.is_object() && (lk.attrs.contains("vocab_group") || lk.attrs.contains("accumulate") ||
@@ -152,7 +157,18 @@ std::optional<Candidate> match(const rt::RankProgram &r, const std::vector<rt::I
   if (std::count(bucket.in.begin(), bucket.in.end(), reduced) != 1)
     return std::nullopt;
   c.bucket = b, c.slot = size_t(std::find(bucket.in.begin(), bucket.in.end(), reduced) - bucket.in.begin());
-  if (c.add >= 0) { // g: written by the add and reduced in place
+  if (bucket.op == "reduce_scatter") {
+    // ZeRO-1: g (the add's, or e itself) goes into this rank's slice, whole
+    // rows of the table: [vocab / dp, hidden], which the update adds into.
+    c.shard = bucket.out[c.slot];
+    if (c.add < 0)
+      c.g = e;
+    const rt::Buffer &gb = r.buffers[c.g], &sb = r.buffers[c.shard];
+    if (!t.writtenBy(c.g, c.add >= 0 ? std::set<size_t>{next} : std::set<size_t>{i}) || gb.shape.size() != 2 ||
+        gb.shape[0] % dp != 0 || sb.viewOf >= 0 || sb.dtype != LOOM_F32 || sb.shape.size() != 1 ||
+        sb.shape[0] * dp != gb.shape[0] * gb.shape[1] || !t.writtenBy(c.shard, {b}))
+      return std::nullopt;
+  } else if (c.add >= 0) { // g: written by the add and reduced in place
     if (bucket.out[c.slot] != c.g || !t.writtenBy(c.g, {next, b}))
       return std::nullopt;
   } else { // g: the bucket's result, e itself or its f32 widening
@@ -176,20 +192,19 @@ int64_t gatherRows(rt::RankProgram &r, int64_t dp) {
   if (bwIt == r.programs.end() || upIt == r.programs.end() || dp < 2)
     return 0;
   std::vector<rt::Instruction> &bw = bwIt->second, &up = upIt->second;
-  // Only ranks whose every bucket is an all-reduce over dp (ZeRO's
-  // reduce-scatters keep slices; their gather would need other sums).
+  // Not ZeRO-3's ranks, which gather weights beside the backward.
   for (const rt::Instruction &ins : bw)
-    if ((ins.op == "reduce_scatter" || ins.op == "all_gather") && flagAttr(ins, "async"))
+    if (ins.op == "all_gather" && flagAttr(ins, "async"))
       return 0;
   int64_t done = 0;
   for (size_t i = 0; i < bw.size(); ++i) {
     Touches t(r);
-    std::optional<Candidate> c = match(r, bw, t, i);
+    std::optional<Candidate> c = match(r, bw, t, i, dp);
     if (!c)
       continue;
     const rt::Instruction &lk = bw[c->lookup];
     int64_t ids = lk.in[0], dy = lk.in[1];
-    const rt::Buffer &idsB = r.buffers[ids], &dyB = r.buffers[dy], &gB = r.buffers[c->g];
+    const rt::Buffer idsB = r.buffers[ids], dyB = r.buffers[dy], gB = r.buffers[c->g]; // copies: buffers grow below
     if (idsB.shape.empty() || dyB.shape.empty() || (idsB.dtype != LOOM_I32 && idsB.dtype != LOOM_I64))
       continue;
     // Fewer bytes gathered than the table's gradient reduced.
@@ -225,8 +240,18 @@ int64_t gatherRows(rt::RankProgram &r, int64_t dp) {
       return b.id;
     };
     int64_t idsAll = gathered(ids), dyAll = gathered(dy);
-    int64_t g = c->g;
+    int64_t g = c->g, target = g; // where the update adds the rows
     json rowsAttrs = {{"scale", 1.0 / double(dp)}};
+    if (c->shard >= 0) { // this rank's rows of the table: a view of its slice
+      rt::Buffer rows = r.buffers[c->shard];
+      rows.id = int64_t(r.buffers.size());
+      rows.name += ".rows";
+      rows.shape = {gB.shape[0] / dp, gB.shape[1]};
+      rows.viewOf = c->shard, rows.viewOffset = 0;
+      r.buffers.push_back(rows);
+      target = rows.id;
+      rowsAttrs["vocab_group"] = "dp";
+    }
     std::vector<bool> dead(bw.size(), false);
     std::optional<rt::Instruction> early; // inserted after the product
     rt::Instruction &bk = bw[c->bucket];
@@ -238,7 +263,7 @@ int64_t gatherRows(rt::RankProgram &r, int64_t dp) {
       bw[size_t(c->product)].out[0] = g;
       json attrs = bk.attrs; // its bucket's (the wire's dtype too), with an event of its own
       attrs["event"] = nextEvent(r);
-      early = rt::Instruction{"all_reduce", {g}, {g}, attrs};
+      early = rt::Instruction{bk.op, {g}, {c->shard >= 0 ? c->shard : g}, attrs};
       dead[size_t(c->add)] = true;
       rowsAttrs["accumulate"] = true;
     }
@@ -278,7 +303,7 @@ int64_t gatherRows(rt::RankProgram &r, int64_t dp) {
     std::vector<rt::Instruction> rows = {
         rt::Instruction{"all_gather", {ids}, {idsAll}, json{{"group", "dp"}, {"axis", 0}}},
         rt::Instruction{"all_gather", {dy}, {dyAll}, json{{"group", "dp"}, {"axis", 0}}},
-        rt::Instruction{"embedding_grad", {idsAll, dyAll}, {g}, rowsAttrs}};
+        rt::Instruction{"embedding_grad", {idsAll, dyAll}, {target}, rowsAttrs}};
     up.insert(up.begin() + std::ptrdiff_t(where), rows.begin(), rows.end());
     ++done;
     i = size_t(-1); // the indices moved: look again from the start
@@ -293,7 +318,7 @@ struct GatherEmbeddingRowsPass : mlir::loom::impl::GatherEmbeddingRowsBase<Gathe
     if (failed(o))
       return signalPassFailure();
     int64_t dp = o->dataParallel;
-    if (dp < 2 || o->zero1 || o->zero2 || o->zero3 || o->pipelineParallel > 1 || o->microbatches > 1)
+    if (dp < 2 || o->zero2 || o->zero3 || o->pipelineParallel > 1 || o->microbatches > 1)
       return;
     if (failed(updateEachRank(module, getArgument(), [&](StepRank &rank) { gatherRows(rank.program, dp); })))
       signalPassFailure();

@@ -346,9 +346,11 @@ def GatherEmbeddingRows : Pass<"loom-gather-embedding-rows", "::mlir::ModuleOp">
     of its own right after its product, and the update adds the lookup's
     rows of every replica, from their token ids and output gradients
     gathered over dp (embedding_grad with accumulate and scale 1 / dp). An
-    untied table's gradient leaves its bucket the same way. Only where the
-    gathered rows are fewer bytes than the table's gradient, on ranks
-    without ZeRO, pipelines or microbatches.
+    untied table's gradient leaves its bucket the same way. Under ZeRO-1 the
+    head's gradient is reduce-scattered into the rank's slice, and the rows
+    of the rank's part of the vocabulary go into a view of the slice
+    (vocab_group = "dp"). Only where the gathered rows are fewer bytes than
+    the table's gradient, without ZeRO-2/3, pipelines or microbatches.
   }];
 }
 

@@ -1,7 +1,8 @@
 // RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=8 precision=bf16 fuse=true dp=2 until=loom-reduce-from-products" | FileCheck %s --check-prefix=BEFORE
 // RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=8 precision=bf16 fuse=true dp=2 until=loom-reduce-from-products" | loom-opt --loom-gather-embedding-rows | FileCheck %s
 // RUN: loom-opt %models/llama-tiny.mlir --loom-compile="train=true batch=8 precision=bf16 fuse=true dp=2 until=loom-reduce-from-products" | loom-opt --loom-gather-embedding-rows | FileCheck %s --check-prefix=UNTIED
-// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=8 precision=bf16 fuse=true dp=2 zero=1 until=loom-zero-gather-copies" | loom-opt --loom-gather-embedding-rows | FileCheck %s --check-prefix=ZERO
+// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=8 precision=bf16 fuse=true dp=2 zero=1 until=loom-reduce-from-products" | loom-opt --loom-gather-embedding-rows | FileCheck %s --check-prefix=ZERO
+// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=8 precision=bf16 fuse=true dp=2 zero=2 until=loom-reduce-from-products" | loom-opt --loom-gather-embedding-rows | FileCheck %s --check-prefix=ZERO2
 // RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=16 dp=2 until=loom-update-copies" | loom-opt --loom-gather-embedding-rows | FileCheck %s --check-prefix=LARGER
 
 // loom-gather-embedding-rows: a data-parallel bucket's embedding gradient
@@ -46,11 +47,25 @@
 // UNTIED: loomrt.program "update"
 // UNTIED: loomrt.instr "embedding_grad" [{{[0-9]+}}, {{[0-9]+}}] -> [{{[0-9]+}}] {scale = 5.000000e-01 : f64}
 
-// ZeRO's reduce-scatters are left alone.
-// ZERO-NOT: gathered
+// ZeRO-1: the head's gradient is reduce-scattered into this rank's slice at
+// once, and the update adds the rows of this rank's part of the vocabulary
+// into a [vocab / dp, hidden] view of the slice.
+// ZERO: loomrt.buffer [[G:[0-9]+]] "grad.sum" : tensor<256x64xf32>
+// ZERO: loomrt.buffer [[SHARD:[0-9]+]] "wte.grad_shard" : tensor<8192xf32>
+// ZERO: loomrt.buffer [[ROWS:[0-9]+]] "wte.grad_shard.rows" : tensor<128x64xf32> "activation" at 0 {view_of = [[SHARD]] : i64}
 // ZERO: loomrt.program "backward"
-// ZERO: loomrt.instr "embedding_grad"
-// ZERO-NOT: gathered
+// ZERO-NEXT: loomrt.instr "matmul"
+// ZERO-NEXT: loomrt.instr "matmul" [{{[0-9]+}}, {{[0-9]+}}] -> [[[G]]] {transpose_a = true}
+// ZERO-NEXT: loomrt.instr "reduce_scatter" [[[G]]] -> [[[SHARD]]] {async = true
+// ZERO-NOT: "embedding_grad"
+// ZERO: loomrt.program "update"
+// ZERO: loomrt.instr "embedding_grad" [{{[0-9]+}}, {{[0-9]+}}] -> [[[ROWS]]] {accumulate = true, scale = 5.000000e-01 : f64, vocab_group = "dp"}
+
+// ZeRO-2 (its buckets free their gradients as they go) is left alone.
+// ZERO2-NOT: gathered
+// ZERO2: loomrt.program "backward"
+// ZERO2: loomrt.instr "embedding_grad"
+// ZERO2-NOT: gathered
 
 // f32 at 8 sequences a replica: 2 x (8 x 32 ids + 8 x 32 x 64 rows) in
 // 4-byte elements is more than the 256 x 64 table, so it is left alone.
