@@ -151,7 +151,7 @@ std::optional<Candidate> match(const rt::RankProgram &r, const std::vector<rt::I
   if (!br || br->size() != 1 || r.buffers[reduced].viewOf >= 0)
     return std::nullopt;
   size_t b = *br->begin();
-  if (!isDpBucket(bw[b]) || (c.add >= 0 && b != next + 1 && b <= next) || (c.add < 0 && b != next))
+  if (!isDpBucket(bw[b]) || (c.add >= 0 && b <= next) || (c.add < 0 && b != next))
     return std::nullopt;
   const rt::Instruction &bucket = bw[b];
   if (std::count(bucket.in.begin(), bucket.in.end(), reduced) != 1)
@@ -198,6 +198,8 @@ int64_t gatherRows(rt::RankProgram &r, int64_t dp) {
       return 0;
   int64_t done = 0;
   for (size_t i = 0; i < bw.size(); ++i) {
+    if (bw[i].op != "embedding_grad") // the uses are gathered only for a lookup's gradient
+      continue;
     Touches t(r);
     std::optional<Candidate> c = match(r, bw, t, i, dp);
     if (!c)

@@ -179,8 +179,6 @@ CudaBackendImpl::CudaBackendImpl(const RankProgram &rank, int device, NcclWorld 
       if (auto c = g->second.find(int(rank.rank)); c != g->second.end())
         windowComm = c->second, windowGroup = name;
   }
-#endif
-#ifdef LOOM_HAVE_NCCL
   if (windowComm) { // the largest arena any member of the group asks for
     std::vector<uint64_t> size = {bytes};
     agreeOnSizes(size, "the size of its arena");

@@ -33,6 +33,7 @@ struct SharedGemmChoices {
   std::mutex mutex;
   std::condition_variable settled;
   std::map<std::string, std::optional<cublasLtMatmulAlgo_t>> chosen; // nullopt: a rank is timing it
+  std::map<int, std::string> deviceNames;                            // asked once per device
 };
 
 SharedGemmChoices &sharedGemmChoices() {
@@ -40,11 +41,16 @@ SharedGemmChoices &sharedGemmChoices() {
   return shared;
 }
 
-std::string deviceNameOf(int device) {
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess)
-    return cat("device ", device);
-  return prop.name;
+/// The kind of GPU `device` is (its name); the caller holds shared.mutex.
+const std::string &deviceNameOf(SharedGemmChoices &shared, int device) {
+  auto it = shared.deviceNames.find(device);
+  if (it == shared.deviceNames.end()) {
+    cudaDeviceProp prop{};
+    std::string name = cudaGetDeviceProperties(&prop, device) == cudaSuccess ? std::string(prop.name)
+                                                                              : cat("device ", device);
+    it = shared.deviceNames.emplace(device, name).first;
+  }
+  return it->second;
 }
 
 } // namespace
@@ -151,10 +157,11 @@ CudaBackendImpl::planGemm(const GemmTypes &t, bool ta, bool tb, int64_t m, int64
   const void *cIn = residual ? residual : c;
   SharedGemmChoices &shared = sharedGemmChoices();
   static const bool sharing = !envIs("LOOM_CUDA_SHARED_GEMMS", "0");
-  std::string sharedKey = cat(deviceNameOf(device), "|", fewRows, "|", key);
+  std::string sharedKey;
   bool timing = false; // this rank times the shape for the others
   if (sharing && !deterministic()) {
     std::unique_lock<std::mutex> lock(shared.mutex);
+    sharedKey = cat(deviceNameOf(shared, device), "|", fewRows, "|", key);
     shared.settled.wait(lock, [&] {
       auto it = shared.chosen.find(sharedKey);
       return it == shared.chosen.end() || it->second.has_value();
