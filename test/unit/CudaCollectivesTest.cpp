@@ -144,6 +144,36 @@ void gatherSlices(bool async, bool bf16, const char *segments) {
   unsetenv("LOOM_MEASURE_ONE_RANK");
 }
 
+/// loom-gather-embedding-rows' gathers of token ids along an axis, as rank
+/// 0 of two measured alone (LOOM_MEASURE_ONE_RANK): every part is the
+/// rank's own, so the ids stay ids of the table (the other rank's part was
+/// left unwritten before, and the update then failed on an id out of range).
+TEST(CudaCollectives, IdsGatheredAloneRepeatTheirOwnPart) {
+  if (!haveGpu())
+    GTEST_SKIP() << "no CUDA device";
+  setenv("LOOM_MEASURE_ONE_RANK", "0", 1);
+  loom::rt::test::ProgramBuilder p;
+  int64_t flat = p.add({5}, LOOM_I32, "ids"), flatAll = p.add({10}, LOOM_I32, "all"),
+          rows = p.add({2, 3}, LOOM_I32, "rows"), rowsAll = p.add({2, 6}, LOOM_I32, "rowsAll");
+  std::vector<Instruction> program = {
+      Instruction{"all_gather", {flat}, {flatAll}, {{"axis", 0}, {"group", "dp"}}},
+      Instruction{"all_gather", {rows}, {rowsAll}, {{"axis", 1}, {"group", "dp"}}}};
+  RankProgram r = p.finish(program);
+  r.groups["dp"] = {0, 1};
+  auto gpu = makeCudaBackend(r, 0);
+  std::vector<int32_t> ids = {3, 1, 4, 1, 5}, rowIds = {9, 2, 6, 5, 3, 5};
+  gpu->upload(r.buffers[flat], ids.data());
+  gpu->upload(r.buffers[rows], rowIds.data());
+  gpu->prepare("forward", program);
+  gpu->run("forward");
+  std::vector<int32_t> all(10), gathered(12);
+  gpu->download(r.buffers[flatAll], all.data());
+  gpu->download(r.buffers[rowsAll], gathered.data());
+  unsetenv("LOOM_MEASURE_ONE_RANK");
+  EXPECT_EQ(all, (std::vector<int32_t>{3, 1, 4, 1, 5, 3, 1, 4, 1, 5}));
+  EXPECT_EQ(gathered, (std::vector<int32_t>{9, 2, 6, 9, 2, 6, 5, 3, 5, 5, 3, 5}));
+}
+
 /// ZeRO's packed reduce-scatter of whole gradients (f32, and bf16 widened as
 /// they are packed) into f32 slices, as rank 0 of two measured alone: its
 /// slice of each is the first ceil(n / 2) elements, by segments or element

@@ -329,18 +329,25 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     int64_t count = parts;
     Launch run = [=](cudaStream_t s) {
       size_t slab = size_t(outer * inner) * width, row = size_t(inner) * width;
+      // Without a communicator (a rank measured alone, LOOM_MEASURE_ONE_RANK)
+      // every part is this rank's own: the gathered token ids of
+      // loom-gather-embedding-rows stay ids of the table.
+      auto copies = [&](char *to) {
+        for (int64_t r = 0; r < count; ++r)
+          LOOM_CUDA_CHECK(cudaMemcpyAsync(to + r * slab, src, slab, cudaMemcpyDeviceToDevice, s));
+      };
       if (outer == 1) { // the parts are contiguous in the result: gathered in place
         if (comm)
           LOOM_NCCL_CHECK(ncclAllGather(src, dst, size_t(inner), type, comm, s));
         else
-          LOOM_CUDA_CHECK(cudaMemcpyAsync(dst, src, slab, cudaMemcpyDeviceToDevice, s));
+          copies(dst);
         return;
       }
       char *whole = static_cast<char *>(async ? commWorkspace : workspace); // [parts][outer][inner]
       if (comm)
         LOOM_NCCL_CHECK(ncclAllGather(src, whole, size_t(outer * inner), type, comm, s));
       else
-        LOOM_CUDA_CHECK(cudaMemcpyAsync(whole, src, slab, cudaMemcpyDeviceToDevice, s));
+        copies(whole);
       for (int64_t r = 0; r < count; ++r) // into [outer][parts][inner]
         LOOM_CUDA_CHECK(cudaMemcpy2DAsync(dst + r * row, count * row, whole + r * slab, row, row, outer,
                                           cudaMemcpyDeviceToDevice, s));
