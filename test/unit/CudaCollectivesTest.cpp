@@ -499,3 +499,93 @@ TEST(CudaCollectives, AxisCollectivesOnTwoGpus) {
   }
   unsetenv("LOOM_NCCL_WINDOWS");
 }
+
+/// A data-parallel bucket over two GPUs whose bf16 gradients are averaged
+/// into f32 means, with wide sums (LOOM_CUDA_WIDE_ALL_REDUCE=1: each rank
+/// sends its bf16 gradients and adds the peer's in f32) or with NCCL's f32
+/// all-reduce of the widened gradients (the default, "0"): small ones packed, large
+/// ones in place, beside an f32 tensor reduced in place; on the
+/// communication stream, captured and replayed. Returns each rank's means.
+static std::vector<std::vector<std::vector<float>>> bucketOnTwoGpus(const char *wide,
+                                                                    std::vector<std::vector<float>> &expected) {
+  setenv("LOOM_CUDA_WIDE_ALL_REDUCE", wide, 1);
+  loom::rt::test::ProgramBuilder p;
+  std::vector<std::pair<int64_t, loom_dtype_t>> tensors = {
+      {37, LOOM_BF16}, {1000, LOOM_F32}, {70001, LOOM_BF16}, {300001, LOOM_BF16}, {1, LOOM_BF16}, {262147, LOOM_BF16}};
+  Instruction reduce{"all_reduce", {}, {}, {{"reduction", "mean"}, {"group", "dp"}, {"async", true}, {"event", 0}}};
+  for (auto [n, dt] : tensors) {
+    int64_t in = p.add({n}, dt, "g");
+    reduce.in.push_back(in);
+    reduce.out.push_back(dt == LOOM_F32 ? in : p.add({n}, LOOM_F32, "m"));
+  }
+  std::vector<Instruction> program = {reduce, Instruction{"event_wait", {}, {}, {{"event", 0}}}};
+  Manifest m;
+  m.mode = "train";
+  for (int k = 0; k < 2; ++k) {
+    RankProgram r = p.finish(program);
+    r.rank = k;
+    r.groups["dp"] = {0, 1};
+    m.ranks.push_back(r);
+  }
+  auto world = makeNcclWorld(m, {0, 1});
+  std::vector<std::vector<std::vector<char>>> inputs(2);
+  std::vector<std::vector<std::vector<float>>> means(2);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < 2; ++k)
+    threads.emplace_back([&, k] {
+      try {
+        auto gpu = makeCudaBackend(m.ranks[size_t(k)], k, world.get());
+        const RankProgram &r = m.ranks[size_t(k)];
+        inputs[size_t(k)] = uploadRandom(*gpu, r, reduce.in, 11 + unsigned(k));
+        gpu->prepare("backward", program);
+        for (int round = 0; round < 3; ++round) { // eager, then the graph's replays
+          for (size_t t = 0; t < tensors.size(); ++t) // the f32 one is reduced in place
+            if (tensors[t].second == LOOM_F32)
+              gpu->upload(r.buffers[reduce.in[t]], inputs[size_t(k)][t].data());
+          gpu->run("backward");
+        }
+        for (int64_t id : reduce.out)
+          means[size_t(k)].push_back(downloadFloats(*gpu, r.buffers[id]));
+      } catch (const std::exception &e) {
+        errors[size_t(k)] = e.what();
+        abortNcclWorld(*world, e.what());
+      }
+    });
+  for (std::thread &t : threads)
+    t.join();
+  unsetenv("LOOM_CUDA_WIDE_ALL_REDUCE");
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+  expected.assign(tensors.size(), {});
+  if (!errors[0].empty() || !errors[1].empty())
+    return {};
+  // The host's means: each rank's value as f32 (bf16 widened), one f32 add, halved.
+  for (size_t t = 0; t < tensors.size(); ++t)
+    for (int64_t i = 0; i < tensors[t].first; ++i) {
+      float v[2];
+      for (int k = 0; k < 2; ++k)
+        v[k] = tensors[t].second == LOOM_BF16
+                   ? bf16ToFloat(reinterpret_cast<const uint16_t *>(inputs[size_t(k)][t].data())[i])
+                   : reinterpret_cast<const float *>(inputs[size_t(k)][t].data())[i];
+      expected[t].push_back((v[0] + v[1]) * 0.5f);
+    }
+  return means;
+}
+
+TEST(CudaCollectives, WideSumBucketOnTwoGpus) {
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2)
+    GTEST_SKIP() << "needs two CUDA devices";
+  std::vector<std::vector<float>> expected, expectedF32;
+  auto wide = bucketOnTwoGpus("1", expected);
+  auto f32 = bucketOnTwoGpus("0", expectedF32);
+  ASSERT_EQ(wide.size(), 2u);
+  ASSERT_EQ(f32.size(), 2u);
+  for (int k = 0; k < 2; ++k)
+    for (size_t t = 0; t < expected.size(); ++t)
+      for (size_t i = 0; i < expected[t].size(); ++i) {
+        ASSERT_EQ(wide[size_t(k)][t][i], expected[t][i]) << "wide sums, rank " << k << ", tensor " << t << " [" << i << "]";
+        ASSERT_EQ(wide[size_t(k)][t][i], f32[size_t(k)][t][i]) << "against NCCL's f32, rank " << k << ", tensor " << t;
+      }
+}
