@@ -588,19 +588,7 @@ private:
   /// A bucket of gradients all-reduced in f32: the small ones as one packed
   /// message, the large ones in place; a bf16 input is widened into its f32
   /// output.
-  Launch buildPackedAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm, int64_t index,
-                              int64_t parts);
-  /// Whether a bucket that widens bf16 gradients over `parts` ranks sends
-  /// them as bf16 and sums them in f32 (buildWideSumAllReduce): only with
-  /// LOOM_CUDA_WIDE_ALL_REDUCE=1. Over two ranks that is NCCL's f32
-  /// all-reduce bit for bit with half the bytes; over more, each rank sends
-  /// its whole bucket to every peer.
-  static bool wideAllReduce(int64_t parts);
-  /// The bucket's bf16 gradients sent whole to every peer (grouped ncclSend
-  /// and ncclRecv, the small ones packed into one message) and summed in
-  /// f32, in rank order, into their f32 outputs; f32 inputs NCCL's f32 way.
-  Launch buildWideSumAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm, int64_t index,
-                               int64_t parts, int64_t below);
+  Launch buildPackedAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm);
   /// The same bucket with its bf16 gradients averaged as bf16 ("wire":
   /// "bf16"), then widened into their f32 outputs.
   Launch buildBf16WireAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm, int64_t below);

@@ -180,10 +180,8 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
       widens |= buf(ins.in[i]).dtype != buf(ins.out[i]).dtype;
       f32 &= buf(ins.out[i]).dtype == LOOM_F32;
     }
-    if (widens || (ins.in.size() > 1 && f32 && bucketPacked())) {
-      auto [index, groupSize] = placeIn(group);
-      return buildPackedAllReduce(ins, red, comm, index, groupSize);
-    }
+    if (widens || (ins.in.size() > 1 && f32 && bucketPacked()))
+      return buildPackedAllReduce(ins, red, comm);
     std::vector<std::tuple<char *, char *, int64_t, ncclDataType_t, int64_t>> parts;
     for (size_t i = 0; i < ins.in.size(); ++i)
       parts.push_back({ptr(fp(ins.in[i])), ptr(fp(ins.out[i])), n(ins.in[i]), ncclType(ins.in[i]), buf(ins.in[i]).bytes});

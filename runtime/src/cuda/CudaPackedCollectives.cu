@@ -183,24 +183,6 @@ __global__ void sumShardSegmentsKernel(const PackedTensor *t, const __nv_bfloat1
   }
 }
 
-/// A bucket's all-reduce with wide sums: each tensor's f32 output (`shard`)
-/// the sum over ranks, in rank order, of its own bf16 gradient (`whole`)
-/// and the ones the peers sent (received[slot][offset], a slot per peer in
-/// rank order, `stride` apart), times `scale`. Over two ranks one f32 add
-/// of two widened bf16 values and a power-of-two scale: NCCL's f32
-/// all-reduce of the widened gradients, exactly.
-__global__ void sumWholeSegmentsKernel(const PackedTensor *t, const __nv_bfloat16 *received, int64_t stride,
-                                       int64_t ranks, int64_t self, float scale) {
-  const PackedTensor &x = t[blockIdx.y];
-  const auto *own = reinterpret_cast<const __nv_bfloat16 *>(x.whole);
-  SEGMENT_LOOP(i, x.n) {
-    float sum = 0.0f;
-    for (int64_t q = 0; q < ranks; ++q)
-      sum += __bfloat162float(q == self ? own[i] : received[(q < self ? q : q - 1) * stride + x.offset + i]);
-    x.shard[i] = sum * scale;
-  }
-}
-
 /// As unpackShardsKernel.
 __global__ void unpackShardSegmentsKernel(const PackedTensor *t, const float *mine) {
   const PackedTensor &x = t[blockIdx.y];
@@ -431,8 +413,7 @@ Launch CudaBackendImpl::wideSumScatterRun(const Instruction &ins, int64_t index,
   return run;
 }
 
-Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm,
-                                             int64_t index, int64_t parts) {
+Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm) {
   // A bucket's small tensors (under LOOM_CUDA_BUCKET_PACK_BELOW bytes as
   // f32, 1 MiB by default) go as one packed message instead of one NCCL
   // call each: a ResNet bucket holds up to a hundred tensors, most of them a
@@ -446,13 +427,6 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
   int64_t below = bucketPacked() ? packBelow : 0;
   if (ins.attrs.value("wire", std::string("f32")) == "bf16")
     return buildBf16WireAllReduce(ins, red, comm, below);
-  if (red != ncclMax && asyncCollective(ins) && wideAllReduce(parts)) {
-    bool widens = false;
-    for (size_t i = 0; i < ins.in.size(); ++i)
-      widens |= buf(ins.in[i]).dtype == LOOM_BF16 && buf(ins.out[i]).dtype == LOOM_F32;
-    if (widens)
-      return buildWideSumAllReduce(ins, red, comm, index, parts, below);
-  }
   std::vector<PackedTensor> small, widened;
   std::vector<std::pair<float *, int64_t>> large; // reduced in place
   int64_t span = 0, wideSpan = 0;
@@ -507,100 +481,6 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
       unpackShardsKernel<<<blocksFor(span), kThreads, 0, s>>>(smallTable, smallCount, span, packed);
   };
   return async ? onCommStream(ins, run) : Launch(run);
-}
-
-bool CudaBackendImpl::wideAllReduce(int64_t parts) {
-  // Off unless LOOM_CUDA_WIDE_ALL_REDUCE=1. Over NVLink it is no faster:
-  // GPT-2 350M dp2 on two H200s, 2026-11-30, 43.7-44.8 ms a step against
-  // 43.7-44.3 with NCCL's f32 all-reduce, the same losses bit for bit, and
-  // 0.47 GiB more in use (NCCL's point-to-point buffers); the transfers are
-  // not what slows dp2 there (docs/parallelism.md). Meant for slower links
-  // between two ranks, where half the bytes should count; not measured on
-  // one. Read as each collective is prepared, so that a test can compare.
-  return parts > 1 && envIs("LOOM_CUDA_WIDE_ALL_REDUCE", "1");
-}
-
-Launch CudaBackendImpl::buildWideSumAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm,
-                                              int64_t index, int64_t parts, int64_t below) {
-  // A bucket that widens bf16 gradients into f32 means moves them as bf16:
-  // every rank sends its bf16 gradients whole to each peer and sums what it
-  // receives with its own in f32, in rank order. Over two ranks each rank
-  // sends as many bytes as a bf16 all-reduce (half of the f32 one's) and
-  // gets NCCL's f32 means bit for bit (one f32 add of two widened bf16
-  // values, then a power-of-two scale), and NCCL's kernels only copy. The
-  // small gradients are packed into one message first; the large ones go
-  // from where they are into their places in each peer's slot. The others
-  // (f32 sums over microbatches or stages, in place) take NCCL's all-reduce
-  // in their own type.
-  std::vector<PackedTensor> bf16s;
-  std::vector<std::tuple<char *, char *, int64_t, ncclDataType_t, int64_t>> others; // in, out, n, type, bytes
-  for (size_t i = 0; i < ins.in.size(); ++i) {
-    const Buffer &in = buf(ins.in[i]);
-    int64_t n = count(in.shape);
-    if (in.dtype == LOOM_BF16 && buf(ins.out[i]).dtype == LOOM_F32)
-      bf16s.push_back({reinterpret_cast<float *>(ptr(in)), f(ins.out[i]), n, n, 0, 1});
-    else
-      others.push_back({ptr(fp(ins.in[i])), ptr(fp(ins.out[i])), n, ncclType(ins.out[i]), buf(ins.out[i]).bytes});
-  }
-  auto small = [&](const PackedTensor &t) { return t.n * int64_t(sizeof(float)) < below; };
-  size_t smallCount = size_t(std::stable_partition(bf16s.begin(), bf16s.end(), small) - bf16s.begin());
-  int64_t span = 0;
-  for (size_t i = 0; i < smallCount; ++i)
-    bf16s[i].offset = span, span += bf16s[i].n;
-  int64_t smallSpan = span;
-  std::vector<std::tuple<const void *, int64_t, int64_t>> large; // input, offset in a slot, n
-  for (size_t i = smallCount; i < bf16s.size(); ++i) {
-    span = (span + 63) / 64 * 64; // 128 bytes: where NCCL's vector paths want it
-    bf16s[i].offset = span, span += bf16s[i].n;
-    large.push_back({bf16s[i].whole, bf16s[i].offset, bf16s[i].n});
-  }
-  // The communication workspace: this rank's small gradients packed
-  // (smallStride), then a slot of `stride` for each peer's.
-  int64_t stride = (span + 63) / 64 * 64, smallStride = (smallSpan + 63) / 64 * 64;
-  int64_t ranks = comm ? parts : 1, self = comm ? index : 0;
-  commWorkspaceBytes = std::max(commWorkspaceBytes, size_t(smallStride + (ranks - 1) * stride) * 2);
-  int allCount = int(bf16s.size());
-  if (allCount > 65535) // a grid row per tensor
-    fail(LOOM_UNSUPPORTED, where, ": a bucket of ", allCount, " bf16 gradients (at most 65535)");
-  const PackedTensor *table = deviceArray(bf16s); // the small ones first
-  dim3 smallGrid = segmentGrid(longestOf(bf16s.data(), bf16s.data() + smallCount), int64_t(smallCount)),
-       allGrid = segmentGrid(longestOf(bf16s.data(), bf16s.data() + bf16s.size()), allCount);
-  // Alone (LOOM_MEASURE_ONE_RANK) each output is its own gradient, as the f32 path's.
-  float scale = red == ncclAvg && comm ? 1.0f / float(parts) : 1.0f;
-  auto run = [=](cudaStream_t s) {
-    auto *packed = reinterpret_cast<__nv_bfloat16 *>(commWorkspace), *received = packed + smallStride;
-    for (auto [in, out, n, type, bytes] : others)
-      if (in != out)
-        LOOM_CUDA_CHECK(cudaMemcpyAsync(out, in, size_t(bytes), cudaMemcpyDeviceToDevice, s));
-    if (comm) {
-      if (smallCount)
-        packBf16SegmentsKernel<<<smallGrid, kThreads, 0, s>>>(table, packed);
-      LOOM_NCCL_CHECK(ncclGroupStart());
-      for (int64_t q = 0; q < parts; ++q) {
-        if (q == self)
-          continue;
-        __nv_bfloat16 *slot = received + (q < self ? q : q - 1) * stride;
-        if (smallCount) {
-          LOOM_NCCL_CHECK(ncclSend(packed, size_t(smallSpan), ncclBfloat16, int(q), comm, s));
-          LOOM_NCCL_CHECK(ncclRecv(slot, size_t(smallSpan), ncclBfloat16, int(q), comm, s));
-        }
-        for (auto [in, at, n] : large) {
-          LOOM_NCCL_CHECK(ncclSend(in, size_t(n), ncclBfloat16, int(q), comm, s));
-          LOOM_NCCL_CHECK(ncclRecv(slot + at, size_t(n), ncclBfloat16, int(q), comm, s));
-        }
-      }
-      LOOM_NCCL_CHECK(ncclGroupEnd());
-      if (!others.empty()) {
-        LOOM_NCCL_CHECK(ncclGroupStart());
-        for (auto [in, out, n, type, bytes] : others)
-          LOOM_NCCL_CHECK(ncclAllReduce(out, out, size_t(n), type, red, comm, s));
-        LOOM_NCCL_CHECK(ncclGroupEnd());
-      }
-    }
-    if (allCount)
-      sumWholeSegmentsKernel<<<allGrid, kThreads, 0, s>>>(table, received, stride, ranks, self, scale);
-  };
-  return onCommStream(ins, run);
 }
 
 Launch CudaBackendImpl::buildBf16WireAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm,
