@@ -52,26 +52,17 @@ using json = nlohmann::json;
 
 namespace {
 
-/// Readers and writers of each storage across every program of a rank.
+/// Readers and writers of each storage across every program of a rank
+/// (storageUses), with each buffer's storage.
 struct Touches {
-  using Table = std::map<int64_t, std::vector<std::pair<std::string, size_t>>>;
+  using Table = std::map<int64_t, std::vector<InstructionSite>>;
   std::vector<int64_t> root;
   Table readers, writers;
   Touches(const rt::RankProgram &r) {
     for (size_t b = 0; b < r.buffers.size(); ++b)
       root.push_back(rt::storageOf(r, int64_t(b)));
-    for (const auto &[name, list] : r.programs)
-      for (size_t i = 0; i < list.size(); ++i) {
-        std::set<int64_t> in, out;
-        for (int64_t id : list[i].in)
-          in.insert(root[id]);
-        for (int64_t id : list[i].out)
-          out.insert(root[id]);
-        for (int64_t s : in)
-          readers[s].push_back({name, i});
-        for (int64_t s : out)
-          writers[s].push_back({name, i});
-      }
+    StorageUses uses = storageUses(r);
+    readers = std::move(uses.readers), writers = std::move(uses.writers);
   }
   /// The instructions of the backward that touch buffer id's storage, if
   /// no program but `also` (or none: "") touches it; nullopt otherwise.
@@ -79,10 +70,10 @@ struct Touches {
     std::set<size_t> list;
     auto it = table.find(s);
     if (it != table.end())
-      for (const auto &[program, at] : it->second) {
-        if (program == "backward")
-          list.insert(at);
-        else if (program != also)
+      for (const InstructionSite &site : it->second) {
+        if (site.program == "backward")
+          list.insert(site.index);
+        else if (site.program != also)
           return std::nullopt;
       }
     return list;
@@ -218,8 +209,9 @@ int64_t gatherRows(rt::RankProgram &r, int64_t dp) {
     for (int64_t id : {ids, dy}) {
       auto w = t.writers.find(t.root[id]);
       if (w != t.writers.end())
-        for (const auto &[program, at] : w->second)
-          later |= program == "backward" ? at > c->lookup : program != "forward" && program != "prepare";
+        for (const InstructionSite &site : w->second)
+          later |= site.program == "backward" ? site.index > c->lookup
+                                              : site.program != "forward" && site.program != "prepare";
     }
     if (later)
       continue;
