@@ -167,8 +167,7 @@ CudaBackendImpl::CudaBackendImpl(const RankProgram &rank, int device, NcclWorld 
   bool sharded = false;
   for (const auto &[name, list] : rank.programs)
     for (const Instruction &ins : list)
-      sharded |= (ins.op == "reduce_scatter" || ins.op == "all_gather") && !ins.attrs.contains("axis") &&
-                 ins.attrs.value("group", std::string("dp")) == "dp";
+      sharded |= isZeroCollective(ins) && collectiveGroup(ins) == "dp";
   for (const char *name : {"tp", "dp"}) {
     auto members = rank.groups.find(name);
     if (!world || !windowsWanted() || windowComm || members == rank.groups.end() || members->second.size() < 2 ||

@@ -230,10 +230,9 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<in
   for (const RankProgram &r : m.ranks)
     for (const auto &[name, list] : r.programs)
       for (const Instruction &ins : list)
-        if ((ins.op == "reduce_scatter" || ins.op == "all_gather") && !ins.attrs.contains("axis"))
-          if (auto g = r.groups.find(ins.attrs.value("group", std::string("dp")));
-              g != r.groups.end() && g->second.size() > 1)
-            zeroLists.insert(std::vector<int>(g->second.begin(), g->second.end()));
+        if (auto g = r.groups.find(collectiveGroup(ins)); isZeroCollective(ins) && g != r.groups.end() &&
+                                                          g->second.size() > 1)
+          zeroLists.insert(std::vector<int>(g->second.begin(), g->second.end()));
   std::vector<std::vector<int>> lists;
   std::vector<std::map<int, ncclComm_t> *> targets;
   std::vector<std::pair<int, int>> ctas;

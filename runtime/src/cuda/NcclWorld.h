@@ -29,6 +29,15 @@ void checkNccl(ncclResult_t r, const char *what, const char *file, int line);
 #define LOOM_NCCL_CHECK(expr) ::loom::rt::checkNccl((expr), #expr, __FILE__, __LINE__)
 #endif
 
+/// Whether `ins` is one of ZeRO's collectives: a reduce-scatter or all-gather
+/// of whole tensors' slices (not one along an axis). Their group's buffers
+/// become NCCL windows and its communicator gets more channels.
+inline bool isZeroCollective(const Instruction &ins) {
+  return (ins.op == "reduce_scatter" || ins.op == "all_gather") && !ins.attrs.contains("axis");
+}
+/// The group an instruction's collective runs over ("dp" unless it names one).
+inline std::string collectiveGroup(const Instruction &ins) { return ins.attrs.value("group", std::string("dp")); }
+
 /// Communicators of every group (one per member list) and one per direction
 /// of every pipeline transfer, so that a rank's sends (on their own stream)
 /// never queue behind its receives.
