@@ -219,8 +219,9 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<in
       tpLists.insert(std::vector<int>(tp->second.begin(), tp->second.end()));
   // ZeRO's groups (a reduce-scatter or all-gather of whole tensors' slices
   // names them): 32 channels each (LOOM_NCCL_ZERO_CTAS=N, 0 for NCCL's
-  // choice). The weights' gather before the forward is partly exposed, and
-  // more channels finish it sooner. GPT-2 350M ZeRO-1 dp2 on two H200s,
+  // choice). The likely reason, not yet seen in a timeline: the weights'
+  // gather before the forward is partly exposed, and more channels finish
+  // it sooner. GPT-2 350M ZeRO-1 dp2 on two H200s,
   // 2026-11-30: 43.3-43.5 ms a step with 32 against 43.8-43.9 with NCCL's
   // choice (plain dp2 42.6-42.9), 0.09 GiB more of NCCL's buffers; 64: 43.3-
   // 43.8 for 1.28 GiB more. Plain data-parallel buckets gain nothing from
