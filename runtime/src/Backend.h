@@ -123,6 +123,9 @@ class Communicator;
 std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &manifest, const std::vector<int> &devices,
                                          int self = -1, Communicator *bootstrap = nullptr,
                                          double timeoutSeconds = 300);
+/// "ranks 0-1" for each two-rank group whose gradient buckets go over peer
+/// memory (CudaPeerCollectives.cu), joined by ", "; "" where none do.
+std::string describePeerLinks(const NcclWorld &world);
 /// Aborts every communicator (a rank failed): ranks blocked in NCCL return,
 /// and fail naming `reason` (the first one given).
 void abortNcclWorld(NcclWorld &world, const std::string &reason = "");

@@ -499,3 +499,99 @@ TEST(CudaCollectives, AxisCollectivesOnTwoGpus) {
   }
   unsetenv("LOOM_NCCL_WINDOWS");
 }
+
+// Two ranks on two GPUs that reach each other's memory, with
+// peer collectives on (the default): their gradient buckets (async all-reduces)
+// go over peer memory (CudaPeerCollectives.cu), the copy engines moving the
+// halves, in waves of a 16 MiB scratch. Every round both ranks must hold
+// exactly the sum (or mean) of their inputs: a packed f32 bucket with a
+// tensor over several waves and pieces, one of odd size, and one under the
+// peer path's threshold (NCCL's); and a bf16 tensor averaged in f32 and
+// rounded once. Rounds 2-4 replay the captured graph.
+TEST(CudaCollectives, PeerBucketsOnTwoGpus) {
+  int gpus = 0, ab = 0, ba = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2)
+    GTEST_SKIP() << "needs two CUDA devices";
+  cudaDeviceCanAccessPeer(&ab, 0, 1);
+  cudaDeviceCanAccessPeer(&ba, 1, 0);
+  if (!ab || !ba)
+    GTEST_SKIP() << "GPUs 0 and 1 cannot reach each other's memory";
+  loom::rt::test::ProgramBuilder p;
+  std::vector<std::pair<int64_t, loom_dtype_t>> tensors = {
+      {9000003, LOOM_F32}, {1000, LOOM_F32}, {5000011, LOOM_F32}, {3000001, LOOM_BF16}};
+  std::vector<int64_t> ids;
+  for (auto [n, dt] : tensors)
+    ids.push_back(p.add({n}, dt, "t"));
+  std::vector<Instruction> program = {
+      Instruction{"all_reduce", {ids[0], ids[1], ids[2]}, {ids[0], ids[1], ids[2]},
+                  {{"reduction", "sum"}, {"group", "dp"}, {"async", true}, {"event", 0}}},
+      Instruction{"all_reduce", {ids[3]}, {ids[3]}, {{"reduction", "mean"}, {"group", "dp"}, {"async", true}, {"event", 1}}},
+      Instruction{"event_wait", {}, {}, {{"event", 0}}}, Instruction{"event_wait", {}, {}, {{"event", 1}}}};
+  Manifest m;
+  m.mode = "train";
+  for (int k = 0; k < 2; ++k) {
+    RankProgram r = p.finish(program);
+    r.rank = k;
+    r.groups["dp"] = {0, 1};
+    m.ranks.push_back(r);
+  }
+  setenv("LOOM_CUDA_PEER_COLLECTIVES", "1", 1);
+  setenv("LOOM_CUDA_PEER_SCRATCH_MIB", "16", 1);
+  auto world = makeNcclWorld(m, {0, 1});
+  unsetenv("LOOM_CUDA_PEER_COLLECTIVES");
+  unsetenv("LOOM_CUDA_PEER_SCRATCH_MIB");
+  ASSERT_EQ(describePeerLinks(*world), "ranks 0-1");
+  constexpr int kRounds = 4;
+  // inputs[round][rank][tensor], results the same.
+  std::vector<std::vector<std::vector<std::vector<char>>>> inputs(kRounds), results(kRounds);
+  for (int round = 0; round < kRounds; ++round)
+    for (int k = 0; k < 2; ++k) {
+      std::mt19937 rng(unsigned(100 * round + k));
+      std::uniform_real_distribution<float> dist(-3.0f, 3.0f);
+      inputs[size_t(round)].emplace_back();
+      for (int64_t id : ids)
+        inputs[size_t(round)][size_t(k)].push_back(floatBytes(m.ranks[size_t(k)].buffers[size_t(id)], [&](int64_t) { return dist(rng); }));
+      results[size_t(round)].emplace_back(ids.size());
+    }
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < 2; ++k)
+    threads.emplace_back([&, k] {
+      try {
+        auto gpu = makeCudaBackend(m.ranks[size_t(k)], k, world.get());
+        gpu->prepare("forward", program);
+        for (int round = 0; round < kRounds; ++round) {
+          for (size_t t = 0; t < ids.size(); ++t)
+            gpu->upload(m.ranks[size_t(k)].buffers[size_t(ids[t])], inputs[size_t(round)][size_t(k)][t].data());
+          gpu->run("forward");
+          for (size_t t = 0; t < ids.size(); ++t) {
+            const Buffer &b = m.ranks[size_t(k)].buffers[size_t(ids[t])];
+            results[size_t(round)][size_t(k)][t].resize(size_t(b.bytes));
+            gpu->download(b, results[size_t(round)][size_t(k)][t].data());
+          }
+        }
+      } catch (const std::exception &e) {
+        errors[size_t(k)] = e.what();
+        abortNcclWorld(*world, e.what());
+      }
+    });
+  for (std::thread &t : threads)
+    t.join();
+  ASSERT_EQ(errors[0], "");
+  ASSERT_EQ(errors[1], "");
+  auto value = [](const std::vector<char> &bytes, loom_dtype_t dt, int64_t i) {
+    return dt == LOOM_BF16 ? bf16ToFloat(reinterpret_cast<const uint16_t *>(bytes.data())[i])
+                           : reinterpret_cast<const float *>(bytes.data())[i];
+  };
+  for (int round = 0; round < kRounds; ++round)
+    for (size_t t = 0; t < ids.size(); ++t) {
+      auto [n, dt] = tensors[t];
+      for (int64_t i = 0; i < n; ++i) {
+        float a = value(inputs[size_t(round)][0][t], dt, i), b = value(inputs[size_t(round)][1][t], dt, i);
+        float want = dt == LOOM_BF16 ? bf16ToFloat(floatToBf16((a + b) * 0.5f)) : a + b;
+        for (int k = 0; k < 2; ++k)
+          ASSERT_EQ(value(results[size_t(round)][size_t(k)][t], dt, i), want)
+              << "round " << round << ", rank " << k << ", tensor " << t << " [" << i << "]";
+      }
+    }
+}

@@ -62,6 +62,23 @@ void checkCublas(cublasStatus_t s, const char *what, const char *file, int line)
 
 inline int blocksFor(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535 * 8)); }
 
+/// One tensor of a two-rank all-reduce over peer memory: n elements at data.
+struct PeerPart {
+  char *data;
+  int64_t n;
+  bool bf16;
+};
+/// Reduces `parts` in place with the peer's (op 0 sum, 1 mean, 2 max) on
+/// stream `s` through `link`, the copy engines moving the bytes
+/// (CudaPeerCollectives.cu).
+void peerAllReduce(const PeerLink &link, const volatile int *abort, const std::vector<PeerPart> &parts, int op,
+                   cudaStream_t s);
+/// Whether two-rank data-parallel groups' buckets may go over peer memory
+/// (unless LOOM_CUDA_PEER_COLLECTIVES=0).
+bool peerCollectives();
+/// Tensors under this many bytes go through NCCL even where a link exists.
+int64_t peerMinBytes();
+
 /// Whether environment variable `name` is set to exactly `value` (the
 /// backend's measurement switches: LOOM_CUDA_GRAPHS=0 and the like).
 inline bool envIs(const char *name, const char *value) {
@@ -551,6 +568,17 @@ private:
   bool eventInProgram(int64_t event, bool recordedBefore);
   /// This rank's index in a named group and the group's size.
   std::pair<int64_t, int64_t> placeIn(const std::string &group);
+#ifdef LOOM_HAVE_NCCL
+  /// This rank's end of `group`'s peer link, for an asynchronous all-reduce
+  /// (null: NCCL's way; CudaPeerCollectives.cu).
+  const PeerLink *peerLinkOf(const std::string &group, bool async) const;
+  /// In-place all-reduces of (data, elements, type) over `comm`: as one NCCL
+  /// group, except the f32 and bf16 ones of at least peerMinBytes() where
+  /// `link` is given, which go over peer memory.
+  using ReducePart = std::tuple<char *, int64_t, ncclDataType_t>;
+  void allReduceParts(cudaStream_t s, ncclComm_t comm, const PeerLink *link, const std::vector<ReducePart> &parts,
+                      ncclRedOp_t red);
+#endif
   /// The device table of whole tensors and their shards (wholes[i] and
   /// shards[i]), packed one after another; `span` receives the shards'
   /// total length. The shards are f32; the wholes too, or every one bf16

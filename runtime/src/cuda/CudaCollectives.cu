@@ -58,6 +58,50 @@ std::pair<int64_t, int64_t> CudaBackendImpl::placeIn(const std::string &group) {
   return {index, int64_t(g->second.size())};
 }
 
+#ifdef LOOM_HAVE_NCCL
+const PeerLink *CudaBackendImpl::peerLinkOf(const std::string &group, bool async) const {
+  if (!async || !world || world->peerLinks.empty())
+    return nullptr;
+  auto g = rank.groups.find(group);
+  if (g == rank.groups.end())
+    return nullptr;
+  auto links = world->peerLinks.find(std::vector<int>(g->second.begin(), g->second.end()));
+  if (links == world->peerLinks.end())
+    return nullptr;
+  auto mine = links->second.find(int(rank.rank));
+  return mine != links->second.end() && mine->second.scratch ? &mine->second : nullptr;
+}
+
+void CudaBackendImpl::allReduceParts(cudaStream_t s, ncclComm_t comm, const PeerLink *link,
+                                     const std::vector<ReducePart> &parts, ncclRedOp_t red) {
+  auto overPeer = [&](const ReducePart &p) {
+    auto [data, n, type] = p;
+    return link && (type == ncclBfloat16 || type == ncclFloat32) &&
+           n * (type == ncclBfloat16 ? 2 : 4) >= peerMinBytes();
+  };
+  std::vector<PeerPart> peer;
+  bool viaNccl = false;
+  for (const ReducePart &p : parts) {
+    if (std::get<1>(p) <= 0)
+      continue;
+    if (overPeer(p))
+      peer.push_back({std::get<0>(p), std::get<1>(p), std::get<2>(p) == ncclBfloat16});
+    else
+      viaNccl = true;
+  }
+  if (viaNccl) {
+    LOOM_NCCL_CHECK(ncclGroupStart()); // a bucket goes out as one group
+    for (const ReducePart &p : parts)
+      if (std::get<1>(p) > 0 && !overPeer(p))
+        LOOM_NCCL_CHECK(ncclAllReduce(std::get<0>(p), std::get<0>(p), size_t(std::get<1>(p)), std::get<2>(p), red,
+                                      comm, s));
+    LOOM_NCCL_CHECK(ncclGroupEnd());
+  }
+  if (!peer.empty())
+    peerAllReduce(*link, world->peerAbort, peer, red == ncclMax ? 2 : red == ncclAvg ? 1 : 0, s);
+}
+#endif
+
 Launch CudaBackendImpl::onCommStream(const Instruction &ins, Launch work) {
   // Overlapped with the compute that follows: the bundle guarantees nothing
   // touches the operands until the event's event_wait.
@@ -182,19 +226,19 @@ Launch CudaBackendImpl::buildCommunication(const Instruction &ins) {
     }
     if (widens || (ins.in.size() > 1 && f32 && bucketPacked()))
       return buildPackedAllReduce(ins, red, comm);
-    std::vector<std::tuple<char *, char *, int64_t, ncclDataType_t, int64_t>> parts;
-    for (size_t i = 0; i < ins.in.size(); ++i)
-      parts.push_back({ptr(fp(ins.in[i])), ptr(fp(ins.out[i])), n(ins.in[i]), ncclType(ins.in[i]), buf(ins.in[i]).bytes});
+    std::vector<std::tuple<char *, char *, int64_t>> copies; // in, out, bytes where they differ
+    std::vector<ReducePart> parts;
+    for (size_t i = 0; i < ins.in.size(); ++i) {
+      if (ptr(fp(ins.in[i])) != ptr(fp(ins.out[i])))
+        copies.push_back({ptr(fp(ins.in[i])), ptr(fp(ins.out[i])), buf(ins.in[i]).bytes});
+      parts.push_back({ptr(fp(ins.out[i])), n(ins.in[i]), ncclType(ins.in[i])});
+    }
+    const PeerLink *link = comm ? peerLinkOf(group, asyncCollective(ins)) : nullptr;
     auto reduce = [=](cudaStream_t s) {
-      for (auto [in, out, cnt, type, bytes] : parts)
-        if (in != out)
-          LOOM_CUDA_CHECK(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, s));
-      if (!comm)
-        return;
-      LOOM_NCCL_CHECK(ncclGroupStart()); // a bucket goes out as one group
-      for (auto [in, out, cnt, type, bytes] : parts)
-        LOOM_NCCL_CHECK(ncclAllReduce(out, out, size_t(cnt), type, red, comm, s));
-      LOOM_NCCL_CHECK(ncclGroupEnd());
+      for (auto [in, out, bytes] : copies)
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, s));
+      if (comm)
+        allReduceParts(s, comm, link, parts, red);
     };
     return asyncCollective(ins) ? onCommStream(ins, reduce) : reduce;
   }

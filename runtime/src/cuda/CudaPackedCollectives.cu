@@ -457,6 +457,7 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
   size_t bytes = size_t(span) * sizeof(float);
   bool async = asyncCollective(ins);
   reserveFor(async, bytes); // on the communication stream it has that stream's own workspace
+  const PeerLink *link = comm ? peerLinkOf(collectiveGroup(ins), async) : nullptr;
   auto run = [=](cudaStream_t s) {
     float *packed = reinterpret_cast<float *>(async ? commWorkspace : workspace);
     if (wideCount && wideSegments)
@@ -468,12 +469,12 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
     else if (smallCount)
       widenBucketKernel<<<blocksFor(span), kThreads, 0, s>>>(smallTable, smallCount, span, packed);
     if (comm) {
-      LOOM_NCCL_CHECK(ncclGroupStart());
+      std::vector<ReducePart> parts;
       if (smallCount)
-        LOOM_NCCL_CHECK(ncclAllReduce(packed, packed, size_t(span), ncclFloat32, red, comm, s));
+        parts.push_back({reinterpret_cast<char *>(packed), span, ncclFloat32});
       for (auto [data, n] : large)
-        LOOM_NCCL_CHECK(ncclAllReduce(data, data, size_t(n), ncclFloat32, red, comm, s));
-      LOOM_NCCL_CHECK(ncclGroupEnd());
+        parts.push_back({reinterpret_cast<char *>(data), n, ncclFloat32});
+      allReduceParts(s, comm, link, parts, red);
     }
     if (smallCount && smallSegments)
       unpackShardSegmentsKernel<<<smallGrid, kThreads, 0, s>>>(smallTable, packed);

@@ -136,6 +136,7 @@ void NcclWorld::createAll(const std::vector<std::vector<int>> &lists, int self, 
 #endif
 
 NcclWorld::~NcclWorld() {
+  freePeerLinks(*this);
 #ifdef LOOM_HAVE_NCCL
   for (auto *table : {&groups})
     for (auto &[m, comms] : *table)
@@ -256,6 +257,7 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &m, const std::vector<in
   // all-reduce, 2026-11-27). A user's own NCCL_RUNTIME_CONNECT stays.
   setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
   world->createAll(lists, self, bootstrap, targets, ctas);
+  makePeerLinks(*world, m, self);
   return world;
 #endif
 }
@@ -265,6 +267,8 @@ void abortNcclWorld(NcclWorld &world, const std::string &reason) {
   if (world.reason.empty())
     world.reason = reason;
   world.aborted = true;
+  if (world.peerAbort)
+    *world.peerAbort = 1; // peer barriers waiting on a failed rank return
 #ifdef LOOM_HAVE_NCCL
   for (auto &[m, comms] : world.groups)
     for (auto &[r, c] : comms)

@@ -16,6 +16,7 @@
 #endif
 
 #include <atomic>
+#include <cstddef>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -38,6 +39,27 @@ inline bool isZeroCollective(const Instruction &ins) {
 /// The group an instruction's collective runs over ("dp" unless it names one).
 inline std::string collectiveGroup(const Instruction &ins) { return ins.attrs.value("group", std::string("dp")); }
 
+/// One rank's end of a two-rank data-parallel group whose GPUs reach each
+/// other's memory and whose ranks run in this process
+/// (CudaPeerCollectives.cu): the group's asynchronous all-reduces (its
+/// gradient buckets) go over it, the copy engines moving the bytes, so that no kernel holds SMs while
+/// they cross the link.
+struct PeerLink {
+  int index = 0;               // this rank's place in the group: which half of each piece it reduces
+  unsigned *counter = nullptr; // this rank's barriers so far (its GPU)
+  unsigned *flag = nullptr;    // the peer's barriers so far, written by the peer (this rank's GPU)
+  char *scratch = nullptr;     // this rank's GPU: the peer's halves pushed here, then its reduced ones
+  size_t scratchBytes = 0;
+  PeerLink *peer = nullptr; // the other rank's end
+  /// The allocation behind counter, flag and scratch: made with CUDA's
+  /// virtual memory calls and mapped for this rank's GPU and its peer's
+  /// only (peer access for the whole device would make every allocation
+  /// and module load wait on the peer).
+  unsigned long long handle = 0;
+  size_t bytes = 0;
+  char *base = nullptr;
+};
+
 /// Communicators of every group (one per member list) and one per direction
 /// of every pipeline transfer, so that a rank's sends (on their own stream)
 /// never queue behind its receives.
@@ -48,6 +70,12 @@ public:
   std::map<std::pair<int, int>, std::map<int, ncclComm_t>> links; // (from, to) -> rank -> comm
 #endif
   std::vector<int> devices;
+  /// Two-rank groups whose asynchronous all-reduces go over peer memory:
+  /// members -> rank -> its end (none under LOOM_CUDA_PEER_COLLECTIVES=0).
+  std::map<std::vector<int>, std::map<int, PeerLink>> peerLinks;
+  /// Host memory the GPUs read (mapped): set when the world is aborted, so
+  /// that a peer barrier waiting for a rank that failed returns.
+  volatile int *peerAbort = nullptr;
   std::atomic<bool> aborted{false};
   /// Why the world was aborted (guarded by mutex): the other ranks' errors
   /// name it, whichever rank's error is printed first.
@@ -79,6 +107,13 @@ public:
 #endif
   ~NcclWorld();
 };
+
+/// Peer links for the two-rank "dp" groups of `manifest` with asynchronous
+/// all-reduces, where both ranks run in this process (`self` < 0) on GPUs
+/// that reach each other. Made after the communicators; freed by the
+/// world's destructor (freePeerLinks).
+void makePeerLinks(NcclWorld &world, const Manifest &manifest, int self);
+void freePeerLinks(NcclWorld &world);
 
 } // namespace loom::rt
 

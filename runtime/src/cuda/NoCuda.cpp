@@ -11,6 +11,7 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &, const std::vector<int
        "use --backend cpu");
 }
 void abortNcclWorld(NcclWorld &, const std::string &) {}
+std::string describePeerLinks(const NcclWorld &) { return ""; }
 
 std::unique_ptr<Backend> makeCudaBackend(const RankProgram &, int, NcclWorld *, const std::string &) {
   fail(LOOM_UNSUPPORTED, "this runtime was built without CUDA (no CUDA compiler was found when "

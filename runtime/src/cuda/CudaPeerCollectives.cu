@@ -1,0 +1,344 @@
+//===- CudaPeerCollectives.cu - Two-rank all-reduces by the copy engines ---===//
+//
+// Where both ranks of a two-rank data-parallel group run in this process
+// on GPUs that reach each other's memory, the group's asynchronous
+// all-reduces (its gradient buckets) go around NCCL: NCCL's kernels
+// hold SMs for as long as the bytes take to cross the link, and a product
+// that finds SMs taken waits for a second round on them. On two H200s a
+// cuBLASLt product of GPT-2 350M's shapes ran 1.82-1.86x as long beside
+// NCCL's all-reduces of 64 MiB as alone, 1.00-1.03x beside copy-engine
+// copies to the peer, and 1.11-1.13x beside the all-reduce below
+// (bench/contention.cu, 2026-11-30). In the step the gain is smaller: GPT-2
+// 350M dp2 42.8-43.2 ms against NCCL's 43.2-43.8 (three calls, eight of
+// nine rounds faster), since the adds and the copies' HBM traffic still
+// slow the backward's kernels; GPT 1.3B: level. Buckets averaged in bf16
+// (loomc --grad-reduce bf16) stay with NCCL: level or slower over peers.
+// LOOM_CUDA_PEER_COLLECTIVES=0 leaves every all-reduce to NCCL.
+//
+// A call reduces a list of tensors in place, in waves that fit the scratch:
+//
+//   1. each rank pushes, for every piece of the wave, the half its peer
+//      reduces into the peer's scratch (copy-engine copies over the link);
+//   2. a barrier: a one-thread kernel raises a count in the peer's memory
+//      and waits for the peer's count in its own (it shares its SM with the
+//      products: it holds no shared memory and a warp's registers);
+//   3. each rank adds the peer's copy of its halves into its own (short,
+//      memory-bound kernels: sum, mean or max, f32 or bf16 added in f32);
+//   4. each rank pushes its reduced halves into the peer's scratch;
+//   5. a barrier;
+//   6. each rank copies the peer's reduced halves into place.
+//
+// Both ranks end with the same bits: each half is combined once, on one
+// rank, and a + b is b + a. The next wave's pushes wait behind the barrier
+// of step 5, which the peer reaches only after its step 3 has read its
+// scratch; the next wave's step 4 waits behind its step 2, after the
+// peer's step 6. The counts live in device memory, so the same launches
+// replay in a CUDA graph. A barrier whose peer never comes spins until the
+// world is aborted (the host's timeout in waitForStreams, or another
+// rank's failure), which sets a mapped host word every barrier reads.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/src/cuda/CudaBackendImpl.h"
+
+#include <cuda.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <set>
+#include <type_traits>
+
+namespace loom::rt::cuda {
+
+namespace {
+
+__global__ void peerBarrierKernel(unsigned *counter, const unsigned *mine, unsigned *theirs,
+                                  const volatile int *abort) {
+  unsigned e = *counter + 1;
+  *counter = e;
+  // What this stream wrote into the peer's memory before this kernel (its
+  // copies are complete: stream order) is visible before the count is.
+  __threadfence_system();
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(theirs), "r"(e) : "memory");
+  for (unsigned spins = 0;; ++spins) {
+    unsigned seen;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(seen) : "l"(mine) : "memory");
+    if (int(seen - e) >= 0)
+      break;
+    if ((spins & 1023) == 0 && *abort)
+      break; // the world was aborted: the host reports why
+    __nanosleep(128);
+  }
+  __threadfence_system();
+}
+
+template <typename T> __device__ inline float widen(T x);
+template <> __device__ inline float widen(float x) { return x; }
+template <> __device__ inline float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ inline T narrow(float x);
+template <> __device__ inline float narrow(float x) { return x; }
+template <> __device__ inline __nv_bfloat16 narrow(float x) { return __float2bfloat16_rn(x); }
+
+/// mine[i] = op(mine[i], theirs[i]): 0 sum, 1 mean of two, 2 max.
+template <typename T> __global__ void peerCombineKernel(T *mine, const T *theirs, int64_t n, int op) {
+  GRID_LOOP(i, n) {
+    float a = widen(mine[i]), b = widen(theirs[i]);
+    mine[i] = narrow<T>(op == 2 ? fmaxf(a, b) : op == 1 ? (a + b) * 0.5f : a + b);
+  }
+}
+
+/// One piece of a wave: `len` elements at `data`; rank 0 reduces the first
+/// `h`, rank 1 the rest; both halves sit at `at` in each rank's scratch
+/// (the first half of the scratch receives, the second returns).
+struct Piece {
+  char *data;
+  int64_t len, h;
+  size_t width, at;
+};
+
+} // namespace
+
+bool peerCollectives() { return !envIs("LOOM_CUDA_PEER_COLLECTIVES", "0"); }
+
+int64_t peerMinBytes() {
+  // Below this NCCL's all-reduce is faster (its low-latency protocol against
+  // two barriers and three copies): LOOM_CUDA_PEER_BELOW, in bytes.
+  static const int64_t below = [] {
+    const char *e = std::getenv("LOOM_CUDA_PEER_BELOW");
+    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t(256) << 10;
+  }();
+  return below;
+}
+
+void peerAllReduce(const PeerLink &link, const volatile int *abort, const std::vector<PeerPart> &parts, int op,
+                   cudaStream_t s) {
+  size_t half = link.scratchBytes / 2;
+  auto align = [](size_t b) { return (b + 255) / 256 * 256; };
+  // Pieces of at most half the scratch's half each (64-element halves).
+  std::vector<std::vector<Piece>> waves(1);
+  size_t used = 0;
+  for (const PeerPart &p : parts) {
+    size_t width = p.bf16 ? 2 : 4;
+    int64_t most = int64_t(half / width / 64 * 64) * 2 - 128; // elements whose larger half fits
+    for (int64_t c = 0; c < p.n; c += most) {
+      int64_t len = std::min(most, p.n - c);
+      int64_t h = std::min(len, ((len + 1) / 2 + 63) / 64 * 64);
+      size_t need = align(size_t(std::max(h, len - h)) * width);
+      if (used + need > half)
+        waves.emplace_back(), used = 0;
+      waves.back().push_back({p.data + size_t(c) * width, len, h, width, used});
+      used += need;
+    }
+  }
+  auto barrier = [&] {
+    peerBarrierKernel<<<1, 1, 0, s>>>(link.counter, link.flag, link.peer->flag, abort);
+  };
+  auto copy = [&](char *to, const char *from, size_t bytes) {
+    if (bytes)
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, s));
+  };
+  bool first = link.index == 0;
+  // This rank's half of a piece, and the other.
+  auto mine = [&](const Piece &p) { return std::make_pair(p.data + (first ? 0 : size_t(p.h) * p.width), first ? p.h : p.len - p.h); };
+  auto other = [&](const Piece &p) { return std::make_pair(p.data + (first ? size_t(p.h) * p.width : 0), first ? p.len - p.h : p.h); };
+  for (const std::vector<Piece> &wave : waves) {
+    if (wave.empty())
+      continue;
+    for (const Piece &p : wave) { // 1
+      auto [at, n] = other(p);
+      copy(link.peer->scratch + p.at, at, size_t(n) * p.width);
+    }
+    barrier(); // 2
+    for (const Piece &p : wave) { // 3, 4
+      auto [at, n] = mine(p);
+      if (n == 0)
+        continue;
+      if (p.width == 2)
+        peerCombineKernel<<<blocksFor(n), kThreads, 0, s>>>(reinterpret_cast<__nv_bfloat16 *>(at),
+                                                            reinterpret_cast<const __nv_bfloat16 *>(link.scratch + p.at),
+                                                            n, op);
+      else
+        peerCombineKernel<<<blocksFor(n), kThreads, 0, s>>>(reinterpret_cast<float *>(at),
+                                                            reinterpret_cast<const float *>(link.scratch + p.at), n, op);
+      copy(link.peer->scratch + half + p.at, at, size_t(n) * p.width);
+    }
+    barrier(); // 5
+    for (const Piece &p : wave) { // 6
+      auto [at, n] = other(p);
+      copy(at, link.scratch + half + p.at, size_t(n) * p.width);
+    }
+  }
+}
+
+} // namespace loom::rt::cuda
+
+namespace loom::rt {
+
+namespace {
+
+// CUDA's virtual memory calls, from the driver through the runtime (the
+// runtime library is all the backend links).
+struct Vmm {
+  decltype(&cuMemGetAllocationGranularity) granularity = nullptr;
+  decltype(&cuMemCreate) create = nullptr;
+  decltype(&cuMemAddressReserve) reserve = nullptr;
+  decltype(&cuMemMap) map = nullptr;
+  decltype(&cuMemSetAccess) setAccess = nullptr;
+  decltype(&cuMemUnmap) unmap = nullptr;
+  decltype(&cuMemAddressFree) addressFree = nullptr;
+  decltype(&cuMemRelease) release = nullptr;
+  bool ok = false;
+};
+
+const Vmm &vmm() {
+  static const Vmm v = [] {
+    Vmm v;
+    auto get = [&](const char *name, auto &fn) {
+      void *p = nullptr;
+      cudaDriverEntryPointQueryResult q{};
+      if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+          q == cudaDriverEntryPointSuccess)
+        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);
+      return fn != nullptr;
+    };
+    v.ok = get("cuMemGetAllocationGranularity", v.granularity) & get("cuMemCreate", v.create) &
+           get("cuMemAddressReserve", v.reserve) & get("cuMemMap", v.map) & get("cuMemSetAccess", v.setAccess) &
+           get("cuMemUnmap", v.unmap) & get("cuMemAddressFree", v.addressFree) & get("cuMemRelease", v.release);
+    return v;
+  }();
+  return v;
+}
+
+void checkCu(CUresult r, const char *what) {
+  if (r != CUDA_SUCCESS)
+    fail(LOOM_INTERNAL, "peer collectives: ", what, " failed (CUresult ", int(r),
+         "); LOOM_CUDA_PEER_COLLECTIVES=0 leaves the all-reduces to NCCL");
+}
+
+/// `bytes` on GPU `device`, readable and writable by it and by GPU `peer`.
+void allocateShared(PeerLink &l, int device, int peer, size_t bytes) {
+  const Vmm &v = vmm();
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  size_t grain = 0;
+  checkCu(v.granularity(&grain, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity");
+  bytes = (bytes + grain - 1) / grain * grain;
+  CUmemGenericAllocationHandle handle = 0;
+  checkCu(v.create(&handle, bytes, &prop, 0), "cuMemCreate");
+  CUdeviceptr p = 0;
+  checkCu(v.reserve(&p, bytes, grain, 0, 0), "cuMemAddressReserve");
+  checkCu(v.map(p, bytes, 0, handle, 0), "cuMemMap");
+  CUmemAccessDesc access[2] = {};
+  for (int i = 0; i < 2; ++i) {
+    access[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access[i].location.id = i == 0 ? device : peer;
+    access[i].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  checkCu(v.setAccess(p, bytes, access, 2), "cuMemSetAccess");
+  l.handle = handle, l.bytes = bytes, l.base = reinterpret_cast<char *>(p);
+}
+
+/// Bytes of each end's scratch (LOOM_CUDA_PEER_SCRATCH_MIB, 256 by default):
+/// a wave reduces up to half as many bytes of each rank's halves.
+size_t peerScratchBytes() {
+  const char *e = std::getenv("LOOM_CUDA_PEER_SCRATCH_MIB");
+  long long mib = e ? std::atoll(e) : 256;
+  if (mib < 2 || mib > 16384)
+    fail(LOOM_INVALID_ARGUMENT, "LOOM_CUDA_PEER_SCRATCH_MIB must be from 2 to 16384 (MiB), got '", e, "'");
+  return size_t(mib) << 20;
+}
+
+} // namespace
+
+void makePeerLinks(NcclWorld &world, const Manifest &m, int self) {
+  using cuda::checkCuda;
+  if (self >= 0 || !cuda::peerCollectives() || !vmm().ok)
+    return;
+  std::set<std::vector<int>> wanted; // two-rank groups with an asynchronous all-reduce
+  for (const RankProgram &r : m.ranks)
+    for (const auto &[name, list] : r.programs)
+      for (const Instruction &ins : list) {
+        // Data parallelism's gradient buckets only: a tensor-parallel
+        // all-reduce stands between products, where NCCL's lower latency
+        // counts (not measured over peer memory); buckets averaged in bf16
+        // stay with NCCL.
+        if (ins.op != "all_reduce" || !ins.attrs.value("async", false) || !ins.attrs.contains("event") ||
+            collectiveGroup(ins) != "dp" || ins.attrs.value("wire", std::string("f32")) == "bf16")
+          continue;
+        auto g = r.groups.find(collectiveGroup(ins));
+        if (g != r.groups.end() && g->second.size() == 2)
+          wanted.insert(std::vector<int>(g->second.begin(), g->second.end()));
+      }
+  if (wanted.empty())
+    return;
+  int current = 0;
+  LOOM_CUDA_CHECK(cudaGetDevice(&current));
+  size_t scratch = peerScratchBytes();
+  for (const std::vector<int> &members : wanted) {
+    int a = world.devices.at(size_t(members[0])), b = world.devices.at(size_t(members[1]));
+    int ab = 0, ba = 0;
+    if (a == b)
+      continue;
+    LOOM_CUDA_CHECK(cudaDeviceCanAccessPeer(&ab, a, b));
+    LOOM_CUDA_CHECK(cudaDeviceCanAccessPeer(&ba, b, a));
+    if (!ab || !ba)
+      continue; // NCCL's all-reduce, as before
+    if (!world.peerAbort) {
+      int *word = nullptr;
+      LOOM_CUDA_CHECK(cudaHostAlloc(&word, sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
+      *word = 0;
+      world.peerAbort = word;
+    }
+    PeerLink *ends[2];
+    for (int i = 0; i < 2; ++i) {
+      PeerLink &l = world.peerLinks[members][members[size_t(i)]];
+      int device = i == 0 ? a : b, peer = i == 0 ? b : a;
+      LOOM_CUDA_CHECK(cudaSetDevice(device));
+      allocateShared(l, device, peer, 256 + scratch); // [counter, flag], then the scratch at 256 bytes
+      LOOM_CUDA_CHECK(cudaMemset(l.base, 0, 256));
+      l.counter = reinterpret_cast<unsigned *>(l.base);
+      l.flag = l.counter + 1;
+      l.scratch = l.base + 256;
+      l.scratchBytes = scratch;
+      l.index = i;
+      ends[i] = &l;
+    }
+    ends[0]->peer = ends[1], ends[1]->peer = ends[0];
+  }
+  for (int d : world.devices) {
+    LOOM_CUDA_CHECK(cudaSetDevice(d));
+    LOOM_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  LOOM_CUDA_CHECK(cudaSetDevice(current));
+}
+
+std::string describePeerLinks(const NcclWorld &world) {
+  std::string out;
+  for (const auto &[members, ranks] : world.peerLinks) {
+    out += out.empty() ? "ranks " : ", ranks ";
+    out += std::to_string(members[0]) + "-" + std::to_string(members[1]);
+  }
+  return out;
+}
+
+void freePeerLinks(NcclWorld &world) {
+  const Vmm &v = vmm();
+  for (auto &[members, ranks] : world.peerLinks)
+    for (auto &[r, l] : ranks) {
+      if (l.base) {
+        auto p = reinterpret_cast<CUdeviceptr>(l.base);
+        v.unmap(p, l.bytes);
+        v.addressFree(p, l.bytes);
+        v.release(l.handle);
+      }
+      l = PeerLink{};
+    }
+  world.peerLinks.clear();
+  if (world.peerAbort)
+    cudaFreeHost(const_cast<int *>(world.peerAbort));
+  world.peerAbort = nullptr;
+}
+
+} // namespace loom::rt
