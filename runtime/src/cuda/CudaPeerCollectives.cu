@@ -8,10 +8,11 @@
 // cuBLASLt product of GPT-2 350M's shapes ran 1.82-1.86x as long beside
 // NCCL's all-reduces of 64 MiB as alone, 1.00-1.03x beside copy-engine
 // copies to the peer, and 1.11-1.13x beside the all-reduce below
-// (bench/contention.cu, 2026-11-30). In the step the gain is smaller: GPT-2
-// 350M dp2 42.8-43.2 ms against NCCL's 43.2-43.8 (three calls, eight of
-// nine rounds faster), since the adds and the copies' HBM traffic still
-// slow the backward's kernels; GPT 1.3B: level. Buckets averaged in bf16
+// (bench/contention.cu, 2026-11-30). In the step the gain is smaller, since
+// the adds and the copies' HBM traffic still slow the backward's kernels:
+// GPT-2 350M dp2 42.8-43.2 ms against NCCL's 43.2-43.8 (three calls,
+// eight of nine rounds faster); with the adds 16 bytes a thread, 43.3-43.6
+// against 43.9-44.2 on a slower pair (1.88-1.89x one GPU); GPT 1.3B level. Buckets averaged in bf16
 // (loomc --grad-reduce bf16) stay with NCCL: level or slower over peers.
 // LOOM_CUDA_PEER_COLLECTIVES=0 leaves every all-reduce to NCCL.
 //
@@ -23,7 +24,8 @@
 //      and waits for the peer's count in its own (it shares its SM with the
 //      products: it holds no shared memory and a warp's registers);
 //   3. each rank adds the peer's copy of its halves into its own (short,
-//      memory-bound kernels: sum, mean or max, f32 or bf16 added in f32);
+//      memory-bound kernels, 16 bytes a thread: sum, mean or max, f32 or
+//      bf16 added in f32);
 //   4. each rank pushes its reduced halves into the peer's scratch;
 //   5. a barrier;
 //   6. each rank copies the peer's reduced halves into place.
@@ -79,12 +81,37 @@ template <typename T> __device__ inline T narrow(float x);
 template <> __device__ inline float narrow(float x) { return x; }
 template <> __device__ inline __nv_bfloat16 narrow(float x) { return __float2bfloat16_rn(x); }
 
-/// mine[i] = op(mine[i], theirs[i]): 0 sum, 1 mean of two, 2 max.
-template <typename T> __global__ void peerCombineKernel(T *mine, const T *theirs, int64_t n, int op) {
-  GRID_LOOP(i, n) {
-    float a = widen(mine[i]), b = widen(theirs[i]);
-    mine[i] = narrow<T>(op == 2 ? fmaxf(a, b) : op == 1 ? (a + b) * 0.5f : a + b);
+__device__ inline float combine(float a, float b, int op) {
+  return op == 2 ? fmaxf(a, b) : op == 1 ? (a + b) * 0.5f : a + b;
+}
+
+/// mine[i] = op(mine[i], theirs[i]): 0 sum, 1 mean of two, 2 max; 16 bytes
+/// a thread (the first `vectors` * 16 bytes, both ends 16-byte aligned),
+/// then element by element. Short: it shares the SMs with the products.
+template <typename T>
+__global__ void peerCombineKernel(T *mine, const T *theirs, int64_t n, int64_t vectors, int op) {
+  constexpr int kPer = 16 / sizeof(T);
+  GRID_LOOP(v, vectors) {
+    uint4 x = reinterpret_cast<const uint4 *>(mine)[v], y = reinterpret_cast<const uint4 *>(theirs)[v];
+    T *a = reinterpret_cast<T *>(&x);
+    const T *b = reinterpret_cast<const T *>(&y);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j)
+      a[j] = narrow<T>(combine(widen(a[j]), widen(b[j]), op));
+    reinterpret_cast<uint4 *>(mine)[v] = x;
   }
+  GRID_LOOP(i, n - vectors * kPer) {
+    int64_t at = vectors * kPer + i;
+    mine[at] = narrow<T>(combine(widen(mine[at]), widen(theirs[at]), op));
+  }
+}
+
+template <typename T> void launchCombine(T *mine, const T *theirs, int64_t n, int op, cudaStream_t s) {
+  constexpr int kPer = 16 / sizeof(T);
+  bool aligned = (reinterpret_cast<uintptr_t>(mine) | reinterpret_cast<uintptr_t>(theirs)) % 16 == 0;
+  int64_t vectors = aligned ? n / kPer : 0;
+  peerCombineKernel<T><<<blocksFor(std::max<int64_t>(vectors, n - vectors * kPer)), kThreads, 0, s>>>(
+      mine, theirs, n, vectors, op);
 }
 
 /// One piece of a wave: `len` elements at `data`; rank 0 reduces the first
@@ -154,12 +181,10 @@ void peerAllReduce(const PeerLink &link, const volatile int *abort, const std::v
       if (n == 0)
         continue;
       if (p.width == 2)
-        peerCombineKernel<<<blocksFor(n), kThreads, 0, s>>>(reinterpret_cast<__nv_bfloat16 *>(at),
-                                                            reinterpret_cast<const __nv_bfloat16 *>(link.scratch + p.at),
-                                                            n, op);
+        launchCombine(reinterpret_cast<__nv_bfloat16 *>(at), reinterpret_cast<const __nv_bfloat16 *>(link.scratch + p.at),
+                      n, op, s);
       else
-        peerCombineKernel<<<blocksFor(n), kThreads, 0, s>>>(reinterpret_cast<float *>(at),
-                                                            reinterpret_cast<const float *>(link.scratch + p.at), n, op);
+        launchCombine(reinterpret_cast<float *>(at), reinterpret_cast<const float *>(link.scratch + p.at), n, op, s);
       copy(link.peer->scratch + half + p.at, at, size_t(n) * p.width);
     }
     barrier(); // 5
