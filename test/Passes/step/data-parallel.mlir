@@ -3,6 +3,7 @@
 // RUN: loom-opt %models/mlp.mlir --loom-compile="train=true batch=4 dp=2 until=loom-pipeline-schedule" | sed 's/bucket_bytes = 0 /bucket_bytes = 262144 /' | loom-opt --loom-data-parallel | FileCheck %s --check-prefix=BUCKETS
 // RUN: loom-opt %models/mlp.mlir --loom-compile="train=true batch=4 dp=2 zero=1 until=loom-pipeline-schedule" | loom-opt --loom-data-parallel | FileCheck %s --check-prefix=ZERO
 // RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=2 pp=2 mb=2 until=loom-pipeline-schedule" | loom-opt --loom-data-parallel | FileCheck %s --check-prefix=TIED
+// RUN: loom-opt %models/gpt-tiny.mlir --loom-compile="train=true batch=4 dp=2 until=loom-pipeline-schedule" | sed 's/bucket_bytes = 0 /bucket_bytes = 131072 /' | loom-opt --loom-data-parallel | FileCheck %s --check-prefix=GIANT
 
 // loom-data-parallel: every gradient is averaged over the data-parallel
 // replicas in buckets of about bucket_bytes, each an async all_reduce on the
@@ -87,3 +88,23 @@
 // TIED: loomrt.group "stages.0.1" = [0, 1]
 // TIED: loomrt.program "update" {
 // TIED-NEXT: loomrt.instr "all_reduce" [[[WTE]]] -> [[[WTE]]] {group = "stages.0.1", reduction = "sum"}
+
+// The tail's levels when a gradient of half a bucket or more comes last (the
+// tied embedding's, 64 KiB of a 128 KiB bucket): it goes alone and leaves
+// the sixteenth's level (8 KiB) to the position embedding's gradient before
+// it, then the first layer's norms at 16 KiB, its QKV weight at 32, and the
+// rest of the layer at 64, each right after its last gradient. (Before,
+// the embedding took the sixteenth's level and the position embedding's
+// went out with the norms'.)
+// GIANT-LABEL: loomrt.rank 0
+// GIANT: loomrt.buffer 164 "layer.0.grad.matmul" : tensor<64x192xf32>
+// GIANT: loomrt.buffer 170 "grad.reduce.view" : tensor<32x64xf32>
+// GIANT: loomrt.buffer 172 "grad.sum" : tensor<256x64xf32>
+// GIANT: loomrt.program "backward" {
+// GIANT: "all_reduce" [140, 141, 144, 149, 159] -> [140, 141, 144, 149, 159] {async = true, event = 3
+// GIANT: "all_reduce" [164] -> [164] {async = true, event = 4
+// GIANT: "all_reduce" [166, 167] -> [166, 167] {async = true, event = 5
+// GIANT: "all_reduce" [170] -> [170] {async = true, event = 6
+// GIANT-NEXT: loomrt.instr
+// GIANT: "all_reduce" [172] -> [172] {async = true, event = 7
+// GIANT: loomrt.program "update" {
