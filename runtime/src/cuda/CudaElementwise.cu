@@ -92,12 +92,6 @@ __global__ void rotaryKernel(DPtr x, DPtr y, int64_t pairs, int64_t s, int64_t w
 // arithmetic, for operands of one dtype whose sizes and addresses allow it
 // (the host checks); the general kernels above handle everything else.
 
-template <typename T> __device__ inline float toF(T v);
-template <> __device__ inline float toF(float v) { return v; }
-template <> __device__ inline float toF(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ inline T fromF(float v);
-template <> __device__ inline float fromF(float v) { return v; }
-template <> __device__ inline __nv_bfloat16 fromF(float v) { return __float2bfloat16_rn(v); }
 #define VEC_LOOP(i, T, n)                                                                                        \
   for (uint32_t i = (blockIdx.x * blockDim.x + threadIdx.x) * Pack<T>::N; i < (n);                               \
        i += gridDim.x * blockDim.x * Pack<T>::N)

@@ -18,6 +18,14 @@
 
 namespace loom::rt::cuda {
 
+/// A value of either storage type in f32, and back (rounding to nearest).
+template <typename T> __device__ inline float toF(T v);
+template <> __device__ inline float toF(float v) { return v; }
+template <> __device__ inline float toF(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ inline T fromF(float v);
+template <> __device__ inline float fromF(float v) { return v; }
+template <> __device__ inline __nv_bfloat16 fromF(float v) { return __float2bfloat16_rn(v); }
+
 constexpr int kMaxRank = 8;
 constexpr int kThreads = 256;
 

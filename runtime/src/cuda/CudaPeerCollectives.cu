@@ -74,13 +74,6 @@ __global__ void peerBarrierKernel(unsigned *counter, const unsigned *mine, unsig
   __threadfence_system();
 }
 
-template <typename T> __device__ inline float widen(T x);
-template <> __device__ inline float widen(float x) { return x; }
-template <> __device__ inline float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ inline T narrow(float x);
-template <> __device__ inline float narrow(float x) { return x; }
-template <> __device__ inline __nv_bfloat16 narrow(float x) { return __float2bfloat16_rn(x); }
-
 __device__ inline float combine(float a, float b, int op) {
   return op == 2 ? fmaxf(a, b) : op == 1 ? (a + b) * 0.5f : a + b;
 }
@@ -97,12 +90,12 @@ __global__ void peerCombineKernel(T *mine, const T *theirs, int64_t n, int64_t v
     const T *b = reinterpret_cast<const T *>(&y);
 #pragma unroll
     for (int j = 0; j < kPer; ++j)
-      a[j] = narrow<T>(combine(widen(a[j]), widen(b[j]), op));
+      a[j] = fromF<T>(combine(toF(a[j]), toF(b[j]), op));
     reinterpret_cast<uint4 *>(mine)[v] = x;
   }
   GRID_LOOP(i, n - vectors * kPer) {
     int64_t at = vectors * kPer + i;
-    mine[at] = narrow<T>(combine(widen(mine[at]), widen(theirs[at]), op));
+    mine[at] = fromF<T>(combine(toF(mine[at]), toF(theirs[at]), op));
   }
 }
 

@@ -117,9 +117,6 @@ constexpr int kAttnThreads = 256;
 constexpr int64_t kDependentTokens = 8;
 constexpr int kMaxGroup = 8; // query heads per key/value head held in registers
 
-template <typename T> __device__ inline float toFloat(T v);
-template <> __device__ inline float toFloat(float v) { return v; }
-template <> __device__ inline float toFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 /// Softmax of each query head's scores ([group][maxKeys], the first `keys`
 /// of each row) in place: a warp per head.
@@ -192,7 +189,7 @@ __global__ void pagedAttentionKernel(DPtr q, const T *kc, const T *vc, const int
     const T *krow = kc + rowOf(p);
     float acc[kMaxGroup] = {};
     for (int d = 0; d < D; ++d) {
-      float kv = toFloat(krow[d]);
+      float kv = toF(krow[d]);
       for (int g = 0; g < group; ++g)
         acc[g] += qs[g * D + d] * kv;
     }
@@ -210,7 +207,7 @@ __global__ void pagedAttentionKernel(DPtr q, const T *kc, const T *vc, const int
   float acc[kMaxGroup] = {};
   if (threadIdx.x < split * D)
     for (int p = part; p < keys; p += split) {
-      float vv = toFloat(vc[rowOf(p) + d]);
+      float vv = toF(vc[rowOf(p) + d]);
       for (int g = 0; g < group; ++g)
         acc[g] += scores[g * maxKeys + p] * vv;
     }
@@ -513,7 +510,7 @@ template <typename T> __global__ void argmaxRowsKernel(const T *x, int64_t cols,
   float best = -INFINITY;
   int64_t at = -1;
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-    float v = toFloat(row[c]);
+    float v = toF(row[c]);
     if (v == v && (at < 0 || v > best))
       best = v, at = c;
   }
