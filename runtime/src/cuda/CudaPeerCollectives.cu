@@ -12,9 +12,10 @@
 // the adds and the copies' HBM traffic still slow the backward's kernels:
 // GPT-2 350M dp2 42.8-43.2 ms against NCCL's 43.2-43.8 (three calls,
 // eight of nine rounds faster); with the adds 16 bytes a thread, 43.3-43.6
-// against 43.9-44.2 on a slower pair (1.88-1.89x one GPU); GPT 1.3B level. Buckets averaged in bf16
-// (loomc --grad-reduce bf16) stay with NCCL: level or slower over peers.
-// LOOM_CUDA_PEER_COLLECTIVES=0 leaves every all-reduce to NCCL.
+// against 43.9-44.2 on a slower pair (1.88-1.89x one GPU); GPT 1.3B level.
+// Buckets averaged in bf16 (loomc --grad-reduce bf16) stay with NCCL: level
+// or slower over peers. LOOM_CUDA_PEER_COLLECTIVES=0 leaves every
+// all-reduce to NCCL.
 //
 // A call reduces a list of tensors in place, in waves that fit the scratch:
 //
