@@ -41,29 +41,27 @@
 #include <string>
 #include <vector>
 
+// Every CUDA, cuBLASLt and NCCL call is checked; a failure names the call and exits.
+static void check(bool ok, const char *file, int line, const char *call, const std::string &why) {
+  if (ok)
+    return;
+  std::fprintf(stderr, "%s:%d %s: %s\n", file, line, call, why.c_str());
+  std::exit(1);
+}
 #define CK(x)                                                                                          \
   do {                                                                                                 \
     cudaError_t e_ = (x);                                                                              \
-    if (e_ != cudaSuccess) {                                                                           \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));          \
-      std::exit(1);                                                                                    \
-    }                                                                                                  \
+    check(e_ == cudaSuccess, __FILE__, __LINE__, #x, e_ == cudaSuccess ? "" : cudaGetErrorString(e_)); \
   } while (0)
 #define CL(x)                                                                                          \
   do {                                                                                                 \
     cublasStatus_t s_ = (x);                                                                           \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                                 \
-      std::fprintf(stderr, "%s:%d %s: cublas status %d\n", __FILE__, __LINE__, #x, int(s_));          \
-      std::exit(1);                                                                                    \
-    }                                                                                                  \
+    check(s_ == CUBLAS_STATUS_SUCCESS, __FILE__, __LINE__, #x, "cublas status " + std::to_string(s_)); \
   } while (0)
 #define CN(x)                                                                                          \
   do {                                                                                                 \
     ncclResult_t r_ = (x);                                                                             \
-    if (r_ != ncclSuccess) {                                                                           \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, ncclGetErrorString(r_));          \
-      std::exit(1);                                                                                    \
-    }                                                                                                  \
+    check(r_ == ncclSuccess, __FILE__, __LINE__, #x, ncclGetErrorString(r_));                          \
   } while (0)
 
 // Holds its SM (all the shared memory it can get) and spins until *stop is set.

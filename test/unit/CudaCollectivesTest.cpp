@@ -216,6 +216,19 @@ void scatterGradients(bool async, const char *segments, bool allBf16 = false, co
   unsetenv("LOOM_MEASURE_ONE_RANK");
 }
 
+/// A bundle of two ranks running `program`, both in group `group`.
+Manifest twoRanks(loom::rt::test::ProgramBuilder &p, const std::vector<Instruction> &program, const char *group) {
+  Manifest m;
+  m.mode = "train";
+  for (int k = 0; k < 2; ++k) {
+    RankProgram r = p.finish(program);
+    r.rank = k;
+    r.groups[group] = {0, 1};
+    m.ranks.push_back(r);
+  }
+  return m;
+}
+
 } // namespace
 
 // loom-reduce-from-products' products: bf16 operands, the f32 weight
@@ -418,14 +431,7 @@ static void axisCollectivesOnTwoGpus(bool async, bool windows) {
   } else {
     program = {scatter, product, gather, product};
   }
-  Manifest m;
-  m.mode = "train";
-  for (int k = 0; k < 2; ++k) {
-    RankProgram r = p.finish(program);
-    r.rank = k;
-    r.groups["tp"] = {0, 1};
-    m.ranks.push_back(r);
-  }
+  Manifest m = twoRanks(p, program, "tp");
   auto world = makeNcclWorld(m, {0, 1});
   // inputs[rank]: x[i][j][k] = small integers, distinct per rank.
   auto input = [](int rank, int64_t i) { return float((i * 7 + rank * 3) % 11) - 5.0f; };
@@ -527,14 +533,7 @@ TEST(CudaCollectives, PeerBucketsOnTwoGpus) {
                   {{"reduction", "sum"}, {"group", "dp"}, {"async", true}, {"event", 0}}},
       Instruction{"all_reduce", {ids[3]}, {ids[3]}, {{"reduction", "mean"}, {"group", "dp"}, {"async", true}, {"event", 1}}},
       Instruction{"event_wait", {}, {}, {{"event", 0}}}, Instruction{"event_wait", {}, {}, {{"event", 1}}}};
-  Manifest m;
-  m.mode = "train";
-  for (int k = 0; k < 2; ++k) {
-    RankProgram r = p.finish(program);
-    r.rank = k;
-    r.groups["dp"] = {0, 1};
-    m.ranks.push_back(r);
-  }
+  Manifest m = twoRanks(p, program, "dp");
   setenv("LOOM_CUDA_PEER_COLLECTIVES", "1", 1);
   setenv("LOOM_CUDA_PEER_SCRATCH_MIB", "16", 1);
   auto world = makeNcclWorld(m, {0, 1});

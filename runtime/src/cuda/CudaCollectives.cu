@@ -74,31 +74,25 @@ const PeerLink *CudaBackendImpl::peerLinkOf(const std::string &group, bool async
 
 void CudaBackendImpl::allReduceParts(cudaStream_t s, ncclComm_t comm, const PeerLink *link,
                                      const std::vector<ReducePart> &parts, ncclRedOp_t red) {
-  auto overPeer = [&](const ReducePart &p) {
-    auto [data, n, type] = p;
-    return link && (type == ncclBfloat16 || type == ncclFloat32) &&
-           n * (type == ncclBfloat16 ? 2 : 4) >= peerMinBytes();
-  };
-  std::vector<PeerPart> peer;
-  bool viaNccl = false;
-  for (const ReducePart &p : parts) {
-    if (std::get<1>(p) <= 0)
+  std::vector<ReducePart> viaNccl;
+  std::vector<PeerPart> viaPeer;
+  for (const auto &[data, n, type] : parts) {
+    if (n <= 0)
       continue;
-    if (overPeer(p))
-      peer.push_back({std::get<0>(p), std::get<1>(p), std::get<2>(p) == ncclBfloat16});
+    bool f32OrBf16 = type == ncclBfloat16 || type == ncclFloat32;
+    if (link && f32OrBf16 && n * (type == ncclBfloat16 ? 2 : 4) >= peerMinBytes())
+      viaPeer.push_back({data, n, type == ncclBfloat16});
     else
-      viaNccl = true;
+      viaNccl.push_back({data, n, type});
   }
-  if (viaNccl) {
+  if (!viaNccl.empty()) {
     LOOM_NCCL_CHECK(ncclGroupStart()); // a bucket goes out as one group
-    for (const ReducePart &p : parts)
-      if (std::get<1>(p) > 0 && !overPeer(p))
-        LOOM_NCCL_CHECK(ncclAllReduce(std::get<0>(p), std::get<0>(p), size_t(std::get<1>(p)), std::get<2>(p), red,
-                                      comm, s));
+    for (const auto &[data, n, type] : viaNccl)
+      LOOM_NCCL_CHECK(ncclAllReduce(data, data, size_t(n), type, red, comm, s));
     LOOM_NCCL_CHECK(ncclGroupEnd());
   }
-  if (!peer.empty())
-    peerAllReduce(*link, world->peerAbort, peer, red == ncclMax ? 2 : red == ncclAvg ? 1 : 0, s);
+  if (!viaPeer.empty())
+    peerAllReduce(*link, world->peerAbort, viaPeer, red == ncclMax ? 2 : red == ncclAvg ? 1 : 0, s);
 }
 #endif
 

@@ -42,8 +42,8 @@ inline std::string collectiveGroup(const Instruction &ins) { return ins.attrs.va
 /// One rank's end of a two-rank data-parallel group whose GPUs reach each
 /// other's memory and whose ranks run in this process
 /// (CudaPeerCollectives.cu): the group's asynchronous all-reduces (its
-/// gradient buckets) go over it, the copy engines moving the bytes, so that no kernel holds SMs while
-/// they cross the link.
+/// gradient buckets) go over it, the copy engines moving the bytes, so
+/// that no kernel holds SMs while they cross the link.
 struct PeerLink {
   int index = 0;               // this rank's place in the group: which half of each piece it reduces
   unsigned *counter = nullptr; // this rank's barriers so far (its GPU)
