@@ -668,7 +668,8 @@ int run(int argc, char **argv) {
                 : ncclWorld ? "one GPU and thread each, over NCCL" : "threads in this process");
     if (ncclWorld && !describePeerLinks(*ncclWorld).empty())
       std::printf("gradient buckets over peer memory, copy engines moving the bytes: %s "
-                  "(LOOM_CUDA_PEER_COLLECTIVES=0: NCCL's)\n", describePeerLinks(*ncclWorld).c_str());
+                  "(LOOM_CUDA_PEER_COLLECTIVES=0: NCCL's; LOOM_CUDA_PEER_ZERO=0: NCCL's for ZeRO)\n",
+                  describePeerLinks(*ncclWorld).c_str());
   }
   std::printf("%s: model %s, batch %lld, %zu parameter tensors, arena %.1f MiB (activations %.1f MiB), %s backend\n",
               bundle.c_str(), s.manifest().model.c_str(), (long long)s.manifest().batch, r.params.size(),

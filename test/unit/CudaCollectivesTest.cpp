@@ -506,6 +506,78 @@ TEST(CudaCollectives, AxisCollectivesOnTwoGpus) {
   unsetenv("LOOM_NCCL_WINDOWS");
 }
 
+namespace {
+
+/// Whether GPUs 0 and 1 exist and reach each other's memory (else the reason).
+std::string twoPeerGpus() {
+  int gpus = 0, ab = 0, ba = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2)
+    return "needs two CUDA devices";
+  cudaDeviceCanAccessPeer(&ab, 0, 1);
+  cudaDeviceCanAccessPeer(&ba, 1, 0);
+  return ab && ba ? "" : "GPUs 0 and 1 cannot reach each other's memory";
+}
+
+/// Runs `program` on both ranks of `m` (one thread and GPU each) for
+/// `rounds` rounds: each uploads inputs[round][rank][i] into `in[i]`, runs,
+/// and downloads `out[j]` into the result [round][rank][j]. Empty errors
+/// where both ranks ran.
+using PerRank = std::vector<std::vector<std::vector<std::vector<char>>>>; // [round][rank][tensor]
+std::vector<std::string> runOnTwoGpus(const Manifest &m, NcclWorld &world, const std::vector<Instruction> &program,
+                                      const std::vector<int64_t> &in, const PerRank &inputs,
+                                      const std::vector<int64_t> &out, PerRank &results) {
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  results.assign(inputs.size(), std::vector<std::vector<std::vector<char>>>(2, std::vector<std::vector<char>>(out.size())));
+  for (int k = 0; k < 2; ++k)
+    threads.emplace_back([&, k] {
+      const RankProgram &r = m.ranks[size_t(k)];
+      try {
+        auto gpu = makeCudaBackend(r, k, &world);
+        gpu->prepare("forward", program);
+        for (size_t round = 0; round < inputs.size(); ++round) {
+          for (size_t t = 0; t < in.size(); ++t)
+            gpu->upload(r.buffers[size_t(in[t])], inputs[round][size_t(k)][t].data());
+          gpu->run("forward");
+          for (size_t t = 0; t < out.size(); ++t) {
+            const Buffer &b = r.buffers[size_t(out[t])];
+            results[round][size_t(k)][t].resize(size_t(b.bytes));
+            gpu->download(b, results[round][size_t(k)][t].data());
+          }
+        }
+      } catch (const std::exception &e) {
+        errors[size_t(k)] = e.what();
+        abortNcclWorld(world, e.what());
+      }
+    });
+  for (std::thread &t : threads)
+    t.join();
+  return errors;
+}
+
+/// Random inputs in [-3, 3] for `ids` of `m`: [round][rank][tensor].
+PerRank randomInputs(const Manifest &m, const std::vector<int64_t> &ids, int rounds) {
+  PerRank inputs(static_cast<size_t>(rounds));
+  for (int round = 0; round < rounds; ++round)
+    for (int k = 0; k < 2; ++k) {
+      std::mt19937 rng(unsigned(100 * round + k));
+      std::uniform_real_distribution<float> dist(-3.0f, 3.0f);
+      inputs[size_t(round)].emplace_back();
+      for (int64_t id : ids)
+        inputs[size_t(round)][size_t(k)].push_back(
+            floatBytes(m.ranks[size_t(k)].buffers[size_t(id)], [&](int64_t) { return dist(rng); }));
+    }
+  return inputs;
+}
+
+/// Element i of a tensor's bytes, f32 or bf16, as a float.
+float valueAt(const std::vector<char> &bytes, loom_dtype_t dt, int64_t i) {
+  return dt == LOOM_BF16 ? bf16ToFloat(reinterpret_cast<const uint16_t *>(bytes.data())[i])
+                         : reinterpret_cast<const float *>(bytes.data())[i];
+}
+
+} // namespace
+
 // Two ranks on two GPUs that reach each other's memory, with
 // peer collectives on (the default): their gradient buckets (async all-reduces)
 // go over peer memory (CudaPeerCollectives.cu), the copy engines moving the
@@ -515,13 +587,8 @@ TEST(CudaCollectives, AxisCollectivesOnTwoGpus) {
 // peer path's threshold (NCCL's); and a bf16 tensor averaged in f32 and
 // rounded once. Rounds 2-4 replay the captured graph.
 TEST(CudaCollectives, PeerBucketsOnTwoGpus) {
-  int gpus = 0, ab = 0, ba = 0;
-  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2)
-    GTEST_SKIP() << "needs two CUDA devices";
-  cudaDeviceCanAccessPeer(&ab, 0, 1);
-  cudaDeviceCanAccessPeer(&ba, 1, 0);
-  if (!ab || !ba)
-    GTEST_SKIP() << "GPUs 0 and 1 cannot reach each other's memory";
+  if (std::string why = twoPeerGpus(); !why.empty())
+    GTEST_SKIP() << why;
   loom::rt::test::ProgramBuilder p;
   std::vector<std::pair<int64_t, loom_dtype_t>> tensors = {
       {9000003, LOOM_F32}, {1000, LOOM_F32}, {5000011, LOOM_F32}, {3000001, LOOM_BF16}};
@@ -541,56 +608,86 @@ TEST(CudaCollectives, PeerBucketsOnTwoGpus) {
   unsetenv("LOOM_CUDA_PEER_SCRATCH_MIB");
   ASSERT_EQ(describePeerLinks(*world), "ranks 0-1");
   constexpr int kRounds = 4;
-  // inputs[round][rank][tensor], results the same.
-  std::vector<std::vector<std::vector<std::vector<char>>>> inputs(kRounds), results(kRounds);
-  for (int round = 0; round < kRounds; ++round)
-    for (int k = 0; k < 2; ++k) {
-      std::mt19937 rng(unsigned(100 * round + k));
-      std::uniform_real_distribution<float> dist(-3.0f, 3.0f);
-      inputs[size_t(round)].emplace_back();
-      for (int64_t id : ids)
-        inputs[size_t(round)][size_t(k)].push_back(floatBytes(m.ranks[size_t(k)].buffers[size_t(id)], [&](int64_t) { return dist(rng); }));
-      results[size_t(round)].emplace_back(ids.size());
-    }
-  std::vector<std::string> errors(2);
-  std::vector<std::thread> threads;
-  for (int k = 0; k < 2; ++k)
-    threads.emplace_back([&, k] {
-      try {
-        auto gpu = makeCudaBackend(m.ranks[size_t(k)], k, world.get());
-        gpu->prepare("forward", program);
-        for (int round = 0; round < kRounds; ++round) {
-          for (size_t t = 0; t < ids.size(); ++t)
-            gpu->upload(m.ranks[size_t(k)].buffers[size_t(ids[t])], inputs[size_t(round)][size_t(k)][t].data());
-          gpu->run("forward");
-          for (size_t t = 0; t < ids.size(); ++t) {
-            const Buffer &b = m.ranks[size_t(k)].buffers[size_t(ids[t])];
-            results[size_t(round)][size_t(k)][t].resize(size_t(b.bytes));
-            gpu->download(b, results[size_t(round)][size_t(k)][t].data());
-          }
-        }
-      } catch (const std::exception &e) {
-        errors[size_t(k)] = e.what();
-        abortNcclWorld(*world, e.what());
-      }
-    });
-  for (std::thread &t : threads)
-    t.join();
+  PerRank inputs = randomInputs(m, ids, kRounds), results;
+  std::vector<std::string> errors = runOnTwoGpus(m, *world, program, ids, inputs, ids, results);
   ASSERT_EQ(errors[0], "");
   ASSERT_EQ(errors[1], "");
-  auto value = [](const std::vector<char> &bytes, loom_dtype_t dt, int64_t i) {
-    return dt == LOOM_BF16 ? bf16ToFloat(reinterpret_cast<const uint16_t *>(bytes.data())[i])
-                           : reinterpret_cast<const float *>(bytes.data())[i];
-  };
   for (int round = 0; round < kRounds; ++round)
     for (size_t t = 0; t < ids.size(); ++t) {
       auto [n, dt] = tensors[t];
       for (int64_t i = 0; i < n; ++i) {
-        float a = value(inputs[size_t(round)][0][t], dt, i), b = value(inputs[size_t(round)][1][t], dt, i);
+        float a = valueAt(inputs[size_t(round)][0][t], dt, i), b = valueAt(inputs[size_t(round)][1][t], dt, i);
         float want = dt == LOOM_BF16 ? bf16ToFloat(floatToBf16((a + b) * 0.5f)) : a + b;
         for (int k = 0; k < 2; ++k)
-          ASSERT_EQ(value(results[size_t(round)][size_t(k)][t], dt, i), want)
+          ASSERT_EQ(valueAt(results[size_t(round)][size_t(k)][t], dt, i), want)
               << "round " << round << ", rank " << k << ", tensor " << t << " [" << i << "]";
       }
     }
+}
+
+// ZeRO's collectives over peer memory (peerExchange): an async packed
+// reduce-scatter of bf16 gradients (summed in f32 from the pushed bf16
+// parts) and f32 ones (added in place), a gradient bucket's all-reduce
+// sharing the link (so each waits for the other's reads of the scratch),
+// and async gathers of the mean slices into bf16 wholes (rounded as a cast)
+// and f32 wholes. Rank k's slice of an n-element gradient is elements
+// [k * ceil(n / 2), ...) of the mean, zero past the end; every whole on both
+// ranks must be exactly the mean of the two ranks' gradients. Rounds 2-3
+// replay the captured graph.
+TEST(CudaCollectives, PeerZeroCollectivesOnTwoGpus) {
+  if (std::string why = twoPeerGpus(); !why.empty())
+    GTEST_SKIP() << why;
+  loom::rt::test::ProgramBuilder p;
+  std::vector<std::pair<int64_t, loom_dtype_t>> grads = {
+      {3000001, LOOM_BF16}, {1000, LOOM_F32}, {600001, LOOM_F32}, {2000003, LOOM_BF16}};
+  Instruction scatter{"reduce_scatter", {}, {}, {{"reduction", "mean"}, {"group", "dp"}, {"async", true}, {"event", 0}}};
+  Instruction toBf16{"all_gather", {}, {}, {{"group", "dp"}, {"async", true}, {"event", 2}}};
+  Instruction toF32{"all_gather", {}, {}, {{"group", "dp"}, {"async", true}, {"event", 3}}};
+  std::vector<int64_t> in, wholes;
+  for (auto [n, dt] : grads) {
+    int64_t g = p.add({n}, dt, "grad"), slice = p.add({(n + 1) / 2}, LOOM_F32, "slice");
+    int64_t whole = p.add({n}, dt, "whole");
+    scatter.in.push_back(g), scatter.out.push_back(slice);
+    Instruction &gather = dt == LOOM_BF16 ? toBf16 : toF32;
+    gather.in.push_back(slice), gather.out.push_back(whole);
+    in.push_back(g), wholes.push_back(whole);
+  }
+  int64_t bucket = p.add({4000001}, LOOM_F32, "bucket");
+  in.push_back(bucket);
+  std::vector<Instruction> program = {
+      scatter,
+      Instruction{"all_reduce", {bucket}, {bucket}, {{"reduction", "sum"}, {"group", "dp"}, {"async", true}, {"event", 1}}},
+      Instruction{"event_wait", {}, {}, {{"event", 0}}}, Instruction{"event_wait", {}, {}, {{"event", 1}}},
+      toBf16, toF32,
+      Instruction{"event_wait", {}, {}, {{"event", 2}}}, Instruction{"event_wait", {}, {}, {{"event", 3}}}};
+  Manifest m = twoRanks(p, program, "dp");
+  setenv("LOOM_CUDA_PEER_SCRATCH_MIB", "16", 1);
+  auto world = makeNcclWorld(m, {0, 1});
+  unsetenv("LOOM_CUDA_PEER_SCRATCH_MIB");
+  ASSERT_EQ(describePeerLinks(*world), "ranks 0-1 (ZeRO's slices too)");
+  constexpr int kRounds = 3;
+  PerRank inputs = randomInputs(m, in, kRounds), results;
+  std::vector<int64_t> out = wholes;
+  out.push_back(bucket);
+  std::vector<std::string> errors = runOnTwoGpus(m, *world, program, in, inputs, out, results);
+  ASSERT_EQ(errors[0], "");
+  ASSERT_EQ(errors[1], "");
+  for (int round = 0; round < kRounds; ++round) {
+    const auto &x = inputs[size_t(round)];
+    for (size_t t = 0; t < grads.size(); ++t) {
+      auto [n, dt] = grads[t];
+      for (int64_t i = 0; i < n; ++i) {
+        float mean = (valueAt(x[0][t], dt, i) + valueAt(x[1][t], dt, i)) * 0.5f;
+        float want = dt == LOOM_BF16 ? bf16ToFloat(floatToBf16(mean)) : mean;
+        for (int k = 0; k < 2; ++k)
+          ASSERT_EQ(valueAt(results[size_t(round)][size_t(k)][t], dt, i), want)
+              << "round " << round << ", rank " << k << ", whole " << t << " [" << i << "]";
+      }
+    }
+    for (int64_t i = 0; i < 4000001; ++i)
+      for (int k = 0; k < 2; ++k)
+        ASSERT_EQ(valueAt(results[size_t(round)][size_t(k)][grads.size()], LOOM_F32, i),
+                  valueAt(x[0][grads.size()], LOOM_F32, i) + valueAt(x[1][grads.size()], LOOM_F32, i))
+            << "round " << round << ", rank " << k << ", bucket [" << i << "]";
+  }
 }

@@ -73,9 +73,21 @@ struct PeerPart {
 /// (CudaPeerCollectives.cu).
 void peerAllReduce(const PeerLink &link, const volatile int *abort, const std::vector<PeerPart> &parts, int op,
                    cudaStream_t s);
+/// ZeRO's two-rank exchange: waits until the peer has read what the last
+/// collective over `link` left in its scratch (peerReleased), pushes
+/// `bytes` at `send` into the peer's scratch with the copy engines, and
+/// waits for the peer's: then link.scratch holds the peer's bytes. The
+/// caller reads them on `s`, then calls peerReleased.
+void peerExchange(const PeerLink &link, const volatile int *abort, const void *send, size_t bytes, cudaStream_t s);
+void peerReleased(const PeerLink &link, cudaStream_t s);
+/// mine[i] = op(mine[i], theirs[i]) on `s` (op as peerAllReduce's).
+void peerCombine(float *mine, const float *theirs, int64_t n, int op, cudaStream_t s);
 /// Whether two-rank data-parallel groups' buckets may go over peer memory
 /// (unless LOOM_CUDA_PEER_COLLECTIVES=0).
 bool peerCollectives();
+/// Whether ZeRO's reduce-scatters and all-gathers may too (unless
+/// LOOM_CUDA_PEER_ZERO=0 as well).
+bool peerZero();
 /// Tensors under this many bytes go through NCCL even where a link exists.
 int64_t peerMinBytes();
 
@@ -572,6 +584,10 @@ private:
   /// This rank's end of `group`'s peer link, for an asynchronous all-reduce
   /// (null: NCCL's way; CudaPeerCollectives.cu).
   const PeerLink *peerLinkOf(const std::string &group, bool async) const;
+  /// The link a ZeRO collective `ins` over `parts` ranks exchanges `bytes`
+  /// a rank through (peerExchange), or null for NCCL's way: two ranks,
+  /// async, peerZero(), at least peerMinBytes() and at most the scratch.
+  const PeerLink *exchangeLinkOf(const Instruction &ins, int64_t parts, size_t bytes, ncclComm_t comm);
   /// In-place all-reduces of (data, elements, type) over `comm`: as one NCCL
   /// group, except the f32 and bf16 ones of at least peerMinBytes() where
   /// `link` is given, which go over peer memory.

@@ -72,6 +72,14 @@ const PeerLink *CudaBackendImpl::peerLinkOf(const std::string &group, bool async
   return mine != links->second.end() && mine->second.scratch ? &mine->second : nullptr;
 }
 
+const PeerLink *CudaBackendImpl::exchangeLinkOf(const Instruction &ins, int64_t parts, size_t bytes,
+                                                ncclComm_t comm) {
+  if (!comm || parts != 2 || !peerZero() || int64_t(bytes) < peerMinBytes())
+    return nullptr;
+  const PeerLink *link = peerLinkOf(collectiveGroup(ins), asyncCollective(ins));
+  return link && link->exchanges && bytes <= link->scratchBytes ? link : nullptr;
+}
+
 void CudaBackendImpl::allReduceParts(cudaStream_t s, ncclComm_t comm, const PeerLink *link,
                                      const std::vector<ReducePart> &parts, ncclRedOp_t red) {
   std::vector<ReducePart> viaNccl;

@@ -77,14 +77,23 @@ __global__ void shardsOfKernel(const PackedTensor *t, int count, int64_t span, i
 template <typename T> __device__ inline T packedAs(float v);
 template <> __device__ inline float packedAs(float v) { return v; }
 template <> __device__ inline __nv_bfloat16 packedAs(float v) { return __float2bfloat16_rn(v); }
+/// Where each rank's span of a gather lies: `all` end to end (`span` apart),
+/// or where `two` is set, parts 0 and 1 there (a two-rank gather over peer
+/// memory: this rank's own span and the peer's in its scratch).
+template <typename T> struct GatheredParts {
+  const T *all = nullptr;
+  const T *two[2] = {nullptr, nullptr};
+  __device__ const T *part(int64_t p, int64_t span) const { return p < 2 && two[p] ? two[p] : all + p * span; }
+};
+
 /// As unpackWholesKernel, a block row per (part, tensor) segment: each a
 /// contiguous copy, without a search for its tensor per element.
 template <typename T>
-__global__ void unpackWholeSegmentsKernel(const PackedTensor *t, int count, int64_t span, const T *gathered) {
+__global__ void unpackWholeSegmentsKernel(const PackedTensor *t, int count, int64_t span, GatheredParts<T> gathered) {
   int64_t p = blockIdx.y / count;
   const PackedTensor &x = t[blockIdx.y % count];
   int64_t begin = p * x.k, len = min(x.k, x.n - begin);
-  const T *src = gathered + p * span + x.offset;
+  const T *src = gathered.part(p, span) + x.offset;
   T *dst = reinterpret_cast<T *>(x.whole) + begin;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < len; i += int64_t(gridDim.x) * blockDim.x)
     dst[i] = src[i];
@@ -135,6 +144,18 @@ __global__ void widenBf16MeansKernel(const PackedTensor *t, int count, int64_t s
   }
 }
 
+/// A gather's spans end to end from `all`, or parts 0 and 1 at `two`.
+template <typename T> GatheredParts<T> partsAt(const char *all) {
+  GatheredParts<T> g;
+  g.all = reinterpret_cast<const T *>(all);
+  return g;
+}
+template <typename T> GatheredParts<T> partsAt(const char *const (&two)[2]) {
+  GatheredParts<T> g;
+  g.two[0] = reinterpret_cast<const T *>(two[0]), g.two[1] = reinterpret_cast<const T *>(two[1]);
+  return g;
+}
+
 // The same copies by segments: a block row per tensor (or per part and
 // tensor), each a contiguous copy, without a search for its tensor per
 // element over the whole span. Grid stride along each row.
@@ -166,10 +187,11 @@ __global__ void packPartSegmentsKernel(const PackedTensor *t, int count, int64_t
 
 /// Each tensor's f32 shard: the sum over ranks, in rank order, of this
 /// rank's own part (packed[self]) and the parts the others sent
-/// (received[q]), times `scale`. Alone (ranks 1) the shard is its own part.
+/// (received[q], `receivedStride` apart: 0 where the one peer's part lies
+/// in its scratch), times `scale`. Alone (ranks 1) the shard is its own part.
 __global__ void sumShardSegmentsKernel(const PackedTensor *t, const __nv_bfloat16 *packed,
-                                       const __nv_bfloat16 *received, int64_t stride, int64_t ranks, int64_t self,
-                                       float scale) {
+                                       const __nv_bfloat16 *received, int64_t stride, int64_t receivedStride,
+                                       int64_t ranks, int64_t self, float scale) {
   const PackedTensor &x = t[blockIdx.y];
   SEGMENT_LOOP(i, x.k) {
     int64_t at = x.offset + i;
@@ -178,7 +200,7 @@ __global__ void sumShardSegmentsKernel(const PackedTensor *t, const __nv_bfloat1
       sum = __bfloat162float(packed[self * stride + at]);
     else
       for (int64_t q = 0; q < ranks; ++q)
-        sum += __bfloat162float(q == self ? packed[self * stride + at] : received[q * stride + at]);
+        sum += __bfloat162float(q == self ? packed[self * stride + at] : received[q * receivedStride + at]);
     x.shard[i] = sum * scale;
   }
 }
@@ -356,13 +378,23 @@ Launch CudaBackendImpl::widenedScatterRun(const Instruction &ins, int64_t index,
     longest = std::max(longest, numElements(buf(id).shape).value_or(0));
   bool segments = packBySegments(parts * count);
   dim3 packGrid = segmentGrid(longest, parts * count), unpackGrid = segmentGrid(longest, count);
-  auto run = [this, table, count, span, parts, self, comm, mean, segments, packGrid, unpackGrid](cudaStream_t s) {
+  // Two ranks over peer memory: the peer's part pushed into its scratch, and
+  // its part of this rank's added into this rank's own, in place.
+  const PeerLink *link = exchangeLinkOf(ins, parts, size_t(span) * sizeof(float), comm);
+  const volatile int *abort = link ? world->peerAbort : nullptr;
+  auto run = [this, table, count, span, parts, self, comm, mean, segments, packGrid, unpackGrid, link,
+              abort](cudaStream_t s) {
     float *packed = reinterpret_cast<float *>(commWorkspace), *mine = packed + parts * span;
     if (segments)
       packPartSegmentsKernel<<<packGrid, kThreads, 0, s>>>(table, count, span, packed);
     else
       packPartsKernel<<<blocksFor(parts * span), kThreads, 0, s>>>(table, count, span, parts, packed);
-    if (comm)
+    if (link) {
+      mine = packed + self * span;
+      peerExchange(*link, abort, packed + (1 - self) * span, size_t(span) * sizeof(float), s);
+      peerCombine(mine, reinterpret_cast<const float *>(link->scratch), span, mean ? 1 : 0, s);
+      peerReleased(*link, s);
+    } else if (comm)
       LOOM_NCCL_CHECK(ncclReduceScatter(packed, mine, size_t(span), ncclFloat32, mean ? ncclAvg : ncclSum, comm, s));
     else
       LOOM_CUDA_CHECK(cudaMemcpyAsync(mine, packed + self * span, span * sizeof(float), cudaMemcpyDeviceToDevice, s));
@@ -395,7 +427,12 @@ Launch CudaBackendImpl::wideSumScatterRun(const Instruction &ins, int64_t index,
   // Each rank's part starts 128 bytes apart (where NCCL's vector paths want
   // it): packed[parts][stride] bf16, then received[parts][stride] bf16.
   int64_t stride = (span + 63) / 64 * 64;
-  commWorkspaceBytes = std::max(commWorkspaceBytes, size_t(2 * parts * stride) * sizeof(__nv_bfloat16));
+  // Two ranks over peer memory: the peer's part pushed into its scratch,
+  // and summed from there (the same sums, in the same order, as NCCL's way);
+  // nothing is received into the workspace.
+  const PeerLink *link = exchangeLinkOf(ins, parts, size_t(span) * sizeof(__nv_bfloat16), comm);
+  const volatile int *abort = link ? world->peerAbort : nullptr;
+  commWorkspaceBytes = std::max(commWorkspaceBytes, size_t((link ? 1 : 2) * parts * stride) * sizeof(__nv_bfloat16));
   int64_t self = index, longest = 0;
   for (int64_t id : ins.out)
     longest = std::max(longest, numElements(buf(id).shape).value_or(0));
@@ -403,12 +440,20 @@ Launch CudaBackendImpl::wideSumScatterRun(const Instruction &ins, int64_t index,
   // Alone (LOOM_MEASURE_ONE_RANK) a rank's slice is its own part, as the f32 path's copy.
   int64_t ranks = comm ? parts : 1;
   float scale = mean && comm ? 1.0f / float(parts) : 1.0f;
-  auto run = [this, table, count, span, stride, parts, self, ranks, scale, comm, packGrid, sumGrid](cudaStream_t s) {
+  auto run = [this, table, count, span, stride, parts, self, ranks, scale, comm, packGrid, sumGrid, link,
+              abort](cudaStream_t s) {
     auto *packed = reinterpret_cast<__nv_bfloat16 *>(commWorkspace), *received = packed + parts * stride;
     packPartSegmentsKernel<<<packGrid, kThreads, 0, s>>>(table, count, stride, packed);
+    if (link) {
+      peerExchange(*link, abort, packed + (1 - self) * stride, size_t(span) * sizeof(__nv_bfloat16), s);
+      sumShardSegmentsKernel<<<sumGrid, kThreads, 0, s>>>(
+          table, packed, reinterpret_cast<const __nv_bfloat16 *>(link->scratch), stride, 0, ranks, self, scale);
+      peerReleased(*link, s);
+      return;
+    }
     if (comm)
       exchangeParts(packed, received, stride, span, parts, self, comm, s);
-    sumShardSegmentsKernel<<<sumGrid, kThreads, 0, s>>>(table, packed, received, stride, ranks, self, scale);
+    sumShardSegmentsKernel<<<sumGrid, kThreads, 0, s>>>(table, packed, received, stride, stride, ranks, self, scale);
   };
   return run;
 }
@@ -588,10 +633,28 @@ Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t ind
   dim3 packGrid(unsigned(std::max<int64_t>(1, std::min<int64_t>((longest + 4 * kThreads - 1) / (4 * kThreads), 1024))),
                 unsigned(count)),
       unpackGrid(packGrid.x, unsigned(parts * count));
+  // Two ranks over peer memory (by segments only): this rank's span pushed
+  // into the peer's scratch, and the peer's unpacked from this rank's.
+  const PeerLink *link = segments ? exchangeLinkOf(ins, parts, size_t(span) * width, comm) : nullptr;
+  const volatile int *abort = link ? world->peerAbort : nullptr;
   auto run = [this, table, count, span, parts, self, comm, bf16, width, async, blocks, segments, packGrid,
-              unpackGrid](cudaStream_t s) {
+              unpackGrid, link, abort](cudaStream_t s) {
     char *gathered = async ? commWorkspace : workspace;
     char *mine = gathered + size_t(parts * span) * width;
+    if (link) {
+      if (bf16)
+        packShardSegmentsKernel<<<packGrid, kThreads, 0, s>>>(table, reinterpret_cast<__nv_bfloat16 *>(mine));
+      else
+        packShardSegmentsKernel<<<packGrid, kThreads, 0, s>>>(table, reinterpret_cast<float *>(mine));
+      peerExchange(*link, abort, mine, size_t(span) * width, s);
+      const char *two[2] = {self == 0 ? mine : link->scratch, self == 0 ? link->scratch : mine};
+      if (bf16)
+        unpackWholeSegmentsKernel<<<unpackGrid, kThreads, 0, s>>>(table, count, span, partsAt<__nv_bfloat16>(two));
+      else
+        unpackWholeSegmentsKernel<<<unpackGrid, kThreads, 0, s>>>(table, count, span, partsAt<float>(two));
+      peerReleased(*link, s);
+      return;
+    }
     if (segments && bf16)
       packShardSegmentsKernel<<<packGrid, kThreads, 0, s>>>(table, reinterpret_cast<__nv_bfloat16 *>(mine));
     else if (segments)
@@ -607,10 +670,9 @@ Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t ind
                                       cudaMemcpyDeviceToDevice, s));
     if (segments && bf16)
       unpackWholeSegmentsKernel<<<unpackGrid, kThreads, 0, s>>>(table, count, span,
-                                                                reinterpret_cast<const __nv_bfloat16 *>(gathered));
+                                                                partsAt<__nv_bfloat16>(gathered));
     else if (segments)
-      unpackWholeSegmentsKernel<<<unpackGrid, kThreads, 0, s>>>(table, count, span,
-                                                                reinterpret_cast<const float *>(gathered));
+      unpackWholeSegmentsKernel<<<unpackGrid, kThreads, 0, s>>>(table, count, span, partsAt<float>(gathered));
     else if (bf16)
       unpackWholesKernel<<<blocks(parts * span), kThreads, 0, s>>>(table, count, span, parts,
                                                                     reinterpret_cast<const __nv_bfloat16 *>(gathered));

@@ -75,6 +75,30 @@ __global__ void peerBarrierKernel(unsigned *counter, const unsigned *mine, unsig
   __threadfence_system();
 }
 
+/// ZeRO's exchanges (peerExchange) end by raising `arrived` in the peer's
+/// memory once this rank has read its scratch; the next collective over the
+/// link waits here, before it writes into the peer's scratch, until the
+/// peer has arrived as often as this rank has.
+__global__ void peerWaitReleasedKernel(const unsigned *arrived, const unsigned *peerArrived, const volatile int *abort) {
+  unsigned want = *arrived;
+  for (unsigned spins = 0;; ++spins) {
+    unsigned seen;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(seen) : "l"(peerArrived) : "memory");
+    if (int(seen - want) >= 0)
+      break;
+    if ((spins & 1023) == 0 && *abort)
+      break;
+    __nanosleep(128);
+  }
+}
+
+__global__ void peerReleaseKernel(unsigned *arrived, unsigned *theirs) {
+  unsigned e = *arrived + 1;
+  *arrived = e;
+  __threadfence_system();
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(theirs), "r"(e) : "memory");
+}
+
 __device__ inline float combine(float a, float b, int op) {
   return op == 2 ? fmaxf(a, b) : op == 1 ? (a + b) * 0.5f : a + b;
 }
@@ -121,6 +145,8 @@ struct Piece {
 
 bool peerCollectives() { return !envIs("LOOM_CUDA_PEER_COLLECTIVES", "0"); }
 
+bool peerZero() { return peerCollectives() && !envIs("LOOM_CUDA_PEER_ZERO", "0"); }
+
 int64_t peerMinBytes() {
   // Below this NCCL's all-reduce is faster (its low-latency protocol against
   // two barriers and three copies): LOOM_CUDA_PEER_BELOW, in bytes.
@@ -131,9 +157,36 @@ int64_t peerMinBytes() {
   return below;
 }
 
+static void waitReleased(const PeerLink &link, const volatile int *abort, cudaStream_t s) {
+  peerWaitReleasedKernel<<<1, 1, 0, s>>>(link.released, link.peerReleased, abort);
+}
+
+void peerReleased(const PeerLink &link, cudaStream_t s) {
+  peerReleaseKernel<<<1, 1, 0, s>>>(link.released, link.peer->peerReleased);
+}
+
+void peerExchange(const PeerLink &link, const volatile int *abort, const void *send, size_t bytes, cudaStream_t s) {
+  if (bytes > link.scratchBytes)
+    fail(LOOM_INTERNAL, "peer exchange of ", bytes, " bytes; the scratch holds ", link.scratchBytes);
+  waitReleased(link, abort, s); // the peer has read what the last collective left in its scratch
+  if (bytes)
+    LOOM_CUDA_CHECK(cudaMemcpyAsync(link.peer->scratch, send, bytes, cudaMemcpyDeviceToDevice, s));
+  peerBarrierKernel<<<1, 1, 0, s>>>(link.counter, link.flag, link.peer->flag, abort);
+}
+
+void peerCombine(float *mine, const float *theirs, int64_t n, int op, cudaStream_t s) {
+  if (n > 0)
+    launchCombine(mine, theirs, n, op, s);
+}
+
 void peerAllReduce(const PeerLink &link, const volatile int *abort, const std::vector<PeerPart> &parts, int op,
                    cudaStream_t s) {
   size_t half = link.scratchBytes / 2;
+  // Where ZeRO's exchanges share the link: wait until the peer has read
+  // what the last one left in its scratch, and say when this one's reads
+  // are done (see peerExchange).
+  if (link.exchanges)
+    waitReleased(link, abort, s);
   auto align = [](size_t b) { return (b + 255) / 256 * 256; };
   // Pieces of at most half the scratch's half each (64-element halves).
   std::vector<std::vector<Piece>> waves(1);
@@ -187,6 +240,8 @@ void peerAllReduce(const PeerLink &link, const volatile int *abort, const std::v
       copy(at, link.scratch + half + p.at, size_t(n) * p.width);
     }
   }
+  if (link.exchanges)
+    peerReleased(link, s);
 }
 
 } // namespace loom::rt::cuda
@@ -275,27 +330,32 @@ void makePeerLinks(NcclWorld &world, const Manifest &m, int self) {
   using cuda::checkCuda;
   if (self >= 0 || !cuda::peerCollectives() || !vmm().ok)
     return;
-  std::set<std::vector<int>> wanted; // two-rank groups with an asynchronous all-reduce
+  // Two-rank "dp" groups with an asynchronous all-reduce, or (unless
+  // LOOM_CUDA_PEER_ZERO=0) with ZeRO's asynchronous reduce-scatters and
+  // all-gathers: member lists -> whether ZeRO's exchanges use the link.
+  std::map<std::vector<int>, bool> wanted;
   for (const RankProgram &r : m.ranks)
     for (const auto &[name, list] : r.programs)
       for (const Instruction &ins : list) {
-        // Data parallelism's gradient buckets only: a tensor-parallel
-        // all-reduce stands between products, where NCCL's lower latency
-        // counts (not measured over peer memory); buckets averaged in bf16
-        // stay with NCCL.
-        if (ins.op != "all_reduce" || !ins.attrs.value("async", false) || !ins.attrs.contains("event") ||
-            collectiveGroup(ins) != "dp" || ins.attrs.value("wire", std::string("f32")) == "bf16")
+        // Data parallelism's gradient buckets and ZeRO's slices only: a
+        // tensor-parallel all-reduce stands between products, where NCCL's
+        // lower latency counts (not measured over peer memory); buckets
+        // averaged in bf16 stay with NCCL.
+        bool bucket = ins.op == "all_reduce" && ins.attrs.value("wire", std::string("f32")) != "bf16";
+        bool zero = isZeroCollective(ins) && cuda::peerZero();
+        if ((!bucket && !zero) || !ins.attrs.value("async", false) || !ins.attrs.contains("event") ||
+            collectiveGroup(ins) != "dp")
           continue;
         auto g = r.groups.find(collectiveGroup(ins));
         if (g != r.groups.end() && g->second.size() == 2)
-          wanted.insert(std::vector<int>(g->second.begin(), g->second.end()));
+          wanted[std::vector<int>(g->second.begin(), g->second.end())] |= zero;
       }
   if (wanted.empty())
     return;
   int current = 0;
   LOOM_CUDA_CHECK(cudaGetDevice(&current));
   size_t scratch = peerScratchBytes();
-  for (const std::vector<int> &members : wanted) {
+  for (const auto &[members, exchanges] : wanted) {
     int a = world.devices.at(size_t(members[0])), b = world.devices.at(size_t(members[1]));
     int ab = 0, ba = 0;
     if (a == b)
@@ -315,10 +375,14 @@ void makePeerLinks(NcclWorld &world, const Manifest &m, int self) {
       PeerLink &l = world.peerLinks[members][members[size_t(i)]];
       int device = i == 0 ? a : b, peer = i == 0 ? b : a;
       LOOM_CUDA_CHECK(cudaSetDevice(device));
-      allocateShared(l, device, peer, 256 + scratch); // [counter, flag], then the scratch at 256 bytes
+      // [counter, flag, released, peerReleased], then the scratch at 256 bytes
+      allocateShared(l, device, peer, 256 + scratch);
       LOOM_CUDA_CHECK(cudaMemset(l.base, 0, 256));
       l.counter = reinterpret_cast<unsigned *>(l.base);
       l.flag = l.counter + 1;
+      l.released = l.counter + 2;
+      l.peerReleased = l.counter + 3;
+      l.exchanges = exchanges;
       l.scratch = l.base + 256;
       l.scratchBytes = scratch;
       l.index = i;
@@ -338,6 +402,9 @@ std::string describePeerLinks(const NcclWorld &world) {
   for (const auto &[members, ranks] : world.peerLinks) {
     out += out.empty() ? "ranks " : ", ranks ";
     out += std::to_string(members[0]) + "-" + std::to_string(members[1]);
+    auto end = ranks.find(members[0]);
+    if (end != ranks.end() && end->second.exchanges)
+      out += " (ZeRO's slices too)";
   }
   return out;
 }

@@ -42,14 +42,21 @@ inline std::string collectiveGroup(const Instruction &ins) { return ins.attrs.va
 /// One rank's end of a two-rank data-parallel group whose GPUs reach each
 /// other's memory and whose ranks run in this process
 /// (CudaPeerCollectives.cu): the group's asynchronous all-reduces (its
-/// gradient buckets) go over it, the copy engines moving the bytes, so
-/// that no kernel holds SMs while they cross the link.
+/// gradient buckets) and ZeRO's reduce-scatters and all-gathers go over
+/// it, the copy engines moving the bytes, so that no kernel holds SMs
+/// while they cross the link.
 struct PeerLink {
   int index = 0;               // this rank's place in the group: which half of each piece it reduces
   unsigned *counter = nullptr; // this rank's barriers so far (its GPU)
   unsigned *flag = nullptr;    // the peer's barriers so far, written by the peer (this rank's GPU)
   char *scratch = nullptr;     // this rank's GPU: the peer's halves pushed here, then its reduced ones
   size_t scratchBytes = 0;
+  /// ZeRO's exchanges (peerExchange): this rank's releases of its scratch
+  /// so far, and the peer's (written by the peer). Where `exchanges` is
+  /// set, the all-reduces over the link wait for and make releases too.
+  unsigned *released = nullptr;
+  unsigned *peerReleased = nullptr;
+  bool exchanges = false;
   PeerLink *peer = nullptr; // the other rank's end
   /// The allocation behind counter, flag and scratch: made with CUDA's
   /// virtual memory calls and mapped for this rank's GPU and its peer's
