@@ -584,22 +584,29 @@ float valueAt(const std::vector<char> &bytes, loom_dtype_t dt, int64_t i) {
 // halves, in waves of a 16 MiB scratch. Every round both ranks must hold
 // exactly the sum (or mean) of their inputs: a packed f32 bucket with a
 // tensor over several waves and pieces, one of odd size, and one under the
-// peer path's threshold (NCCL's); and a bf16 tensor averaged in f32 and
-// rounded once. Rounds 2-4 replay the captured graph.
+// peer path's threshold (NCCL's); a bf16 tensor averaged in f32 and
+// rounded once; and a bucket widening bf16 gradients into f32 means, a
+// large one widened and reduced in place beside a small one packed.
+// Rounds 2-4 replay the captured graph.
 TEST(CudaCollectives, PeerBucketsOnTwoGpus) {
   if (std::string why = twoPeerGpus(); !why.empty())
     GTEST_SKIP() << why;
   loom::rt::test::ProgramBuilder p;
   std::vector<std::pair<int64_t, loom_dtype_t>> tensors = {
-      {9000003, LOOM_F32}, {1000, LOOM_F32}, {5000011, LOOM_F32}, {3000001, LOOM_BF16}};
+      {9000003, LOOM_F32}, {1000, LOOM_F32}, {5000011, LOOM_F32}, {3000001, LOOM_BF16},
+      {6000017, LOOM_BF16}, {999, LOOM_BF16}};
   std::vector<int64_t> ids;
   for (auto [n, dt] : tensors)
     ids.push_back(p.add({n}, dt, "t"));
+  int64_t mean4 = p.add({6000017}, LOOM_F32, "mean"), mean5 = p.add({999}, LOOM_F32, "mean");
   std::vector<Instruction> program = {
       Instruction{"all_reduce", {ids[0], ids[1], ids[2]}, {ids[0], ids[1], ids[2]},
                   {{"reduction", "sum"}, {"group", "dp"}, {"async", true}, {"event", 0}}},
       Instruction{"all_reduce", {ids[3]}, {ids[3]}, {{"reduction", "mean"}, {"group", "dp"}, {"async", true}, {"event", 1}}},
-      Instruction{"event_wait", {}, {}, {{"event", 0}}}, Instruction{"event_wait", {}, {}, {{"event", 1}}}};
+      Instruction{"all_reduce", {ids[4], ids[5]}, {mean4, mean5},
+                  {{"reduction", "mean"}, {"group", "dp"}, {"async", true}, {"event", 2}}},
+      Instruction{"event_wait", {}, {}, {{"event", 0}}}, Instruction{"event_wait", {}, {}, {{"event", 1}}},
+      Instruction{"event_wait", {}, {}, {{"event", 2}}}};
   Manifest m = twoRanks(p, program, "dp");
   setenv("LOOM_CUDA_PEER_COLLECTIVES", "1", 1);
   setenv("LOOM_CUDA_PEER_SCRATCH_MIB", "16", 1);
@@ -609,7 +616,8 @@ TEST(CudaCollectives, PeerBucketsOnTwoGpus) {
   ASSERT_EQ(describePeerLinks(*world), "ranks 0-1");
   constexpr int kRounds = 4;
   PerRank inputs = randomInputs(m, ids, kRounds), results;
-  std::vector<std::string> errors = runOnTwoGpus(m, *world, program, ids, inputs, ids, results);
+  std::vector<int64_t> out = {ids[0], ids[1], ids[2], ids[3], mean4, mean5};
+  std::vector<std::string> errors = runOnTwoGpus(m, *world, program, ids, inputs, out, results);
   ASSERT_EQ(errors[0], "");
   ASSERT_EQ(errors[1], "");
   for (int round = 0; round < kRounds; ++round)
@@ -617,9 +625,10 @@ TEST(CudaCollectives, PeerBucketsOnTwoGpus) {
       auto [n, dt] = tensors[t];
       for (int64_t i = 0; i < n; ++i) {
         float a = valueAt(inputs[size_t(round)][0][t], dt, i), b = valueAt(inputs[size_t(round)][1][t], dt, i);
-        float want = dt == LOOM_BF16 ? bf16ToFloat(floatToBf16((a + b) * 0.5f)) : a + b;
+        // the bf16 bucket's f32 means, the bf16 tensor's rounded, the f32 tensors' sums
+        float want = t >= 4 ? (a + b) * 0.5f : dt == LOOM_BF16 ? bf16ToFloat(floatToBf16((a + b) * 0.5f)) : a + b;
         for (int k = 0; k < 2; ++k)
-          ASSERT_EQ(valueAt(results[size_t(round)][size_t(k)][t], dt, i), want)
+          ASSERT_EQ(valueAt(results[size_t(round)][size_t(k)][t], t >= 4 ? LOOM_F32 : dt, i), want)
               << "round " << round << ", rank " << k << ", tensor " << t << " [" << i << "]";
       }
     }
