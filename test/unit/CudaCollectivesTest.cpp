@@ -586,7 +586,8 @@ float valueAt(const std::vector<char> &bytes, loom_dtype_t dt, int64_t i) {
 // tensor over several waves and pieces, one of odd size, and one under the
 // peer path's threshold (NCCL's); a bf16 tensor averaged in f32 and
 // rounded once; and a bucket widening bf16 gradients into f32 means, a
-// large one widened and reduced in place beside a small one packed.
+// large one summed in f32 from its bf16 halves (LOOM_CUDA_PEER_WIDE, on by
+// default; also with it off: widened first) beside a small one packed.
 // Rounds 2-4 replay the captured graph.
 TEST(CudaCollectives, PeerBucketsOnTwoGpus) {
   if (std::string why = twoPeerGpus(); !why.empty())
@@ -617,21 +618,26 @@ TEST(CudaCollectives, PeerBucketsOnTwoGpus) {
   constexpr int kRounds = 4;
   PerRank inputs = randomInputs(m, ids, kRounds), results;
   std::vector<int64_t> out = {ids[0], ids[1], ids[2], ids[3], mean4, mean5};
-  std::vector<std::string> errors = runOnTwoGpus(m, *world, program, ids, inputs, out, results);
-  ASSERT_EQ(errors[0], "");
-  ASSERT_EQ(errors[1], "");
-  for (int round = 0; round < kRounds; ++round)
-    for (size_t t = 0; t < ids.size(); ++t) {
-      auto [n, dt] = tensors[t];
-      for (int64_t i = 0; i < n; ++i) {
-        float a = valueAt(inputs[size_t(round)][0][t], dt, i), b = valueAt(inputs[size_t(round)][1][t], dt, i);
-        // the bf16 bucket's f32 means, the bf16 tensor's rounded, the f32 tensors' sums
-        float want = t >= 4 ? (a + b) * 0.5f : dt == LOOM_BF16 ? bf16ToFloat(floatToBf16((a + b) * 0.5f)) : a + b;
-        for (int k = 0; k < 2; ++k)
-          ASSERT_EQ(valueAt(results[size_t(round)][size_t(k)][t], t >= 4 ? LOOM_F32 : dt, i), want)
-              << "round " << round << ", rank " << k << ", tensor " << t << " [" << i << "]";
+  for (const char *wide : {"1", "0"}) {
+    SCOPED_TRACE(std::string("LOOM_CUDA_PEER_WIDE=") + wide);
+    setenv("LOOM_CUDA_PEER_WIDE", wide, 1);
+    std::vector<std::string> errors = runOnTwoGpus(m, *world, program, ids, inputs, out, results);
+    unsetenv("LOOM_CUDA_PEER_WIDE");
+    ASSERT_EQ(errors[0], "");
+    ASSERT_EQ(errors[1], "");
+    for (int round = 0; round < kRounds; ++round)
+      for (size_t t = 0; t < ids.size(); ++t) {
+        auto [n, dt] = tensors[t];
+        for (int64_t i = 0; i < n; ++i) {
+          float a = valueAt(inputs[size_t(round)][0][t], dt, i), b = valueAt(inputs[size_t(round)][1][t], dt, i);
+          // the bf16 bucket's f32 means, the bf16 tensor's rounded, the f32 tensors' sums
+          float want = t >= 4 ? (a + b) * 0.5f : dt == LOOM_BF16 ? bf16ToFloat(floatToBf16((a + b) * 0.5f)) : a + b;
+          for (int k = 0; k < 2; ++k)
+            ASSERT_EQ(valueAt(results[size_t(round)][size_t(k)][t], t >= 4 ? LOOM_F32 : dt, i), want)
+                << "round " << round << ", rank " << k << ", tensor " << t << " [" << i << "]";
+        }
       }
-    }
+  }
 }
 
 // ZeRO's collectives over peer memory (peerExchange): an async packed

@@ -62,11 +62,15 @@ void checkCublas(cublasStatus_t s, const char *what, const char *file, int line)
 
 inline int blocksFor(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535 * 8)); }
 
-/// One tensor of a two-rank all-reduce over peer memory: n elements at data.
+/// One tensor of a two-rank all-reduce over peer memory: n elements at
+/// data, reduced in place, or where `out` is set, a bf16 tensor whose f32
+/// sum (or mean) goes to `out` (its bf16 halves cross the link, the
+/// reduced f32 halves come back).
 struct PeerPart {
   char *data;
   int64_t n;
   bool bf16;
+  char *out = nullptr;
 };
 /// Reduces `parts` in place with the peer's (op 0 sum, 1 mean, 2 max) on
 /// stream `s` through `link`, the copy engines moving the bytes
@@ -590,10 +594,11 @@ private:
   const PeerLink *exchangeLinkOf(const Instruction &ins, int64_t parts, size_t bytes, ncclComm_t comm);
   /// In-place all-reduces of (data, elements, type) over `comm`: as one NCCL
   /// group, except the f32 and bf16 ones of at least peerMinBytes() where
-  /// `link` is given, which go over peer memory.
+  /// `link` is given, which go over peer memory with `wide` (bf16
+  /// gradients summed into f32 outputs; only where `link` is given).
   using ReducePart = std::tuple<char *, int64_t, ncclDataType_t>;
   void allReduceParts(cudaStream_t s, ncclComm_t comm, const PeerLink *link, const std::vector<ReducePart> &parts,
-                      ncclRedOp_t red);
+                      ncclRedOp_t red, const std::vector<PeerPart> &wide = {});
 #endif
   /// The device table of whole tensors and their shards (wholes[i] and
   /// shards[i]), packed one after another; `span` receives the shards'

@@ -81,7 +81,8 @@ const PeerLink *CudaBackendImpl::exchangeLinkOf(const Instruction &ins, int64_t 
 }
 
 void CudaBackendImpl::allReduceParts(cudaStream_t s, ncclComm_t comm, const PeerLink *link,
-                                     const std::vector<ReducePart> &parts, ncclRedOp_t red) {
+                                     const std::vector<ReducePart> &parts, ncclRedOp_t red,
+                                     const std::vector<PeerPart> &wide) {
   std::vector<ReducePart> viaNccl;
   std::vector<PeerPart> viaPeer;
   for (const auto &[data, n, type] : parts) {
@@ -99,6 +100,7 @@ void CudaBackendImpl::allReduceParts(cudaStream_t s, ncclComm_t comm, const Peer
       LOOM_NCCL_CHECK(ncclAllReduce(data, data, size_t(n), type, red, comm, s));
     LOOM_NCCL_CHECK(ncclGroupEnd());
   }
+  viaPeer.insert(viaPeer.end(), wide.begin(), wide.end());
   if (!viaPeer.empty())
     peerAllReduce(*link, world->peerAbort, viaPeer, red == ncclMax ? 2 : red == ncclAvg ? 1 : 0, s);
 }

@@ -475,6 +475,13 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
   std::vector<PackedTensor> small, widened;
   std::vector<std::pair<float *, int64_t>> large; // reduced in place
   int64_t span = 0, wideSpan = 0;
+  bool async = asyncCollective(ins);
+  const PeerLink *link = comm ? peerLinkOf(collectiveGroup(ins), async) : nullptr;
+  // Over peer memory a large bf16 gradient crosses the link as bf16 and
+  // is summed into its f32 output (peerAllReduce's wide parts), unless
+  // LOOM_CUDA_PEER_WIDE=0: no widening pass, and fewer bytes through HBM.
+  bool wideOverPeers = link && !envIs("LOOM_CUDA_PEER_WIDE", "0");
+  std::vector<PeerPart> wide;
   // prepare()'s CPU validation has checked the operands: as many outputs as
   // inputs, each output f32 of its input's shape, each input f32 or bf16.
   for (size_t i = 0; i < ins.in.size(); ++i) {
@@ -485,6 +492,10 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
     if (n * int64_t(sizeof(float)) < below) {
       t.offset = span, span += n;
       small.push_back(t);
+      continue;
+    }
+    if (t.bf16Whole && wideOverPeers && n * 2 >= peerMinBytes()) {
+      wide.push_back({ptr(in), n, true, reinterpret_cast<char *>(t.shard)});
       continue;
     }
     if (t.bf16Whole || t.whole != t.shard) {
@@ -500,9 +511,7 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
   dim3 smallGrid = segmentGrid(longestOf(small.data(), small.data() + small.size()), smallCount),
        wideGrid = segmentGrid(longestOf(widened.data(), widened.data() + widened.size()), wideCount);
   size_t bytes = size_t(span) * sizeof(float);
-  bool async = asyncCollective(ins);
   reserveFor(async, bytes); // on the communication stream it has that stream's own workspace
-  const PeerLink *link = comm ? peerLinkOf(collectiveGroup(ins), async) : nullptr;
   auto run = [=](cudaStream_t s) {
     float *packed = reinterpret_cast<float *>(async ? commWorkspace : workspace);
     if (wideCount && wideSegments)
@@ -519,7 +528,7 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
         parts.push_back({reinterpret_cast<char *>(packed), span, ncclFloat32});
       for (auto [data, n] : large)
         parts.push_back({reinterpret_cast<char *>(data), n, ncclFloat32});
-      allReduceParts(s, comm, link, parts, red);
+      allReduceParts(s, comm, link, parts, red, wide);
     }
     if (smallCount && smallSegments)
       unpackShardSegmentsKernel<<<smallGrid, kThreads, 0, s>>>(smallTable, packed);

@@ -53,10 +53,14 @@
 // NCCL, 0.2-2.1% over dp2 in the same rounds; on a slower pair 43.8-44.5
 // against 45.1 (2026-11-30). LOOM_CUDA_PEER_ZERO=0 leaves them to NCCL.
 //
-// Tried and not kept (2026-11-30): a bucket's bf16 gradients crossing as
-// bf16 and summed into their f32 outputs (no widening pass; about 40% less
-// HBM traffic): GPT-2 350M dp2 level with widening first (43.5-43.9 ms
-// against 43.7-43.9).
+// A bucket's bf16 gradients that it widens into f32 means (loomc
+// --grad-reduce wide, the default for a two-rank group within a node)
+// cross as bf16 and are summed in f32 into their outputs, whose reduced
+// f32 halves come back: the same bits as widening first, without that pass
+// and with half the bytes out. GPT-2 350M dp2 on two H200s: 42.2, 42.6,
+// 42.5 ms a step against 42.5, 42.9, 42.8 with the products writing f32
+// gradients, and 43.1, 43.3, 42.7 widening first (2026-11-30).
+// LOOM_CUDA_PEER_WIDE=0 widens first.
 //
 //===----------------------------------------------------------------------===//
 
@@ -150,13 +154,45 @@ template <typename T> void launchCombine(T *mine, const T *theirs, int64_t n, in
       mine, theirs, n, vectors, op);
 }
 
-/// One piece of a wave: `len` elements at `data`; rank 0 reduces the first
+/// out[i] = op(mine[i], theirs[i]) in f32 from bf16 operands (a bf16
+/// gradient's f32 sum or mean: the same bits as widening both first); 16
+/// bytes of each operand a thread where all three are 16-byte aligned.
+__global__ void peerWideCombineKernel(float *out, const __nv_bfloat16 *mine, const __nv_bfloat16 *theirs, int64_t n,
+                                      int64_t vectors, int op) {
+  GRID_LOOP(v, vectors) {
+    uint4 x = reinterpret_cast<const uint4 *>(mine)[v], y = reinterpret_cast<const uint4 *>(theirs)[v];
+    const __nv_bfloat16 *a = reinterpret_cast<const __nv_bfloat16 *>(&x), *b = reinterpret_cast<const __nv_bfloat16 *>(&y);
+    float4 r[2];
+    float *f = reinterpret_cast<float *>(r);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      f[j] = combine(toF(a[j]), toF(b[j]), op);
+    reinterpret_cast<float4 *>(out)[2 * v] = r[0];
+    reinterpret_cast<float4 *>(out)[2 * v + 1] = r[1];
+  }
+  GRID_LOOP(i, n - vectors * 8) {
+    int64_t at = vectors * 8 + i;
+    out[at] = combine(toF(mine[at]), toF(theirs[at]), op);
+  }
+}
+
+void launchWideCombine(float *out, const __nv_bfloat16 *mine, const __nv_bfloat16 *theirs, int64_t n, int op,
+                       cudaStream_t s) {
+  bool aligned = (reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(mine) |
+                  reinterpret_cast<uintptr_t>(theirs)) % 16 == 0;
+  int64_t vectors = aligned ? n / 8 : 0;
+  peerWideCombineKernel<<<blocksFor(std::max<int64_t>(vectors, n - vectors * 8)), kThreads, 0, s>>>(
+      out, mine, theirs, n, vectors, op);
+}
+
+/// One piece of a wave: `len` elements at `in`, reduced into `out` (the
+/// same place, or a bf16 gradient's f32 output); rank 0 reduces the first
 /// `h`, rank 1 the rest; both halves sit at `at` in each rank's scratch
 /// (the first half of the scratch receives, the second returns).
 struct Piece {
-  char *data;
+  char *in, *out;
   int64_t len, h;
-  size_t width, at;
+  size_t inWidth, outWidth, at;
 };
 
 } // namespace
@@ -206,19 +242,21 @@ void peerAllReduce(const PeerLink &link, const volatile int *abort, const std::v
   if (link.exchanges)
     waitReleased(link, abort, s);
   auto align = [](size_t b) { return (b + 255) / 256 * 256; };
-  // Pieces of at most half the scratch's half each (64-element halves).
+  // Pieces of at most half the scratch's half each (64-element halves),
+  // sized by the wider of the pushed and the returned elements.
   std::vector<std::vector<Piece>> waves(1);
   size_t used = 0;
   for (const PeerPart &p : parts) {
-    size_t width = p.bf16 ? 2 : 4;
-    int64_t most = int64_t(half / width / 64 * 64) * 2 - 128; // elements whose larger half fits
+    size_t inWidth = p.bf16 ? 2 : 4, outWidth = p.out ? 4 : inWidth;
+    int64_t most = int64_t(half / outWidth / 64 * 64) * 2 - 128; // elements whose larger half fits
     for (int64_t c = 0; c < p.n; c += most) {
       int64_t len = std::min(most, p.n - c);
       int64_t h = std::min(len, ((len + 1) / 2 + 63) / 64 * 64);
-      size_t need = align(size_t(std::max(h, len - h)) * width);
+      size_t need = align(size_t(std::max(h, len - h)) * outWidth);
       if (used + need > half)
         waves.emplace_back(), used = 0;
-      waves.back().push_back({p.data + size_t(c) * width, len, h, width, used});
+      char *in = p.data + size_t(c) * inWidth;
+      waves.back().push_back({in, p.out ? p.out + size_t(c) * outWidth : in, len, h, inWidth, outWidth, used});
       used += need;
     }
   }
@@ -230,32 +268,37 @@ void peerAllReduce(const PeerLink &link, const volatile int *abort, const std::v
       LOOM_CUDA_CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, s));
   };
   bool first = link.index == 0;
-  // This rank's half of a piece, and the other.
-  auto mine = [&](const Piece &p) { return std::make_pair(p.data + (first ? 0 : size_t(p.h) * p.width), first ? p.h : p.len - p.h); };
-  auto other = [&](const Piece &p) { return std::make_pair(p.data + (first ? size_t(p.h) * p.width : 0), first ? p.len - p.h : p.h); };
+  // Where this rank's half of a piece starts, and how long it is; the other's.
+  auto mine = [&](const Piece &p) { return std::make_pair(first ? 0 : p.h, first ? p.h : p.len - p.h); };
+  auto other = [&](const Piece &p) { return std::make_pair(first ? p.h : 0, first ? p.len - p.h : p.h); };
   for (const std::vector<Piece> &wave : waves) {
     if (wave.empty())
       continue;
     for (const Piece &p : wave) { // 1
       auto [at, n] = other(p);
-      copy(link.peer->scratch + p.at, at, size_t(n) * p.width);
+      copy(link.peer->scratch + p.at, p.in + size_t(at) * p.inWidth, size_t(n) * p.inWidth);
     }
     barrier(); // 2
     for (const Piece &p : wave) { // 3, 4
       auto [at, n] = mine(p);
       if (n == 0)
         continue;
-      if (p.width == 2)
-        launchCombine(reinterpret_cast<__nv_bfloat16 *>(at), reinterpret_cast<const __nv_bfloat16 *>(link.scratch + p.at),
-                      n, op, s);
+      char *out = p.out + size_t(at) * p.outWidth;
+      const char *in = p.in + size_t(at) * p.inWidth, *theirs = link.scratch + p.at;
+      if (p.inWidth == 4)
+        launchCombine(reinterpret_cast<float *>(out), reinterpret_cast<const float *>(theirs), n, op, s);
+      else if (p.outWidth == 2)
+        launchCombine(reinterpret_cast<__nv_bfloat16 *>(out), reinterpret_cast<const __nv_bfloat16 *>(theirs), n, op,
+                      s);
       else
-        launchCombine(reinterpret_cast<float *>(at), reinterpret_cast<const float *>(link.scratch + p.at), n, op, s);
-      copy(link.peer->scratch + half + p.at, at, size_t(n) * p.width);
+        launchWideCombine(reinterpret_cast<float *>(out), reinterpret_cast<const __nv_bfloat16 *>(in),
+                          reinterpret_cast<const __nv_bfloat16 *>(theirs), n, op, s);
+      copy(link.peer->scratch + half + p.at, out, size_t(n) * p.outWidth);
     }
     barrier(); // 5
     for (const Piece &p : wave) { // 6
       auto [at, n] = other(p);
-      copy(at, link.scratch + half + p.at, size_t(n) * p.width);
+      copy(p.out + size_t(at) * p.outWidth, link.scratch + half + p.at, size_t(n) * p.outWidth);
     }
   }
   if (link.exchanges)
