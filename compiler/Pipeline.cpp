@@ -85,7 +85,7 @@ void mlir::loom::buildCompilePipeline(OpPassManager &pm, const BundleOptions &o,
     add(createFuseElementwise());
   if (o.fuse && o.train && pipelined)
     add(createAccumulateInProducts());
-  if (o.fuse && o.train && o.bf16 && dp > 1)
+  if (o.fuse && o.train && o.bf16 && dp > 1 && !o.gradReduceWide)
     add(createReduceFromProducts());
   if (o.train && dp > 1 && !pipelined && !o.zero2 && !o.zero3) // ZeRO-1: into each rank's slice
     add(createGatherEmbeddingRows());

@@ -154,6 +154,8 @@ void mlir::loom::setCompileOptions(ModuleOp module, const BundleOptions &o) {
                {"record", o.plan}};
   if (o.gradReduceBf16) // recorded only when set: other bundles stay as they were
     plan["grad_reduce"] = "bf16";
+  else if (o.gradReduceWide)
+    plan["grad_reduce"] = "wide";
   if (o.sequenceParallel)
     plan["sequence_parallel"] = true;
   if (o.serve.enabled)
@@ -224,9 +226,10 @@ FailureOr<BundleOptions> mlir::loom::getCompileOptions(ModuleOp module) {
     o.zero2 = zero >= 2;
     o.zero3 = zero == 3;
     std::string reduce = plan.value("grad_reduce", std::string("f32"));
-    if (reduce != "f32" && reduce != "bf16")
-      return module.emitError() << "'loom.plan' has grad_reduce '" << reduce << "'; expected f32 or bf16";
+    if (reduce != "f32" && reduce != "bf16" && reduce != "wide")
+      return module.emitError() << "'loom.plan' has grad_reduce '" << reduce << "'; expected f32, wide or bf16";
     o.gradReduceBf16 = reduce == "bf16";
+    o.gradReduceWide = reduce == "wide";
     o.sequenceParallel = plan.value("sequence_parallel", false);
     if (plan.contains("stages"))
       o.chunkUnits = plan["stages"].get<std::vector<int64_t>>();

@@ -83,6 +83,12 @@ struct BundleOptions {
   /// as bf16 on the wire (half the bytes; one more rounding of each mean)
   /// before widening them into their f32 copies; f32 by default.
   bool gradReduceBf16 = false;
+  /// Mixed precision: the products write bf16 weight gradients (no
+  /// loom-reduce-from-products) and the buckets widen them into f32 means:
+  /// where the CUDA runtime reduces a two-rank group over peer memory, the
+  /// bf16 halves cross and are summed in f32 (loomc --grad-reduce wide, the
+  /// default there for a two-rank group within a node).
+  bool gradReduceWide = false;
   /// Megatron tensor parallelism over this many ranks (loom-partition-tp).
   int64_t tensorParallel = 1;
   /// Training with tp > 1: the tokens between the tensor-parallel layers
