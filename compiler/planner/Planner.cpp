@@ -425,7 +425,7 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
                     (plan.zero > 0 && d > 1 && options.zeroWideSums && options.precision == Precision::Bf16
                          ? options.zeroPointToPointBytes
                          : 0.0) +
-                    (plan.zero == 0 && d == 2 ? options.peerScratchBytes : 0.0);
+                    (d == 2 ? options.peerScratchBytes : 0.0);
     double stageTime = s.forwardTime + s.backwardTime;
     if (stageTime > slowest) {
       slowest = stageTime;

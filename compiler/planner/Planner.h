@@ -177,10 +177,13 @@ struct CostOptions {
   /// sums, 12.37 with NCCL_MAX_P2P_NCHANNELS=8; the ZeRO-1 plans of GPT-2
   /// 350M and GPT 1.3B held 0.8-1.8 GiB more than dp2 and dp4 beside the arena.
   double zeroPointToPointBytes = 1.0 * (1ull << 30);
-  /// A two-rank data-parallel group's gradient buckets go over peer memory
-  /// where its ranks share a process (runtime/src/cuda/CudaPeerCollectives.cu):
-  /// each rank holds a 256 MiB scratch mapped for both GPUs (GPT-2 350M dp2
-  /// on two H200s, 2026-11-30: 13.71 GiB in use against 13.45 without).
+  /// A two-rank data-parallel group's gradient buckets, and ZeRO's slices,
+  /// go over peer memory where its ranks share a process
+  /// (runtime/src/cuda/CudaPeerCollectives.cu): each rank holds a 256 MiB
+  /// scratch mapped for both GPUs (GPT-2 350M on two H200s, 2026-11-30: dp2
+  /// 13.71 GiB in use against 13.45 without; ZeRO-2 13.94 against 13.69,
+  /// ZeRO-3 12.00 against 11.76; ZeRO-1 13.60 against 13.78, since its
+  /// reduce-scatters no longer fill NCCL's point-to-point buffers).
   double peerScratchBytes = 0.25 * (1ull << 30);
   /// The compiled step's element types (loomc compile --precision), for its
   /// memory; the step time's activation width is `activationBytes`.
