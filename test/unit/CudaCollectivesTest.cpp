@@ -648,7 +648,9 @@ TEST(CudaCollectives, PeerBucketsOnTwoGpus) {
 // and f32 wholes. Rank k's slice of an n-element gradient is elements
 // [k * ceil(n / 2), ...) of the mean, zero past the end; every whole on both
 // ranks must be exactly the mean of the two ranks' gradients. Rounds 2-3
-// replay the captured graph.
+// replay the captured graph. The bf16 gradients are summed apart from the
+// f32 ones (LOOM_CUDA_WIDE_SUMS, the default), or with them (=0). Nothing is
+// packed: the copy engines push each gradient's and each whole's part.
 TEST(CudaCollectives, PeerZeroCollectivesOnTwoGpus) {
   if (std::string why = twoPeerGpus(); !why.empty())
     GTEST_SKIP() << why;
@@ -684,25 +686,30 @@ TEST(CudaCollectives, PeerZeroCollectivesOnTwoGpus) {
   PerRank inputs = randomInputs(m, in, kRounds), results;
   std::vector<int64_t> out = wholes;
   out.push_back(bucket);
-  std::vector<std::string> errors = runOnTwoGpus(m, *world, program, in, inputs, out, results);
-  ASSERT_EQ(errors[0], "");
-  ASSERT_EQ(errors[1], "");
-  for (int round = 0; round < kRounds; ++round) {
-    const auto &x = inputs[size_t(round)];
-    for (size_t t = 0; t < grads.size(); ++t) {
-      auto [n, dt] = grads[t];
-      for (int64_t i = 0; i < n; ++i) {
-        float mean = (valueAt(x[0][t], dt, i) + valueAt(x[1][t], dt, i)) * 0.5f;
-        float want = dt == LOOM_BF16 ? bf16ToFloat(floatToBf16(mean)) : mean;
-        for (int k = 0; k < 2; ++k)
-          ASSERT_EQ(valueAt(results[size_t(round)][size_t(k)][t], dt, i), want)
-              << "round " << round << ", rank " << k << ", whole " << t << " [" << i << "]";
+  for (const char *wideSums : {"1", "0"}) {
+    SCOPED_TRACE(std::string("LOOM_CUDA_WIDE_SUMS=") + wideSums);
+    setenv("LOOM_CUDA_WIDE_SUMS", wideSums, 1);
+    std::vector<std::string> errors = runOnTwoGpus(m, *world, program, in, inputs, out, results);
+    unsetenv("LOOM_CUDA_WIDE_SUMS");
+    ASSERT_EQ(errors[0], "");
+    ASSERT_EQ(errors[1], "");
+    for (int round = 0; round < kRounds; ++round) {
+      const auto &x = inputs[size_t(round)];
+      for (size_t t = 0; t < grads.size(); ++t) {
+        auto [n, dt] = grads[t];
+        for (int64_t i = 0; i < n; ++i) {
+          float mean = (valueAt(x[0][t], dt, i) + valueAt(x[1][t], dt, i)) * 0.5f;
+          float want = dt == LOOM_BF16 ? bf16ToFloat(floatToBf16(mean)) : mean;
+          for (int k = 0; k < 2; ++k)
+            ASSERT_EQ(valueAt(results[size_t(round)][size_t(k)][t], dt, i), want)
+                << "round " << round << ", rank " << k << ", whole " << t << " [" << i << "]";
+        }
       }
+      for (int64_t i = 0; i < 4000001; ++i)
+        for (int k = 0; k < 2; ++k)
+          ASSERT_EQ(valueAt(results[size_t(round)][size_t(k)][grads.size()], LOOM_F32, i),
+                    valueAt(x[0][grads.size()], LOOM_F32, i) + valueAt(x[1][grads.size()], LOOM_F32, i))
+              << "round " << round << ", rank " << k << ", bucket [" << i << "]";
     }
-    for (int64_t i = 0; i < 4000001; ++i)
-      for (int k = 0; k < 2; ++k)
-        ASSERT_EQ(valueAt(results[size_t(round)][size_t(k)][grads.size()], LOOM_F32, i),
-                  valueAt(x[0][grads.size()], LOOM_F32, i) + valueAt(x[1][grads.size()], LOOM_F32, i))
-            << "round " << round << ", rank " << k << ", bucket [" << i << "]";
   }
 }

@@ -83,9 +83,16 @@ void peerAllReduce(const PeerLink &link, const volatile int *abort, const std::v
 /// waits for the peer's: then link.scratch holds the peer's bytes. The
 /// caller reads them on `s`, then calls peerReleased.
 void peerExchange(const PeerLink &link, const volatile int *abort, const void *send, size_t bytes, cudaStream_t s);
+/// The same with the bytes pushed in pieces: `bytes` at `from` to `at` in
+/// the peer's scratch, each a copy-engine copy (no kernel packs them).
+struct PeerPiece {
+  size_t at;
+  const void *from;
+  size_t bytes;
+};
+void peerExchange(const PeerLink &link, const volatile int *abort, const std::vector<PeerPiece> &pieces,
+                  cudaStream_t s);
 void peerReleased(const PeerLink &link, cudaStream_t s);
-/// mine[i] = op(mine[i], theirs[i]) on `s` (op as peerAllReduce's).
-void peerCombine(float *mine, const float *theirs, int64_t n, int op, cudaStream_t s);
 /// Whether two-rank data-parallel groups' buckets may go over peer memory
 /// (unless LOOM_CUDA_PEER_COLLECTIVES=0).
 bool peerCollectives();
@@ -607,7 +614,7 @@ private:
   /// with `eitherWholes` each its own (bf16 ones flagged bf16Whole).
   const PackedTensor *packedTensors(const std::vector<int64_t> &wholes, const std::vector<int64_t> &shards,
                                     int64_t parts, int64_t &span, bool bf16Wholes = false,
-                                    bool eitherWholes = false);
+                                    bool eitherWholes = false, std::vector<PackedTensor> *host = nullptr);
   /// An async collective (one with an event): `work` on the communication
   /// stream once the compute stream reaches it, recording the event.
   bool asyncCollective(const Instruction &ins);

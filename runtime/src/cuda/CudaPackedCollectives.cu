@@ -77,23 +77,14 @@ __global__ void shardsOfKernel(const PackedTensor *t, int count, int64_t span, i
 template <typename T> __device__ inline T packedAs(float v);
 template <> __device__ inline float packedAs(float v) { return v; }
 template <> __device__ inline __nv_bfloat16 packedAs(float v) { return __float2bfloat16_rn(v); }
-/// Where each rank's span of a gather lies: `all` end to end (`span` apart),
-/// or where `two` is set, parts 0 and 1 there (a two-rank gather over peer
-/// memory: this rank's own span and the peer's in its scratch).
-template <typename T> struct GatheredParts {
-  const T *all = nullptr;
-  const T *two[2] = {nullptr, nullptr};
-  __device__ const T *part(int64_t p, int64_t span) const { return p < 2 && two[p] ? two[p] : all + p * span; }
-};
-
 /// As unpackWholesKernel, a block row per (part, tensor) segment: each a
 /// contiguous copy, without a search for its tensor per element.
 template <typename T>
-__global__ void unpackWholeSegmentsKernel(const PackedTensor *t, int count, int64_t span, GatheredParts<T> gathered) {
+__global__ void unpackWholeSegmentsKernel(const PackedTensor *t, int count, int64_t span, const T *gathered) {
   int64_t p = blockIdx.y / count;
   const PackedTensor &x = t[blockIdx.y % count];
   int64_t begin = p * x.k, len = min(x.k, x.n - begin);
-  const T *src = gathered.part(p, span) + x.offset;
+  const T *src = gathered + p * span + x.offset;
   T *dst = reinterpret_cast<T *>(x.whole) + begin;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < len; i += int64_t(gridDim.x) * blockDim.x)
     dst[i] = src[i];
@@ -144,18 +135,6 @@ __global__ void widenBf16MeansKernel(const PackedTensor *t, int count, int64_t s
   }
 }
 
-/// A gather's spans end to end from `all`, or parts 0 and 1 at `two`.
-template <typename T> GatheredParts<T> partsAt(const char *all) {
-  GatheredParts<T> g;
-  g.all = reinterpret_cast<const T *>(all);
-  return g;
-}
-template <typename T> GatheredParts<T> partsAt(const char *const (&two)[2]) {
-  GatheredParts<T> g;
-  g.two[0] = reinterpret_cast<const T *>(two[0]), g.two[1] = reinterpret_cast<const T *>(two[1]);
-  return g;
-}
-
 // The same copies by segments: a block row per tensor (or per part and
 // tensor), each a contiguous copy, without a search for its tensor per
 // element over the whole span. Grid stride along each row.
@@ -187,11 +166,10 @@ __global__ void packPartSegmentsKernel(const PackedTensor *t, int count, int64_t
 
 /// Each tensor's f32 shard: the sum over ranks, in rank order, of this
 /// rank's own part (packed[self]) and the parts the others sent
-/// (received[q], `receivedStride` apart: 0 where the one peer's part lies
-/// in its scratch), times `scale`. Alone (ranks 1) the shard is its own part.
+/// (received[q]), times `scale`. Alone (ranks 1) the shard is its own part.
 __global__ void sumShardSegmentsKernel(const PackedTensor *t, const __nv_bfloat16 *packed,
-                                       const __nv_bfloat16 *received, int64_t stride, int64_t receivedStride,
-                                       int64_t ranks, int64_t self, float scale) {
+                                       const __nv_bfloat16 *received, int64_t stride, int64_t ranks, int64_t self,
+                                       float scale) {
   const PackedTensor &x = t[blockIdx.y];
   SEGMENT_LOOP(i, x.k) {
     int64_t at = x.offset + i;
@@ -200,9 +178,43 @@ __global__ void sumShardSegmentsKernel(const PackedTensor *t, const __nv_bfloat1
       sum = __bfloat162float(packed[self * stride + at]);
     else
       for (int64_t q = 0; q < ranks; ++q)
-        sum += __bfloat162float(q == self ? packed[self * stride + at] : received[q * receivedStride + at]);
+        sum += __bfloat162float(q == self ? packed[self * stride + at] : received[q * stride + at]);
     x.shard[i] = sum * scale;
   }
+}
+
+/// Two ranks over peer memory: each tensor's f32 shard from this rank's
+/// own part of its gradient, read in place, and the peer's part of it,
+/// pushed into this rank's scratch (`theirs`, `slot` bytes an element from
+/// the tensor's offset): added in rank order as sumShardSegmentsKernel adds
+/// (the same bits), zero past the gradient's end, times `scale`. Gradients
+/// are bf16 where `allBf16` or their entry says so, else f32.
+__global__ void sumPeerPartsKernel(const PackedTensor *t, const char *theirs, int slot, bool allBf16, int64_t self,
+                                   float scale) {
+  const PackedTensor &x = t[blockIdx.y];
+  bool bf = allBf16 || x.bf16Whole;
+  int64_t begin = self * x.k, len = max(int64_t(0), min(x.k, x.n - begin));
+  const char *from = theirs + x.offset * slot;
+  SEGMENT_LOOP(i, x.k) {
+    float sum = 0.0f;
+    if (i < len) {
+      float mine = bf ? __bfloat162float(reinterpret_cast<const __nv_bfloat16 *>(x.whole)[begin + i]) : x.whole[begin + i];
+      float peer = bf ? __bfloat162float(reinterpret_cast<const __nv_bfloat16 *>(from)[i])
+                      : reinterpret_cast<const float *>(from)[i];
+      sum += self == 0 ? mine : peer;
+      sum += self == 0 ? peer : mine;
+    }
+    x.shard[i] = sum * scale;
+  }
+}
+
+/// Two ranks over peer memory: each whole's own part (part `self`) from
+/// this rank's shard, rounded to T as packShardSegmentsKernel rounds.
+template <typename T> __global__ void shardsIntoWholesKernel(const PackedTensor *t, int64_t self) {
+  const PackedTensor &x = t[blockIdx.y];
+  int64_t begin = self * x.k, len = max(int64_t(0), min(x.k, x.n - begin));
+  T *dst = reinterpret_cast<T *>(x.whole) + begin;
+  SEGMENT_LOOP(i, len) dst[i] = packedAs<T>(x.shard[i]);
 }
 
 /// As unpackShardsKernel.
@@ -276,7 +288,7 @@ bool CudaBackendImpl::shardsTogether(const Instruction &a, const Instruction &b)
 
 const PackedTensor *CudaBackendImpl::packedTensors(const std::vector<int64_t> &wholes,
                                                    const std::vector<int64_t> &shards, int64_t parts, int64_t &span,
-                                                   bool bf16Wholes, bool eitherWholes) {
+                                                   bool bf16Wholes, bool eitherWholes, std::vector<PackedTensor> *host) {
   if (wholes.size() != shards.size())
     fail(LOOM_INVALID_BUNDLE, where, ": ", wholes.size(), " tensors but ", shards.size(), " shards");
   std::vector<PackedTensor> list;
@@ -294,6 +306,8 @@ const PackedTensor *CudaBackendImpl::packedTensors(const std::vector<int64_t> &w
     list.push_back({w, f(shard), n, k, span, int32_t(eitherWholes && bf)});
     span += k;
   }
+  if (host)
+    *host = list;
   return deviceArray(list);
 }
 
@@ -366,35 +380,62 @@ Launch CudaBackendImpl::buildPackedReduceScatter(const Instruction &ins, int64_t
   return inCommWorkspace(ins, [wide, rest](cudaStream_t s) { wide(s), rest(s); });
 }
 
+/// The pieces of `list`'s wholes that part `part` holds (each tensor's
+/// elements [part * k, ...), at most k; 2 bytes an element where `allBf16`
+/// or the entry says bf16, else 4), each to `slot` bytes an element from
+/// its tensor's offset in the peer's scratch.
+static std::vector<PeerPiece> partPieces(const std::vector<PackedTensor> &list, int64_t part, bool allBf16,
+                                         size_t slot) {
+  std::vector<PeerPiece> pieces;
+  for (const PackedTensor &x : list) {
+    size_t width = allBf16 || x.bf16Whole ? 2 : 4;
+    int64_t begin = part * x.k, len = std::max<int64_t>(0, std::min(x.k, x.n - begin));
+    if (len > 0)
+      pieces.push_back({size_t(x.offset) * slot, reinterpret_cast<const char *>(x.whole) + size_t(begin) * width,
+                        size_t(len) * width});
+  }
+  return pieces;
+}
+
+/// A two-rank reduce-scatter over peer memory, without packing: each
+/// gradient's part for the peer pushed by the copy engines straight from
+/// the gradient, then every shard summed from this rank's own part, read in
+/// place, and the peer's (sumPeerPartsKernel).
+static Launch peerScatterRun(const PackedTensor *table, const std::vector<PackedTensor> &list, int64_t self,
+                             float scale, bool allBf16, const PeerLink *link, const volatile int *abort, dim3 grid) {
+  size_t slot = allBf16 ? 2 : 4;
+  std::vector<PeerPiece> pieces = partPieces(list, 1 - self, allBf16, slot);
+  return [=](cudaStream_t s) {
+    peerExchange(*link, abort, pieces, s);
+    sumPeerPartsKernel<<<grid, kThreads, 0, s>>>(table, link->scratch, int(slot), allBf16, self, scale);
+    peerReleased(*link, s);
+  };
+}
+
 Launch CudaBackendImpl::widenedScatterRun(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm) {
   bool mean = ins.attrs.value("reduction", std::string("mean")) == "mean";
   int64_t span = 0;
   // gradients (f32, or bf16 widened as they are packed), their shards
-  const PackedTensor *table = packedTensors(ins.in, ins.out, parts, span, false, /*eitherWholes=*/true);
+  std::vector<PackedTensor> list;
+  const PackedTensor *table = packedTensors(ins.in, ins.out, parts, span, false, /*eitherWholes=*/true, &list);
   int count = int(ins.in.size());
-  commWorkspaceBytes = std::max(commWorkspaceBytes, size_t((parts + 1) * span) * sizeof(float));
   int64_t self = index, longest = 0;
   for (int64_t id : ins.out)
     longest = std::max(longest, numElements(buf(id).shape).value_or(0));
   bool segments = packBySegments(parts * count);
   dim3 packGrid = segmentGrid(longest, parts * count), unpackGrid = segmentGrid(longest, count);
-  // Two ranks over peer memory: the peer's part pushed into its scratch, and
-  // its part of this rank's added into this rank's own, in place.
-  const PeerLink *link = exchangeLinkOf(ins, parts, size_t(span) * sizeof(float), comm);
-  const volatile int *abort = link ? world->peerAbort : nullptr;
-  auto run = [this, table, count, span, parts, self, comm, mean, segments, packGrid, unpackGrid, link,
-              abort](cudaStream_t s) {
+  // Two ranks over peer memory (by segments only): no packing, nothing in the workspace.
+  if (const PeerLink *link = segments ? exchangeLinkOf(ins, parts, size_t(span) * sizeof(float), comm) : nullptr)
+    return peerScatterRun(table, list, self, mean ? 0.5f : 1.0f, /*allBf16=*/false, link, world->peerAbort,
+                          unpackGrid);
+  commWorkspaceBytes = std::max(commWorkspaceBytes, size_t((parts + 1) * span) * sizeof(float));
+  auto run = [this, table, count, span, parts, self, comm, mean, segments, packGrid, unpackGrid](cudaStream_t s) {
     float *packed = reinterpret_cast<float *>(commWorkspace), *mine = packed + parts * span;
     if (segments)
       packPartSegmentsKernel<<<packGrid, kThreads, 0, s>>>(table, count, span, packed);
     else
       packPartsKernel<<<blocksFor(parts * span), kThreads, 0, s>>>(table, count, span, parts, packed);
-    if (link) {
-      mine = packed + self * span;
-      peerExchange(*link, abort, packed + (1 - self) * span, size_t(span) * sizeof(float), s);
-      peerCombine(mine, reinterpret_cast<const float *>(link->scratch), span, mean ? 1 : 0, s);
-      peerReleased(*link, s);
-    } else if (comm)
+    if (comm)
       LOOM_NCCL_CHECK(ncclReduceScatter(packed, mine, size_t(span), ncclFloat32, mean ? ncclAvg : ncclSum, comm, s));
     else
       LOOM_CUDA_CHECK(cudaMemcpyAsync(mine, packed + self * span, span * sizeof(float), cudaMemcpyDeviceToDevice, s));
@@ -422,17 +463,9 @@ static void exchangeParts(const __nv_bfloat16 *packed, __nv_bfloat16 *received, 
 Launch CudaBackendImpl::wideSumScatterRun(const Instruction &ins, int64_t index, int64_t parts, ncclComm_t comm) {
   bool mean = ins.attrs.value("reduction", std::string("mean")) == "mean";
   int64_t span = 0;
-  const PackedTensor *table = packedTensors(ins.in, ins.out, parts, span, /*bf16Wholes=*/true);
+  std::vector<PackedTensor> list;
+  const PackedTensor *table = packedTensors(ins.in, ins.out, parts, span, /*bf16Wholes=*/true, false, &list);
   int count = int(ins.in.size());
-  // Each rank's part starts 128 bytes apart (where NCCL's vector paths want
-  // it): packed[parts][stride] bf16, then received[parts][stride] bf16.
-  int64_t stride = (span + 63) / 64 * 64;
-  // Two ranks over peer memory: the peer's part pushed into its scratch,
-  // and summed from there (the same sums, in the same order, as NCCL's way);
-  // nothing is received into the workspace.
-  const PeerLink *link = exchangeLinkOf(ins, parts, size_t(span) * sizeof(__nv_bfloat16), comm);
-  const volatile int *abort = link ? world->peerAbort : nullptr;
-  commWorkspaceBytes = std::max(commWorkspaceBytes, size_t((link ? 1 : 2) * parts * stride) * sizeof(__nv_bfloat16));
   int64_t self = index, longest = 0;
   for (int64_t id : ins.out)
     longest = std::max(longest, numElements(buf(id).shape).value_or(0));
@@ -440,20 +473,20 @@ Launch CudaBackendImpl::wideSumScatterRun(const Instruction &ins, int64_t index,
   // Alone (LOOM_MEASURE_ONE_RANK) a rank's slice is its own part, as the f32 path's copy.
   int64_t ranks = comm ? parts : 1;
   float scale = mean && comm ? 1.0f / float(parts) : 1.0f;
-  auto run = [this, table, count, span, stride, parts, self, ranks, scale, comm, packGrid, sumGrid, link,
-              abort](cudaStream_t s) {
+  // Two ranks over peer memory: no packing, nothing in the workspace; the
+  // same sums, in the same order, as NCCL's way.
+  if (const PeerLink *link = exchangeLinkOf(ins, parts, size_t(span) * sizeof(__nv_bfloat16), comm))
+    return peerScatterRun(table, list, self, scale, /*allBf16=*/true, link, world->peerAbort, sumGrid);
+  // Each rank's part starts 128 bytes apart (where NCCL's vector paths want
+  // it): packed[parts][stride] bf16, then received[parts][stride] bf16.
+  int64_t stride = (span + 63) / 64 * 64;
+  commWorkspaceBytes = std::max(commWorkspaceBytes, size_t(2 * parts * stride) * sizeof(__nv_bfloat16));
+  auto run = [this, table, count, span, stride, parts, self, ranks, scale, comm, packGrid, sumGrid](cudaStream_t s) {
     auto *packed = reinterpret_cast<__nv_bfloat16 *>(commWorkspace), *received = packed + parts * stride;
     packPartSegmentsKernel<<<packGrid, kThreads, 0, s>>>(table, count, stride, packed);
-    if (link) {
-      peerExchange(*link, abort, packed + (1 - self) * stride, size_t(span) * sizeof(__nv_bfloat16), s);
-      sumShardSegmentsKernel<<<sumGrid, kThreads, 0, s>>>(
-          table, packed, reinterpret_cast<const __nv_bfloat16 *>(link->scratch), stride, 0, ranks, self, scale);
-      peerReleased(*link, s);
-      return;
-    }
     if (comm)
       exchangeParts(packed, received, stride, span, parts, self, comm, s);
-    sumShardSegmentsKernel<<<sumGrid, kThreads, 0, s>>>(table, packed, received, stride, stride, ranks, self, scale);
+    sumShardSegmentsKernel<<<sumGrid, kThreads, 0, s>>>(table, packed, received, stride, ranks, self, scale);
   };
   return run;
 }
@@ -617,11 +650,12 @@ Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t ind
   // cast rounds.
   bool bf16 = !ins.out.empty() && buf(ins.out[0]).dtype == LOOM_BF16;
   int64_t span = 0;
-  const PackedTensor *table = packedTensors(ins.out, ins.in, parts, span, bf16); // the wholes, their updated shards
+  std::vector<PackedTensor> host;
+  // the wholes, their updated shards
+  const PackedTensor *table = packedTensors(ins.out, ins.in, parts, span, bf16, false, &host);
   int count = int(ins.in.size());
   size_t width = bf16 ? 2 : 4, bytes = size_t((parts + 1) * span) * width;
   bool async = asyncCollective(ins);
-  reserveFor(async, bytes); // on the communication stream it has that stream's own workspace
   int64_t self = index;
   // LOOM_CUDA_COMM_BLOCKS=N (a measurement): an async gather's packing and
   // unpacking in at most N blocks, so that beside the compute stream they
@@ -642,28 +676,44 @@ Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t ind
   dim3 packGrid(unsigned(std::max<int64_t>(1, std::min<int64_t>((longest + 4 * kThreads - 1) / (4 * kThreads), 1024))),
                 unsigned(count)),
       unpackGrid(packGrid.x, unsigned(parts * count));
-  // Two ranks over peer memory (by segments only): this rank's span pushed
-  // into the peer's scratch, and the peer's unpacked from this rank's.
-  const PeerLink *link = segments ? exchangeLinkOf(ins, parts, size_t(span) * width, comm) : nullptr;
-  const volatile int *abort = link ? world->peerAbort : nullptr;
+  // Two ranks over peer memory (by segments only), without packing: this
+  // rank's part of each whole written from its shard (rounded where the
+  // whole is bf16; a copy where f32), pushed from there into the peer's
+  // scratch by the copy engines, and the peer's parts copied from this
+  // rank's scratch into place. Only the rounding uses SMs.
+  if (const PeerLink *link = segments ? exchangeLinkOf(ins, parts, size_t(span) * width, comm) : nullptr) {
+    const volatile int *abort = world->peerAbort;
+    std::vector<PeerPiece> pieces = partPieces(host, self, bf16, width);
+    std::vector<std::tuple<char *, const char *, size_t>> ownCopies, peerCopies; // to, from, bytes
+    for (const PackedTensor &x : host) {
+      char *whole = reinterpret_cast<char *>(x.whole);
+      int64_t own = std::max<int64_t>(0, std::min(x.k, x.n - self * x.k)),
+              theirs = std::max<int64_t>(0, std::min(x.k, x.n - (1 - self) * x.k));
+      if (!bf16 && own > 0)
+        ownCopies.push_back({whole + size_t(self * x.k) * width, reinterpret_cast<const char *>(x.shard),
+                             size_t(own) * width});
+      if (theirs > 0)
+        peerCopies.push_back({whole + size_t((1 - self) * x.k) * width, link->scratch + size_t(x.offset) * width,
+                              size_t(theirs) * width});
+    }
+    dim3 ownGrid(packGrid.x, unsigned(count));
+    Launch run = [=](cudaStream_t s) {
+      if (bf16)
+        shardsIntoWholesKernel<__nv_bfloat16><<<ownGrid, kThreads, 0, s>>>(table, self);
+      for (auto [to, from, bytes] : ownCopies)
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, s));
+      peerExchange(*link, abort, pieces, s);
+      for (auto [to, from, bytes] : peerCopies)
+        LOOM_CUDA_CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, s));
+      peerReleased(*link, s);
+    };
+    return async ? onCommStream(ins, run) : run;
+  }
+  reserveFor(async, bytes); // on the communication stream it has that stream's own workspace
   auto run = [this, table, count, span, parts, self, comm, bf16, width, async, blocks, segments, packGrid,
-              unpackGrid, link, abort](cudaStream_t s) {
+              unpackGrid](cudaStream_t s) {
     char *gathered = async ? commWorkspace : workspace;
     char *mine = gathered + size_t(parts * span) * width;
-    if (link) {
-      if (bf16)
-        packShardSegmentsKernel<<<packGrid, kThreads, 0, s>>>(table, reinterpret_cast<__nv_bfloat16 *>(mine));
-      else
-        packShardSegmentsKernel<<<packGrid, kThreads, 0, s>>>(table, reinterpret_cast<float *>(mine));
-      peerExchange(*link, abort, mine, size_t(span) * width, s);
-      const char *two[2] = {self == 0 ? mine : link->scratch, self == 0 ? link->scratch : mine};
-      if (bf16)
-        unpackWholeSegmentsKernel<<<unpackGrid, kThreads, 0, s>>>(table, count, span, partsAt<__nv_bfloat16>(two));
-      else
-        unpackWholeSegmentsKernel<<<unpackGrid, kThreads, 0, s>>>(table, count, span, partsAt<float>(two));
-      peerReleased(*link, s);
-      return;
-    }
     if (segments && bf16)
       packShardSegmentsKernel<<<packGrid, kThreads, 0, s>>>(table, reinterpret_cast<__nv_bfloat16 *>(mine));
     else if (segments)
@@ -679,9 +729,10 @@ Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t ind
                                       cudaMemcpyDeviceToDevice, s));
     if (segments && bf16)
       unpackWholeSegmentsKernel<<<unpackGrid, kThreads, 0, s>>>(table, count, span,
-                                                                partsAt<__nv_bfloat16>(gathered));
+                                                                reinterpret_cast<const __nv_bfloat16 *>(gathered));
     else if (segments)
-      unpackWholeSegmentsKernel<<<unpackGrid, kThreads, 0, s>>>(table, count, span, partsAt<float>(gathered));
+      unpackWholeSegmentsKernel<<<unpackGrid, kThreads, 0, s>>>(table, count, span,
+                                                                reinterpret_cast<const float *>(gathered));
     else if (bf16)
       unpackWholesKernel<<<blocks(parts * span), kThreads, 0, s>>>(table, count, span, parts,
                                                                     reinterpret_cast<const __nv_bfloat16 *>(gathered));

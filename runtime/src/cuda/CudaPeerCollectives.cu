@@ -221,17 +221,20 @@ void peerReleased(const PeerLink &link, cudaStream_t s) {
 }
 
 void peerExchange(const PeerLink &link, const volatile int *abort, const void *send, size_t bytes, cudaStream_t s) {
-  if (bytes > link.scratchBytes)
-    fail(LOOM_INTERNAL, "peer exchange of ", bytes, " bytes; the scratch holds ", link.scratchBytes);
-  waitReleased(link, abort, s); // the peer has read what the last collective left in its scratch
-  if (bytes)
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(link.peer->scratch, send, bytes, cudaMemcpyDeviceToDevice, s));
-  peerBarrierKernel<<<1, 1, 0, s>>>(link.counter, link.flag, link.peer->flag, abort);
+  peerExchange(link, abort, {PeerPiece{0, send, bytes}}, s);
 }
 
-void peerCombine(float *mine, const float *theirs, int64_t n, int op, cudaStream_t s) {
-  if (n > 0)
-    launchCombine(mine, theirs, n, op, s);
+void peerExchange(const PeerLink &link, const volatile int *abort, const std::vector<PeerPiece> &pieces,
+                  cudaStream_t s) {
+  for (const PeerPiece &p : pieces)
+    if (p.at + p.bytes > link.scratchBytes)
+      fail(LOOM_INTERNAL, "peer exchange to bytes ", p.at, "-", p.at + p.bytes, "; the scratch holds ",
+           link.scratchBytes);
+  waitReleased(link, abort, s); // the peer has read what the last collective left in its scratch
+  for (const PeerPiece &p : pieces)
+    if (p.bytes)
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(link.peer->scratch + p.at, p.from, p.bytes, cudaMemcpyDeviceToDevice, s));
+  peerBarrierKernel<<<1, 1, 0, s>>>(link.counter, link.flag, link.peer->flag, abort);
 }
 
 void peerAllReduce(const PeerLink &link, const volatile int *abort, const std::vector<PeerPart> &parts, int op,
