@@ -535,7 +535,25 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
       window = std::max(window, s.backwardTime);
     dpComm = std::max(dpComm / 16, dpComm - std::min(window, dpComm) * options.commHiddenShare);
   }
-  if (!zeroApart && d > 1 && plan.zero) {
+  // ZeRO over peer memory (two ranks in a node): the reduce-scatters go out
+  // in the backward's buckets and the gathers in the forward's, hidden as
+  // the all-reduce is, the last of each exposed; nothing is packed.
+  bool zeroPeers = !zeroApart && d == 2 && plan.zero && options.peerZero && t * d <= machines.devicesPerNode &&
+                   options.overlapGradientReduce && options.overlapCollectives;
+  if (zeroPeers) {
+    double backward = 0, forward = 0;
+    for (const StagePlan &s : plan.stages)
+      backward = std::max(backward, s.backwardTime), forward = std::max(forward, s.forwardTime);
+    auto hidden = [&](double comm, double window) {
+      return std::max(comm / 16, comm - std::min(window, comm) * options.commHiddenShare);
+    };
+    double width = options.precision == Precision::Bf16 ? 2 : 4;
+    double gather = allGatherTime(width * stageParams, d, dpLink);
+    dpComm = hidden(dpComm, backward) + hidden(gather, forward);
+    if (plan.zero == 3) // the backward's gathers beside its reduce-scatters
+      dpComm += hidden(gather, std::max(0.0, backward - dpComm));
+  }
+  if (!zeroApart && d > 1 && plan.zero && !zeroPeers) {
     // ZeRO-1 as the runtime runs it by default: the weights gathered where
     // the next forward waits for them (bf16 copies; f32 masters in the
     // update for f32 steps), and the buckets packed for each collective and

@@ -141,6 +141,15 @@ struct CostOptions {
   /// (the CUDA runtime's default since 2026-11-29; LOOM_CUDA_WIDE_SUMS=0
   /// sends them widened to f32): half the bytes on the wire.
   bool zeroWideSums = true;
+  /// A two-rank data-parallel group within a node runs its ZeRO
+  /// collectives over peer memory (the CUDA runtime's default where both
+  /// ranks share a process, runtime/src/cuda/CudaPeerCollectives.cu): the
+  /// copy engines push each part, no kernel packs them, and the backward
+  /// and forward hide the reduce-scatters and gathers as they hide plain
+  /// dp's all-reduces. GPT-2 350M on two H200s (2026-11-30): ZeRO-1 41.6 ms
+  /// a step, ZeRO-2 42.4, ZeRO-3 42.8, against dp2's 42.3; through NCCL
+  /// ZeRO-1 44.5. False: priced as exposed, packed (NCCL's way).
+  bool peerZero = true;
   /// Pipeline sends leave the stage free (Loom's CUDA runtime: a staging
   /// copy, then ncclSend on a stream of their own; only the receiver waits
   /// for the data). False: each send blocks its stage for the transfer
