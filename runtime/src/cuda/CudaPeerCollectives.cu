@@ -40,18 +40,20 @@
 // world is aborted (the host's timeout in waitForStreams, or another
 // rank's failure), which sets a mapped host word every barrier reads.
 //
-// ZeRO's packed reduce-scatters and all-gathers over a two-rank group are
-// exchanges (peerExchange): each rank pushes the span its peer needs (the
-// peer's part of every gradient, or its own slice of every weight) into
-// the peer's scratch, a barrier, and each reads the peer's span from its
-// own scratch as it sums or unpacks. A rank may push only after the peer
-// has read what the last collective left there: every exchange ends by
-// raising a release count in the peer's memory (peerReleased), and the
+// ZeRO's reduce-scatters and all-gathers over a two-rank group are
+// exchanges (peerExchange): each rank pushes what its peer needs (the
+// peer's part of every gradient, or its own part of every weight) into the
+// peer's scratch, each part a copy-engine copy straight from the tensor (no
+// kernel packs them: CudaPackedCollectives.cu), a barrier, and each reads
+// the peer's parts from its own scratch as it sums them (reduce-scatter)
+// or copies them into place (all-gather). A rank may push only after the
+// peer has read what the last collective left there: every exchange ends
+// by raising a release count in the peer's memory (peerReleased), and the
 // next collective over the link first waits for the peer's count to reach
-// its own (the all-reduces too, where a link carries both). GPT-2 350M's
-// ZeRO-1 dp2 on two H200s: 43.5-43.8 ms a step against 44.4-44.7 through
-// NCCL, 0.2-2.1% over dp2 in the same rounds; on a slower pair 43.8-44.5
-// against 45.1 (2026-11-30). LOOM_CUDA_PEER_ZERO=0 leaves them to NCCL.
+// its own (the all-reduces too, where a link carries both). GPT-2 350M on
+// two H200s (2026-11-30): ZeRO-1 41.4-41.7 ms a step against one GPU's
+// 40.1-40.6 and dp2's 42.5-42.7, and 44.5 through NCCL; ZeRO-2 42.4,
+// ZeRO-3 42.8. LOOM_CUDA_PEER_ZERO=0 leaves them to NCCL.
 //
 // A bucket's bf16 gradients that it widens into f32 means (loomc
 // --grad-reduce wide, the default for a two-rank group within a node)
@@ -59,8 +61,9 @@
 // f32 halves come back: the same bits as widening first, without that pass
 // and with half the bytes out. GPT-2 350M dp2 on two H200s: 42.2, 42.6,
 // 42.5 ms a step against 42.5, 42.9, 42.8 with the products writing f32
-// gradients, and 43.1, 43.3, 42.7 widening first (2026-11-30).
-// LOOM_CUDA_PEER_WIDE=0 widens first.
+// gradients, and 43.1, 43.3, 42.7 widening first; in a second call 42.6,
+// 42.2, 42.2 against 42.3, 42.6, 42.4 (2026-11-30): faster in five rounds
+// of six. LOOM_CUDA_PEER_WIDE=0 widens first.
 //
 //===----------------------------------------------------------------------===//
 
