@@ -81,6 +81,20 @@ namespace loom::rt::cuda {
 
 namespace {
 
+/// Spins until the count the peer writes at `count` reaches `want`, or the
+/// world is aborted (the host then reports why).
+__device__ inline void waitForCount(const unsigned *count, unsigned want, const volatile int *abort) {
+  for (unsigned spins = 0;; ++spins) {
+    unsigned seen;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
+    if (int(seen - want) >= 0)
+      break;
+    if ((spins & 1023) == 0 && *abort)
+      break;
+    __nanosleep(128);
+  }
+}
+
 __global__ void peerBarrierKernel(unsigned *counter, const unsigned *mine, unsigned *theirs,
                                   const volatile int *abort) {
   unsigned e = *counter + 1;
@@ -89,15 +103,7 @@ __global__ void peerBarrierKernel(unsigned *counter, const unsigned *mine, unsig
   // copies are complete: stream order) is visible before the count is.
   __threadfence_system();
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(theirs), "r"(e) : "memory");
-  for (unsigned spins = 0;; ++spins) {
-    unsigned seen;
-    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(seen) : "l"(mine) : "memory");
-    if (int(seen - e) >= 0)
-      break;
-    if ((spins & 1023) == 0 && *abort)
-      break; // the world was aborted: the host reports why
-    __nanosleep(128);
-  }
+  waitForCount(mine, e, abort);
   __threadfence_system();
 }
 
@@ -106,16 +112,7 @@ __global__ void peerBarrierKernel(unsigned *counter, const unsigned *mine, unsig
 /// link waits here, before it writes into the peer's scratch, until the
 /// peer has arrived as often as this rank has.
 __global__ void peerWaitReleasedKernel(const unsigned *arrived, const unsigned *peerArrived, const volatile int *abort) {
-  unsigned want = *arrived;
-  for (unsigned spins = 0;; ++spins) {
-    unsigned seen;
-    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(seen) : "l"(peerArrived) : "memory");
-    if (int(seen - want) >= 0)
-      break;
-    if ((spins & 1023) == 0 && *abort)
-      break;
-    __nanosleep(128);
-  }
+  waitForCount(peerArrived, *arrived, abort);
 }
 
 __global__ void peerReleaseKernel(unsigned *arrived, unsigned *theirs) {
