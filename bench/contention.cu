@@ -125,6 +125,23 @@ struct Gpu {
   ncclComm_t comm = nullptr;
 };
 
+/// cuBLASLt's first choice for `desc` over g's layouts and workspace.
+static cublasLtMatmulAlgo_t heuristicAlgo(Gpu &g, cublasLtMatmulDesc_t desc, const char *what) {
+  cublasLtMatmulPreference_t pref;
+  CL(cublasLtMatmulPreferenceCreate(&pref));
+  CL(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &g.workBytes,
+                                          sizeof(g.workBytes)));
+  cublasLtMatmulHeuristicResult_t res[1];
+  int found = 0;
+  CL(cublasLtMatmulAlgoGetHeuristic(g.lt, desc, g.la, g.lb, g.lc, g.lc, pref, 1, res, &found));
+  CL(cublasLtMatmulPreferenceDestroy(pref));
+  if (found < 1) {
+    std::fprintf(stderr, "no cuBLASLt algorithm for %s\n", what);
+    std::exit(1);
+  }
+  return res[0].algo;
+}
+
 static void setupGemm(Gpu &g, int m, int n, int k) {
   CK(cudaSetDevice(g.dev));
   CL(cublasLtCreate(&g.lt));
@@ -139,19 +156,7 @@ static void setupGemm(Gpu &g, int m, int n, int k) {
   CL(cublasLtMatrixLayoutCreate(&g.la, CUDA_R_16BF, m, k, m));
   CL(cublasLtMatrixLayoutCreate(&g.lb, CUDA_R_16BF, k, n, k));
   CL(cublasLtMatrixLayoutCreate(&g.lc, CUDA_R_16BF, m, n, m));
-  cublasLtMatmulPreference_t pref;
-  CL(cublasLtMatmulPreferenceCreate(&pref));
-  CL(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &g.workBytes,
-                                          sizeof(g.workBytes)));
-  cublasLtMatmulHeuristicResult_t res[1];
-  int found = 0;
-  CL(cublasLtMatmulAlgoGetHeuristic(g.lt, g.desc, g.la, g.lb, g.lc, g.lc, pref, 1, res, &found));
-  if (found < 1) {
-    std::fprintf(stderr, "no cuBLASLt algorithm for %dx%dx%d\n", m, n, k);
-    std::exit(1);
-  }
-  g.algo = res[0].algo;
-  CL(cublasLtMatmulPreferenceDestroy(pref));
+  g.algo = heuristicAlgo(g, g.desc, "the product");
 }
 
 static void setupGemmSm(Gpu &g, int target) {
@@ -160,30 +165,13 @@ static void setupGemmSm(Gpu &g, int target) {
     CL(cublasLtMatmulDescDestroy(g.descSm));
   CL(cublasLtMatmulDescCreate(&g.descSm, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   CL(cublasLtMatmulDescSetAttribute(g.descSm, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &target, sizeof(target)));
-  cublasLtMatmulPreference_t pref;
-  CL(cublasLtMatmulPreferenceCreate(&pref));
-  CL(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &g.workBytes,
-                                          sizeof(g.workBytes)));
-  cublasLtMatmulHeuristicResult_t res[1];
-  int found = 0;
-  CL(cublasLtMatmulAlgoGetHeuristic(g.lt, g.descSm, g.la, g.lb, g.lc, g.lc, pref, 1, res, &found));
-  if (found < 1) {
-    std::fprintf(stderr, "no cuBLASLt algorithm for %d SMs\n", target);
-    std::exit(1);
-  }
-  g.algoSm = res[0].algo;
-  CL(cublasLtMatmulPreferenceDestroy(pref));
+  g.algoSm = heuristicAlgo(g, g.descSm, "the product for fewer SMs");
 }
 
 static void gemm(Gpu &g) {
   float alpha = 1.0f, beta = 0.0f;
-  if (g.useSm) {
-    CL(cublasLtMatmul(g.lt, g.descSm, &alpha, g.a, g.la, g.b, g.lb, &beta, g.c, g.lc, g.c, g.lc, &g.algoSm, g.work,
-                      g.workBytes, g.compute));
-    return;
-  }
-  CL(cublasLtMatmul(g.lt, g.desc, &alpha, g.a, g.la, g.b, g.lb, &beta, g.c, g.lc, g.c, g.lc, &g.algo, g.work,
-                    g.workBytes, g.compute));
+  CL(cublasLtMatmul(g.lt, g.useSm ? g.descSm : g.desc, &alpha, g.a, g.la, g.b, g.lb, &beta, g.c, g.lc, g.c, g.lc,
+                    g.useSm ? &g.algoSm : &g.algo, g.work, g.workBytes, g.compute));
 }
 
 int main(int argc, char **argv) {

@@ -124,7 +124,8 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &manifest, const std::ve
                                          int self = -1, Communicator *bootstrap = nullptr,
                                          double timeoutSeconds = 300);
 /// "ranks 0-1" for each two-rank group whose gradient buckets go over peer
-/// memory (CudaPeerCollectives.cu), joined by ", "; "" where none do.
+/// memory (CudaPeerCollectives.cu), "(ZeRO's slices too)" after it where
+/// its ZeRO collectives do as well, joined by ", "; "" where none do.
 std::string describePeerLinks(const NcclWorld &world);
 /// Aborts every communicator (a rank failed): ranks blocked in NCCL return,
 /// and fail naming `reason` (the first one given).

@@ -666,10 +666,10 @@ int run(int argc, char **argv) {
                 shape.empty() ? "data parallel" : shape.c_str(),
                 processComm ? (launchedByMpi() ? "one process each, over MPI" : "one process each, over TCP")
                 : ncclWorld ? "one GPU and thread each, over NCCL" : "threads in this process");
-    if (ncclWorld && !describePeerLinks(*ncclWorld).empty())
+    if (std::string peers = ncclWorld ? describePeerLinks(*ncclWorld) : ""; !peers.empty())
       std::printf("gradient buckets over peer memory, copy engines moving the bytes: %s "
                   "(LOOM_CUDA_PEER_COLLECTIVES=0: NCCL's; LOOM_CUDA_PEER_ZERO=0: NCCL's for ZeRO)\n",
-                  describePeerLinks(*ncclWorld).c_str());
+                  peers.c_str());
   }
   std::printf("%s: model %s, batch %lld, %zu parameter tensors, arena %.1f MiB (activations %.1f MiB), %s backend\n",
               bundle.c_str(), s.manifest().model.c_str(), (long long)s.manifest().batch, r.params.size(),

@@ -78,13 +78,10 @@ struct PeerPart {
 void peerAllReduce(const PeerLink &link, const volatile int *abort, const std::vector<PeerPart> &parts, int op,
                    cudaStream_t s);
 /// ZeRO's two-rank exchange: waits until the peer has read what the last
-/// collective over `link` left in its scratch (peerReleased), pushes
-/// `bytes` at `send` into the peer's scratch with the copy engines, and
-/// waits for the peer's: then link.scratch holds the peer's bytes. The
-/// caller reads them on `s`, then calls peerReleased.
-void peerExchange(const PeerLink &link, const volatile int *abort, const void *send, size_t bytes, cudaStream_t s);
-/// The same with the bytes pushed in pieces: `bytes` at `from` to `at` in
-/// the peer's scratch, each a copy-engine copy (no kernel packs them).
+/// collective over `link` left in its scratch (peerReleased), pushes each
+/// piece (`bytes` at `from`, to `at` in the peer's scratch) with the copy
+/// engines, and waits for the peer's: then link.scratch holds the peer's
+/// pieces. The caller reads them on `s`, then calls peerReleased.
 struct PeerPiece {
   size_t at;
   const void *from;

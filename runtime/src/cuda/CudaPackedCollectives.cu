@@ -183,6 +183,13 @@ __global__ void sumShardSegmentsKernel(const PackedTensor *t, const __nv_bfloat1
   }
 }
 
+/// How many elements of x's whole part `part` holds: k, fewer for the
+/// last part of a tensor that does not divide evenly, none past its end.
+__host__ __device__ inline int64_t partLength(const PackedTensor &x, int64_t part) {
+  int64_t left = x.n - part * x.k;
+  return left <= 0 ? 0 : left < x.k ? left : x.k;
+}
+
 /// Two ranks over peer memory: each tensor's f32 shard from this rank's
 /// own part of its gradient, read in place, and the peer's part of it,
 /// pushed into this rank's scratch (`theirs`, `slot` bytes an element from
@@ -193,7 +200,7 @@ __global__ void sumPeerPartsKernel(const PackedTensor *t, const char *theirs, in
                                    float scale) {
   const PackedTensor &x = t[blockIdx.y];
   bool bf = allBf16 || x.bf16Whole;
-  int64_t begin = self * x.k, len = max(int64_t(0), min(x.k, x.n - begin));
+  int64_t begin = self * x.k, len = partLength(x, self);
   const char *from = theirs + x.offset * slot;
   SEGMENT_LOOP(i, x.k) {
     float sum = 0.0f;
@@ -212,7 +219,7 @@ __global__ void sumPeerPartsKernel(const PackedTensor *t, const char *theirs, in
 /// this rank's shard, rounded to T as packShardSegmentsKernel rounds.
 template <typename T> __global__ void shardsIntoWholesKernel(const PackedTensor *t, int64_t self) {
   const PackedTensor &x = t[blockIdx.y];
-  int64_t begin = self * x.k, len = max(int64_t(0), min(x.k, x.n - begin));
+  int64_t begin = self * x.k, len = partLength(x, self);
   T *dst = reinterpret_cast<T *>(x.whole) + begin;
   SEGMENT_LOOP(i, len) dst[i] = packedAs<T>(x.shard[i]);
 }
@@ -389,7 +396,7 @@ static std::vector<PeerPiece> partPieces(const std::vector<PackedTensor> &list, 
   std::vector<PeerPiece> pieces;
   for (const PackedTensor &x : list) {
     size_t width = allBf16 || x.bf16Whole ? 2 : 4;
-    int64_t begin = part * x.k, len = std::max<int64_t>(0, std::min(x.k, x.n - begin));
+    int64_t begin = part * x.k, len = partLength(x, part);
     if (len > 0)
       pieces.push_back({size_t(x.offset) * slot, reinterpret_cast<const char *>(x.whole) + size_t(begin) * width,
                         size_t(len) * width});
@@ -687,8 +694,7 @@ Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t ind
     std::vector<std::tuple<char *, const char *, size_t>> ownCopies, peerCopies; // to, from, bytes
     for (const PackedTensor &x : host) {
       char *whole = reinterpret_cast<char *>(x.whole);
-      int64_t own = std::max<int64_t>(0, std::min(x.k, x.n - self * x.k)),
-              theirs = std::max<int64_t>(0, std::min(x.k, x.n - (1 - self) * x.k));
+      int64_t own = partLength(x, self), theirs = partLength(x, 1 - self);
       if (!bf16 && own > 0)
         ownCopies.push_back({whole + size_t(self * x.k) * width, reinterpret_cast<const char *>(x.shard),
                              size_t(own) * width});

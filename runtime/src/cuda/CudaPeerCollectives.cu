@@ -220,10 +220,6 @@ void peerReleased(const PeerLink &link, cudaStream_t s) {
   peerReleaseKernel<<<1, 1, 0, s>>>(link.released, link.peer->peerReleased);
 }
 
-void peerExchange(const PeerLink &link, const volatile int *abort, const void *send, size_t bytes, cudaStream_t s) {
-  peerExchange(link, abort, {PeerPiece{0, send, bytes}}, s);
-}
-
 void peerExchange(const PeerLink &link, const volatile int *abort, const std::vector<PeerPiece> &pieces,
                   cudaStream_t s) {
   for (const PeerPiece &p : pieces)

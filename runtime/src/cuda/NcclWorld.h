@@ -77,8 +77,9 @@ public:
   std::map<std::pair<int, int>, std::map<int, ncclComm_t>> links; // (from, to) -> rank -> comm
 #endif
   std::vector<int> devices;
-  /// Two-rank groups whose asynchronous all-reduces go over peer memory:
-  /// members -> rank -> its end (none under LOOM_CUDA_PEER_COLLECTIVES=0).
+  /// Two-rank groups whose asynchronous all-reduces, and ZeRO collectives,
+  /// go over peer memory: members -> rank -> its end (none under
+  /// LOOM_CUDA_PEER_COLLECTIVES=0).
   std::map<std::vector<int>, std::map<int, PeerLink>> peerLinks;
   /// Host memory the GPUs read (mapped): set when the world is aborted, so
   /// that a peer barrier waiting for a rank that failed returns.
@@ -116,8 +117,8 @@ public:
 };
 
 /// Peer links for the two-rank "dp" groups of `manifest` with asynchronous
-/// all-reduces, where both ranks run in this process (`self` < 0) on GPUs
-/// that reach each other. Made after the communicators; freed by the
+/// all-reduces or ZeRO collectives, where both ranks run in this process
+/// (`self` < 0) on GPUs that reach each other. Made after the communicators; freed by the
 /// world's destructor (freePeerLinks).
 void makePeerLinks(NcclWorld &world, const Manifest &manifest, int self);
 void freePeerLinks(NcclWorld &world);
