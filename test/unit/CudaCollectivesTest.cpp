@@ -713,3 +713,66 @@ TEST(CudaCollectives, PeerZeroCollectivesOnTwoGpus) {
     }
   }
 }
+
+// A bucket whose sums the update makes (DeferredPart; the default, and
+// LOOM_CUDA_PEER_DEFER=0 sums them in the all-reduce): the bucket's large bf16 gradients only cross the link (each
+// rank's copied into its f32 output's memory and pushed into the peer's
+// deferred region), and the global norm and AdamW read the pair, combining
+// it as the all-reduce would have. A small gradient stays packed (the
+// all-reduce's way). Over three rounds (the second and third replaying the
+// captured graph, the pushes of a round waiting for the peer to have read
+// the last), with clipping and two weight decays in one run of updates,
+// both ranks' parameters must be the same bits as with deferral off, and
+// as each other's.
+TEST(CudaCollectives, PeerDeferredSumsOnTwoGpus) {
+  if (std::string why = twoPeerGpus(); !why.empty())
+    GTEST_SKIP() << why;
+  loom::rt::test::ProgramBuilder p;
+  std::vector<int64_t> sizes = {3000001, 600017, 999};
+  Instruction bucket{"all_reduce", {}, {}, {{"reduction", "mean"}, {"group", "dp"}, {"async", true}, {"event", 0}}};
+  Instruction norm{"global_norm", {}, {}, nlohmann::json::object()};
+  std::vector<int64_t> grads, params;
+  std::vector<Instruction> updates;
+  int64_t step = p.add({}, LOOM_F32, "step"), gradNorm = p.add({}, LOOM_F32, "norm");
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    int64_t g = p.add({sizes[t]}, LOOM_BF16, "grad"), mean = p.add({sizes[t]}, LOOM_F32, "mean");
+    int64_t w = p.add({sizes[t]}, LOOM_F32, "w"), m1 = p.add({sizes[t]}, LOOM_F32, "m"),
+            m2 = p.add({sizes[t]}, LOOM_F32, "v");
+    bucket.in.push_back(g), bucket.out.push_back(mean), norm.in.push_back(mean);
+    grads.push_back(g), params.push_back(w);
+    updates.push_back(Instruction{"adamw", {w, mean, m1, m2, step, gradNorm}, {w, m1, m2},
+                                  {{"lr", 1e-2}, {"beta1", 0.9}, {"beta2", 0.95}, {"eps", 1e-8}, {"clip", 1.0},
+                                   {"weight_decay", t == 0 ? 0.1 : 0.0}}});
+  }
+  norm.out.push_back(gradNorm);
+  std::vector<Instruction> program = {bucket, Instruction{"event_wait", {}, {}, {{"event", 0}}},
+                                      Instruction{"step_increment", {step}, {step}, nlohmann::json::object()}, norm};
+  program.insert(program.end(), updates.begin(), updates.end());
+  Manifest m = twoRanks(p, program, "dp");
+  setenv("LOOM_CUDA_PEER_DEFER", "1", 1);
+  setenv("LOOM_CUDA_PEER_SCRATCH_MIB", "16", 1);
+  auto world = makeNcclWorld(m, {0, 1});
+  unsetenv("LOOM_CUDA_PEER_SCRATCH_MIB");
+  ASSERT_EQ(describePeerLinks(*world), "ranks 0-1 (sums in the update: 7 MiB a rank)");
+  constexpr int kRounds = 3;
+  PerRank inputs = randomInputs(m, grads, kRounds);
+  std::vector<PerRank> results(2);
+  for (const char *defer : {"1", "0"}) {
+    SCOPED_TRACE(std::string("LOOM_CUDA_PEER_DEFER=") + defer);
+    setenv("LOOM_CUDA_PEER_DEFER", defer, 1);
+    PerRank &r = results[defer[0] == '1' ? 0 : 1];
+    std::vector<std::string> errors = runOnTwoGpus(m, *world, program, grads, inputs, params, r);
+    ASSERT_EQ(errors[0], "");
+    ASSERT_EQ(errors[1], "");
+  }
+  unsetenv("LOOM_CUDA_PEER_DEFER");
+  for (int round = 0; round < kRounds; ++round)
+    for (size_t t = 0; t < params.size(); ++t) {
+      const std::vector<char> &want = results[1][size_t(round)][0][t];
+      EXPECT_NE(want, std::vector<char>(want.size(), 0)) << "round " << round << ", parameter " << t << " never moved";
+      for (int k = 0; k < 2; ++k) {
+        EXPECT_EQ(results[0][size_t(round)][size_t(k)][t], want) << "round " << round << ", rank " << k << ", parameter " << t;
+        EXPECT_EQ(results[1][size_t(round)][size_t(k)][t], want) << "round " << round << ", rank " << k << ", parameter " << t;
+      }
+    }
+}

@@ -104,10 +104,16 @@ Strided strided(const Shape &shape, const std::vector<int64_t> &a, const std::ve
 namespace {
 
 /// Whether two adamw instructions can share one launch: the same
-/// hyperparameters, step counter and gradient norm.
+/// hyperparameters but for their weight decays (each tensor carries its
+/// own), step counter and gradient norm.
 static bool sameAdamw(const Instruction &a, const Instruction &b) {
-  return a.op == "adamw" && b.op == "adamw" && a.attrs == b.attrs && a.in.size() == 6 && b.in.size() == 6 &&
-         a.in[4] == b.in[4] && a.in[5] == b.in[5];
+  auto common = [](nlohmann::json attrs) {
+    if (attrs.is_object())
+      attrs.erase("weight_decay");
+    return attrs;
+  };
+  return a.op == "adamw" && b.op == "adamw" && a.in.size() == 6 && b.in.size() == 6 && a.in[4] == b.in[4] &&
+         a.in[5] == b.in[5] && common(a.attrs) == common(b.attrs);
 }
 
 /// SGD updates with one set of hyperparameters, step and norm (a run of them
@@ -432,9 +438,16 @@ void CudaBackendImpl::prepare(const std::string &program, const std::vector<Inst
       auto kernelOf = [](const Instruction &ins) {
         return ins.attrs.is_object() ? ins.attrs.value("kernel", std::string()) : std::string();
       };
-      size_t end = runOf(unbounded, [&](const Instruction &x) {
-        return gen ? x.op == "adamw" && kernelOf(x) == kernelOf(instrs[i]) : sameAdamw(instrs[i], x);
-      });
+      auto runEnd = [&] {
+        return runOf(unbounded, [&](const Instruction &x) {
+          return gen ? x.op == "adamw" && kernelOf(x) == kernelOf(instrs[i]) : sameAdamw(instrs[i], x);
+        });
+      };
+      size_t end = runEnd();
+      // Ours where a gradient of the run is deferred (the pair is read).
+      for (size_t k = i; gen && k < end; ++k)
+        if (instrs[k].in.size() == 6 && deferredOf(instrs[k].in[1]))
+          gen = false, end = runEnd();
       std::vector<const Instruction *> group;
       for (size_t k = i; k < end; ++k)
         group.push_back(&instrs[k]);

@@ -98,6 +98,45 @@ bool peerCollectives();
 bool peerZero();
 /// Tensors under this many bytes go through NCCL even where a link exists.
 int64_t peerMinBytes();
+/// A bucket's tensors under this many bytes as f32 are packed into one
+/// message (LOOM_CUDA_BUCKET_PACK_BELOW; 0 with LOOM_CUDA_BUCKET_PACKED=0).
+int64_t bucketPackBelow();
+
+/// A two-rank bucket's large bf16 gradient whose f32 mean (or sum) is never
+/// written (LOOM_CUDA_PEER_DEFER): the bucket only moves bytes, with the
+/// copy engines. Each rank copies its own bf16 gradient into the first half
+/// of the f32 output's memory and pushes it into the peer's deferred region
+/// (at `at`); the update's global norm and AdamW, the output's only
+/// readers, combine the two in f32 as they read them (combinePair): the
+/// same bits as the peer all-reduce's outputs, without its sums beside the
+/// backward's products, the reduced halves' return and their copy into
+/// place.
+struct DeferredPart {
+  int64_t in = 0, out = 0, n = 0; // the bf16 gradient, its f32 output (buffer ids), elements
+  size_t at = 0;                  // bytes into PeerLink::deferred
+  int op = 0;                     // combinePair's: 0 sum, 1 mean
+};
+/// Whether buckets may defer their sums (LOOM_CUDA_PEER_DEFER=1).
+bool peerDefer();
+/// Rank program `r`'s deferred parts, in program order with their places:
+/// the wide parts (bf16 gradients of at least peerMinBytes() and not packed)
+/// of its asynchronous two-rank "dp" all-reduces (sum or mean, f32 wire)
+/// whose outputs nothing reads but global norms and AdamW's gradient
+/// operand, and nothing else writes or views. Empty unless peerDefer().
+std::vector<DeferredPart> deferredParts(const RankProgram &r);
+/// The deferred region's size for `parts` (each 256-byte aligned).
+size_t deferredBytes(const std::vector<DeferredPart> &parts);
+/// A deferred bucket's transfers on `s`: `locals` (each rank's gradients
+/// into its outputs' memory), a barrier (the peer has reached the bucket:
+/// its update has read what the last step pushed), the pushes into the
+/// peer's deferred region, and a barrier (the peer's have landed here).
+struct PeerCopy {
+  void *to;
+  const void *from;
+  size_t bytes;
+};
+void peerDeferredPush(const PeerLink &link, const volatile int *abort, const std::vector<PeerCopy> &locals,
+                      const std::vector<PeerCopy> &pushes, cudaStream_t s);
 
 /// Whether environment variable `name` is set to exactly `value` (the
 /// backend's measurement switches: LOOM_CUDA_GRAPHS=0 and the like).
@@ -169,6 +208,11 @@ struct AdamTensor {
   float *m, *v; // v: AdamW's second moment (null for SGD)
   int64_t n;
   __nv_bfloat16 *copy; // the updated p as bf16 (loom-update-copies), or null
+  /// A deferred gradient (DeferredPart): g is this rank's bf16 gradient, and
+  /// the gradient combinePair(g, theirs, op) in f32.
+  const __nv_bfloat16 *theirs = nullptr;
+  int op = 0;
+  float wd = 0; // AdamW's weight decay (a run's tensors may differ)
 };
 struct AdamChunk {
   int64_t tensor, begin, end; // elements [begin, end) of tensors[tensor]
@@ -588,6 +632,14 @@ private:
   bool eventInProgram(int64_t event, bool recordedBefore);
   /// This rank's index in a named group and the group's size.
   std::pair<int64_t, int64_t> placeIn(const std::string &group);
+  /// The deferred part whose f32 output is `out` (DeferredPart), or null:
+  /// its bucket only moves bytes, and the global norm and AdamW read the
+  /// pair. Made once from the rank's programs where the "dp" link has a
+  /// deferred region of their size.
+  const DeferredPart *deferredOf(int64_t out);
+  bool deferredKnown = false;
+  std::map<int64_t, DeferredPart> deferred;
+  const PeerLink *deferredLink = nullptr;
 #ifdef LOOM_HAVE_NCCL
   /// This rank's end of `group`'s peer link, for an asynchronous all-reduce
   /// (null: NCCL's way; CudaPeerCollectives.cu).

@@ -124,6 +124,13 @@ __device__ inline void st2(DPtr p, int64_t i, float a, float b) {
 }
 
 using bf16 = __nv_bfloat16;
+
+/// Two ranks' values of a gradient combined in f32 (0 sum, 1 mean of two,
+/// 2 max): the peer all-reduce's sums, and the updates that read a pair of
+/// bf16 gradients (DeferredPart), the same bits on both ranks (a + b is b + a).
+__device__ inline float combinePair(float a, float b, int op) {
+  return op == 2 ? fmaxf(a, b) : op == 1 ? (a + b) * 0.5f : a + b;
+}
 /// Eight values of p from element i (a multiple of 8): one 16-byte load for
 /// bf16, two for f32.
 __device__ inline void load8(DPtr p, int64_t i, float out[8]) {

@@ -57,18 +57,33 @@ template <bool Accumulate> __global__ void __launch_bounds__(256) castChunksKern
 struct SquareChunk {
   DPtr g;
   int64_t begin, end;
+  /// A deferred gradient (DeferredPart): g this rank's bf16 values, the
+  /// gradient combinePair(g, theirs, op), read four at a time as its f32
+  /// output would be (the same sums, in the same order).
+  const __nv_bfloat16 *theirs = nullptr;
+  int op = 0;
 };
+__device__ inline void loadPair4(const SquareChunk &c, int64_t i, float v[8]) {
+  uint2 a = *reinterpret_cast<const uint2 *>(static_cast<const __nv_bfloat16 *>(c.g.p) + i),
+        b = *reinterpret_cast<const uint2 *>(c.theirs + i);
+  const __nv_bfloat16 *x = reinterpret_cast<const __nv_bfloat16 *>(&a), *y = reinterpret_cast<const __nv_bfloat16 *>(&b);
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    v[e] = combinePair(__bfloat162float(x[e]), __bfloat162float(y[e]), c.op), v[e + 4] = 0;
+}
 __global__ void __launch_bounds__(256) sumSquaresChunksKernel(const SquareChunk *chunks, double *partial) {
   __shared__ float shared[32];
   SquareChunk c = chunks[blockIdx.x];
   float s = 0;
   int64_t begin = c.begin;
-  int pack = c.g.bf ? 8 : 4;
-  if (reinterpret_cast<uintptr_t>(c.g.p) % 16 == 0) {
+  int pack = c.g.bf && !c.theirs ? 8 : 4;
+  if (reinterpret_cast<uintptr_t>(c.g.p) % 16 == 0 && reinterpret_cast<uintptr_t>(c.theirs) % 8 == 0) {
     int64_t endV = begin + (c.end - begin) / pack * pack;
     for (int64_t i = begin + int64_t(threadIdx.x) * pack; i < endV; i += int64_t(blockDim.x) * pack) {
       float v[8];
-      if (c.g.bf) {
+      if (c.theirs) {
+        loadPair4(c, i, v);
+      } else if (c.g.bf) {
         load8(c.g, i, v);
       } else {
         Pack<float> a = load(static_cast<const float *>(c.g.p) + i);
@@ -80,8 +95,10 @@ __global__ void __launch_bounds__(256) sumSquaresChunksKernel(const SquareChunk 
     }
     begin = endV;
   }
-  for (int64_t i = begin + threadIdx.x; i < c.end; i += blockDim.x)
-    s += c.g[i] * c.g[i];
+  for (int64_t i = begin + threadIdx.x; i < c.end; i += blockDim.x) {
+    float g = c.theirs ? combinePair(c.g[i], __bfloat162float(c.theirs[i]), c.op) : c.g[i];
+    s += g * g;
+  }
   s = blockSum(s, shared);
   if (threadIdx.x == 0)
     partial[blockIdx.x] = s;
@@ -159,30 +176,38 @@ __global__ void adamScalarsKernel(const float *step, const float *norm, Optimize
 }
 
 __global__ void __launch_bounds__(256) adamwKernel(const AdamTensor *tensors, const AdamChunk *chunks,
-                                                   const StepScalars *scalars, float b1, float b2, float eps,
-                                                   float wd) {
+                                                   const StepScalars *scalars, float b1, float b2, float eps) {
   const StepScalars s = *scalars;
   // m / c1 / (sqrt(v / c2) + eps) with one division: m / (c1 (sqrt(v) / sqrt(c2) + eps)).
   const float inv1 = 1.0f / s.c1, invSqrt2 = rsqrtf(s.c2);
+  AdamChunk c = chunks[blockIdx.x];
+  AdamTensor t = tensors[c.tensor];
+  const float wd = t.wd;
   auto update = [&](float &pi, float gi, float &mi, float &vi) {
     gi *= s.scale;
     mi = b1 * mi + (1 - b1) * gi;
     vi = b2 * vi + (1 - b2) * gi * gi;
     pi -= s.rate * ((mi * inv1) / (sqrtf(vi) * invSqrt2 + eps) + wd * pi);
   };
-  AdamChunk c = chunks[blockIdx.x];
-  AdamTensor t = tensors[c.tensor];
   int64_t begin = c.begin;
   bool aligned = ((reinterpret_cast<uintptr_t>(t.p) | reinterpret_cast<uintptr_t>(t.g.p) |
                    reinterpret_cast<uintptr_t>(t.m) | reinterpret_cast<uintptr_t>(t.v)) % 16) == 0 &&
-                 reinterpret_cast<uintptr_t>(t.copy) % 8 == 0;
+                 reinterpret_cast<uintptr_t>(t.copy) % 8 == 0 && reinterpret_cast<uintptr_t>(t.theirs) % 8 == 0;
   if (aligned) { // four at a time with 16-byte accesses (8 for bf16 gradients), then the chunk's tail
     int64_t end4 = begin + (c.end - begin) / 4 * 4;
     float4 *p4 = reinterpret_cast<float4 *>(t.p), *m4 = reinterpret_cast<float4 *>(t.m),
            *v4 = reinterpret_cast<float4 *>(t.v);
     for (int q = int(begin / 4) + threadIdx.x, e = int(end4 / 4); q < e; q += blockDim.x) {
       float4 gq;
-      if (t.g.bf) {
+      if (t.theirs) { // a deferred gradient: the pair's combination, as its f32 output would hold it
+        uint2 a = __ldg(reinterpret_cast<const uint2 *>(t.g.p) + q), b = __ldg(reinterpret_cast<const uint2 *>(t.theirs) + q);
+        const __nv_bfloat16 *x = reinterpret_cast<const __nv_bfloat16 *>(&a),
+                            *y = reinterpret_cast<const __nv_bfloat16 *>(&b);
+        gq = make_float4(combinePair(__bfloat162float(x[0]), __bfloat162float(y[0]), t.op),
+                         combinePair(__bfloat162float(x[1]), __bfloat162float(y[1]), t.op),
+                         combinePair(__bfloat162float(x[2]), __bfloat162float(y[2]), t.op),
+                         combinePair(__bfloat162float(x[3]), __bfloat162float(y[3]), t.op));
+      } else if (t.g.bf) {
         uint2 raw = __ldg(reinterpret_cast<const uint2 *>(t.g.p) + q);
         float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&raw.x));
         float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&raw.y));
@@ -209,7 +234,7 @@ __global__ void __launch_bounds__(256) adamwKernel(const AdamTensor *tensors, co
     begin = end4;
   }
   for (int64_t i = begin + threadIdx.x; i < c.end; i += blockDim.x) {
-    update(t.p[i], t.g[i], t.m[i], t.v[i]);
+    update(t.p[i], t.theirs ? combinePair(t.g[i], __bfloat162float(t.theirs[i]), t.op) : t.g[i], t.m[i], t.v[i]);
     if (t.copy)
       t.copy[i] = __float2bfloat16_rn(t.p[i]);
   }
@@ -323,6 +348,12 @@ CudaBackendImpl::UpdateTables CudaBackendImpl::updateTables(const std::vector<co
     int64_t cnt = count(buf(ins->in[0]).shape);
     tensors.push_back({f(ins->in[0]), fp(ins->in[1]), f(ins->in[2]), second ? f(ins->in[3]) : nullptr, cnt,
                        updateCopy(*ins, second ? 3 : 2)});
+    tensors.back().wd = float(num(*ins, "weight_decay", 0));
+    if (const DeferredPart *d = second ? deferredOf(ins->in[1]) : nullptr) { // this rank's half and the peer's
+      tensors.back().g = DPtr{ptr(buf(ins->in[1])), true};
+      tensors.back().theirs = reinterpret_cast<const __nv_bfloat16 *>(deferredLink->deferred + d->at);
+      tensors.back().op = d->op;
+    }
     for (int64_t b = 0, step = chunkElements(); b < cnt; b += step)
       chunks.push_back({int64_t(tensors.size() - 1), b, std::min(cnt, b + step)});
   }
@@ -342,10 +373,10 @@ Launch CudaBackendImpl::buildAdamw(const std::vector<const Instruction *> &group
   if (!t.blocks)
     return [](cudaStream_t) {};
   StepScalars *scalars = deviceArray(std::vector<StepScalars>(1));
-  float b1 = float(a.b1), b2 = float(a.b2), eps = float(a.eps), wd = float(a.wd);
+  float b1 = float(a.b1), b2 = float(a.b2), eps = float(a.eps);
   return [=](cudaStream_t s) {
     adamScalarsKernel<<<1, 1, 0, s>>>(step, norm, a, scalars);
-    adamwKernel<<<t.blocks, 256, 0, s>>>(t.tensors, t.chunks, scalars, b1, b2, eps, wd);
+    adamwKernel<<<t.blocks, 256, 0, s>>>(t.tensors, t.chunks, scalars, b1, b2, eps);
   };
 }
 
@@ -396,8 +427,14 @@ Launch CudaBackendImpl::buildSumOfSquares(const Instruction &ins, const std::set
   for (size_t i = 0; i < ins.in.size(); ++i)
     if (!skip.count(int64_t(i))) {
       int64_t cnt = count(buf(ins.in[i]).shape);
-      for (int64_t b = 0; b < cnt; b += kAdamChunk)
+      const DeferredPart *d = ins.op == "global_norm" ? deferredOf(ins.in[i]) : nullptr;
+      for (int64_t b = 0; b < cnt; b += kAdamChunk) {
         chunks.push_back({fp(ins.in[i]), b, std::min(cnt, b + kAdamChunk)});
+        if (d) // this rank's half and the peer's (DeferredPart)
+          chunks.back().g = DPtr{ptr(buf(ins.in[i])), true},
+          chunks.back().theirs = reinterpret_cast<const __nv_bfloat16 *>(deferredLink->deferred + d->at),
+          chunks.back().op = d->op;
+      }
     }
   reserve(sizeof(double) * (chunks.size() + 1));
   if (chunks.empty())

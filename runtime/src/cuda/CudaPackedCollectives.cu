@@ -278,6 +278,39 @@ bool CudaBackendImpl::bucketPacked() {
   return !envIs("LOOM_CUDA_BUCKET_PACKED", "0");
 }
 
+int64_t bucketPackBelow() {
+  // A bucket's small tensors (under LOOM_CUDA_BUCKET_PACK_BELOW bytes as
+  // f32, 1 MiB by default) go as one packed message instead of one NCCL
+  // call each: a ResNet bucket holds up to a hundred tensors, most of them a
+  // batch norm's few hundred floats, and each call of a group pays its own
+  // latency.
+  static const int64_t packBelow = [] {
+    const char *e = std::getenv("LOOM_CUDA_BUCKET_PACK_BELOW");
+    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t(1) << 20;
+  }();
+  return !envIs("LOOM_CUDA_BUCKET_PACKED", "0") ? packBelow : 0; // CudaBackendImpl::bucketPacked()
+}
+
+const DeferredPart *CudaBackendImpl::deferredOf(int64_t out) {
+#ifdef LOOM_HAVE_NCCL
+  if (!deferredKnown) {
+    deferredKnown = true;
+    const PeerLink *link = peerLinkOf("dp", /*async=*/true);
+    std::vector<DeferredPart> parts = link && link->deferredBytes ? deferredParts(rank) : std::vector<DeferredPart>{};
+    if (!parts.empty() && deferredBytes(parts) == link->deferredBytes) {
+      deferredLink = link;
+      for (const DeferredPart &d : parts)
+        deferred[d.out] = d;
+    }
+  }
+  auto it = deferred.find(out);
+  return it == deferred.end() ? nullptr : &it->second;
+#else
+  (void)out;
+  return nullptr;
+#endif
+}
+
 bool CudaBackendImpl::zeroPacked() {
   // The default since 2 H200s (2026-11-27): GPT-2 350M bf16 ZeRO-1 dp2 39.2
   // ms a step packed against 40.2 per tensor, losses within 1.1e-4 of one
@@ -499,17 +532,10 @@ Launch CudaBackendImpl::wideSumScatterRun(const Instruction &ins, int64_t index,
 }
 
 Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t red, ncclComm_t comm) {
-  // A bucket's small tensors (under LOOM_CUDA_BUCKET_PACK_BELOW bytes as
-  // f32, 1 MiB by default) go as one packed message instead of one NCCL
-  // call each: a ResNet bucket holds up to a hundred tensors, most of them a
-  // batch norm's few hundred floats, and each call of a group pays its own
-  // latency. Large tensors are reduced in place, as before, without the
-  // copies in and out (bf16 ones first widened into their f32 outputs).
-  static const int64_t packBelow = [] {
-    const char *e = std::getenv("LOOM_CUDA_BUCKET_PACK_BELOW");
-    return e ? std::max<int64_t>(0, std::atoll(e)) : int64_t(1) << 20;
-  }();
-  int64_t below = bucketPacked() ? packBelow : 0;
+  // Small tensors packed into one message (bucketPackBelow). Large tensors
+  // are reduced in place, as before, without the copies in and out (bf16
+  // ones first widened into their f32 outputs).
+  int64_t below = bucketPackBelow();
   if (ins.attrs.value("wire", std::string("f32")) == "bf16")
     return buildBf16WireAllReduce(ins, red, comm, below);
   std::vector<PackedTensor> small, widened;
@@ -522,6 +548,7 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
   // LOOM_CUDA_PEER_WIDE=0: no widening pass, and fewer bytes through HBM.
   bool wideOverPeers = link && !envIs("LOOM_CUDA_PEER_WIDE", "0");
   std::vector<PeerPart> wide;
+  std::vector<PeerCopy> locals, pushes; // deferred parts
   // prepare()'s CPU validation has checked the operands: as many outputs as
   // inputs, each output f32 of its input's shape, each input f32 or bf16.
   for (size_t i = 0; i < ins.in.size(); ++i) {
@@ -535,6 +562,12 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
       continue;
     }
     if (t.bf16Whole && wideOverPeers && n * 2 >= peerMinBytes()) {
+      if (const DeferredPart *d = comm ? deferredOf(ins.out[i]) : nullptr) { // the update sums it (DeferredPart)
+        size_t bytes = size_t(n) * 2;
+        locals.push_back({t.shard, ptr(in), bytes});
+        pushes.push_back({deferredLink->peer->deferred + d->at, ptr(in), bytes});
+        continue;
+      }
       wide.push_back({ptr(in), n, true, reinterpret_cast<char *>(t.shard)});
       continue;
     }
@@ -552,7 +585,10 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
        wideGrid = segmentGrid(longestOf(widened.data(), widened.data() + widened.size()), wideCount);
   size_t bytes = size_t(span) * sizeof(float);
   reserveFor(async, bytes); // on the communication stream it has that stream's own workspace
+  const PeerLink *deferTo = pushes.empty() ? nullptr : deferredLink;
   auto run = [=](cudaStream_t s) {
+    if (deferTo)
+      peerDeferredPush(*deferTo, world->peerAbort, locals, pushes, s);
     float *packed = reinterpret_cast<float *>(async ? commWorkspace : workspace);
     if (wideCount && wideSegments)
       widenSegmentsKernel<<<wideGrid, kThreads, 0, s>>>(wideTable, nullptr);

@@ -37,7 +37,9 @@ inline bool isZeroCollective(const Instruction &ins) {
   return (ins.op == "reduce_scatter" || ins.op == "all_gather") && !ins.attrs.contains("axis");
 }
 /// The group an instruction's collective runs over ("dp" unless it names one).
-inline std::string collectiveGroup(const Instruction &ins) { return ins.attrs.value("group", std::string("dp")); }
+inline std::string collectiveGroup(const Instruction &ins) {
+  return ins.attrs.is_object() ? ins.attrs.value("group", std::string("dp")) : std::string("dp");
+}
 
 /// One rank's end of a two-rank data-parallel group whose GPUs reach each
 /// other's memory and whose ranks run in this process
@@ -57,6 +59,11 @@ struct PeerLink {
   unsigned *released = nullptr;
   unsigned *peerReleased = nullptr;
   bool exchanges = false;
+  /// Where the peer pushes its bf16 gradients whose mean the update makes
+  /// itself (DeferredPart, LOOM_CUDA_PEER_DEFER): this rank's GPU, after
+  /// the scratch; 0 bytes where no bucket defers.
+  char *deferred = nullptr;
+  size_t deferredBytes = 0;
   PeerLink *peer = nullptr; // the other rank's end
   /// The allocation behind counter, flag and scratch: made with CUDA's
   /// virtual memory calls and mapped for this rank's GPU and its peer's
