@@ -401,6 +401,22 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     s.forwardTime += forward, s.backwardTime += backward, s.weightGradTime += weightGrad;
   }
   ParameterBytes perParam = parameterBytes(options.precision, plan.zero, d, m, options.gradReduceBf16);
+  // The peer's bf16 gradients a two-rank group's update sums (peerDeferredSums).
+  bool deferredSums = options.peerDeferredSums && d == 2 && plan.zero == 0 && m == 1 &&
+                      options.precision == Precision::Bf16 && !options.gradReduceBf16 &&
+                      t * d <= machines.devicesPerNode;
+  auto deferredSumBytes = [&](int64_t st) {
+    if (!deferredSums)
+      return 0.0;
+    double elements = 0;
+    for (const std::vector<LayerMemory> &chunk : stageChunks[size_t(st)])
+      for (const LayerMemory &l : chunk) {
+        elements += l.params;
+        for (const auto &[name, tied] : l.tied)
+          elements -= tied;
+      }
+    return 2 * std::max(0.0, elements);
+  };
   double slowest = 0, slowestCompute = 0, slowestTp = 0, slowestForward = 0, slowestWeight = 0;
   for (int64_t st = 0; st < p; ++st) {
     StagePlan &s = plan.stages[st];
@@ -425,7 +441,7 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
                     (plan.zero > 0 && d > 1 && options.zeroWideSums && options.precision == Precision::Bf16
                          ? options.zeroPointToPointBytes
                          : 0.0) +
-                    (d == 2 ? options.peerScratchBytes : 0.0);
+                    (d == 2 ? options.peerScratchBytes : 0.0) + deferredSumBytes(st);
     double stageTime = s.forwardTime + s.backwardTime;
     if (stageTime > slowest) {
       slowest = stageTime;
