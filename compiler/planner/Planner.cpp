@@ -402,9 +402,11 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
   }
   ParameterBytes perParam = parameterBytes(options.precision, plan.zero, d, m, options.gradReduceBf16);
   // The peer's bf16 gradients a two-rank group's update sums (peerDeferredSums).
-  bool deferredSums = options.peerDeferredSums && d == 2 && plan.zero == 0 && m == 1 &&
+  // Not under tensor or pipeline parallelism: there the global norm sums
+  // over the model-parallel group, and the runtime keeps the all-reduce's sums.
+  bool deferredSums = options.peerDeferredSums && d == 2 && t == 1 && p == 1 && plan.zero == 0 && m == 1 &&
                       options.precision == Precision::Bf16 && !options.gradReduceBf16 &&
-                      t * d <= machines.devicesPerNode;
+                      d <= machines.devicesPerNode;
   auto deferredSumBytes = [&](int64_t st) {
     if (!deferredSums)
       return 0.0;
@@ -536,6 +538,10 @@ Plan Planner::evaluate(int64_t batch, Plan plan) const {
     double scatterWidth = options.zeroWideSums && options.precision == Precision::Bf16 ? 2 : 4;
     dpComm = plan.zero ? reduceScatterTime(scatterWidth * stageParams, d, dpLink)
                        : allReduceTime(width * stageParams, d, dpLink);
+    // The runtime's deferred sums (peerDeferredSums): each rank's bf16
+    // gradients cross once, whole, and nothing comes back.
+    if (deferredSums)
+      dpComm = allGatherTime(2.0 * d * stageParams, d, dpLink);
   }
   // ZeRO-1's reduce-scatter goes out in the same buckets, but measured on
   // two H200s nothing of it is hidden: GPT-2 350M's and GPT 1.3B's ZeRO-1

@@ -194,14 +194,16 @@ struct CostOptions {
   /// ZeRO-3 12.00 against 11.76; ZeRO-1 13.60 against 13.78, since its
   /// reduce-scatters no longer fill NCCL's point-to-point buffers).
   double peerScratchBytes = 0.25 * (1ull << 30);
-  /// Where such a group reduces bf16 gradients into f32 means (one
-  /// microbatch, bf16, no ZeRO), the runtime pushes each rank's bf16
+  /// Where such a group reduces bf16 gradients into f32 means (plain dp2:
+  /// no tp or pp, one microbatch, bf16, no ZeRO), the runtime pushes each rank's bf16
   /// gradients whole into the peer's memory and the update sums them
   /// (DeferredPart in runtime/src/cuda/CudaBackendImpl.h): 2 bytes a
   /// parameter more on each rank, tied tensors (summed in f32) aside. GPT-2
   /// 350M dp2 on two H200s, 2026-11-30: 14.27 GiB in use against 13.71,
-  /// 42.0-42.6 ms a step against 42.8-43.1. Priced for every such plan,
-  /// though an SGD update keeps the all-reduce's sums (ResNet-50: 50 MB over).
+  /// 42.0-42.6 ms a step against 42.8-43.1. Its gradients cross once, whole,
+  /// and nothing comes back (priced as a gather of them: 42.7 ms predicted).
+  /// Priced for every such plan, though an SGD update, or --grad-reduce f32,
+  /// keeps the all-reduce's sums (ResNet-50: 50 MB over).
   bool peerDeferredSums = true;
   /// The compiled step's element types (loomc compile --precision), for its
   /// memory; the step time's activation width is `activationBytes`.

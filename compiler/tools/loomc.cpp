@@ -294,8 +294,10 @@ cl::opt<std::string> planPrecision("precision",
                                    cl::init("bf16"), cl::sub(planCmd));
 cl::opt<std::string> planGradReduce("grad-reduce",
                                     cl::desc("Price the data-parallel gradient all-reduce as loomc compile "
-                                             "--grad-reduce runs it: auto, f32 or wide (the default; priced "
-                                             "alike, as f32) or bf16 (half the bytes, with --precision bf16)"),
+                                             "--grad-reduce runs it: auto or wide (the default: a two-rank "
+                                             "group in a node sends its bf16 gradients once and the update "
+                                             "sums them), f32 (f32 gradients all-reduced) or bf16 (bf16 "
+                                             "means, with --precision bf16)"),
                                     cl::init("auto"), cl::sub(planCmd));
 cl::opt<bool> planMaterialized("materialized-attention",
                                cl::desc("Model attention that writes its scores to memory (no "
@@ -534,6 +536,8 @@ int runCompile() {
     ::loom::planner::CostOptions costs;
     costs.precision = precision; // the memory predicted is the bundle's
     costs.gradReduceBf16 = gradReduceBf16;
+    // The CUDA runtime's deferred sums need the bf16 gradients of --grad-reduce wide (auto: --target cuda).
+    costs.peerDeferredSums = trainGradReduce == "wide" || (trainGradReduce == "auto" && cuda);
     costs.lossGradientInPlace = compileFuse || cuda;
     costs.accumulateInProducts = compileFuse || cuda; // loom-accumulate-in-products runs with --fuse
     ::loom::planner::Planner planner(*spec, cluster, costs);
@@ -779,6 +783,7 @@ int runPlan() {
     return fail("--precision must be f32 or bf16, got '" + planPrecision + "'");
   if (!parseGradReduce(planGradReduce, costs.gradReduceBf16))
     return fail("--grad-reduce must be auto, f32, wide or bf16, got '" + planGradReduce + "'");
+  costs.peerDeferredSums = planGradReduce != "f32" && cluster.device.name != "cpu";
   if (costs.gradReduceBf16 && costs.precision != ::loom::planner::Precision::Bf16)
     return fail("--grad-reduce bf16 averages bf16 gradients: it needs --precision bf16");
   if (!planProfile.empty() && !::loom::planner::loadProfile(planProfile, costs, cluster, error))

@@ -297,7 +297,10 @@ const DeferredPart *CudaBackendImpl::deferredOf(int64_t out) {
     deferredKnown = true;
     const PeerLink *link = peerLinkOf("dp", /*async=*/true);
     std::vector<DeferredPart> parts = link && link->deferredBytes ? deferredParts(rank) : std::vector<DeferredPart>{};
-    if (!parts.empty() && deferredBytes(parts) == link->deferredBytes) {
+    if (!parts.empty() && deferredBytes(parts) != link->deferredBytes) // both ranks' barriers must match
+      fail(LOOM_INTERNAL, "rank ", rank.rank, "'s deferred bucket sums need ", deferredBytes(parts),
+           " bytes but its link holds ", link->deferredBytes, "; LOOM_CUDA_PEER_DEFER=0 sums in the all-reduce");
+    if (!parts.empty()) {
       deferredLink = link;
       for (const DeferredPart &d : parts)
         deferred[d.out] = d;
@@ -556,13 +559,18 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
     int64_t n = count(in.shape);
     PackedTensor t{reinterpret_cast<float *>(ptr(in)), f(ins.out[i]), n, n, 0};
     t.bf16Whole = in.dtype == LOOM_BF16;
+    // The update reads a deferred output as a pair: this bucket must push it.
+    const DeferredPart *d = deferredOf(ins.out[i]);
+    if (d && !(comm && t.bf16Whole && wideOverPeers && n * 2 >= peerMinBytes() && n * 4 >= below))
+      fail(LOOM_INTERNAL, where, ": output ", i, " is summed by the update, but this bucket would sum it itself "
+           "(the environment changed since the GPUs were linked?); LOOM_CUDA_PEER_DEFER=0 sums in the all-reduce");
     if (n * int64_t(sizeof(float)) < below) {
       t.offset = span, span += n;
       small.push_back(t);
       continue;
     }
     if (t.bf16Whole && wideOverPeers && n * 2 >= peerMinBytes()) {
-      if (const DeferredPart *d = comm ? deferredOf(ins.out[i]) : nullptr) { // the update sums it (DeferredPart)
+      if (d) { // the update sums it (DeferredPart)
         size_t bytes = size_t(n) * 2;
         locals.push_back({t.shard, ptr(in), bytes});
         pushes.push_back({deferredLink->peer->deferred + d->at, ptr(in), bytes});
