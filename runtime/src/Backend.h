@@ -127,6 +127,31 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &manifest, const std::ve
 /// memory (CudaPeerCollectives.cu), "(ZeRO's slices too)" after it where
 /// its ZeRO collectives do as well, joined by ", "; "" where none do.
 std::string describePeerLinks(const NcclWorld &world);
+/// A two-rank bucket's large bf16 gradient whose f32 mean (or sum) is never
+/// written (the CUDA runtime's deferred sums, LOOM_CUDA_PEER_DEFER): the
+/// bucket only moves bytes, with the copy engines. Each rank copies its own
+/// bf16 gradient into the first half of the f32 output's memory and pushes
+/// it into the peer's deferred region (at `at`); the update's global norm
+/// and AdamW, the output's only readers, combine the two in f32 as they
+/// read them: the same bits as the peer all-reduce's outputs, without its
+/// sums beside the backward's products, the reduced halves' return and
+/// their copy into place (runtime/src/cuda/CudaPeerCollectives.cu).
+struct DeferredPart {
+  int64_t in = 0, out = 0, n = 0; // the bf16 gradient, its f32 output (buffer ids), elements
+  size_t at = 0;                  // bytes into the link's deferred region
+  int op = 0;                     // 0 sum, 1 mean of the two
+};
+/// Rank program `r`'s deferred parts, in program order with their places:
+/// the wide parts (bf16 gradients of at least LOOM_CUDA_PEER_BELOW bytes,
+/// and not packed as small) of its asynchronous two-rank "dp" all-reduces
+/// (sum or mean, f32 wire) whose outputs nothing reads but global norms
+/// without a group and AdamW's gradient operand, and nothing else writes,
+/// views or names (inputs, outputs, parameters, state). Empty where the
+/// runtime has no CUDA, under LOOM_CUDA_PEER_DEFER=0, LOOM_CUDA_PEER_WIDE=0,
+/// LOOM_CUDA_PEER_COLLECTIVES=0 or LOOM_CUDA_COLLECTIVES=skip.
+std::vector<DeferredPart> deferredParts(const RankProgram &r);
+/// The deferred region's size for `parts` (each 256-byte aligned).
+size_t deferredBytes(const std::vector<DeferredPart> &parts);
 /// Aborts every communicator (a rank failed): ranks blocked in NCCL return,
 /// and fail naming `reason` (the first one given).
 void abortNcclWorld(NcclWorld &world, const std::string &reason = "");

@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <cstdlib>
 #include <random>
 #include <string>
@@ -775,4 +776,90 @@ TEST(CudaCollectives, PeerDeferredSumsOnTwoGpus) {
         EXPECT_EQ(results[1][size_t(round)][size_t(k)][t], want) << "round " << round << ", rank " << k << ", parameter " << t;
       }
     }
+}
+
+namespace {
+
+/// A dp2 rank's bucket of three bf16 gradients (two large, one packed as
+/// small) reduced into f32 means that a global norm and three AdamW updates
+/// read; `edit` changes it before deferredParts looks.
+std::vector<DeferredPart> deferredOfBucket(const std::function<void(RankProgram &, std::vector<int64_t> &)> &edit) {
+  loom::rt::test::ProgramBuilder p;
+  std::vector<int64_t> sizes = {600000, 300000, 1000}, means;
+  Instruction bucket{"all_reduce", {}, {}, {{"reduction", "mean"}, {"group", "dp"}, {"async", true}, {"event", 0}}};
+  Instruction norm{"global_norm", {}, {}, nlohmann::json::object()};
+  std::vector<Instruction> updates;
+  int64_t step = p.add({}, LOOM_F32, "step"), gradNorm = p.add({}, LOOM_F32, "norm");
+  for (int64_t n : sizes) {
+    int64_t g = p.add({n}, LOOM_BF16, "grad"), mean = p.add({n}, LOOM_F32, "mean");
+    int64_t w = p.add({n}, LOOM_F32, "w"), m1 = p.add({n}, LOOM_F32, "m"), m2 = p.add({n}, LOOM_F32, "v");
+    bucket.in.push_back(g), bucket.out.push_back(mean), norm.in.push_back(mean), means.push_back(mean);
+    updates.push_back(Instruction{"adamw", {w, mean, m1, m2, step, gradNorm}, {w, m1, m2}, {{"lr", 1e-3}}});
+  }
+  norm.out.push_back(gradNorm);
+  std::vector<Instruction> program = {bucket, Instruction{"event_wait", {}, {}, {{"event", 0}}}, norm};
+  program.insert(program.end(), updates.begin(), updates.end());
+  RankProgram r = p.finish(program);
+  r.groups["dp"] = {0, 1};
+  edit(r, means);
+  return deferredParts(r);
+}
+
+} // namespace
+
+// Which buckets' sums the update makes (deferredParts; no GPU needed): the
+// large bf16 gradients whose means only the global norm and AdamW's
+// gradient operand read, each at a 256-byte aligned place; none where
+// anything else reads, views or names a mean, where the bucket is not a
+// two-rank async sum or mean on an f32 wire, where the norm sums over a
+// group, or where an environment switch turns the path off.
+TEST(CudaCollectives, DeferredPartsWhereOnlyTheUpdateReads) {
+  using Edit = std::function<void(RankProgram &, std::vector<int64_t> &)>;
+  auto bucketAttr = [](const char *key, nlohmann::json value) -> Edit {
+    return [=](RankProgram &r, std::vector<int64_t> &) { r.programs["forward"][0].attrs[key] = value; };
+  };
+  std::vector<DeferredPart> both = deferredOfBucket([](RankProgram &, std::vector<int64_t> &) {});
+  ASSERT_EQ(both.size(), 2u);
+  EXPECT_EQ(both[0].n, 600000);
+  EXPECT_EQ(both[0].at, 0u);
+  EXPECT_EQ(both[0].op, 1);
+  EXPECT_EQ(both[1].n, 300000);
+  EXPECT_EQ(both[1].at, 1200128u);
+  EXPECT_EQ(deferredBytes(both), 1200128u + 600064u);
+  EXPECT_EQ(deferredOfBucket(bucketAttr("reduction", "sum"))[0].op, 0);
+
+  // The second mean read by a cast as well: only the first is deferred.
+  std::vector<DeferredPart> first = deferredOfBucket([](RankProgram &r, std::vector<int64_t> &means) {
+    Buffer copy = r.buffers[size_t(means[1])];
+    copy.id = int64_t(r.buffers.size());
+    copy.dtype = LOOM_BF16;
+    r.buffers.push_back(copy);
+    r.programs["forward"].push_back(Instruction{"cast", {means[1]}, {copy.id}, nlohmann::json::object()});
+  });
+  ASSERT_EQ(first.size(), 1u);
+  EXPECT_EQ(first[0].n, 600000);
+  // A view of the first mean, or the first mean an output: only the second.
+  for (const Edit &edit : std::vector<Edit>{
+           [](RankProgram &r, std::vector<int64_t> &means) {
+             Buffer view = r.buffers[size_t(means[0])];
+             view.id = int64_t(r.buffers.size());
+             view.viewOf = means[0];
+             r.buffers.push_back(view);
+           },
+           [](RankProgram &r, std::vector<int64_t> &means) { r.outputs.push_back({"mean", means[0], 0}); }}) {
+    std::vector<DeferredPart> second = deferredOfBucket(edit);
+    ASSERT_EQ(second.size(), 1u);
+    EXPECT_EQ(second[0].n, 300000);
+  }
+  for (const Edit &edit : std::vector<Edit>{
+           bucketAttr("reduction", "max"), bucketAttr("wire", "bf16"), bucketAttr("async", false),
+           bucketAttr("group", "tp"),
+           [](RankProgram &r, std::vector<int64_t> &) { r.groups["dp"] = {0, 1, 2}; },
+           [](RankProgram &r, std::vector<int64_t> &) { r.programs["forward"][2].attrs["group"] = "mp"; }})
+    EXPECT_TRUE(deferredOfBucket(edit).empty());
+  for (const char *name : {"LOOM_CUDA_PEER_DEFER", "LOOM_CUDA_PEER_WIDE", "LOOM_CUDA_PEER_COLLECTIVES"}) {
+    setenv(name, "0", 1);
+    EXPECT_TRUE(deferredOfBucket([](RankProgram &, std::vector<int64_t> &) {}).empty()) << name << "=0";
+    unsetenv(name);
+  }
 }

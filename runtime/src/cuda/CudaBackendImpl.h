@@ -102,30 +102,9 @@ int64_t peerMinBytes();
 /// message (LOOM_CUDA_BUCKET_PACK_BELOW; 0 with LOOM_CUDA_BUCKET_PACKED=0).
 int64_t bucketPackBelow();
 
-/// A two-rank bucket's large bf16 gradient whose f32 mean (or sum) is never
-/// written (LOOM_CUDA_PEER_DEFER): the bucket only moves bytes, with the
-/// copy engines. Each rank copies its own bf16 gradient into the first half
-/// of the f32 output's memory and pushes it into the peer's deferred region
-/// (at `at`); the update's global norm and AdamW, the output's only
-/// readers, combine the two in f32 as they read them (combinePair): the
-/// same bits as the peer all-reduce's outputs, without its sums beside the
-/// backward's products, the reduced halves' return and their copy into
-/// place.
-struct DeferredPart {
-  int64_t in = 0, out = 0, n = 0; // the bf16 gradient, its f32 output (buffer ids), elements
-  size_t at = 0;                  // bytes into PeerLink::deferred
-  int op = 0;                     // combinePair's: 0 sum, 1 mean
-};
-/// Whether buckets may defer their sums (LOOM_CUDA_PEER_DEFER=1).
+/// Whether buckets may defer their sums (DeferredPart in Backend.h; unless
+/// LOOM_CUDA_PEER_DEFER=0).
 bool peerDefer();
-/// Rank program `r`'s deferred parts, in program order with their places:
-/// the wide parts (bf16 gradients of at least peerMinBytes() and not packed)
-/// of its asynchronous two-rank "dp" all-reduces (sum or mean, f32 wire)
-/// whose outputs nothing reads but global norms and AdamW's gradient
-/// operand, and nothing else writes or views. Empty unless peerDefer().
-std::vector<DeferredPart> deferredParts(const RankProgram &r);
-/// The deferred region's size for `parts` (each 256-byte aligned).
-size_t deferredBytes(const std::vector<DeferredPart> &parts);
 /// A deferred bucket's transfers on `s`: `locals` (each rank's gradients
 /// into its outputs' memory), a barrier (the peer has reached the bucket:
 /// its update has read what the last step pushed), the pushes into the

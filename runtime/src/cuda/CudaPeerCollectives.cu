@@ -225,73 +225,6 @@ int64_t peerMinBytes() {
 
 bool peerDefer() { return peerCollectives() && !envIs("LOOM_CUDA_PEER_DEFER", "0") && !envIs("LOOM_CUDA_PEER_WIDE", "0"); }
 
-std::vector<DeferredPart> deferredParts(const RankProgram &r) {
-  std::vector<DeferredPart> parts;
-  if (!peerDefer() || envIs("LOOM_CUDA_COLLECTIVES", "skip"))
-    return parts;
-  auto dp = r.groups.find("dp");
-  if (dp == r.groups.end() || dp->second.size() != 2)
-    return parts;
-  // What every instruction does to each storage: the outputs' other users.
-  auto storage = [&](int64_t id) {
-    return id >= 0 && size_t(id) < r.buffers.size() ? storageOf(r, id) : int64_t(-1);
-  };
-  std::set<int64_t> viewed, named; // storages with views; inputs, outputs, parameters and state
-  for (const Buffer &b : r.buffers)
-    if (b.viewOf >= 0)
-      viewed.insert(storage(b.id));
-  for (const auto *list : {&r.inputs, &r.outputs, &r.state})
-    for (const NamedBuffer &nb : *list)
-      named.insert(storage(nb.buffer));
-  for (const Parameter &p : r.params)
-    named.insert(storage(p.buffer));
-  std::map<int64_t, bool> onlyUpdates; // storage -> whether every other use is a norm's or AdamW's gradient read
-  std::map<int64_t, int> writers;
-  for (const auto &[name, list] : r.programs)
-    for (const Instruction &ins : list) {
-      for (int64_t id : ins.out)
-        ++writers[storage(id)];
-      for (size_t k = 0; k < ins.in.size(); ++k) {
-        int64_t st = storage(ins.in[k]);
-        bool update = (ins.op == "global_norm" && !ins.attrs.contains("group") && !ins.attrs.contains("kernel")) ||
-                      (ins.op == "adamw" && k == 1 && ins.in.size() == 6);
-        auto [it, fresh] = onlyUpdates.emplace(st, update);
-        if (!fresh)
-          it->second = it->second && update;
-      }
-    }
-  size_t at = 0;
-  for (const auto &[name, list] : r.programs)
-    for (const Instruction &ins : list) {
-      if (ins.op != "all_reduce" || !ins.attrs.is_object())
-        continue;
-      std::string reduction = ins.attrs.value("reduction", std::string("sum"));
-      if (!ins.attrs.value("async", false) || !ins.attrs.contains("event") ||
-          !ins.attrs["event"].is_number_integer() || ins.attrs.value("group", std::string("dp")) != "dp" ||
-          ins.attrs.value("wire", std::string("f32")) == "bf16" || (reduction != "sum" && reduction != "mean") ||
-          ins.in.size() != ins.out.size())
-        continue;
-      for (size_t i = 0; i < ins.in.size(); ++i) {
-        int64_t in = ins.in[i], out = ins.out[i];
-        if (storage(in) < 0 || storage(out) != out)
-          continue;
-        const Buffer &bi = r.buffers[size_t(in)], &bo = r.buffers[size_t(out)];
-        auto n = numElements(bi.shape);
-        if (!n || numElements(bo.shape) != n || bi.dtype != LOOM_BF16 || bo.dtype != LOOM_F32 ||
-            *n * 2 < cuda::peerMinBytes() || *n * 4 < cuda::bucketPackBelow() || viewed.count(out) ||
-            named.count(out) || writers[out] != 1 || !onlyUpdates.count(out) || !onlyUpdates[out])
-          continue;
-        parts.push_back({in, out, *n, at, reduction == "mean" ? 1 : 0});
-        at += (size_t(*n) * 2 + 255) / 256 * 256;
-      }
-    }
-  return parts;
-}
-
-size_t deferredBytes(const std::vector<DeferredPart> &parts) {
-  return parts.empty() ? 0 : parts.back().at + (size_t(parts.back().n) * 2 + 255) / 256 * 256;
-}
-
 void peerDeferredPush(const PeerLink &link, const volatile int *abort, const std::vector<PeerCopy> &locals,
                       const std::vector<PeerCopy> &pushes, cudaStream_t s) {
   for (const PeerCopy &c : locals)
@@ -477,6 +410,73 @@ size_t peerScratchBytes() {
 
 } // namespace
 
+std::vector<DeferredPart> deferredParts(const RankProgram &r) {
+  std::vector<DeferredPart> parts;
+  if (!cuda::peerDefer() || cuda::envIs("LOOM_CUDA_COLLECTIVES", "skip"))
+    return parts;
+  auto dp = r.groups.find("dp");
+  if (dp == r.groups.end() || dp->second.size() != 2)
+    return parts;
+  // What every instruction does to each storage: the outputs' other users.
+  auto storage = [&](int64_t id) {
+    return id >= 0 && size_t(id) < r.buffers.size() ? storageOf(r, id) : int64_t(-1);
+  };
+  std::set<int64_t> viewed, named; // storages with views; inputs, outputs, parameters and state
+  for (const Buffer &b : r.buffers)
+    if (b.viewOf >= 0)
+      viewed.insert(storage(b.id));
+  for (const auto *list : {&r.inputs, &r.outputs, &r.state})
+    for (const NamedBuffer &nb : *list)
+      named.insert(storage(nb.buffer));
+  for (const Parameter &p : r.params)
+    named.insert(storage(p.buffer));
+  std::map<int64_t, bool> onlyUpdates; // storage -> whether every other use is a norm's or AdamW's gradient read
+  std::map<int64_t, int> writers;
+  for (const auto &[name, list] : r.programs)
+    for (const Instruction &ins : list) {
+      for (int64_t id : ins.out)
+        ++writers[storage(id)];
+      for (size_t k = 0; k < ins.in.size(); ++k) {
+        int64_t st = storage(ins.in[k]);
+        bool update = (ins.op == "global_norm" && !ins.attrs.contains("group") && !ins.attrs.contains("kernel")) ||
+                      (ins.op == "adamw" && k == 1 && ins.in.size() == 6);
+        auto [it, fresh] = onlyUpdates.emplace(st, update);
+        if (!fresh)
+          it->second = it->second && update;
+      }
+    }
+  size_t at = 0;
+  for (const auto &[name, list] : r.programs)
+    for (const Instruction &ins : list) {
+      if (ins.op != "all_reduce" || !ins.attrs.is_object())
+        continue;
+      std::string reduction = ins.attrs.value("reduction", std::string("sum"));
+      if (!ins.attrs.value("async", false) || !ins.attrs.contains("event") ||
+          !ins.attrs["event"].is_number_integer() || ins.attrs.value("group", std::string("dp")) != "dp" ||
+          ins.attrs.value("wire", std::string("f32")) == "bf16" || (reduction != "sum" && reduction != "mean") ||
+          ins.in.size() != ins.out.size())
+        continue;
+      for (size_t i = 0; i < ins.in.size(); ++i) {
+        int64_t in = ins.in[i], out = ins.out[i];
+        if (storage(in) < 0 || storage(out) != out)
+          continue;
+        const Buffer &bi = r.buffers[size_t(in)], &bo = r.buffers[size_t(out)];
+        auto n = numElements(bi.shape);
+        if (!n || numElements(bo.shape) != n || bi.dtype != LOOM_BF16 || bo.dtype != LOOM_F32 ||
+            *n * 2 < cuda::peerMinBytes() || *n * 4 < cuda::bucketPackBelow() || viewed.count(out) ||
+            named.count(out) || writers[out] != 1 || !onlyUpdates.count(out) || !onlyUpdates[out])
+          continue;
+        parts.push_back({in, out, *n, at, reduction == "mean" ? 1 : 0});
+        at += (size_t(*n) * 2 + 255) / 256 * 256;
+      }
+    }
+  return parts;
+}
+
+size_t deferredBytes(const std::vector<DeferredPart> &parts) {
+  return parts.empty() ? 0 : parts.back().at + (size_t(parts.back().n) * 2 + 255) / 256 * 256;
+}
+
 /// Whether rank `r` has a two-rank "dp" bucket that widens a large bf16
 /// gradient into its f32 mean (loomc --grad-reduce wide): over peer memory
 /// its bf16 halves cross; through NCCL it is widened first.
@@ -550,12 +550,11 @@ void makePeerLinks(NcclWorld &world, const Manifest &m, int self) {
           if (r.rank == member)
             programs.push_back(&r);
       if (programs.size() == 2) {
-        std::vector<cuda::DeferredPart> first = cuda::deferredParts(*programs[0]),
-                                        second = cuda::deferredParts(*programs[1]);
+        std::vector<DeferredPart> first = deferredParts(*programs[0]), second = deferredParts(*programs[1]);
         bool alike = first.size() == second.size();
         for (size_t k = 0; alike && k < first.size(); ++k)
           alike = first[k].n == second[k].n && first[k].at == second[k].at && first[k].op == second[k].op;
-        deferred = alike ? cuda::deferredBytes(first) : 0;
+        deferred = alike ? deferredBytes(first) : 0;
         // Only where both GPUs have room for it beside the arena and the
         // scratch, with 2 GiB to spare (workspaces, NCCL): otherwise the
         // all-reduce sums the buckets, as before.

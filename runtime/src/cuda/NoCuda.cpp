@@ -12,6 +12,8 @@ std::shared_ptr<NcclWorld> makeNcclWorld(const Manifest &, const std::vector<int
 }
 void abortNcclWorld(NcclWorld &, const std::string &) {}
 std::string describePeerLinks(const NcclWorld &) { return ""; }
+std::vector<DeferredPart> deferredParts(const RankProgram &) { return {}; }
+size_t deferredBytes(const std::vector<DeferredPart> &) { return 0; }
 
 std::unique_ptr<Backend> makeCudaBackend(const RankProgram &, int, NcclWorld *, const std::string &) {
   fail(LOOM_UNSUPPORTED, "this runtime was built without CUDA (no CUDA compiler was found when "
