@@ -116,6 +116,8 @@ struct PeerCopy {
 };
 void peerDeferredPush(const PeerLink &link, const volatile int *abort, const std::vector<PeerCopy> &locals,
                       const std::vector<PeerCopy> &pushes, cudaStream_t s);
+/// Each copy on `s` (device to device, those of 0 bytes left out).
+void copyAll(const std::vector<PeerCopy> &copies, cudaStream_t s);
 
 /// Whether environment variable `name` is set to exactly `value` (the
 /// backend's measurement switches: LOOM_CUDA_GRAPHS=0 and the like).
@@ -616,6 +618,12 @@ private:
   /// pair. Made once from the rank's programs where the "dp" link has a
   /// deferred region of their size.
   const DeferredPart *deferredOf(int64_t out);
+  /// What the update reads for deferred part `d`: this rank's bf16 gradient
+  /// (in the first half of its f32 output's memory), the peer's (in the
+  /// deferred region), and how to combine them.
+  std::tuple<DPtr, const __nv_bfloat16 *, int> deferredPair(const DeferredPart &d) {
+    return {DPtr{ptr(buf(d.out)), true}, reinterpret_cast<const __nv_bfloat16 *>(deferredLink->deferred + d.at), d.op};
+  }
   bool deferredKnown = false;
   std::map<int64_t, DeferredPart> deferred;
   const PeerLink *deferredLink = nullptr;

@@ -131,6 +131,15 @@ using bf16 = __nv_bfloat16;
 __device__ inline float combinePair(float a, float b, int op) {
   return op == 2 ? fmaxf(a, b) : op == 1 ? (a + b) * 0.5f : a + b;
 }
+/// Elements [4q, 4q + 4) of two bf16 tensors (8-byte aligned) combined.
+__device__ inline float4 combinePair4(const __nv_bfloat16 *mine, const __nv_bfloat16 *theirs, int64_t q, int op) {
+  uint2 a = __ldg(reinterpret_cast<const uint2 *>(mine) + q), b = __ldg(reinterpret_cast<const uint2 *>(theirs) + q);
+  const __nv_bfloat16 *x = reinterpret_cast<const __nv_bfloat16 *>(&a), *y = reinterpret_cast<const __nv_bfloat16 *>(&b);
+  return make_float4(combinePair(__bfloat162float(x[0]), __bfloat162float(y[0]), op),
+                     combinePair(__bfloat162float(x[1]), __bfloat162float(y[1]), op),
+                     combinePair(__bfloat162float(x[2]), __bfloat162float(y[2]), op),
+                     combinePair(__bfloat162float(x[3]), __bfloat162float(y[3]), op));
+}
 /// Eight values of p from element i (a multiple of 8): one 16-byte load for
 /// bf16, two for f32.
 __device__ inline void load8(DPtr p, int64_t i, float out[8]) {

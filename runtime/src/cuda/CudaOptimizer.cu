@@ -10,6 +10,7 @@
 #include "runtime/src/cuda/CudaBackendImpl.h"
 
 #include <cstdlib>
+#include <tuple>
 
 namespace loom::rt::cuda {
 
@@ -63,14 +64,6 @@ struct SquareChunk {
   const __nv_bfloat16 *theirs = nullptr;
   int op = 0;
 };
-__device__ inline void loadPair4(const SquareChunk &c, int64_t i, float v[8]) {
-  uint2 a = *reinterpret_cast<const uint2 *>(static_cast<const __nv_bfloat16 *>(c.g.p) + i),
-        b = *reinterpret_cast<const uint2 *>(c.theirs + i);
-  const __nv_bfloat16 *x = reinterpret_cast<const __nv_bfloat16 *>(&a), *y = reinterpret_cast<const __nv_bfloat16 *>(&b);
-#pragma unroll
-  for (int e = 0; e < 4; ++e)
-    v[e] = combinePair(__bfloat162float(x[e]), __bfloat162float(y[e]), c.op), v[e + 4] = 0;
-}
 __global__ void __launch_bounds__(256) sumSquaresChunksKernel(const SquareChunk *chunks, double *partial) {
   __shared__ float shared[32];
   SquareChunk c = chunks[blockIdx.x];
@@ -82,7 +75,8 @@ __global__ void __launch_bounds__(256) sumSquaresChunksKernel(const SquareChunk 
     for (int64_t i = begin + int64_t(threadIdx.x) * pack; i < endV; i += int64_t(blockDim.x) * pack) {
       float v[8];
       if (c.theirs) {
-        loadPair4(c, i, v);
+        float4 g = combinePair4(static_cast<const __nv_bfloat16 *>(c.g.p), c.theirs, i / 4, c.op);
+        v[0] = g.x, v[1] = g.y, v[2] = g.z, v[3] = g.w, v[4] = v[5] = v[6] = v[7] = 0;
       } else if (c.g.bf) {
         load8(c.g, i, v);
       } else {
@@ -200,13 +194,7 @@ __global__ void __launch_bounds__(256) adamwKernel(const AdamTensor *tensors, co
     for (int q = int(begin / 4) + threadIdx.x, e = int(end4 / 4); q < e; q += blockDim.x) {
       float4 gq;
       if (t.theirs) { // a deferred gradient: the pair's combination, as its f32 output would hold it
-        uint2 a = __ldg(reinterpret_cast<const uint2 *>(t.g.p) + q), b = __ldg(reinterpret_cast<const uint2 *>(t.theirs) + q);
-        const __nv_bfloat16 *x = reinterpret_cast<const __nv_bfloat16 *>(&a),
-                            *y = reinterpret_cast<const __nv_bfloat16 *>(&b);
-        gq = make_float4(combinePair(__bfloat162float(x[0]), __bfloat162float(y[0]), t.op),
-                         combinePair(__bfloat162float(x[1]), __bfloat162float(y[1]), t.op),
-                         combinePair(__bfloat162float(x[2]), __bfloat162float(y[2]), t.op),
-                         combinePair(__bfloat162float(x[3]), __bfloat162float(y[3]), t.op));
+        gq = combinePair4(static_cast<const __nv_bfloat16 *>(t.g.p), t.theirs, q, t.op);
       } else if (t.g.bf) {
         uint2 raw = __ldg(reinterpret_cast<const uint2 *>(t.g.p) + q);
         float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&raw.x));
@@ -349,11 +337,8 @@ CudaBackendImpl::UpdateTables CudaBackendImpl::updateTables(const std::vector<co
     tensors.push_back({f(ins->in[0]), fp(ins->in[1]), f(ins->in[2]), second ? f(ins->in[3]) : nullptr, cnt,
                        updateCopy(*ins, second ? 3 : 2)});
     tensors.back().wd = float(num(*ins, "weight_decay", 0));
-    if (const DeferredPart *d = second ? deferredOf(ins->in[1]) : nullptr) { // this rank's half and the peer's
-      tensors.back().g = DPtr{ptr(buf(ins->in[1])), true};
-      tensors.back().theirs = reinterpret_cast<const __nv_bfloat16 *>(deferredLink->deferred + d->at);
-      tensors.back().op = d->op;
-    }
+    if (const DeferredPart *d = second ? deferredOf(ins->in[1]) : nullptr)
+      std::tie(tensors.back().g, tensors.back().theirs, tensors.back().op) = deferredPair(*d);
     for (int64_t b = 0, step = chunkElements(); b < cnt; b += step)
       chunks.push_back({int64_t(tensors.size() - 1), b, std::min(cnt, b + step)});
   }
@@ -430,10 +415,8 @@ Launch CudaBackendImpl::buildSumOfSquares(const Instruction &ins, const std::set
       const DeferredPart *d = ins.op == "global_norm" ? deferredOf(ins.in[i]) : nullptr;
       for (int64_t b = 0; b < cnt; b += kAdamChunk) {
         chunks.push_back({fp(ins.in[i]), b, std::min(cnt, b + kAdamChunk)});
-        if (d) // this rank's half and the peer's (DeferredPart)
-          chunks.back().g = DPtr{ptr(buf(ins.in[i])), true},
-          chunks.back().theirs = reinterpret_cast<const __nv_bfloat16 *>(deferredLink->deferred + d->at),
-          chunks.back().op = d->op;
+        if (d)
+          std::tie(chunks.back().g, chunks.back().theirs, chunks.back().op) = deferredPair(*d);
       }
     }
   reserve(sizeof(double) * (chunks.size() + 1));

@@ -559,23 +559,23 @@ Launch CudaBackendImpl::buildPackedAllReduce(const Instruction &ins, ncclRedOp_t
     int64_t n = count(in.shape);
     PackedTensor t{reinterpret_cast<float *>(ptr(in)), f(ins.out[i]), n, n, 0};
     t.bf16Whole = in.dtype == LOOM_BF16;
-    // The update reads a deferred output as a pair: this bucket must push it.
-    const DeferredPart *d = deferredOf(ins.out[i]);
-    if (d && !(comm && t.bf16Whole && wideOverPeers && n * 2 >= peerMinBytes() && n * 4 >= below))
-      fail(LOOM_INTERNAL, where, ": output ", i, " is summed by the update, but this bucket would sum it itself "
-           "(the environment changed since the GPUs were linked?); LOOM_CUDA_PEER_DEFER=0 sums in the all-reduce");
+    // The update sums a deferred output (DeferredPart: deferredParts chose
+    // it by this bucket's rules); this bucket only pushes its gradient.
+    if (const DeferredPart *d = deferredOf(ins.out[i])) {
+      if (!comm || !wideOverPeers)
+        fail(LOOM_INTERNAL, where, ": output ", i, " is summed by the update, but this bucket would sum it itself "
+             "(the environment changed since the GPUs were linked?); LOOM_CUDA_PEER_DEFER=0 sums in the all-reduce");
+      size_t bytes = size_t(n) * 2;
+      locals.push_back({t.shard, ptr(in), bytes});
+      pushes.push_back({deferredLink->peer->deferred + d->at, ptr(in), bytes});
+      continue;
+    }
     if (n * int64_t(sizeof(float)) < below) {
       t.offset = span, span += n;
       small.push_back(t);
       continue;
     }
     if (t.bf16Whole && wideOverPeers && n * 2 >= peerMinBytes()) {
-      if (d) { // the update sums it (DeferredPart)
-        size_t bytes = size_t(n) * 2;
-        locals.push_back({t.shard, ptr(in), bytes});
-        pushes.push_back({deferredLink->peer->deferred + d->at, ptr(in), bytes});
-        continue;
-      }
       wide.push_back({ptr(in), n, true, reinterpret_cast<char *>(t.shard)});
       continue;
     }
@@ -735,7 +735,7 @@ Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t ind
   if (const PeerLink *link = segments ? exchangeLinkOf(ins, parts, size_t(span) * width, comm) : nullptr) {
     const volatile int *abort = world->peerAbort;
     std::vector<PeerPiece> pieces = partPieces(host, self, bf16, width);
-    std::vector<std::tuple<char *, const char *, size_t>> ownCopies, peerCopies; // to, from, bytes
+    std::vector<PeerCopy> ownCopies, peerCopies;
     for (const PackedTensor &x : host) {
       char *whole = reinterpret_cast<char *>(x.whole);
       int64_t own = partLength(x, self), theirs = partLength(x, 1 - self);
@@ -750,11 +750,9 @@ Launch CudaBackendImpl::buildPackedAllGather(const Instruction &ins, int64_t ind
     Launch run = [=](cudaStream_t s) {
       if (bf16)
         shardsIntoWholesKernel<__nv_bfloat16><<<ownGrid, kThreads, 0, s>>>(table, self);
-      for (auto [to, from, bytes] : ownCopies)
-        LOOM_CUDA_CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, s));
+      copyAll(ownCopies, s);
       peerExchange(*link, abort, pieces, s);
-      for (auto [to, from, bytes] : peerCopies)
-        LOOM_CUDA_CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, s));
+      copyAll(peerCopies, s);
       peerReleased(*link, s);
     };
     return async ? onCommStream(ins, run) : run;

@@ -225,14 +225,23 @@ int64_t peerMinBytes() {
 
 bool peerDefer() { return peerCollectives() && !envIs("LOOM_CUDA_PEER_DEFER", "0") && !envIs("LOOM_CUDA_PEER_WIDE", "0"); }
 
+/// Raises this rank's count in the peer's memory and waits for the peer's.
+static void barrier(const PeerLink &link, const volatile int *abort, cudaStream_t s) {
+  peerBarrierKernel<<<1, 1, 0, s>>>(link.counter, link.flag, link.peer->flag, abort);
+}
+
+void copyAll(const std::vector<PeerCopy> &copies, cudaStream_t s) {
+  for (const PeerCopy &c : copies)
+    if (c.bytes)
+      LOOM_CUDA_CHECK(cudaMemcpyAsync(c.to, c.from, c.bytes, cudaMemcpyDeviceToDevice, s));
+}
+
 void peerDeferredPush(const PeerLink &link, const volatile int *abort, const std::vector<PeerCopy> &locals,
                       const std::vector<PeerCopy> &pushes, cudaStream_t s) {
-  for (const PeerCopy &c : locals)
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(c.to, c.from, c.bytes, cudaMemcpyDeviceToDevice, s));
-  peerBarrierKernel<<<1, 1, 0, s>>>(link.counter, link.flag, link.peer->flag, abort);
-  for (const PeerCopy &c : pushes)
-    LOOM_CUDA_CHECK(cudaMemcpyAsync(c.to, c.from, c.bytes, cudaMemcpyDeviceToDevice, s));
-  peerBarrierKernel<<<1, 1, 0, s>>>(link.counter, link.flag, link.peer->flag, abort);
+  copyAll(locals, s);
+  barrier(link, abort, s);
+  copyAll(pushes, s);
+  barrier(link, abort, s);
 }
 
 static void waitReleased(const PeerLink &link, const volatile int *abort, cudaStream_t s) {
@@ -253,7 +262,7 @@ void peerExchange(const PeerLink &link, const volatile int *abort, const std::ve
   for (const PeerPiece &p : pieces)
     if (p.bytes)
       LOOM_CUDA_CHECK(cudaMemcpyAsync(link.peer->scratch + p.at, p.from, p.bytes, cudaMemcpyDeviceToDevice, s));
-  peerBarrierKernel<<<1, 1, 0, s>>>(link.counter, link.flag, link.peer->flag, abort);
+  barrier(link, abort, s);
 }
 
 void peerAllReduce(const PeerLink &link, const volatile int *abort, const std::vector<PeerPart> &parts, int op,
@@ -283,9 +292,6 @@ void peerAllReduce(const PeerLink &link, const volatile int *abort, const std::v
       used += need;
     }
   }
-  auto barrier = [&] {
-    peerBarrierKernel<<<1, 1, 0, s>>>(link.counter, link.flag, link.peer->flag, abort);
-  };
   auto copy = [&](char *to, const char *from, size_t bytes) {
     if (bytes)
       LOOM_CUDA_CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, s));
@@ -301,7 +307,7 @@ void peerAllReduce(const PeerLink &link, const volatile int *abort, const std::v
       auto [at, n] = other(p);
       copy(link.peer->scratch + p.at, p.in + size_t(at) * p.inWidth, size_t(n) * p.inWidth);
     }
-    barrier(); // 2
+    barrier(link, abort, s); // 2
     for (const Piece &p : wave) { // 3, 4
       auto [at, n] = mine(p);
       if (n == 0)
@@ -318,7 +324,7 @@ void peerAllReduce(const PeerLink &link, const volatile int *abort, const std::v
                           reinterpret_cast<const __nv_bfloat16 *>(theirs), n, op, s);
       copy(link.peer->scratch + half + p.at, out, size_t(n) * p.outWidth);
     }
-    barrier(); // 5
+    barrier(link, abort, s); // 5
     for (const Piece &p : wave) { // 6
       auto [at, n] = other(p);
       copy(p.out + size_t(at) * p.outWidth, link.scratch + half + p.at, size_t(n) * p.outWidth);
@@ -410,6 +416,9 @@ size_t peerScratchBytes() {
 
 } // namespace
 
+/// A deferred part's bytes in the region: its bf16 gradient, 256-byte aligned.
+static size_t deferredSpan(int64_t n) { return (size_t(n) * 2 + 255) / 256 * 256; }
+
 std::vector<DeferredPart> deferredParts(const RankProgram &r) {
   std::vector<DeferredPart> parts;
   if (!cuda::peerDefer() || cuda::envIs("LOOM_CUDA_COLLECTIVES", "skip"))
@@ -467,14 +476,14 @@ std::vector<DeferredPart> deferredParts(const RankProgram &r) {
             named.count(out) || writers[out] != 1 || !onlyUpdates.count(out) || !onlyUpdates[out])
           continue;
         parts.push_back({in, out, *n, at, reduction == "mean" ? 1 : 0});
-        at += (size_t(*n) * 2 + 255) / 256 * 256;
+        at += deferredSpan(*n);
       }
     }
   return parts;
 }
 
 size_t deferredBytes(const std::vector<DeferredPart> &parts) {
-  return parts.empty() ? 0 : parts.back().at + (size_t(parts.back().n) * 2 + 255) / 256 * 256;
+  return parts.empty() ? 0 : parts.back().at + deferredSpan(parts.back().n);
 }
 
 /// Whether rank `r` has a two-rank "dp" bucket that widens a large bf16
